@@ -1,0 +1,61 @@
+"""Profile training steps and beam-search steps with torch.profiler; prints the top ops.
+
+usage: python scripts/profile_step.py --config configs/de-en.yaml [--what train|beam|both]
+(needs a prepared run dir: `tfm prepare --config ...`)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from transformer_cli.config import load_config
+from transformer_cli.data import BOS_ID, EOS_ID, ParallelData, load_manifest
+from transformer_cli.decoding import beam_search
+from transformer_cli.train import build_model, label_smoothed_loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="configs/de-en.yaml")
+    parser.add_argument("--what", default="both", choices=["train", "beam", "both"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=25)
+    args = parser.parse_args()
+    config = load_config(args.config)
+    manifest = load_manifest(config.run_path)
+    data = ParallelData(config.run_path, "train")
+    model = build_model(config, manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"])
+    batches = [data.collate(b) for b in data.batches(config.train.max_tokens, seed=0)[: args.steps + 1]]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+
+    def train_step(batch) -> None:
+        logits = model(batch.src, batch.tgt_in)
+        loss, _ = label_smoothed_loss(logits, batch.tgt_out, config.train.label_smoothing)
+        (loss / batch.n_tgt_tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if args.what in ("train", "both"):
+        model.train()
+        train_step(batches[0])  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for batch in batches[1:]:
+                train_step(batch)
+        print(f"== training: {args.steps} steps")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if args.what in ("beam", "both"):
+        model.eval()
+        valid = ParallelData(config.run_path, "test")
+        src = valid.collate(list(range(32))).src
+        beam_search(model, src, BOS_ID, EOS_ID, beam=5, max_len_a=0, max_len_b=5, min_len=5)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            beam_search(model, src, BOS_ID, EOS_ID, beam=5, max_len_a=0, max_len_b=30, min_len=30)
+        print("== beam search: 32 sentences x 30 steps, beam 5")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()

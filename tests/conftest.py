@@ -1,0 +1,104 @@
+"""Shared fixtures: Multi30k slices fetched through scripts/get_data.sh, and a synthetic task.
+
+Corpus data is never read from a hard-coded path: the same script users run finds it
+(data/, then ../shared/data/, then the public download) and fails loudly if it cannot.
+"""
+
+from __future__ import annotations
+
+import gzip
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer_cli.config import config_from_dict
+from transformer_cli.data import prepare
+from transformer_cli.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads():
+    torch.set_num_threads(2)
+
+
+def get_corpus_slice(dest: Path, lines: int) -> Path:
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "get_data.sh"), "multi30k", "--dest", str(dest), "--lines", str(lines)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, f"scripts/get_data.sh failed (corpus unavailable?): {result.stderr}"
+    return dest
+
+
+@pytest.fixture(scope="session")
+def multi30k_2k(tmp_path_factory) -> Path:
+    """First 2,000 lines of every Multi30k file (train, val, test), gzipped like the originals."""
+    return get_corpus_slice(tmp_path_factory.mktemp("multi30k_2k"), 2000)
+
+
+def multi30k_config(data_dir: Path, run_dir: Path, **sections) -> dict:
+    raw = {
+        "run_dir": str(run_dir),
+        "data": {"src_lang": "de", "tgt_lang": "en", "train": str(data_dir / "train"),
+                 "valid": str(data_dir / "val"), "test": str(data_dir / "test_2016_flickr"), "max_len": 64},
+        "vocab": {"size": 1000},
+        "model": {"d_model": 64, "n_heads": 2, "enc_layers": 2, "dec_layers": 2, "d_ff": 128, "dropout": 0.1,
+                  "norm_position": "pre"},
+        "train": {"max_tokens": 1024, "lr_schedule": "inverse_sqrt", "lr": 0.003, "warmup": 50,
+                  "max_steps": 100, "eval_every": 50, "eval_bleu_sentences": 20, "log_every": 10},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values) if isinstance(values, dict) else raw.update({section: values})
+    return raw
+
+
+# --------------------------------------------------------------------------- synthetic reverse task
+
+WORDS = [f"w{c}" for c in "abcdefghijklmnop"]
+
+
+def write_reverse_task(folder: Path, n_train: int = 6000, n_test: int = 200, seed: int = 0) -> None:
+    """Source: 3–9 random words; target: the same words in reverse order."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("valid", n_test), ("test", n_test)):
+        src_lines, tgt_lines = [], []
+        for _ in range(n):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(3, 9))]
+            src_lines.append(" ".join(words))
+            tgt_lines.append(" ".join(reversed(words)))
+        for lang, lines in (("src", src_lines), ("tgt", tgt_lines)):
+            with gzip.open(folder / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+
+
+def reverse_task_config(data_dir: Path, run_dir: Path, **train_overrides) -> dict:
+    return {
+        "run_dir": str(run_dir),
+        "data": {"src_lang": "src", "tgt_lang": "tgt", "train": str(data_dir / "train"),
+                 "valid": str(data_dir / "valid"), "test": str(data_dir / "test")},
+        # Vocabulary: 16 words + the characters, so every word becomes one piece.
+        "vocab": {"size": 40},
+        "model": {"d_model": 64, "n_heads": 4, "enc_layers": 2, "dec_layers": 2, "d_ff": 256, "dropout": 0.0,
+                  "norm_position": "pre"},
+        "train": {"seed": 1, "max_tokens": 1500, "lr_schedule": "inverse_sqrt", "lr": 0.003, "warmup": 100,
+                  "max_steps": 700, "eval_every": 700, "eval_bleu_sentences": 100, "log_every": 100,
+                  "label_smoothing": 0.0, "clip_norm": 1.0, **train_overrides},
+        "decode": {"beam": 4, "batch_size": 32, "max_len_a": 1.0, "max_len_b": 5},
+    }
+
+
+@pytest.fixture(scope="session")
+def reverse_model(tmp_path_factory):
+    """A tiny model trained by the real `prepare` + `train` on the reverse task (~40 s on 2 cores)."""
+    root = tmp_path_factory.mktemp("reverse")
+    write_reverse_task(root / "data")
+    config = config_from_dict(reverse_task_config(root / "data", root / "run"))
+    prepare(config, progress=False)
+    summary = train(config, progress_bar=False)
+    return config, summary

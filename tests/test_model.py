@@ -1,0 +1,111 @@
+import math
+
+import pytest
+import torch
+
+from transformer_cli.model import (MultiHeadAttention, PositionalEncoding, Transformer, TransformerConfig,
+                                   causal_mask, decoder_self_attention_mask, padding_mask, sinusoidal_table)
+
+
+def tiny_config(**overrides) -> TransformerConfig:
+    base = dict(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=4, enc_layers=2, dec_layers=2,
+                d_ff=64, dropout=0.1, max_positions=64)
+    return TransformerConfig(**{**base, **overrides})
+
+
+def test_padding_mask_exact():
+    tokens = torch.tensor([[5, 6, 0, 0], [7, 0, 0, 0]])
+    expected = torch.tensor([[True, True, False, False], [True, False, False, False]])
+    mask = padding_mask(tokens, pad_id=0)
+    assert mask.shape == (2, 1, 1, 4)
+    assert torch.equal(mask[:, 0, 0], expected)
+
+
+def test_decoder_mask_is_causal_and_hides_padding():
+    tgt = torch.tensor([[2, 9, 9, 0]])
+    mask = decoder_self_attention_mask(tgt, pad_id=0)
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    assert mask.shape == (1, 1, 4, 4)
+    assert torch.equal(mask[0, 0], expected)
+    assert torch.equal(causal_mask(3)[0, 0], torch.tril(torch.ones(3, 3, dtype=torch.bool)))
+
+
+def test_attention_matches_naive_softmax_implementation():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(d_model=16, n_heads=4).eval()
+    q_in, kv_in = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    mask = padding_mask(torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), pad_id=0)
+    out, _ = mha(q_in, kv_in, mask)
+
+    # Naive: per head softmax(Q Kᵀ / sqrt(dk)) V with -inf on padded keys, concat, project.
+    q = mha.q_proj(q_in).view(2, 3, 4, 4).transpose(1, 2)
+    k, v = (t.view(2, 5, 4, 4).transpose(1, 2) for t in mha.kv_proj(kv_in).chunk(2, dim=-1))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(4)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    naive = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 3, 16)
+    assert torch.allclose(out, mha.out_proj(naive), atol=1e-6)
+
+    out_w, weights = mha(q_in, kv_in, mask, need_weights=True)
+    assert torch.allclose(out_w, out, atol=1e-6)
+    assert weights.shape == (2, 4, 3, 5)
+    assert torch.allclose(weights.sum(-1), torch.ones(2, 4, 3))
+    assert (weights[0, :, :, 3:] == 0).all()  # padded keys get no weight
+
+
+def test_sinusoidal_values_at_known_positions():
+    table = sinusoidal_table(100, 8)
+    assert torch.allclose(table[0], torch.tensor([0.0, 1.0] * 4))
+    pos, d = 7, 8
+    for i in range(4):
+        angle = pos / 10000 ** (2 * i / d)
+        assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+        assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+    pe = PositionalEncoding(8, 100, dropout=0.0)
+    x = torch.zeros(1, 3, 8)
+    assert torch.allclose(pe(x, offset=5)[0], table[5:8])
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
+def test_incremental_decoding_equals_full_forward(norm, positional):
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(norm_position=norm, positional=positional)).eval()
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
+    tgt_in = torch.tensor([[2, 11, 12, 13, 14, 15], [2, 16, 17, 18, 19, 20]])
+    with torch.no_grad():
+        full = model(src, tgt_in)  # (B, T, V)
+        memory, src_mask = model.encode(src)
+        state = model.init_state(memory, src_mask)
+        steps = torch.stack([model.decode_step(tgt_in[:, t], state) for t in range(tgt_in.size(1))], dim=1)
+    assert torch.allclose(steps, full, atol=1e-5), (steps - full).abs().max()
+
+
+def test_tied_and_shared_embeddings_and_parameter_count():
+    shared = Transformer(tiny_config())
+    assert shared.output_proj.weight is shared.tgt_embed.embedding.weight
+    assert shared.src_embed is shared.tgt_embed
+    separate = Transformer(tiny_config(share_embeddings=False, tie_output=False))
+    assert separate.num_parameters() == shared.num_parameters() + 2 * 50 * 32
+    with pytest.raises(ValueError, match="joint vocabulary"):
+        Transformer(tiny_config(tgt_vocab_size=60))
+
+
+def test_padding_does_not_change_the_output():
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    alone = model(torch.tensor([[5, 6, 3]]), torch.tensor([[2, 7, 8]]))
+    padded = model(torch.tensor([[5, 6, 3, 0, 0]]), torch.tensor([[2, 7, 8, 0]]))
+    assert torch.allclose(alone, padded[:, :3], atol=1e-5)
+
+
+def test_dropout_keeps_expected_fraction_and_scale():
+    from transformer_cli.model import Dropout
+
+    torch.manual_seed(0)
+    drop = Dropout(0.1).train()
+    x = torch.ones(1000, 1000)
+    y = drop(x)
+    kept = (y != 0).float().mean().item()
+    assert kept == pytest.approx(0.9, abs=0.003)
+    assert y.sum().item() / x.numel() == pytest.approx(1.0, abs=0.01)
+    assert torch.equal(drop.eval()(x), x)

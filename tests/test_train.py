@@ -1,0 +1,115 @@
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer_cli.checkpoint import load_checkpoint
+from transformer_cli.config import TrainConfig, config_from_dict
+from transformer_cli.data import prepare
+from transformer_cli.errors import TfmError
+from transformer_cli.train import label_smoothed_loss, learning_rate, train
+
+from .conftest import ROOT, multi30k_config
+
+
+def test_noam_schedule_values():
+    cfg = TrainConfig(lr_schedule="noam", warmup=4000, lr_factor=1.0)
+    d = 512
+    assert learning_rate(1, cfg, d) == pytest.approx(d**-0.5 * 4000**-1.5)
+    peak = learning_rate(4000, cfg, d)
+    assert peak == pytest.approx(d**-0.5 * 4000**-0.5)
+    assert learning_rate(16000, cfg, d) == pytest.approx(peak / 2)
+    assert learning_rate(2000, cfg, d) == pytest.approx(peak / 2)
+
+
+def test_inverse_sqrt_and_constant_schedules():
+    cfg = TrainConfig(lr_schedule="inverse_sqrt", warmup=100, lr=1e-3)
+    assert learning_rate(1, cfg, 256) == pytest.approx(1e-5)
+    assert learning_rate(100, cfg, 256) == pytest.approx(1e-3)
+    assert learning_rate(400, cfg, 256) == pytest.approx(5e-4)
+    const = TrainConfig(lr_schedule="constant", warmup=0, lr=3e-4)
+    assert learning_rate(1, const, 256) == learning_rate(10_000, const, 256) == 3e-4
+
+
+def test_label_smoothed_loss_by_hand():
+    probs = torch.tensor([[0.5, 0.25, 0.25], [0.2, 0.3, 0.5]])
+    logits = probs.log()[None]  # (1, 2, 3); the second position is padding
+    target = torch.tensor([[0, 1]])
+    eps = 0.1
+    loss, nll = label_smoothed_loss(logits, target, eps, pad_id=1)
+    ln2 = math.log(2)
+    expected = (1 - eps) * ln2 + eps * (ln2 + 2 * ln2 + 2 * ln2) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert nll.item() == pytest.approx(ln2, rel=1e-6)
+    # Same as torch's own label-smoothed cross-entropy.
+    ref = torch.nn.functional.cross_entropy(logits[0], target[0], ignore_index=1, label_smoothing=eps,
+                                            reduction="sum")
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_model_learns_the_reverse_task(reverse_model):
+    config, summary = reverse_model
+    assert summary.best_score >= 90, f"valid BLEU {summary.best_score}"
+    records = [json.loads(line) for line in (config.run_path / "metrics.jsonl").read_text().splitlines()]
+    train_losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert train_losses[-1] < 0.2 * train_losses[0]
+
+
+def test_resume_gives_identical_weights(multi30k_2k, tmp_path):
+    def run(run_dir: Path, steps: int, resume: bool = False) -> None:
+        raw = multi30k_config(multi30k_2k, run_dir, train={"max_steps": steps, "eval_every": 20,
+                                                          "eval_bleu_sentences": 5})
+        config = config_from_dict(raw)
+        prepare(config, progress=False)
+        train(config, resume=resume, progress_bar=False)
+
+    run(tmp_path / "straight", 40)
+    run(tmp_path / "split", 20)
+    with pytest.raises(TfmError, match="already holds a training run"):
+        run(tmp_path / "split", 40)
+    run(tmp_path / "split", 40, resume=True)
+    a = load_checkpoint(tmp_path / "straight/checkpoints/checkpoint_last.pt")
+    b = load_checkpoint(tmp_path / "split/checkpoints/checkpoint_last.pt")
+    assert a["progress"]["step"] == b["progress"]["step"] == 40
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+
+
+def test_same_seed_same_loss_curve(multi30k_2k, tmp_path):
+    curves = []
+    for name in ("a", "b"):
+        raw = multi30k_config(multi30k_2k, tmp_path / name, train={"max_steps": 20, "eval_every": 20,
+                                                                   "log_every": 5, "eval_bleu_sentences": 5})
+        config = config_from_dict(raw)
+        prepare(config, progress=False)
+        train(config, progress_bar=False)
+        lines = (config.run_path / "metrics.jsonl").read_text().splitlines()
+        curves.append([json.loads(x)["loss"] for x in lines])
+    assert curves[0] == curves[1]
+
+
+def test_end_to_end_cli_tiny_config_valid_loss_falls(multi30k_2k, tmp_path):
+    sets = [f"--set=run_dir={tmp_path / 'run'}", f"--set=data.train={multi30k_2k / 'train'}",
+            f"--set=data.valid={multi30k_2k / 'val'}", f"--set=data.test={multi30k_2k / 'test_2016_flickr'}",
+            "--set=train.max_steps=300", "--set=train.eval_every=100", "--set=train.eval_bleu_sentences=20"]
+    tfm = [sys.executable, "-m", "transformer_cli.cli"]
+    config = str(ROOT / "configs" / "tiny.yaml")
+    prep = subprocess.run([*tfm, "prepare", "--config", config, *sets], capture_output=True, text=True)
+    assert prep.returncode == 0, prep.stderr
+    assert "unk%" in prep.stdout
+    again = subprocess.run([*tfm, "prepare", "--config", config, *sets], capture_output=True, text=True)
+    assert "reused" in again.stdout
+    run = subprocess.run([*tfm, "train", "--config", config, *sets], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "done (max_steps=300)" in run.stderr
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    valid = [r["loss"] for r in records if r["kind"] == "valid"]
+    assert len(valid) == 3 and valid[-1] < valid[0] - 0.5
+    assert (tmp_path / "run" / "checkpoints" / "checkpoint_best.pt").is_file()
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert all(r["tokens_per_s"] > 0 and 0 <= r["padding"] < 0.5 for r in train_records)

@@ -1,0 +1,248 @@
+"""`tfm` command line: parsing and printing only; the work happens in the stage modules."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from . import __version__
+from .errors import TfmError
+
+app = typer.Typer(
+    help="tfm: train and run Transformer translation models.\n\n"
+    "Every command reads a YAML config (--config) and accepts dotted overrides "
+    "(--set train.max_steps=200). Paths in configs are relative to the working directory.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML experiment config.")
+SetOpt = typer.Option(None, "--set", help="Override a config key, e.g. --set train.max_steps=200 (repeatable).")
+
+
+def user_errors(fn):
+    """Turn user errors into one line on stderr + exit 2; Ctrl-C into exit 130; no tracebacks."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TfmError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+        except BrokenPipeError:
+            # Downstream closed the pipe (`tfm translate | head`): stop quietly.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            raise typer.Exit(0) from None
+
+    return wrapper
+
+
+def _load(config: Optional[Path], overrides: Optional[list[str]]):
+    from .config import load_config
+
+    if config is None:
+        raise TfmError("--config is required (e.g. --config configs/de-en.yaml)")
+    return load_config(config, overrides or [])
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tfm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """tfm: train and run Transformer translation models."""
+
+
+@app.command()
+@user_errors
+def prepare(
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[list[str]] = SetOpt,
+    force: bool = typer.Option(False, "--force", help="Rebuild even if the run directory is up to date."),
+) -> None:
+    """Train the sentencepiece vocabulary and binarise train/valid/test into the run directory."""
+    from .config import config_to_yaml
+    from .data import prepare as run_prepare
+    from .io_utils import atomic_write_text
+
+    cfg = _load(config, set_)
+    result = run_prepare(cfg, force=force, progress=sys.stderr.isatty())
+    atomic_write_text(cfg.run_path / "config.yaml", config_to_yaml(cfg))
+    m = result.manifest
+    if result.reused:
+        typer.echo(f"{result.run_dir}: up to date, reused existing vocab and data (--force to rebuild)")
+    else:
+        dropped = m["train_pairs_dropped"]
+        typer.echo(f"prepared {result.run_dir} in {m['seconds']:.1f}s; vocab {m['vocab_size']['src']} "
+                   f"({'joint' if cfg.vocab.joint else 'separate'}); dropped {sum(dropped.values())} of "
+                   f"{m['train_pairs_read']} training pairs "
+                   f"({', '.join(f'{k}: {v}' for k, v in dropped.items())})")
+    typer.echo(result.summary)
+
+
+@app.command()
+@user_errors
+def train(
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[list[str]] = SetOpt,
+    resume: bool = typer.Option(False, "--resume", help="Continue from the run's checkpoint_last.pt."),
+) -> None:
+    """Train the model (warm-up LR, teacher forcing, label smoothing; GPU when present)."""
+    from .train import train as run_train
+
+    cfg = _load(config, set_)
+    run_train(cfg, resume=resume, progress_bar=sys.stderr.isatty())
+
+
+@app.command()
+@user_errors
+def translate(
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[list[str]] = SetOpt,
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Model file (default: the run's best)."),
+    input_: Optional[Path] = typer.Option(None, "--input", "-i", help="Source text (default: stdin)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Translations (default: stdout)."),
+    beam: Optional[int] = typer.Option(None, "--beam", help="Beam size (1 = greedy; default decode.beam)."),
+    nbest: int = typer.Option(1, "--nbest", help="Print the K best: 'line<TAB>rank<TAB>score<TAB>text'."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentences per batch."),
+    batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Source tokens per batch."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+) -> None:
+    """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
+    from .translate import Translator, default_checkpoint, read_decoded_lines, translate_stream
+
+    cfg = _load(config, set_) if config is not None else None
+    if checkpoint is None:
+        if cfg is None:
+            raise TfmError("give --checkpoint, or --config to use the run's best checkpoint")
+        checkpoint = default_checkpoint(cfg)
+    translator = Translator.from_checkpoint(checkpoint, decode=cfg.decode if cfg else None, device=device)
+    updates = {k: v for k, v in (("batch_size", batch_size), ("batch_tokens", batch_tokens)) if v is not None}
+    translator.decode = translator.decode.model_copy(update=updates)
+    if nbest < 1 or (beam is not None and beam < 1):
+        raise TfmError("--beam and --nbest must be at least 1")
+    if nbest > max(beam or translator.decode.beam, 1):
+        raise TfmError(f"--nbest {nbest} needs a beam at least as large (--beam {nbest})")
+    if input_ is not None and not input_.is_file():
+        raise TfmError(f"input file not found: {input_}")
+    source = open(input_, "rb") if input_ is not None else sys.stdin.buffer
+    from .io_utils import atomic_path
+
+    def run(out_stream):
+        return translate_stream(translator, read_decoded_lines(source, sys.stderr), out_stream, beam=beam,
+                                nbest=nbest, progress=sys.stderr.isatty())
+
+    if output is not None:
+        with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            stats = run(f)
+    else:
+        stats = run(sys.stdout)
+    rate = stats.sentences / stats.seconds if stats.seconds else 0.0
+    typer.echo(f"translated {stats.sentences} sentences in {stats.seconds:.1f}s: {rate:.1f} sentences/s, "
+               f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s", err=True)
+
+
+@app.command()
+@user_errors
+def evaluate(
+    hyp: Optional[list[Path]] = typer.Option(None, "--hyp", help="Hypothesis file; twice for a paired comparison."),
+    ref: Optional[Path] = typer.Option(None, "--ref", help="Reference file."),
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[list[str]] = SetOpt,
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="With --config: model (default: best)."),
+    split: str = typer.Option("test", "--split", help="With --config: valid or test."),
+    beam: Optional[int] = typer.Option(None, "--beam", help="With --config: beam size (default decode.beam)."),
+    metrics: str = typer.Option("bleu,chrf", "--metrics", help="Comma-separated: bleu, chrf, ter."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    min_bleu: Optional[float] = typer.Option(None, "--min-bleu", help="Exit 1 when BLEU is below this (CI gate)."),
+    confidence: bool = typer.Option(False, "--confidence", help="Bootstrap 95% confidence intervals."),
+) -> None:
+    """Score translations with sacreBLEU: files (--hyp/--ref) or a model on a split (--config)."""
+    from .evaluate import evaluate_files, evaluate_model, paired_comparison, parse_metrics
+
+    names = parse_metrics(metrics)
+    if min_bleu is not None and "bleu" not in names:
+        names.insert(0, "bleu")
+    if hyp:
+        if ref is None:
+            raise TfmError("--hyp needs --ref")
+        if len(hyp) > 1:
+            from .evaluate import check_aligned
+            from .io_utils import read_lines
+
+            refs = read_lines(ref)
+            systems = {}
+            for path in hyp:
+                systems[str(path)] = read_lines(path)
+                check_aligned(systems[str(path)], refs, str(path), str(ref))
+            typer.echo(paired_comparison(systems, refs, names))
+            return
+        result = evaluate_files(hyp[0], ref, names, confidence)
+    elif config is not None:
+        from .translate import default_checkpoint
+
+        if split not in ("valid", "test"):
+            raise TfmError(f"--split {split!r}: choose valid or test")
+        cfg = _load(config, set_)
+        result = evaluate_model(cfg, checkpoint or default_checkpoint(cfg), split, names, beam, confidence)
+    else:
+        raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")
+
+    if as_json:
+        typer.echo(json.dumps(result.to_json()))
+    else:
+        for s in result.scores.values():
+            ci = f" (95% CI ± {s.ci:.2f})" if s.ci is not None else ""
+            typer.echo(f"{s.text}{ci}\n  {s.signature}")
+        if result.extra:
+            typer.echo(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
+                       f"{result.extra['sentences_per_s']} sentences/s; hypotheses: {result.extra['hyp_file']}")
+    if min_bleu is not None:
+        bleu = result.scores["bleu"].score
+        if bleu < min_bleu:
+            typer.echo(f"FAIL: BLEU {bleu:.2f} is below --min-bleu {min_bleu}", err=True)
+            raise typer.Exit(1)
+        typer.echo(f"PASS: BLEU {bleu:.2f} >= {min_bleu}", err=True)
+
+
+@app.command()
+@user_errors
+def average(
+    checkpoints: list[Path] = typer.Argument(..., help="Checkpoints to average (same model)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Averaged checkpoint to write."),
+) -> None:
+    """Average the weights of several checkpoints (paper §6.1) into one."""
+    from .checkpoint import average_state_dicts, load_checkpoint, save_checkpoint
+
+    payload = load_checkpoint(checkpoints[-1])
+    payload.pop("optimizer", None)
+    payload.pop("format", None)
+    payload["model"] = average_state_dicts(list(checkpoints))
+    payload["averaged"] = [str(p) for p in checkpoints]
+    save_checkpoint(output, payload)
+    typer.echo(f"averaged {len(checkpoints)} checkpoints → {output}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Typed experiment configuration: YAML file + `--set a.b=c` overrides → `ExperimentConfig`.
+
+Relative paths in a config are resolved against the *current working directory*
+(as fairseq, JoeyNMT and Marian do), so `tfm train --config configs/de-en.yaml`
+run from the project root finds `data/multi30k/...` and writes `runs/...`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from .errors import TfmError
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors (typos must not be silently ignored); assignments are validated.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    # File prefixes: `<prefix>.<lang>` or `<prefix>.<lang>.gz`.
+    train: str = "data/multi30k/train"
+    valid: str = "data/multi30k/val"
+    test: str = "data/multi30k/test_2016_flickr"
+    max_len: int = 128  # training pairs longer than this (in tokens, either side) are dropped
+    max_len_ratio: float = 3.0  # ... and pairs whose length ratio exceeds this
+    train_limit: int | None = None  # use only the first N training pairs (smoke runs)
+
+
+class VocabConfig(_Section):
+    joint: bool = True
+    size: int = 8000
+    model_type: Literal["bpe", "unigram"] = "bpe"
+    character_coverage: float = 1.0
+    # Sentences sampled for training sentencepiece (0 = all).
+    input_sentence_size: int = 0
+
+
+class ModelConfig(_Section):
+    d_model: int = 512
+    n_heads: int = 8
+    enc_layers: int = 6
+    dec_layers: int = 6
+    d_ff: int = 2048
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation: Literal["relu", "gelu"] = "relu"
+    norm_position: Literal["post", "pre"] = "post"
+    positional: Literal["sinusoidal", "learned"] = "sinusoidal"
+    max_positions: int = 1024
+    share_embeddings: bool = True  # source/target embeddings shared (needs a joint vocab)
+    tie_output: bool = True  # output projection tied to the target embedding
+
+
+class TrainConfig(_Section):
+    seed: int = 1
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
+    compile: bool = False
+    threads: int | None = None  # torch intra-op threads on CPU (None = torch default)
+    max_tokens: int = 4096  # tokens per batch, padding included
+    accum_steps: int = 1
+    max_steps: int = 100_000
+    max_epochs: int | None = None
+    max_time: float | str | None = None  # seconds, or "90s" / "30m" / "2h"
+    lr_schedule: Literal["noam", "inverse_sqrt", "constant"] = "noam"
+    lr_factor: float = 1.0  # noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    lr: float = 5e-4  # peak lr for inverse_sqrt / constant
+    warmup: int = 4000
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0  # 0 disables gradient-norm clipping
+    log_every: int = 50
+    eval_every: int = 1000
+    eval_bleu_sentences: int = 200  # valid sentences greedy-decoded for BLEU at each evaluation
+    best_metric: Literal["bleu", "loss"] = "bleu"
+    patience: int | None = None  # evaluations without improvement before stopping
+    keep_last: int = 3
+    average_last: int = 0  # at the end, also write checkpoint_avg.pt averaging the last N evaluations
+
+    @field_validator("max_time")
+    @classmethod
+    def _check_time(cls, value: float | str | None) -> float | str | None:
+        if value is not None:
+            parse_duration(value)
+        return value
+
+
+class DecodeConfig(_Section):
+    beam: int = 5
+    length_penalty: float = 0.6  # GNMT alpha: score / ((5 + len) / 6) ** alpha
+    max_len_a: float = 1.5  # max output tokens = a * src_len + b
+    max_len_b: int = 10
+    batch_size: int = 64  # sentences per batch
+    batch_tokens: int | None = None  # if set, also cap source tokens per batch
+    nbest: int = 1
+
+
+class ExperimentConfig(_Section):
+    run_dir: str = "runs/experiment"
+    data: DataConfig = DataConfig()
+    vocab: VocabConfig = VocabConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    decode: DecodeConfig = DecodeConfig()
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: float | int | str) -> float:
+    """'90' / 90 / '90s' → 90.0, '30m' → 1800.0, '2h' → 7200.0."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    match = _DURATION.match(value)
+    if not match:
+        raise ValueError(f"not a duration: {value!r} (use seconds or e.g. '30m', '2h')")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _section_fields(path: tuple[str | int, ...]) -> list[str]:
+    """Valid key names at a dotted location (for 'did you mean')."""
+    model: type[BaseModel] = ExperimentConfig
+    for part in path:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            break
+    return list(model.model_fields)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    messages = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"])
+        key = ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            candidates = _section_fields(loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), candidates, n=1, cutoff=0.5)
+            hint = f" (did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?)" if close else ""
+            messages.append(f"unknown key '{key}'{hint}")
+        else:
+            got = e.get("input")
+            messages.append(f"key '{key}': {e['msg']} (got {got!r})")
+    return f"{source}: " + "; ".join(messages)
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML (so 200 is an int)."""
+    if "=" not in assignment:
+        raise TfmError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set train.max_steps=200")
+    key, _, text = assignment.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise TfmError(f"--set {assignment!r}: empty key")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise TfmError(f"--set {assignment!r}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read a YAML config (or defaults when `path` is None) and apply dotted overrides."""
+    raw: dict[str, Any] = {}
+    source = "config"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise TfmError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise TfmError(f"{path}:{where} invalid YAML: {getattr(exc, 'problem', exc)}") from None
+        except UnicodeDecodeError as exc:
+            raise TfmError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise TfmError(f"{path}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded
+    for assignment in overrides:
+        apply_override(raw, assignment)
+        source = f"{source} (with --set)" if "--set" not in source else source
+    return config_from_dict(raw, source)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as err:
+        raise TfmError(_format_validation_error(err, source)) from None
+
+
+def config_to_yaml(config: ExperimentConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

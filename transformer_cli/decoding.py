@@ -1,0 +1,145 @@
+"""Search: greedy and beam decoding over the model's incremental API (encode once, cached steps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model import Transformer
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # without <bos>/<eos>
+    score: float  # length-normalised log-probability (greedy: plain sum of log-probs)
+
+
+def max_output_lengths(src: torch.Tensor, pad_id: int, a: float, b: int) -> torch.Tensor:
+    """Per sentence: a · src_len + b target tokens (src_len counts the source's <eos>)."""
+    src_len = (src != pad_id).sum(dim=1)
+    return (a * src_len.float()).long() + b
+
+
+def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | float:
+    """GNMT (Wu et al., 2016): ((5 + len) / 6) ** alpha."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+@torch.inference_mode()
+def greedy_search(
+    model: Transformer, src: torch.Tensor, bos: int, eos: int,
+    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
+) -> list[Hypothesis]:
+    """Arg-max decoding of a (B, S) source batch; finished rows are dropped from the batch."""
+    pad = model.cfg.pad_id
+    memory, src_mask = model.encode(src)
+    state = model.init_state(memory, src_mask)
+    limits = max_output_lengths(src, pad, max_len_a, max_len_b).clamp(min=min_len)
+    batch = src.size(0)
+    alive = torch.arange(batch, device=src.device)  # original row of each active row
+    tokens = torch.full((batch,), bos, dtype=torch.long, device=src.device)
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    scores = [0.0] * batch
+    for step in range(int(limits.max())):
+        logprobs = model.decode_step(tokens, state).float().log_softmax(dim=-1)  # (A, V)
+        if step < min_len:
+            logprobs[:, eos] = float("-inf")
+        best, tokens = logprobs.max(dim=-1)
+        finished = (tokens == eos) | (step + 1 >= limits[alive])
+        for row, (orig, tok, lp) in enumerate(zip(alive.tolist(), tokens.tolist(), best.tolist())):
+            scores[orig] += lp
+            if tok != eos:
+                outputs[orig].append(tok)
+        if bool(finished.any()):
+            keep = (~finished).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            alive, tokens, state = alive[keep], tokens[keep], state.reorder(keep)
+    return [Hypothesis(out, score) for out, score in zip(outputs, scores)]
+
+
+@torch.inference_mode()
+def beam_search(
+    model: Transformer, src: torch.Tensor, bos: int, eos: int, beam: int = 5,
+    alpha: float = 0.6, max_len_a: float = 1.5, max_len_b: int = 10, nbest: int = 1, min_len: int = 0,
+) -> list[list[Hypothesis]]:
+    """Beam search with GNMT length penalty; returns the `nbest` best hypotheses per sentence.
+
+    Each step scores all K·V continuations of the K live beams and keeps the 2K best: those ending
+    in <eos> among the top K are finished (score / lp(len)); the K best others stay alive, so the
+    beam never fills with finished hypotheses. A sentence is done once it has K finished
+    hypotheses or reaches its length limit; done sentences leave the batch, so no compute is
+    spent on them.
+    """
+    pad = model.cfg.pad_id
+    device = src.device
+    n_sent = src.size(0)
+    k = beam
+    memory, src_mask = model.encode(src)
+    # Every sentence's encoder output/K/V repeated for its K beams: row = sent * K + beam.
+    expand = torch.arange(n_sent, device=device).repeat_interleave(k)
+    state = model.init_state(memory, src_mask).reorder(expand)
+    limits = max_output_lengths(src, pad, max_len_a, max_len_b).clamp(min=min_len).tolist()
+    finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
+
+    alive = torch.arange(n_sent, device=device)  # original sentence index of each active sentence
+    alive_list = alive.tolist()
+    beam_scores = torch.zeros(n_sent, k, device=device)  # cumulative log-probs (N, K)
+    beam_scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+    history = torch.full((n_sent * k, 0), bos, dtype=torch.long, device=device)
+    tokens = torch.full((n_sent * k,), bos, dtype=torch.long, device=device)
+
+    for step in range(max(limits)):
+        n = len(alive_list)
+        logprobs = model.decode_step(tokens, state).float().log_softmax(dim=-1)  # (N*K, V)
+        vocab = logprobs.size(-1)
+        if step < min_len:
+            logprobs[:, eos] = float("-inf")
+        candidates = (beam_scores.view(-1, 1) + logprobs).view(n, k * vocab)
+        top_scores, top_ids = candidates.topk(2 * k, dim=1)  # (N, 2K)
+        top_beams, top_tokens = top_ids // vocab, top_ids % vocab
+        is_eos = top_tokens == eos
+        at_limit = [step + 1 >= limits[s] for s in alive_list]
+
+        # 1) Finish hypotheses that chose <eos> within the top K (rare: handled in Python).
+        eos_rows, eos_cols = (is_eos[:, :k] & torch.isfinite(top_scores[:, :k])).nonzero(as_tuple=True)
+        if eos_rows.numel():
+            lp = length_penalty(step + 1, alpha)
+            for r, c in zip(eos_rows.tolist(), eos_cols.tolist()):
+                sent = alive_list[r]
+                if len(finished[sent]) < k:
+                    row = r * k + int(top_beams[r, c])
+                    finished[sent].append(Hypothesis(history[row].tolist(), float(top_scores[r, c]) / lp))
+
+        # 2) The K best non-<eos> candidates stay alive (stable sort keeps score order).
+        rank = torch.arange(2 * k, device=device).expand(n, 2 * k) + is_eos.long() * (2 * k)
+        pick = rank.argsort(dim=1, stable=True)[:, :k]  # (N, K) positions within the 2K
+        beam_scores = top_scores.gather(1, pick)
+        next_tokens = top_tokens.gather(1, pick)
+        source_rows = (top_beams.gather(1, pick) + torch.arange(n, device=device)[:, None] * k).view(-1)
+        history = torch.cat([history.index_select(0, source_rows), next_tokens.view(-1, 1)], dim=1)
+        tokens = next_tokens.view(-1)
+
+        # 3) Sentences at their length limit finish their live beams; sentences with K finished are done.
+        done = []
+        for r, sent in enumerate(alive_list):
+            if at_limit[r] and len(finished[sent]) < k:
+                lp = length_penalty(step + 1, alpha)
+                for b in range(k):
+                    score = float(beam_scores[r, b])
+                    if score != float("-inf"):
+                        finished[sent].append(Hypothesis(history[r * k + b].tolist(), score / lp))
+            done.append(len(finished[sent]) >= k or at_limit[r])
+        if all(done):
+            break
+        if any(done):
+            keep_sent = torch.tensor([r for r, d in enumerate(done) if not d], device=device)
+            keep_rows = (keep_sent[:, None] * k + torch.arange(k, device=device)).view(-1)
+            alive_list = [alive_list[r] for r in keep_sent.tolist()]
+            beam_scores = beam_scores.index_select(0, keep_sent)
+            history, tokens = history.index_select(0, keep_rows), tokens.index_select(0, keep_rows)
+            state = state.reorder(source_rows.index_select(0, keep_rows))
+        else:
+            state = state.reorder(source_rows, cross=False)  # beams move only within their sentence
+    return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]

@@ -1,0 +1,108 @@
+"""Stage 5, scoring: sacreBLEU (BLEU, chrF, TER) with signatures, CI gate, paired comparison."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sacrebleu.metrics import BLEU, CHRF, TER
+from sacrebleu.significance import PairedTest
+
+from .errors import TfmError
+from .io_utils import atomic_write_text, read_lines
+
+METRICS = {"bleu": BLEU, "chrf": CHRF, "ter": TER}
+
+
+@dataclass
+class MetricScore:
+    name: str
+    score: float
+    signature: str
+    text: str  # sacrebleu's own formatting, e.g. "BLEU = 35.12 66.3/41.2/..."
+    ci: float | None = None  # ± half-width of the 95% bootstrap confidence interval
+
+
+@dataclass
+class EvalResult:
+    scores: dict[str, MetricScore]
+    n_sentences: int
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"n_sentences": self.n_sentences, **self.extra,
+                "scores": {k: asdict(v) for k, v in self.scores.items()}}
+
+
+def parse_metrics(spec: str) -> list[str]:
+    names = [m.strip().lower() for m in spec.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METRICS]
+    if unknown or not names:
+        raise TfmError(f"--metrics {spec!r}: unknown metric {unknown[0] if unknown else ''!r} "
+                       f"(choose from {', '.join(METRICS)})")
+    return names
+
+
+def check_aligned(hyps: list[str], refs: list[str], hyp_name: str, ref_name: str) -> None:
+    if len(hyps) != len(refs):
+        raise TfmError(f"line counts differ: {hyp_name} has {len(hyps)} lines, {ref_name} has {len(refs)}")
+
+
+def score(hyps: list[str], refs: list[str], metrics: list[str] = ("bleu",), confidence: bool = False) -> EvalResult:
+    """Corpus scores of `hyps` against one reference set, exactly as sacrebleu computes them."""
+    results = {}
+    for name in metrics:
+        metric = METRICS[name]()
+        result = metric.corpus_score(hyps, [refs], n_bootstrap=1000 if confidence else 1)
+        ci = getattr(result, "_ci", None) if confidence else None
+        results[name] = MetricScore(name, float(result.score), str(metric.get_signature()),
+                                    result.format(), None if ci is None else float(ci))
+    return EvalResult(results, len(hyps))
+
+
+def paired_comparison(systems: dict[str, list[str]], refs: list[str], metrics: list[str]) -> str:
+    """Paired approximate-randomisation test of each system against the first (sacrebleu's)."""
+    test = PairedTest(list(systems.items()), {m: METRICS[m]() for m in metrics}, [refs],
+                      test_type="ar", n_samples=1000)
+    signatures, results = test()
+    lines = []
+    for metric, per_system in results.items():
+        for system_name, res in zip(systems, per_system):
+            p = "" if res.p_value is None else f"  p = {res.p_value:.4f}"
+            lines.append(f"{metric:5s} {system_name}: {res.score:.2f}{p}")
+    lines.append("baseline: " + next(iter(systems)) + "; p < 0.05 means the difference is significant")
+    return "\n".join(lines)
+
+
+def evaluate_files(hyp_path: Path, ref_path: Path, metrics: list[str], confidence: bool = False) -> EvalResult:
+    hyps, refs = read_lines(hyp_path), read_lines(ref_path)
+    check_aligned(hyps, refs, str(hyp_path), str(ref_path))
+    return score(hyps, refs, metrics, confidence)
+
+
+def evaluate_model(config, checkpoint: Path, split: str, metrics: list[str], beam: int | None,
+                   confidence: bool = False) -> EvalResult:
+    """Translate the configured split's raw source with the model and score it against the raw reference."""
+    from .data import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
+    from .translate import Translator
+
+    src_path, ref_path = split_files(config, split)
+    src, refs = read_lines(src_path), read_lines(ref_path)
+    check_aligned(src, refs, str(src_path), str(ref_path))
+    translator = Translator.from_checkpoint(checkpoint, decode=config.decode, device=config.train.device)
+    started = time.perf_counter()
+    hyps = [t[0].text for t in translator.translate(src, beam=beam)]
+    seconds = time.perf_counter() - started
+    result = score(hyps, refs, metrics, confidence)
+    beam_used = config.decode.beam if beam is None else beam
+    result.extra = {"split": split, "checkpoint": str(checkpoint), "beam": beam_used, "source": str(src_path),
+                    "reference": str(ref_path), "decode_seconds": round(seconds, 2),
+                    "sentences_per_s": round(len(src) / seconds, 2)}
+    out_dir = config.run_path / "eval"
+    stem = f"{split}.{Path(checkpoint).stem}.beam{beam_used}"
+    atomic_write_text(out_dir / f"{stem}.hyp", "\n".join(hyps) + "\n")
+    atomic_write_text(out_dir / f"{stem}.json", json.dumps(result.to_json(), indent=2))
+    result.extra["hyp_file"] = str(out_dir / f"{stem}.hyp")
+    return result

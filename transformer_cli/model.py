@@ -1,0 +1,388 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), one file, top to bottom.
+
+Shapes: B batch, S source length, T target length, H heads, D d_model, Dh = D / H, V vocab.
+Masks are boolean with True = "may attend", the convention of F.scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TransformerConfig:
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int = 512
+    n_heads: int = 8
+    enc_layers: int = 6
+    dec_layers: int = 6
+    d_ff: int = 2048
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation: str = "relu"  # relu | gelu
+    norm_position: str = "post"  # post (paper) | pre
+    positional: str = "sinusoidal"  # sinusoidal (paper) | learned
+    max_positions: int = 1024
+    share_embeddings: bool = True
+    tie_output: bool = True
+    pad_id: int = 0
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """(B, L) ids → (B, 1, 1, L): True where the key is a real token."""
+    return (tokens != pad_id)[:, None, None, :]
+
+
+def causal_mask(length: int, device: torch.device | None = None) -> torch.Tensor:
+    """(1, 1, T, T): position t may attend to positions ≤ t."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def decoder_self_attention_mask(tgt_in: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """(B, 1, T, T): causal AND key is not padding."""
+    return causal_mask(tgt_in.size(1), tgt_in.device) & padding_mask(tgt_in, pad_id)
+
+
+# --------------------------------------------------------------------------- components
+
+
+class Dropout(nn.Module):
+    """nn.Dropout, with a cheaper random mask on CPU.
+
+    On CPU torch draws one 32-bit random number per element (≈15% of a training step here);
+    we draw one 64-bit number per four elements and compare 15-bit slices of it with p,
+    which gives the same Bernoulli(1 - p) keep-mask to a resolution of 2^-15.
+    """
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu":
+            return F.dropout(x, self.p, True)
+        n = x.numel()
+        bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_()
+        slices = bits.view(torch.int16)[:n].view(x.shape) & 0x7FFF  # uniform on [0, 2^15)
+        keep = slices >= round(self.p * 32768)
+        return x * keep * (1.0 / (1.0 - self.p))
+
+
+class TokenEmbedding(nn.Module):
+    """Embedding lookup scaled by sqrt(d_model) (paper §3.4)."""
+
+    def __init__(self, vocab_size: int, d_model: int, pad_id: int):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
+        self.scale = math.sqrt(d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, L) → (B, L, D)
+        return self.embedding(tokens) * self.scale
+
+
+def sinusoidal_table(max_positions: int, d_model: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(pos / 10000^(2i/D)). (L, D)"""
+    position = torch.arange(max_positions, dtype=torch.float64)[:, None]
+    inv_freq = torch.pow(10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    table = torch.zeros(max_positions, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
+    return table.float()
+
+
+class PositionalEncoding(nn.Module):
+    """Adds position information (sinusoidal table or learned embedding), then dropout."""
+
+    def __init__(self, d_model: int, max_positions: int, dropout: float, learned: bool = False):
+        super().__init__()
+        self.learned = learned
+        if learned:
+            self.table = nn.Parameter(torch.randn(max_positions, d_model) * d_model**-0.5)
+        else:
+            self.register_buffer("table", sinusoidal_table(max_positions, d_model), persistent=False)
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:  # (B, L, D)
+        length = x.size(1)
+        if offset + length > self.table.size(0):
+            raise ValueError(f"sequence of {offset + length} positions exceeds max_positions={self.table.size(0)}")
+        return self.dropout(x + self.table[offset : offset + length])
+
+
+@dataclass
+class AttentionCache:
+    """Keys/values kept between decoding steps. (B, H, L, Dh) each."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+class MultiHeadAttention(nn.Module):
+    """Q, K, V projections → H heads of scaled dot-product attention → concat → output projection."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads, self.d_head = n_heads, d_model // n_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.kv_proj = nn.Linear(d_model, 2 * d_model)  # K and V in one matmul
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, D) → (B, H, L, Dh)
+        return x.view(x.size(0), x.size(1), self.n_heads, self.d_head).transpose(1, 2)
+
+    def project_kv(self, memory: torch.Tensor) -> AttentionCache:
+        """Keys and values of `memory` (B, L, D), e.g. the encoder output, computed once."""
+        k, v = self.kv_proj(memory).chunk(2, dim=-1)
+        return AttentionCache(self._split_heads(k), self._split_heads(v))
+
+    def forward(
+        self,
+        query: torch.Tensor,  # (B, Tq, D)
+        key_value: torch.Tensor | None,  # (B, Tk, D); None when `static_kv` is given
+        mask: torch.Tensor | None,  # broadcastable to (B, H, Tq, Tk), True = attend
+        static_kv: AttentionCache | None = None,  # precomputed K/V (cross-attention at inference)
+        cache: AttentionCache | None = None,  # self-attention K/V of earlier steps; extended in place
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q = self._split_heads(self.q_proj(query))  # (B, H, Tq, Dh)
+        if static_kv is not None:
+            k, v = static_kv.key, static_kv.value
+        else:
+            new = self.project_kv(key_value)
+            k, v = new.key, new.value
+            if cache is not None:
+                if cache.key.numel():
+                    k, v = torch.cat([cache.key, k], dim=2), torch.cat([cache.value, v], dim=2)
+                cache.key, cache.value = k, v
+        dropout = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            # Explicit softmax(QKᵀ/√Dh)V so the weights can be returned (e.g. for plots).
+            scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)  # (B, H, Tq, Tk)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            weights = scores.softmax(dim=-1)
+            out = F.dropout(weights, dropout, self.training) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        out = out.transpose(1, 2).reshape(query.size(0), query.size(1), -1)  # (B, Tq, D)
+        return self.out_proj(out), weights
+
+
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = W2 · act(W1 x + b1) + b2, applied to every position."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str = "relu"):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.activation = {"relu": F.relu, "gelu": F.gelu}[activation]
+        self.dropout = Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, D)
+        return self.w2(self.dropout(self.activation(self.w1(x))))
+
+
+class AddNorm(nn.Module):
+    """Residual connection + LayerNorm around a sub-layer ("Add & Norm").
+
+    post-norm (paper): LayerNorm(x + Dropout(sublayer(x)))
+    pre-norm:          x + Dropout(sublayer(LayerNorm(x)))
+    """
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+        if self.pre_norm:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        pre = cfg.norm_position == "pre"
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation)
+        self.attn_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
+        self.ffn_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:  # (B, S, D)
+        x = self.attn_add_norm(x, lambda h: self.self_attn(h, h, src_mask)[0])
+        return self.ffn_add_norm(x, self.ffn)
+
+
+@dataclass
+class LayerState:
+    """Per decoder layer at inference: growing self-attention cache + fixed cross-attention K/V."""
+
+    self_attn: AttentionCache
+    cross_attn: AttentionCache
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        pre = cfg.norm_position == "pre"
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation)
+        self.self_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
+        self.cross_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
+        self.ffn_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
+        self.last_cross_weights: torch.Tensor | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, D)
+        memory: torch.Tensor | None,  # (B, S, D); None when state holds the cross K/V
+        self_mask: torch.Tensor | None,
+        src_mask: torch.Tensor,
+        state: LayerState | None = None,
+        need_weights: bool = False,
+    ) -> torch.Tensor:
+        cache = state.self_attn if state is not None else None
+        static = state.cross_attn if state is not None else None
+        x = self.self_add_norm(x, lambda h: self.self_attn(h, h, self_mask, cache=cache)[0])
+
+        def cross(h: torch.Tensor) -> torch.Tensor:
+            out, weights = self.cross_attn(h, memory, src_mask, static_kv=static, need_weights=need_weights)
+            self.last_cross_weights = weights
+            return out
+
+        x = self.cross_add_norm(x, cross)
+        return self.ffn_add_norm(x, self.ffn)
+
+
+@dataclass
+class DecoderState:
+    """Everything incremental decoding carries from step to step."""
+
+    layers: list[LayerState]
+    src_mask: torch.Tensor  # (B, 1, 1, S)
+    length: int = 0  # target positions decoded so far
+    extras: dict = field(default_factory=dict)
+
+    def reorder(self, index: torch.Tensor, cross: bool = True) -> DecoderState:
+        """Keep/duplicate batch rows (beam search): cached tensors are indexed along dim 0.
+
+        `cross=False` leaves the cross-attention K/V and source mask alone: valid when `index`
+        only permutes rows that share a source sentence (beams of one sentence).
+        """
+
+        def pick(c: AttentionCache) -> AttentionCache:
+            return AttentionCache(c.key.index_select(0, index), c.value.index_select(0, index))
+
+        layers = [LayerState(pick(s.self_attn), pick(s.cross_attn) if cross else s.cross_attn) for s in self.layers]
+        src_mask = self.src_mask.index_select(0, index) if cross else self.src_mask
+        return DecoderState(layers, src_mask, self.length)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.share_embeddings and cfg.src_vocab_size != cfg.tgt_vocab_size:
+            raise ValueError("share_embeddings needs a joint vocabulary (equal source/target vocab sizes)")
+        self.src_embed = TokenEmbedding(cfg.src_vocab_size, cfg.d_model, cfg.pad_id)
+        self.tgt_embed = self.src_embed if cfg.share_embeddings else TokenEmbedding(
+            cfg.tgt_vocab_size, cfg.d_model, cfg.pad_id)
+        learned = cfg.positional == "learned"
+        self.src_pos = PositionalEncoding(cfg.d_model, cfg.max_positions, cfg.dropout, learned)
+        self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_positions, cfg.dropout, learned)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
+        # Pre-norm leaves the residual stream un-normalised, so each stack ends with a LayerNorm.
+        pre = cfg.norm_position == "pre"
+        self.encoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
+        self.output_proj = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tie_output:
+            self.output_proj.weight = self.tgt_embed.embedding.weight
+
+    def _init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() > 1 and "embed" not in name and "pos.table" not in name:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        # Embeddings ~ N(0, D^-1/2) so that after the sqrt(D) scaling they have unit variance.
+        for emb in {id(m): m for m in (self.src_embed, self.tgt_embed)}.values():
+            nn.init.normal_(emb.embedding.weight, 0.0, self.cfg.d_model**-0.5)
+            with torch.no_grad():
+                emb.embedding.weight[self.cfg.pad_id].zero_()
+
+    def num_parameters(self, trainable_only: bool = True) -> int:
+        """Distinct parameters (tied weights counted once)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    # -- training / full forward
+
+    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S) ids → memory (B, S, D) and source padding mask (B, 1, 1, S)."""
+        src_mask = padding_mask(src, self.cfg.pad_id)
+        x = self.src_pos(self.src_embed(src))
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        return self.encoder_norm(x), src_mask
+
+    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
+               need_weights: bool = False) -> torch.Tensor:
+        """Teacher-forced decoder: (B, T) ids → logits (B, T, V)."""
+        self_mask = decoder_self_attention_mask(tgt_in, self.cfg.pad_id)
+        x = self.tgt_pos(self.tgt_embed(tgt_in))
+        for layer in self.decoder_layers:
+            x = layer(x, memory, self_mask, src_mask, need_weights=need_weights)
+        return self.output_proj(self.decoder_norm(x))
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        memory, src_mask = self.encode(src)
+        return self.decode(tgt_in, memory, src_mask)
+
+    def cross_attention_weights(self) -> list[torch.Tensor | None]:
+        """Per decoder layer (B, H, T, S) weights of the last `decode(..., need_weights=True)`."""
+        return [layer.last_cross_weights for layer in self.decoder_layers]
+
+    # -- incremental inference
+
+    def init_state(self, memory: torch.Tensor, src_mask: torch.Tensor) -> DecoderState:
+        """Precompute each layer's cross-attention K/V once; self-attention caches start empty."""
+        empty = memory.new_zeros(memory.size(0), self.cfg.n_heads, 0, self.cfg.d_model // self.cfg.n_heads)
+        layers = [
+            LayerState(AttentionCache(empty, empty), layer.cross_attn.project_kv(memory))
+            for layer in self.decoder_layers
+        ]
+        return DecoderState(layers, src_mask)
+
+    def decode_step(self, tokens: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        """Next-token logits for the last tokens (B,) given the cached prefix → (B, V).
+
+        The new token attends to every cached position (no mask needed: the prefix has no
+        padding and nothing lies in its future); `state` is extended in place.
+        """
+        x = self.tgt_pos(self.tgt_embed(tokens[:, None]), offset=state.length)  # (B, 1, D)
+        for layer, layer_state in zip(self.decoder_layers, state.layers):
+            x = layer(x, None, None, state.src_mask, state=layer_state)
+        state.length += 1
+        return self.output_proj(self.decoder_norm(x[:, 0]))

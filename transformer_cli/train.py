@@ -1,0 +1,395 @@
+"""Stage 3, training: teacher forcing, label smoothing, warm-up schedules, checkpoints, validation."""
+
+from __future__ import annotations
+
+import json
+import sys
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import sacrebleu
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .checkpoint import (average_state_dicts, bytes_to_tensor, load_checkpoint, save_checkpoint)
+from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
+from .data import BOS_ID, EOS_ID, PAD_ID, Batch, ParallelData, load_manifest, padding_ratio
+from .errors import TfmError
+from .io_utils import atomic_write_text, read_lines
+from .model import Transformer, TransformerConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise TfmError(f"train.device={name!r} but CUDA is not available on this machine")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise TfmError(f"train.device={name!r} is not a device (use auto, cpu, cuda or cuda:N)") from None
+
+
+def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast: on by default on CUDA, opt-in on CPU (fast only with AVX-512 BF16/AMX)."""
+    if config.precision == "bf16" or (config.precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: int) -> Transformer:
+    share = config.model.share_embeddings and config.vocab.joint
+    model_cfg = TransformerConfig(
+        src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size,
+        **{**config.model.model_dump(), "share_embeddings": share}, pad_id=PAD_ID,
+    )
+    return Transformer(model_cfg)
+
+
+# --------------------------------------------------------------------------- schedule and loss
+
+
+def learning_rate(step: int, config: TrainConfig, d_model: int) -> float:
+    """Learning rate at optimizer step `step` (1-based)."""
+    step = max(step, 1)
+    warmup = max(config.warmup, 1)
+    if config.lr_schedule == "noam":
+        # Vaswani et al. eq. (3): linear warm-up, then inverse square-root decay.
+        return config.lr_factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+    if config.lr_schedule == "inverse_sqrt":
+        # Same shape, parameterised by its peak: lr(warmup) = config.lr.
+        return config.lr * min(step / warmup, math.sqrt(warmup / step))
+    return config.lr * min(1.0, step / warmup) if config.warmup else config.lr
+
+
+def label_smoothed_loss(
+    logits: torch.Tensor, target: torch.Tensor, smoothing: float, pad_id: int = PAD_ID
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed label-smoothed cross-entropy and summed NLL over non-pad targets.
+
+    The smoothed target puts (1 - ε) on the gold token and ε spread uniformly over the whole
+    vocabulary: loss = (1 - ε)·(-log p_gold) + ε·mean_v(-log p_v), as torch's cross_entropy.
+    """
+    logprobs = logits.float().log_softmax(dim=-1).view(-1, logits.size(-1))  # (N, V)
+    target = target.reshape(-1)
+    keep = target != pad_id
+    nll = -logprobs.gather(1, target[:, None]).squeeze(1)
+    smooth = -logprobs.mean(dim=-1)
+    loss = ((1.0 - smoothing) * nll + smoothing * smooth)[keep].sum()
+    return loss, nll[keep].sum()
+
+
+# --------------------------------------------------------------------------- side effects
+
+
+class RunOutput:
+    """The single place that prints, appends metrics and writes checkpoints.
+
+    Only rank 0 acts, so a distributed (torchrun) loop can call it from every process.
+    """
+
+    def __init__(self, run_dir: Path, rank: int = 0, progress: bool = True):
+        self.run_dir, self.rank, self.progress = run_dir, rank, progress
+        self.ckpt_dir = run_dir / "checkpoints"
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.bar: tqdm | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.rank == 0
+
+    def start_bar(self, total: int, initial: int) -> None:
+        if self.active:
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
+                            disable=not self.progress, dynamic_ncols=True)
+
+    def advance(self, postfix: dict | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def print(self, message: str) -> None:
+        if self.active:
+            tqdm.write(message, file=sys.stderr)
+
+    def log(self, record: dict) -> None:
+        if self.active:
+            with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def save(self, name: str, payload: dict) -> Path | None:
+        if not self.active:
+            return None
+        path = self.ckpt_dir / name
+        save_checkpoint(path, payload)
+        return path
+
+    def prune(self, keep_last: int) -> None:
+        if not self.active:
+            return
+        steps = sorted(self.ckpt_dir.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+        for old in steps[: max(len(steps) - keep_last, 0)]:
+            old.unlink()
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainProgress:
+    """Everything besides weights/optimizer needed to resume exactly."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of the current epoch already consumed
+    elapsed: float = 0.0  # seconds of training so far (across resumes)
+    target_tokens: int = 0
+    best_score: float | None = None
+    best_step: int = 0
+    bad_evals: int = 0
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    seconds: float
+    best_score: float | None
+    best_metric: str
+    best_checkpoint: Path | None
+    last_checkpoint: Path | None
+    stop_reason: str
+
+
+@torch.no_grad()
+def evaluate_loss(model: Transformer, data: ParallelData, config: ExperimentConfig,
+                  device: torch.device) -> dict[str, float]:
+    model.eval()
+    loss_sum = nll_sum = tokens = 0.0
+    for batch in data.iterate(config.train.max_tokens, seed=0):
+        batch = batch.to(device)
+        logits = model(batch.src, batch.tgt_in)
+        loss, nll = label_smoothed_loss(logits, batch.tgt_out, config.train.label_smoothing)
+        loss_sum, nll_sum, tokens = loss_sum + float(loss), nll_sum + float(nll), tokens + batch.n_tgt_tokens
+    return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "ppl": math.exp(min(nll_sum / tokens, 50))}
+
+
+def validation_bleu(model: Transformer, data: ParallelData, references: list[str], tgt_sp,
+                    config: ExperimentConfig, device: torch.device) -> float:
+    """Greedy-decode the first N valid sentences and score them against the raw references."""
+    from .translate import decode_token_ids  # translate imports train's helpers; avoid a cycle
+
+    n = min(config.train.eval_bleu_sentences, len(data), len(references))
+    if n == 0:
+        return 0.0
+    src = [np.asarray(data.src[i]).tolist() for i in range(n)]
+    hyps = decode_token_ids(model, src, config.decode, device, beam=1)
+    texts = [tgt_sp.decode(h[0].tokens) for h in hyps]
+    return sacrebleu.corpus_bleu(texts, [references[:n]]).score
+
+
+def _checkpoint_payload(model: Transformer, config: ExperimentConfig, manifest: dict, progress: TrainProgress,
+                        optimizer: torch.optim.Optimizer | None = None) -> dict:
+    vocab = manifest["vocab"]
+    payload = {
+        "model": model.state_dict(),
+        "model_config": asdict(model.cfg),
+        "config": config.model_dump(mode="json"),
+        "progress": asdict(progress),
+        "spm_src": bytes_to_tensor(Path(vocab["src"]).read_bytes()),
+        "spm_tgt": bytes_to_tensor(Path(vocab["tgt"]).read_bytes()),
+    }
+    if optimizer is not None:
+        payload["optimizer"] = optimizer.state_dict()
+        payload["torch_rng"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            payload["cuda_rng"] = torch.cuda.get_rng_state_all()
+    return payload
+
+
+def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = True,
+          rank: int = 0) -> TrainSummary:
+    tc = config.train
+    run_dir = config.run_path
+    manifest = load_manifest(run_dir)
+    out = RunOutput(run_dir, rank=rank, progress=progress_bar)
+    last_path = out.ckpt_dir / "checkpoint_last.pt"
+    if last_path.exists() and not resume:
+        raise TfmError(f"{run_dir} already holds a training run ({last_path}); "
+                       "continue it with --resume or choose another run_dir")
+    if resume and not last_path.exists():
+        raise TfmError(f"--resume: no checkpoint to resume from at {last_path}")
+
+    torch.manual_seed(tc.seed)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    device = resolve_device(tc.device)
+    amp_dtype = autocast_dtype(tc, device)
+
+    train_data = ParallelData(run_dir, "train")
+    valid_data = ParallelData(run_dir, "valid")
+    if len(train_data) == 0:
+        raise TfmError(f"{run_dir}: the training split is empty after filtering")
+    references = read_lines(manifest["files"]["valid"][1])
+    import sentencepiece as spm  # noqa: PLC0415 (only needed here for validation BLEU)
+
+    tgt_sp = spm.SentencePieceProcessor(model_file=manifest["vocab"]["tgt"])
+    model = build_model(config, manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"]).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=tuple(tc.adam_betas), eps=tc.adam_eps, fused=True,
+                                 weight_decay=tc.weight_decay)
+    progress = TrainProgress()
+    if resume:
+        ckpt = load_checkpoint(last_path, map_location=device)
+        if ckpt["model_config"] != asdict(model.cfg):
+            raise TfmError(f"--resume: the model section of the config differs from {last_path}'s")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["torch_rng"].cpu())
+        if "cuda_rng" in ckpt and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["cuda_rng"]])
+        progress = TrainProgress(**ckpt["progress"])
+        out.print(f"resuming from {last_path} at step {progress.step}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.yaml", config_to_yaml(config))
+
+    step_model = torch.compile(model) if tc.compile else model
+    max_time = parse_duration(tc.max_time) if tc.max_time is not None else math.inf
+    d_model = config.model.d_model
+    out.print(f"model: {model.num_parameters():,} parameters on {device}"
+              f"{' with bf16 autocast' if amp_dtype else ''}; {len(train_data):,} training pairs")
+    out.start_bar(tc.max_steps, progress.step)
+
+    def checkpoint(metrics: dict | None, at: TrainProgress) -> None:
+        """Evaluate-time bookkeeping: step checkpoint, last, best, pruning."""
+        weights_only = _checkpoint_payload(model, config, manifest, at)
+        if metrics is not None:
+            out.save(f"step_{at.step}.pt", weights_only)
+            if at.best_step == at.step:
+                out.save("checkpoint_best.pt", weights_only)
+        out.save("checkpoint_last.pt", _checkpoint_payload(model, config, manifest, at, optimizer))
+        out.prune(tc.keep_last)
+
+    def validate() -> dict:
+        metrics = evaluate_loss(model, valid_data, config, device)
+        metrics["bleu"] = validation_bleu(model, valid_data, references, tgt_sp, config, device)
+        model.train()
+        score = metrics["bleu"] if tc.best_metric == "bleu" else -metrics["loss"]
+        if progress.best_score is None or score > progress.best_score:
+            progress.best_score, progress.best_step, progress.bad_evals = score, progress.step, 0
+        else:
+            progress.bad_evals += 1
+        return metrics
+
+    model.train()
+    started = time.perf_counter() - progress.elapsed
+    window_tokens, window_start, window_loss, window_nll, window_pad = 0, time.perf_counter(), 0.0, 0.0, []
+    stop_reason = ""
+    batches = train_data.batches(tc.max_tokens, seed=tc.seed + progress.epoch)
+    pending: list[Batch] = []
+    committed = replace(progress)  # progress as of the last completed optimizer step
+    try:
+        while not stop_reason:
+            # Next accum_steps batches, rolling over epochs.
+            pending.clear()
+            while len(pending) < tc.accum_steps:
+                if progress.batch_in_epoch >= len(batches):
+                    progress.epoch += 1
+                    progress.batch_in_epoch = 0
+                    if tc.max_epochs is not None and progress.epoch >= tc.max_epochs:
+                        stop_reason = f"max_epochs={tc.max_epochs}"
+                        break
+                    batches = train_data.batches(tc.max_tokens, seed=tc.seed + progress.epoch)
+                pending.append(train_data.collate(batches[progress.batch_in_epoch]))
+                progress.batch_in_epoch += 1
+            if stop_reason:
+                break
+            lr = learning_rate(progress.step + 1, tc, d_model)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            n_tokens = sum(b.n_tgt_tokens for b in pending)
+            for batch in pending:
+                batch = batch.to(device)
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    logits = step_model(batch.src, batch.tgt_in)
+                loss, nll = label_smoothed_loss(logits, batch.tgt_out, tc.label_smoothing)
+                (loss / n_tokens).backward()
+                window_loss += float(loss.detach())
+                window_nll += float(nll.detach())
+                window_pad.append(padding_ratio(batch))
+            if tc.clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.step += 1
+            progress.target_tokens += n_tokens
+            window_tokens += n_tokens
+            progress.elapsed = time.perf_counter() - started
+            committed = replace(progress)
+
+            if progress.step % tc.log_every == 0:
+                seconds = time.perf_counter() - window_start
+                record = {"kind": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr,
+                          "loss": window_loss / window_tokens, "ppl": math.exp(min(window_nll / window_tokens, 50)),
+                          "tokens_per_s": window_tokens / seconds, "padding": float(np.mean(window_pad)),
+                          "elapsed": round(progress.elapsed, 1)}
+                out.log(record)
+                out.advance({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}",
+                             "tok/s": f"{record['tokens_per_s']:.0f}"})
+                window_tokens, window_start, window_loss, window_nll, window_pad = 0, time.perf_counter(), 0.0, 0.0, []
+            else:
+                out.advance()
+
+            if progress.step >= tc.max_steps:
+                stop_reason = f"max_steps={tc.max_steps}"
+            elif progress.elapsed >= max_time:
+                stop_reason = f"max_time={tc.max_time}"
+            if progress.step % tc.eval_every == 0 or stop_reason:
+                metrics = validate()
+                record = {"kind": "valid", "step": progress.step, "epoch": progress.epoch,
+                          "elapsed": round(time.perf_counter() - started, 1), **metrics}
+                out.log(record)
+                out.print(f"step {progress.step}: valid loss {metrics['loss']:.3f} ppl {metrics['ppl']:.2f} "
+                          f"BLEU {metrics['bleu']:.2f} (greedy, {tc.eval_bleu_sentences} sentences)")
+                progress.elapsed = time.perf_counter() - started
+                checkpoint(metrics, progress)
+                window_start = time.perf_counter()  # validation time is not training throughput
+                if tc.patience is not None and progress.bad_evals >= tc.patience and not stop_reason:
+                    stop_reason = f"no improvement in {tc.patience} evaluations"
+    except KeyboardInterrupt:
+        out.close_bar()
+        # Weights/optimizer are those of the last completed step: safe to resume from.
+        checkpoint(None, committed)
+        out.print(f"interrupted: saved step {committed.step} to {last_path} (continue with --resume)")
+        raise
+    finally:
+        out.close_bar()
+
+    if progress.step % tc.eval_every != 0 and stop_reason.startswith("max_epochs"):
+        metrics = validate()
+        out.log({"kind": "valid", "step": progress.step, "epoch": progress.epoch, **metrics})
+        checkpoint(metrics, progress)
+    if tc.average_last > 1:
+        steps = sorted(out.ckpt_dir.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+        chosen = steps[-tc.average_last:]
+        payload = _checkpoint_payload(model, config, manifest, progress)
+        payload["model"] = average_state_dicts(chosen)
+        payload["averaged"] = [p.name for p in chosen]
+        out.save("checkpoint_avg.pt", payload)
+    best = out.ckpt_dir / "checkpoint_best.pt"
+    summary = TrainSummary(progress.step, progress.elapsed, progress.best_score, tc.best_metric,
+                           best if best.exists() else None, last_path, stop_reason)
+    shown = "n/a" if summary.best_score is None else (
+        f"{summary.best_score:.2f}" if tc.best_metric == "bleu" else f"{-summary.best_score:.3f}")
+    out.print(f"done ({stop_reason}): {progress.step} steps in {progress.elapsed / 60:.1f} min, "
+              f"best valid {tc.best_metric} {shown} at step {progress.best_step} → {summary.best_checkpoint}")
+    return summary
+

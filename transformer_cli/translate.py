@@ -1,0 +1,185 @@
+"""Stage 4, prediction: checkpoint → Translator; batched, order-preserving, streaming translation."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import sentencepiece as spm
+import torch
+from tqdm import tqdm
+
+from .checkpoint import load_checkpoint, model_from_checkpoint, tensor_to_bytes
+from .config import DecodeConfig, ExperimentConfig
+from .data import BOS_ID, EOS_ID
+from .decoding import Hypothesis, beam_search, greedy_search
+from .errors import TfmError
+from .model import Transformer
+
+
+def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
+    """Indices grouped into batches of similar length (longest first), capped by sentences and tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = lengths[current[0]] if current else lengths[i]  # longest in batch comes first
+        too_many_tokens = batch_tokens is not None and current and width * (len(current) + 1) > batch_tokens
+        if current and (len(current) >= batch_size or too_many_tokens):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def decode_token_ids(
+    model: Transformer, sources: list[list[int]], decode: DecodeConfig, device: torch.device,
+    beam: int | None = None, nbest: int = 1, min_len: int = 0, max_len: int | None = None,
+) -> list[list[Hypothesis]]:
+    """Translate id sequences (no <eos>) → per sentence its n-best hypotheses, in input order.
+
+    `min_len`/`max_len` force the output length (benchmarks with untrained weights).
+    """
+    beam = decode.beam if beam is None else beam
+    limit_positions = model.cfg.max_positions - 1
+    sources = [s[: limit_positions - 1] + [EOS_ID] for s in sources]  # source too long → truncated
+    results: list[list[Hypothesis]] = [[] for _ in sources]
+    was_training = model.training
+    model.eval()
+    max_len_a, max_len_b = (0.0, max_len) if max_len is not None else (decode.max_len_a, decode.max_len_b)
+    for batch in length_sorted_batches([len(s) for s in sources], decode.batch_size, decode.batch_tokens):
+        width = max(len(sources[i]) for i in batch)
+        src = torch.full((len(batch), width), model.cfg.pad_id, dtype=torch.long)
+        for row, i in enumerate(batch):
+            src[row, : len(sources[i])] = torch.tensor(sources[i])
+        src = src.to(device)
+        b = min(max_len_b, limit_positions - int(max_len_a * width))  # stay inside the position table
+        if beam <= 1:
+            hyps = [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, max_len_a, b, min_len)]
+        else:
+            hyps = beam_search(model, src, BOS_ID, EOS_ID, beam, decode.length_penalty, max_len_a, b,
+                               nbest, min_len)
+        for i, h in zip(batch, hyps):
+            results[i] = h
+    model.train(was_training)
+    return results
+
+
+@dataclass
+class Translation:
+    text: str
+    score: float
+    n_tokens: int
+
+
+class Translator:
+    """A trained model plus its sentencepiece models: raw text in, detokenized text out."""
+
+    def __init__(self, model: Transformer, src_sp: spm.SentencePieceProcessor, tgt_sp: spm.SentencePieceProcessor,
+                 decode: DecodeConfig, device: torch.device):
+        self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
+        model.to(device).eval()
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, decode: DecodeConfig | None = None,
+                        device: str = "auto") -> Translator:
+        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                           ("cpu" if device == "auto" else device))
+        payload = load_checkpoint(path)
+        model, config = model_from_checkpoint(payload)
+        src_sp, tgt_sp = (spm.SentencePieceProcessor(model_proto=tensor_to_bytes(payload[key]))
+                          for key in ("spm_src", "spm_tgt"))
+        for side, sp, size in (("source", src_sp, model.cfg.src_vocab_size), ("target", tgt_sp, model.cfg.tgt_vocab_size)):
+            if sp.vocab_size() != size:
+                raise TfmError(f"{path}: {side} vocabulary has {sp.vocab_size()} pieces but the model expects {size}")
+        return cls(model, src_sp, tgt_sp, decode or config.decode, dev)
+
+    def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
+                  min_len: int = 0, max_len: int | None = None) -> list[list[Translation]]:
+        """Per input line its n-best translations; empty (or blank) lines give empty output."""
+        nonempty = [i for i, line in enumerate(lines) if line.strip()]
+        ids = self.src_sp.encode([lines[i] for i in nonempty], out_type=int) if nonempty else []
+        hyps = decode_token_ids(self.model, ids, self.decode, self.device, beam, nbest, min_len, max_len)
+        out: list[list[Translation]] = [[Translation("", 0.0, 0)] * max(nbest, 1) for _ in lines]
+        for i, h in zip(nonempty, hyps):
+            out[i] = [Translation(self.tgt_sp.decode(x.tokens), x.score, len(x.tokens)) for x in h]
+        return out
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def read_decoded_lines(stream: IO[bytes], warn: IO[str]) -> Iterator[str]:
+    """Lines of a byte stream as text; invalid UTF-8 is replaced (U+FFFD) with a warning, never a crash."""
+    for number, raw in enumerate(stream, start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            text = raw.decode("utf-8", errors="replace")
+            print(f"warning: input line {number} is not valid UTF-8 ({exc.reason}); "
+                  "invalid bytes replaced with U+FFFD", file=warn)
+        yield text.rstrip("\r\n")
+
+
+def chunks(lines: Iterable[str], first: int, rest: int) -> Iterator[list[str]]:
+    """The first chunk small (output starts early), later ones larger (better length sorting)."""
+    chunk: list[str] = []
+    size = first
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) >= size:
+            yield chunk
+            chunk, size = [], rest
+    if chunk:
+        yield chunk
+
+
+@dataclass
+class StreamStats:
+    sentences: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def format_nbest(index: int, translations: list[Translation]) -> list[str]:
+    """n-best format: `<0-based input line>\\t<rank>\\t<score>\\t<translation>`, one hypothesis a line."""
+    return [f"{index}\t{rank}\t{t.score:.4f}\t{t.text}" for rank, t in enumerate(translations, start=1)]
+
+
+def translate_stream(
+    translator: Translator, lines: Iterable[str], output: IO[str], beam: int | None = None, nbest: int = 1,
+    chunk_lines: int = 1000, progress: bool = False,
+) -> StreamStats:
+    """Translate an (endless) stream of lines chunk by chunk, writing and flushing after each."""
+    stats = StreamStats()
+    started = time.perf_counter()
+    bar = tqdm(desc="translate", unit="sent", file=sys.stderr, disable=not progress)
+    first = min(chunk_lines, translator.decode.batch_size)
+    for chunk in chunks(lines, first, chunk_lines):
+        results = translator.translate(chunk, beam=beam, nbest=nbest)
+        for offset, translations in enumerate(results):
+            if nbest > 1:
+                output.write("\n".join(format_nbest(stats.sentences + offset, translations)) + "\n")
+            else:
+                output.write(translations[0].text + "\n")
+            stats.tokens += translations[0].n_tokens
+        output.flush()
+        stats.sentences += len(chunk)
+        bar.update(len(chunk))
+    bar.close()
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def default_checkpoint(config: ExperimentConfig) -> Path:
+    ckpt_dir = config.run_path / "checkpoints"
+    for name in ("checkpoint_avg.pt", "checkpoint_best.pt", "checkpoint_last.pt"):
+        if (ckpt_dir / name).is_file():
+            return ckpt_dir / name
+    raise TfmError(f"no checkpoint in {ckpt_dir}: train first or pass --checkpoint")
