@@ -84,7 +84,8 @@ def test_mismatched_line_counts_is_a_clear_error(multi30k_2k, tmp_path):
         lines = f.read().splitlines()
     (data / "train.de").write_text("\n".join(lines[:100]) + "\n")
     (data / "train.en").write_text("\n".join(lines[:99]) + "\n")
-    raw = multi30k_config(data, tmp_path / "run")
+    raw = multi30k_config(multi30k_2k, tmp_path / "run")
+    raw["data"]["train"] = str(data / "train")
     with pytest.raises(TfmError, match=r"train.de has 100 lines, .*train.en has 99"):
         prepare(config_from_dict(raw), progress=False)
     # Through the real CLI: exit 2, one line, no traceback.

@@ -113,3 +113,31 @@ def test_end_to_end_cli_tiny_config_valid_loss_falls(multi30k_2k, tmp_path):
     assert (tmp_path / "run" / "config.yaml").is_file()
     train_records = [r for r in records if r["kind"] == "train"]
     assert all(r["tokens_per_s"] > 0 and 0 <= r["padding"] < 0.5 for r in train_records)
+
+
+def test_label_smoothed_loss_gradient_matches_autograd_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([1, 0, 4, 10, 0, 7])  # pad_id 0: rows 1 and 4 ignored
+    loss, _ = label_smoothed_loss(logits, target, 0.1, pad_id=0)
+    loss.backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    ref = torch.nn.functional.cross_entropy(logits, target, ignore_index=0, label_smoothing=0.1, reduction="sum")
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    assert torch.allclose(ours, logits.grad, atol=1e-12)
+
+
+def test_logits_for_target_rows_equal_the_full_projection():
+    from transformer_cli.model import Transformer, TransformerConfig
+    from transformer_cli.train import target_rows
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(30, 30, d_model=16, n_heads=2, enc_layers=1, dec_layers=1, d_ff=32)).eval()
+    src = torch.tensor([[5, 6, 3], [7, 3, 0]])
+    tgt_in, tgt_out = torch.tensor([[2, 8, 9], [2, 8, 0]]), torch.tensor([[8, 9, 3], [8, 3, 0]])
+    rows, targets = target_rows(tgt_out)
+    assert rows.tolist() == [0, 1, 2, 3, 4] and targets.tolist() == [8, 9, 3, 8, 3]
+    full = model(src, tgt_in).reshape(-1, 30)
+    assert torch.allclose(model(src, tgt_in, rows), full[rows], atol=1e-6)

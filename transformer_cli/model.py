@@ -37,6 +37,9 @@ class TransformerConfig:
 # --------------------------------------------------------------------------- masks
 
 
+CAUSAL = "causal"  # mask argument meaning "position t attends to positions ≤ t" (SDPA is_causal)
+
+
 def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     """(B, L) ids → (B, 1, 1, L): True where the key is a real token."""
     return (tokens != pad_id)[:, None, None, :]
@@ -153,7 +156,7 @@ class MultiHeadAttention(nn.Module):
         self,
         query: torch.Tensor,  # (B, Tq, D)
         key_value: torch.Tensor | None,  # (B, Tk, D); None when `static_kv` is given
-        mask: torch.Tensor | None,  # broadcastable to (B, H, Tq, Tk), True = attend
+        mask: torch.Tensor | str | None,  # broadcastable to (B, H, Tq, Tk), True = attend; or CAUSAL
         static_kv: AttentionCache | None = None,  # precomputed K/V (cross-attention at inference)
         cache: AttentionCache | None = None,  # self-attention K/V of earlier steps; extended in place
         need_weights: bool = False,
@@ -170,6 +173,13 @@ class MultiHeadAttention(nn.Module):
                 cache.key, cache.value = k, v
         dropout = self.dropout if self.training else 0.0
         weights = None
+        if isinstance(mask, str):  # CAUSAL
+            if need_weights:
+                mask = causal_mask(q.size(2), q.device)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+                out = out.transpose(1, 2).reshape(query.size(0), query.size(1), -1)
+                return self.out_proj(out), None
         if need_weights:
             # Explicit softmax(QKᵀ/√Dh)V so the weights can be returned (e.g. for plots).
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)  # (B, H, Tq, Tk)
@@ -348,17 +358,24 @@ class Transformer(nn.Module):
         return self.encoder_norm(x), src_mask
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-               need_weights: bool = False) -> torch.Tensor:
-        """Teacher-forced decoder: (B, T) ids → logits (B, T, V)."""
-        self_mask = decoder_self_attention_mask(tgt_in, self.cfg.pad_id)
+               need_weights: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced decoder: (B, T) ids → logits (B, T, V), or (N, V) for the flat
+        positions `rows` of B·T only (training skips the vocabulary projection of padding)."""
+        # With right padding, a real position never sees a pad key through the causal mask
+        # (pads only follow it), so causal alone equals causal + padding for every real
+        # position; SDPA's is_causal path then skips the masked half of the work.
+        self_mask = decoder_self_attention_mask(tgt_in, self.cfg.pad_id) if need_weights else CAUSAL
         x = self.tgt_pos(self.tgt_embed(tgt_in))
         for layer in self.decoder_layers:
             x = layer(x, memory, self_mask, src_mask, need_weights=need_weights)
-        return self.output_proj(self.decoder_norm(x))
+        x = self.decoder_norm(x)
+        if rows is not None:
+            x = x.reshape(-1, x.size(-1)).index_select(0, rows)  # (N, D)
+        return self.output_proj(x)
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         memory, src_mask = self.encode(src)
-        return self.decode(tgt_in, memory, src_mask)
+        return self.decode(tgt_in, memory, src_mask, rows=rows)
 
     def cross_attention_weights(self) -> list[torch.Tensor | None]:
         """Per decoder layer (B, H, T, S) weights of the last `decode(..., need_weights=True)`."""

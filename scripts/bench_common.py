@@ -1,0 +1,47 @@
+"""Shared set-up for the benchmark scripts: a tfm model and a HuggingFace MarianMTModel of the
+identical shape, built from one tfm config (random init, no downloads)."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from transformer_cli.config import ExperimentConfig
+from transformer_cli.data import BOS_ID, EOS_ID, PAD_ID
+from transformer_cli.model import Transformer
+from transformer_cli.train import build_model
+
+
+def tfm_model(config: ExperimentConfig, vocab_size: int) -> Transformer:
+    return build_model(config, vocab_size, vocab_size)
+
+
+def hf_model(config: ExperimentConfig, vocab_size: int):
+    """MarianMTModel with tfm's shape: same d_model/heads/layers/FFN/vocab/dropout, tied embeddings."""
+    from transformers import MarianConfig, MarianMTModel
+
+    m = config.model
+    hf_config = MarianConfig(
+        vocab_size=vocab_size, d_model=m.d_model, encoder_layers=m.enc_layers, decoder_layers=m.dec_layers,
+        encoder_attention_heads=m.n_heads, decoder_attention_heads=m.n_heads, encoder_ffn_dim=m.d_ff,
+        decoder_ffn_dim=m.d_ff, activation_function=m.activation, dropout=m.dropout,
+        attention_dropout=m.attention_dropout, activation_dropout=0.0, max_position_embeddings=m.max_positions,
+        scale_embedding=True, pad_token_id=PAD_ID, eos_token_id=EOS_ID, forced_eos_token_id=None,
+        decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True, attn_implementation="sdpa",
+    )
+    return MarianMTModel(hf_config)
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import os
+
+    return (f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, python {platform.python_version()}")

@@ -1,0 +1,105 @@
+"""Training throughput: tfm vs HuggingFace MarianMTModel, same shape, identical batches, alternated.
+
+    pip install -e '.[bench]'
+    tfm prepare --config configs/de-en.yaml
+    python scripts/bench_train.py --config configs/de-en.yaml [--steps 200 --warmup 20]
+
+Both models get the same token-bucketed Multi30k batches (tfm's batcher, --max-tokens), the same
+label-smoothed loss, the same fused Adam and one optimizer step per batch; steps alternate
+tfm/HF so both see the same machine state. Prints steady-state target tokens/s and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench_common import hf_model, machine_line, tfm_model
+from transformer_cli.config import load_config
+from transformer_cli.data import PAD_ID, ParallelData, load_manifest
+from transformer_cli.train import label_smoothed_loss, learning_rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/de-en.yaml")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per toolkit")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps per toolkit first")
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = load_config(args.config)
+    manifest = load_manifest(config.run_path)
+    vocab = manifest["vocab_size"]["tgt"]
+    data = ParallelData(config.run_path, "train")
+    needed = args.warmup + args.steps
+    order = []
+    epoch = 0
+    while len(order) < needed:
+        order += data.batches(args.max_tokens, seed=epoch)
+        epoch += 1
+    batches = [data.collate(b) for b in order[:needed]]
+    smoothing = config.train.label_smoothing
+
+    tfm = tfm_model(config, vocab).train()
+    hf = hf_model(config, vocab).train()
+    print(machine_line())
+    print(f"shape: d_model {config.model.d_model}, heads {config.model.n_heads}, layers "
+          f"{config.model.enc_layers}+{config.model.dec_layers}, ffn {config.model.d_ff}, vocab {vocab}; "
+          f"params tfm {tfm.num_parameters():,} / HF {sum(p.numel() for p in hf.parameters()):,}; "
+          f"batches of <= {args.max_tokens} tokens")
+
+    def make_opt(model):
+        return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+
+    opt_tfm, opt_hf = make_opt(tfm), make_opt(hf)
+
+    def tfm_step(batch, step):
+        for g in opt_tfm.param_groups:
+            g["lr"] = learning_rate(step, config.train, config.model.d_model)
+        logits = tfm(batch.src, batch.tgt_in)
+        loss, _ = label_smoothed_loss(logits, batch.tgt_out, smoothing)
+        (loss / batch.n_tgt_tokens).backward()
+        opt_tfm.step()
+        opt_tfm.zero_grad(set_to_none=True)
+
+    def hf_step(batch, step):
+        for g in opt_hf.param_groups:
+            g["lr"] = learning_rate(step, config.train, config.model.d_model)
+        out = hf(input_ids=batch.src, attention_mask=(batch.src != PAD_ID).long(),
+                 decoder_input_ids=batch.tgt_in, decoder_attention_mask=(batch.tgt_in != PAD_ID).long())
+        loss = F.cross_entropy(out.logits.view(-1, vocab), batch.tgt_out.view(-1), ignore_index=PAD_ID,
+                               label_smoothing=smoothing, reduction="sum")
+        (loss / batch.n_tgt_tokens).backward()
+        opt_hf.step()
+        opt_hf.zero_grad(set_to_none=True)
+
+    seconds = {"tfm": 0.0, "hf": 0.0}
+    tokens = 0
+    for i, batch in enumerate(batches):
+        timed = i >= args.warmup
+        for name, fn in (("tfm", tfm_step), ("hf", hf_step)) if i % 2 == 0 else (("hf", hf_step), ("tfm", tfm_step)):
+            start = time.perf_counter()
+            fn(batch, i + 1)
+            if timed:
+                seconds[name] += time.perf_counter() - start
+        if timed:
+            tokens += batch.n_tgt_tokens
+        if (i + 1) % 20 == 0:
+            print(f"  step {i + 1}/{needed}", flush=True)
+
+    tfm_rate, hf_rate = tokens / seconds["tfm"], tokens / seconds["hf"]
+    print(f"timed {args.steps} steps each ({tokens:,} target tokens) after {args.warmup} warm-up steps")
+    print(f"tfm           {tfm_rate:8.0f} target tokens/s")
+    print(f"HF MarianMT   {hf_rate:8.0f} target tokens/s")
+    print(f"ratio tfm/HF  {tfm_rate / hf_rate:8.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Decoding speed: tfm vs HuggingFace `generate` (and CTranslate2 if installed), same shape.
+
+    pip install -e '.[bench]'          # + `pip install ctranslate2` for the CT2 column
+    tfm prepare --config configs/de-en.yaml
+    python scripts/bench_translate.py --config configs/de-en.yaml [--checkpoint runs/de-en/checkpoints/checkpoint_best.pt]
+
+Decodes the 1,000 sentences of the test split (test_2016_flickr) in length-sorted batches of 32
+sentences, greedy and beam 5. Untrained weights would stop at random lengths, so every system is
+forced to emit exactly --length target tokens (EOS banned before, forced at the end). Prints
+sentences/s and the ratios. With --checkpoint, tfm also decodes normally (no forced length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from bench_common import hf_model, machine_line, tfm_model
+from transformer_cli.config import load_config
+from transformer_cli.data import EOS_ID, PAD_ID, ParallelData, load_manifest
+from transformer_cli.translate import decode_token_ids, length_sorted_batches
+
+
+def time_it(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/de-en.yaml")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--length", type=int, default=30, help="forced output length in tokens")
+    parser.add_argument("--beams", default="1,5")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--limit", type=int, default=0, help="use only the first N sentences (0 = all)")
+    parser.add_argument("--checkpoint", default=None, help="also time tfm on trained weights, natural lengths")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = load_config(args.config)
+    manifest = load_manifest(config.run_path)
+    vocab = manifest["vocab_size"]["tgt"]
+    test = ParallelData(config.run_path, "test")
+    n = len(test) if not args.limit else min(args.limit, len(test))
+    sources = [np.asarray(test.src[i]).tolist() for i in range(n)]
+    beams = [int(b) for b in args.beams.split(",")]
+    decode = config.decode.model_copy(update={"batch_size": args.batch_size, "batch_tokens": None})
+    print(machine_line())
+    print(f"{n} sentences, batches of {args.batch_size}, forced output length {args.length} tokens")
+
+    tfm = tfm_model(config, vocab).eval()
+    hf = hf_model(config, vocab).eval()
+    device = torch.device("cpu")
+
+    # HF gets the same length-sorted batches tfm builds internally.
+    with_eos = [s + [EOS_ID] for s in sources]
+    hf_batches = []
+    for batch in length_sorted_batches([len(s) for s in with_eos], args.batch_size, None):
+        width = max(len(with_eos[i]) for i in batch)
+        ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : len(with_eos[i])] = torch.tensor(with_eos[i])
+        hf_batches.append(ids)
+
+    def run_hf(beam: int) -> None:
+        with torch.inference_mode():
+            for ids in hf_batches:
+                hf.generate(input_ids=ids, attention_mask=(ids != PAD_ID).long(), num_beams=beam,
+                            do_sample=False, min_new_tokens=args.length, max_new_tokens=args.length,
+                            length_penalty=1.0, early_stopping=False)
+
+    def run_tfm(beam: int) -> None:
+        decode_token_ids(tfm, sources, decode, device, beam=beam, min_len=args.length, max_len=args.length)
+
+    ct2 = None
+    try:
+        import ctranslate2  # noqa: F401
+
+        ct2 = ctranslate2
+    except ImportError:
+        print("ctranslate2 not installed: skipping the CT2 column (pip install ctranslate2)")
+    ct2_translator = None
+    if ct2 is not None:
+        folder = tempfile.mkdtemp()
+        hf.save_pretrained(folder + "/hf")
+        converter = ct2.converters.TransformersConverter(folder + "/hf", load_as_float16=False)
+        try:
+            converter.convert(folder + "/ct2", force=True)
+            ct2_translator = ct2.Translator(folder + "/ct2", device="cpu", inter_threads=1, intra_threads=args.threads)
+        except Exception as exc:  # noqa: BLE001 (report any converter failure and go on)
+            print(f"CTranslate2 conversion failed: {exc}")
+
+    def run_ct2(beam: int) -> None:
+        tokens = [[str(t) for t in s] for s in with_eos]
+        order = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
+        batch = [tokens[i] for i in order]
+        ct2_translator.translate_batch(batch, max_batch_size=args.batch_size, beam_size=beam,
+                                       min_decoding_length=args.length, max_decoding_length=args.length,
+                                       length_penalty=1.0)
+
+    # Warm-up (first calls allocate and pick kernels).
+    small = sources[: args.batch_size]
+    decode_token_ids(tfm, small, decode, device, beam=2, min_len=3, max_len=3)
+    hf.generate(input_ids=hf_batches[0][:4], attention_mask=(hf_batches[0][:4] != PAD_ID).long(),
+                num_beams=2, max_new_tokens=3)
+
+    for beam in beams:
+        t_tfm = time_it(lambda: run_tfm(beam))
+        t_hf = time_it(lambda: run_hf(beam))
+        label = "greedy" if beam == 1 else f"beam {beam}"
+        print(f"{label:7s} tfm {n / t_tfm:7.1f} sent/s   HF {n / t_hf:7.1f} sent/s   tfm/HF {t_hf / t_tfm:5.2f}x")
+        if ct2_translator is not None:
+            t_ct2 = time_it(lambda: run_ct2(beam))
+            ct2_ids = ct2_translator  # keep a reference (translator owns the threads)
+            del ct2_ids
+            print(f"{'':7s} CT2 {n / t_ct2:7.1f} sent/s   tfm/CT2 {t_ct2 / t_tfm:5.2f}x")
+
+    if args.checkpoint:
+        from transformer_cli.translate import Translator
+
+        trained = Translator.from_checkpoint(args.checkpoint, decode=decode, device="cpu")
+        for beam in beams:
+            seconds = time_it(lambda: trained.translate([trained.src_sp.decode(s) for s in sources], beam=beam))
+            print(f"trained checkpoint, natural lengths, beam {beam}: {n / seconds:.1f} sent/s")
+
+
+if __name__ == "__main__":
+    main()

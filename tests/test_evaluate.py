@@ -1,0 +1,78 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import sacrebleu
+
+from transformer_cli.evaluate import score
+from transformer_cli.io_utils import read_lines
+
+TFM = [sys.executable, "-m", "transformer_cli.cli"]
+
+
+@pytest.fixture(scope="module")
+def pair(multi30k_2k, tmp_path_factory):
+    """A real reference (Multi30k val) and a degraded hypothesis (every 3rd sentence truncated)."""
+    folder = tmp_path_factory.mktemp("eval")
+    refs = read_lines(multi30k_2k / "val.en.gz")[:300]
+    hyps = [" ".join(r.split()[: len(r.split()) // 2]) if i % 3 == 0 else r for i, r in enumerate(refs)]
+    (folder / "ref.txt").write_text("\n".join(refs) + "\n")
+    (folder / "hyp.txt").write_text("\n".join(hyps) + "\n")
+    (folder / "short.txt").write_text("\n".join(hyps[:-1]) + "\n")
+    return folder, hyps, refs
+
+
+def test_scores_equal_sacrebleu(pair):
+    _, hyps, refs = pair
+    result = score(hyps, refs, ["bleu", "chrf", "ter"])
+    assert result.scores["bleu"].score == sacrebleu.corpus_bleu(hyps, [refs]).score
+    assert result.scores["chrf"].score == sacrebleu.corpus_chrf(hyps, [refs]).score
+    assert result.scores["ter"].score == sacrebleu.corpus_ter(hyps, [refs]).score
+    assert result.scores["bleu"].signature.startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+
+
+def test_cli_json_and_gate(pair):
+    folder, hyps, refs = pair
+    expected = sacrebleu.corpus_bleu(hyps, [refs]).score
+    args = [*TFM, "evaluate", "--hyp", str(folder / "hyp.txt"), "--ref", str(folder / "ref.txt")]
+    proc = subprocess.run([*args, "--json", "--metrics", "bleu,chrf,ter"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["scores"]["bleu"]["score"] == pytest.approx(expected)
+    assert set(data["scores"]) == {"bleu", "chrf", "ter"}
+
+    below = subprocess.run([*args, "--min-bleu", str(expected + 1)], capture_output=True, text=True)
+    assert below.returncode == 1 and "below --min-bleu" in below.stderr
+    above = subprocess.run([*args, "--min-bleu", str(expected - 1)], capture_output=True, text=True)
+    assert above.returncode == 0 and "BLEU = " in above.stdout and "PASS" in above.stderr
+
+
+def test_cli_line_count_mismatch(pair):
+    folder, _, _ = pair
+    proc = subprocess.run([*TFM, "evaluate", "--hyp", str(folder / "short.txt"), "--ref", str(folder / "ref.txt")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "short.txt has 299 lines" in proc.stderr and "ref.txt has 300" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_confidence_and_paired_comparison(pair):
+    folder, hyps, refs = pair
+    result = score(hyps, refs, ["bleu"], confidence=True)
+    assert result.scores["bleu"].ci is not None and result.scores["bleu"].ci > 0
+    proc = subprocess.run([*TFM, "evaluate", "--hyp", str(folder / "ref.txt"), "--hyp", str(folder / "hyp.txt"),
+                           "--ref", str(folder / "ref.txt"), "--metrics", "bleu"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "p = " in proc.stdout
+
+
+def test_evaluate_model_on_a_split(reverse_model):
+    config, summary = reverse_model
+    from transformer_cli.evaluate import evaluate_model
+
+    result = evaluate_model(config, summary.best_checkpoint, "test", ["bleu"], beam=2)
+    assert result.scores["bleu"].score >= 90
+    saved = json.loads(
+        (config.run_path / "eval" / f"test.{summary.best_checkpoint.stem}.beam2.json").read_text())
+    assert saved["scores"]["bleu"]["score"] == result.scores["bleu"].score

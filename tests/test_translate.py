@@ -1,0 +1,157 @@
+import subprocess
+import sys
+
+import pytest
+import sacrebleu
+import torch
+
+from transformer_cli.data import BOS_ID, EOS_ID
+from transformer_cli.decoding import beam_search, greedy_search
+from transformer_cli.errors import TfmError
+from transformer_cli.io_utils import read_lines
+from transformer_cli.translate import Translator, format_nbest, length_sorted_batches
+
+TFM = [sys.executable, "-m", "transformer_cli.cli"]
+
+
+@pytest.fixture(scope="module")
+def translator(reverse_model):
+    config, summary = reverse_model
+    return Translator.from_checkpoint(summary.best_checkpoint, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def test_set(reverse_model):
+    config, _ = reverse_model
+    return read_lines(f"{config.data.test}.src.gz"), read_lines(f"{config.data.test}.tgt.gz")
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_reverse_model_translates_held_out_sentences(translator, test_set, beam):
+    src, ref = test_set
+    hyps = [t[0].text for t in translator.translate(src, beam=beam)]
+    bleu = sacrebleu.corpus_bleu(hyps, [ref]).score
+    assert bleu >= 90, f"beam {beam}: BLEU {bleu:.1f}"
+
+
+def test_beam_one_equals_greedy_token_for_token(translator, test_set):
+    src_lines, _ = test_set
+    model = translator.model
+    ids = [translator.src_sp.encode(line) + [EOS_ID] for line in src_lines[:48]]
+    src = torch.zeros(len(ids), max(map(len, ids)), dtype=torch.long)
+    for i, s in enumerate(ids):
+        src[i, : len(s)] = torch.tensor(s)
+    greedy = greedy_search(model, src, BOS_ID, EOS_ID, max_len_a=1.0, max_len_b=5)
+    beam = beam_search(model, src, BOS_ID, EOS_ID, beam=1, max_len_a=1.0, max_len_b=5)
+    assert [g.tokens for g in greedy] == [b[0].tokens for b in beam]
+    # Also when the length limit, not <eos>, ends the hypotheses.
+    greedy = greedy_search(model, src, BOS_ID, EOS_ID, max_len_a=0.0, max_len_b=3)
+    beam = beam_search(model, src, BOS_ID, EOS_ID, beam=1, max_len_a=0.0, max_len_b=3)
+    assert [g.tokens for g in greedy] == [b[0].tokens for b in beam]
+    assert all(len(g.tokens) <= 3 for g in greedy)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_batch_invariance_and_order(translator, test_set, beam):
+    src, _ = test_set
+    lines = src[:40]
+    together = [t[0].text for t in translator.translate(lines, beam=beam)]
+    alone = [translator.translate([line], beam=beam)[0][0].text for line in lines[:12]]
+    assert together[:12] == alone
+    shuffled = list(reversed(lines))
+    assert [t[0].text for t in translator.translate(shuffled, beam=beam)] == list(reversed(together))
+
+
+def test_empty_lines_stay_empty(translator):
+    out = translator.translate(["wa wb", "", "   ", "wc wd we"], beam=3)
+    texts = [t[0].text for t in out]
+    assert texts[1] == "" and texts[2] == ""
+    assert texts[0] == "wb wa" and texts[3] == "we wd wc"
+
+
+def test_nbest_is_sorted_and_formatted(translator):
+    out = translator.translate(["wa wb wc"], beam=4, nbest=3)[0]
+    assert len(out) == 3
+    assert [t.score for t in out] == sorted((t.score for t in out), reverse=True)
+    lines = format_nbest(7, out)
+    fields = lines[0].split("\t")
+    assert fields[0] == "7" and fields[1] == "1" and float(fields[2]) == pytest.approx(out[0].score, abs=1e-4)
+    assert fields[3] == "wc wb wa"
+    assert len({line.split("\t")[3] for line in lines}) == 3  # distinct hypotheses
+
+
+def test_length_sorted_batches_cover_all():
+    lengths = [5, 1, 9, 3, 7, 2]
+    batches = length_sorted_batches(lengths, batch_size=2, batch_tokens=None)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    assert all(len(b) <= 2 for b in batches)
+    assert batches[0] == [2, 4]  # longest first
+    capped = length_sorted_batches(lengths, batch_size=10, batch_tokens=10)
+    assert all(max(lengths[i] for i in b) * len(b) <= 10 or len(b) == 1 for b in capped)
+
+
+def test_cli_streams_stdin_to_stdout(reverse_model, test_set):
+    config, summary = reverse_model
+    src, ref = test_set
+    text = "\n".join(src[:30] + ["", src[30]]) + "\n"
+    proc = subprocess.run([*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "2"],
+                          input=text, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.split("\n")[:-1]
+    assert len(out) == 32 and out[30] == ""
+    assert sacrebleu.corpus_bleu(out[:30] + [out[31]], [ref[:30] + [ref[30]]]).score >= 90
+    assert "sentences/s" in proc.stderr
+
+
+def test_cli_nbest_output_and_invalid_utf8(reverse_model):
+    _, summary = reverse_model
+    data = b"wa wb\n\xff\xfe wc\nwd we\n"
+    proc = subprocess.run([*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "3",
+                           "--nbest", "2"], input=data, capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.decode().splitlines()
+    assert len(lines) == 6 and [line.split("\t")[0] for line in lines] == ["0", "0", "1", "1", "2", "2"]
+    assert b"line 2 is not valid UTF-8" in proc.stderr
+
+
+def test_cli_bad_checkpoint_is_one_line_exit_2(tmp_path, reverse_model):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"this is not a checkpoint")
+    for args in (["--checkpoint", str(bad)], ["--checkpoint", str(tmp_path / "missing.pt")]):
+        proc = subprocess.run([*TFM, "translate", *args], input="wa\n", capture_output=True, text=True)
+        assert proc.returncode == 2
+        assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: ")
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_vocab_mismatch_is_detected(reverse_model, tmp_path):
+    from transformer_cli.checkpoint import bytes_to_tensor, load_checkpoint, save_checkpoint
+
+    _, summary = reverse_model
+    payload = load_checkpoint(summary.best_checkpoint)
+    payload.pop("format")
+    import sentencepiece as spm
+
+    other = tmp_path / "other"
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(["abc def ghi jkl"] * 50 + ["mno pqr stu"] * 50),
+                                   model_prefix=str(other), vocab_size=25, pad_id=0, unk_id=1, bos_id=2,
+                                   eos_id=3, minloglevel=2)
+    payload["spm_tgt"] = bytes_to_tensor((tmp_path / "other.model").read_bytes())
+    save_checkpoint(tmp_path / "mismatch.pt", payload)
+    with pytest.raises(TfmError, match="target vocabulary has 25 pieces but the model expects 40"):
+        Translator.from_checkpoint(tmp_path / "mismatch.pt")
+
+
+def test_streaming_writes_before_input_ends(reverse_model):
+    """The first batch is written while stdin is still open (an endless pipe works)."""
+    _, summary = reverse_model
+    proc = subprocess.Popen([*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "1",
+                             "--batch-size", "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdin.write("wa wb\nwc wd\n")
+    proc.stdin.flush()
+    first = proc.stdout.readline()  # blocks until tfm flushes the first batch; stdin is still open
+    assert first.strip() == "wb wa"
+    proc.stdin.close()
+    proc.wait(timeout=60)
+    assert proc.returncode == 0
