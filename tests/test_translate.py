@@ -134,11 +134,11 @@ def test_vocab_mismatch_is_detected(reverse_model, tmp_path):
 
     other = tmp_path / "other"
     spm.SentencePieceTrainer.train(sentence_iterator=iter(["abc def ghi jkl"] * 50 + ["mno pqr stu"] * 50),
-                                   model_prefix=str(other), vocab_size=25, pad_id=0, unk_id=1, bos_id=2,
+                                   model_prefix=str(other), vocab_size=27, pad_id=0, unk_id=1, bos_id=2,
                                    eos_id=3, minloglevel=2)
     payload["spm_tgt"] = bytes_to_tensor((tmp_path / "other.model").read_bytes())
     save_checkpoint(tmp_path / "mismatch.pt", payload)
-    with pytest.raises(TfmError, match="target vocabulary has 25 pieces but the model expects 40"):
+    with pytest.raises(TfmError, match="target vocabulary has 27 pieces but the model expects 40"):
         Translator.from_checkpoint(tmp_path / "mismatch.pt")
 
 

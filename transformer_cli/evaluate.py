@@ -69,6 +69,8 @@ def paired_comparison(systems: dict[str, list[str]], refs: list[str], metrics: l
     signatures, results = test()
     lines = []
     for metric, per_system in results.items():
+        if metric == "System":  # the names column
+            continue
         for system_name, res in zip(systems, per_system):
             p = "" if res.p_value is None else f"  p = {res.p_value:.4f}"
             lines.append(f"{metric:5s} {system_name}: {res.score:.2f}{p}")

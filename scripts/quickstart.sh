@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The main job on Multi30k German→English: get data → prepare → train a small model → translate → evaluate.
+#   TIME=10m scripts/quickstart.sh       (training wall-clock budget; default 10m)
+# Writes runs/quickstart/. Re-running continues the same run (prepare is reused, training resumes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TIME=${TIME:-10m}
+CONFIG=configs/de-en.yaml
+RUN=(--set run_dir=runs/quickstart)
+
+scripts/get_data.sh multi30k
+tfm prepare --config "$CONFIG" "${RUN[@]}"
+if [ -f runs/quickstart/checkpoints/checkpoint_last.pt ]; then
+  tfm train --config "$CONFIG" "${RUN[@]}" --set train.max_time="$TIME" --resume
+else
+  tfm train --config "$CONFIG" "${RUN[@]}" --set train.max_time="$TIME"
+fi
+gzip -dc data/multi30k/test_2016_flickr.de.gz | tfm translate --config "$CONFIG" "${RUN[@]}" --beam 5 > runs/quickstart/test_2016_flickr.hyp.en
+gzip -dc data/multi30k/test_2016_flickr.en.gz > runs/quickstart/test_2016_flickr.ref.en
+tfm evaluate --hyp runs/quickstart/test_2016_flickr.hyp.en --ref runs/quickstart/test_2016_flickr.ref.en --metrics bleu,chrf
