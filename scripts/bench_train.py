@@ -5,8 +5,9 @@
     python scripts/bench_train.py --config configs/de-en.yaml [--steps 200 --warmup 20]
 
 Both models get the same token-bucketed Multi30k batches (tfm's batcher, --max-tokens), the same
-label-smoothed loss, the same fused Adam and one optimizer step per batch; steps alternate
-tfm/HF so both see the same machine state. Prints steady-state target tokens/s and the ratio.
+label smoothing (HF through torch's fused cross_entropy) and one optimizer step per batch; steps
+alternate tfm/HF so both see the same machine state. Prints steady-state target tokens/s and the
+ratio. See --hf-optimizer and --system-malloc for what each side runs with.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch.nn.functional as F
 from bench_common import hf_model, machine_line, tfm_model
 from transformer_cli.config import load_config
 from transformer_cli.data import PAD_ID, ParallelData, load_manifest
-from transformer_cli.train import label_smoothed_loss, learning_rate
+from transformer_cli.runtime import keep_freed_memory
+from transformer_cli.train import batch_loss, learning_rate
 
 
 def main() -> None:
@@ -30,7 +32,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per toolkit first")
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hf-optimizer", choices=["adamw", "fused"], default="adamw",
+                        help="adamw: torch.optim.AdamW with its defaults, what HF's Trainer uses (default); "
+                             "fused: the same fused Adam as tfm")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="skip tfm's allocator setting (keep_freed_memory); it is process-wide, so "
+                             "when on (the default, as in `tfm train`) HF benefits from it too")
     args = parser.parse_args()
+    if not args.system_malloc:
+        keep_freed_memory()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -55,16 +65,19 @@ def main() -> None:
           f"params tfm {tfm.num_parameters():,} / HF {sum(p.numel() for p in hf.parameters()):,}; "
           f"batches of <= {args.max_tokens} tokens")
 
-    def make_opt(model):
-        return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
-
-    opt_tfm, opt_hf = make_opt(tfm), make_opt(hf)
+    # tfm: what `tfm train` uses. HF: what its Trainer uses unless --hf-optimizer fused.
+    opt_tfm = torch.optim.Adam(tfm.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    if args.hf_optimizer == "fused":
+        opt_hf = torch.optim.Adam(hf.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    else:
+        opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0)
+    print(f"optimizers: tfm fused Adam, HF {args.hf_optimizer}; allocator: "
+          f"{'system default' if args.system_malloc else 'keep_freed_memory (both)'}")
 
     def tfm_step(batch, step):
         for g in opt_tfm.param_groups:
             g["lr"] = learning_rate(step, config.train, config.model.d_model)
-        logits = tfm(batch.src, batch.tgt_in)
-        loss, _ = label_smoothed_loss(logits, batch.tgt_out, smoothing)
+        loss, _ = batch_loss(tfm, batch, smoothing)
         (loss / batch.n_tgt_tokens).backward()
         opt_tfm.step()
         opt_tfm.zero_grad(set_to_none=True)

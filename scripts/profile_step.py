@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformer_cli.config import load_config
 from transformer_cli.data import BOS_ID, EOS_ID, ParallelData, load_manifest
 from transformer_cli.decoding import beam_search
-from transformer_cli.train import build_model, label_smoothed_loss
+from transformer_cli.train import batch_loss, build_model
 
 
 def main() -> None:
@@ -32,8 +32,7 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
 
     def train_step(batch) -> None:
-        logits = model(batch.src, batch.tgt_in)
-        loss, _ = label_smoothed_loss(logits, batch.tgt_out, config.train.label_smoothing)
+        loss, _ = batch_loss(model, batch, config.train.label_smoothing)
         (loss / batch.n_tgt_tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

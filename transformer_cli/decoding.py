@@ -31,32 +31,34 @@ def greedy_search(
     model: Transformer, src: torch.Tensor, bos: int, eos: int,
     max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
 ) -> list[Hypothesis]:
-    """Arg-max decoding of a (B, S) source batch; finished rows are dropped from the batch."""
+    """Arg-max decoding of a (B, S) source batch; finished rows leave the batch."""
     pad = model.cfg.pad_id
     memory, src_mask = model.encode(src)
     state = model.init_state(memory, src_mask)
     limits = max_output_lengths(src, pad, max_len_a, max_len_b).clamp(min=min_len)
-    batch = src.size(0)
+    batch, steps = src.size(0), int(limits.max())
     alive = torch.arange(batch, device=src.device)  # original row of each active row
     tokens = torch.full((batch,), bos, dtype=torch.long, device=src.device)
-    outputs: list[list[int]] = [[] for _ in range(batch)]
-    scores = [0.0] * batch
-    for step in range(int(limits.max())):
+    outputs = torch.full((batch, steps), eos, dtype=torch.long, device=src.device)  # (B, steps)
+    scores = torch.zeros(batch, device=src.device)
+    for step in range(steps):
         logprobs = model.decode_step(tokens, state).float().log_softmax(dim=-1)  # (A, V)
         if step < min_len:
             logprobs[:, eos] = float("-inf")
         best, tokens = logprobs.max(dim=-1)
+        outputs[alive, step] = tokens
+        scores[alive] += best
         finished = (tokens == eos) | (step + 1 >= limits[alive])
-        for row, (orig, tok, lp) in enumerate(zip(alive.tolist(), tokens.tolist(), best.tolist())):
-            scores[orig] += lp
-            if tok != eos:
-                outputs[orig].append(tok)
         if bool(finished.any()):
             keep = (~finished).nonzero().squeeze(1)
             if keep.numel() == 0:
                 break
             alive, tokens, state = alive[keep], tokens[keep], state.reorder(keep)
-    return [Hypothesis(out, score) for out, score in zip(outputs, scores)]
+    hyps = []
+    for row, score in zip(outputs.tolist(), scores.tolist()):
+        end = row.index(eos) if eos in row else len(row)
+        hyps.append(Hypothesis(row[:end], score))
+    return hyps
 
 
 @torch.inference_mode()

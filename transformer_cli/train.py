@@ -21,6 +21,7 @@ from .data import BOS_ID, EOS_ID, PAD_ID, Batch, ParallelData, load_manifest, pa
 from .errors import TfmError
 from .io_utils import atomic_write_text, read_lines
 from .model import Transformer, TransformerConfig
+from .runtime import keep_freed_memory
 
 
 def resolve_device(name: str) -> torch.device:
@@ -121,6 +122,13 @@ def target_rows(tgt_out: torch.Tensor, pad_id: int = PAD_ID) -> tuple[torch.Tens
     return rows, flat.index_select(0, rows)
 
 
+def batch_loss(model: torch.nn.Module, batch: Batch, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced summed loss and NLL of a batch; logits only where there is a target."""
+    rows, targets = target_rows(batch.tgt_out)
+    logits = model(batch.src, batch.tgt_in, rows)  # (N, V)
+    return label_smoothed_loss(logits, targets, smoothing)
+
+
 # --------------------------------------------------------------------------- side effects
 
 
@@ -215,8 +223,7 @@ def evaluate_loss(model: Transformer, data: ParallelData, config: ExperimentConf
     loss_sum = nll_sum = tokens = 0.0
     for batch in data.iterate(config.train.max_tokens, seed=0):
         batch = batch.to(device)
-        rows, targets = target_rows(batch.tgt_out)
-        loss, nll = label_smoothed_loss(model(batch.src, batch.tgt_in, rows), targets, config.train.label_smoothing)
+        loss, nll = batch_loss(model, batch, config.train.label_smoothing)
         loss_sum, nll_sum, tokens = loss_sum + float(loss), nll_sum + float(nll), tokens + batch.n_tgt_tokens
     return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "ppl": math.exp(min(nll_sum / tokens, 50))}
 
@@ -272,6 +279,8 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
         torch.set_num_threads(tc.threads)
     device = resolve_device(tc.device)
     amp_dtype = autocast_dtype(tc, device)
+    if device.type == "cpu":
+        keep_freed_memory()
 
     train_data = ParallelData(run_dir, "train")
     valid_data = ParallelData(run_dir, "valid")
@@ -356,10 +365,8 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
             n_tokens = sum(b.n_tgt_tokens for b in pending)
             for batch in pending:
                 batch = batch.to(device)
-                rows, targets = target_rows(batch.tgt_out)
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    logits = step_model(batch.src, batch.tgt_in, rows)  # (N, V): real targets only
-                loss, nll = label_smoothed_loss(logits, targets, tc.label_smoothing)
+                    loss, nll = batch_loss(step_model, batch, tc.label_smoothing)
                 (loss / n_tokens).backward()
                 window_loss += float(loss.detach())
                 window_nll += float(nll.detach())

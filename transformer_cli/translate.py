@@ -19,6 +19,7 @@ from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search
 from .errors import TfmError
 from .model import Transformer
+from .runtime import keep_freed_memory
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
@@ -85,6 +86,8 @@ class Translator:
                  decode: DecodeConfig, device: torch.device):
         self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
         model.to(device).eval()
+        if device.type == "cpu":
+            keep_freed_memory()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, decode: DecodeConfig | None = None,
