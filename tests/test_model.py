@@ -109,3 +109,18 @@ def test_dropout_keeps_expected_fraction_and_scale():
     assert kept == pytest.approx(0.9, abs=0.003)
     assert y.sum().item() / x.numel() == pytest.approx(1.0, abs=0.01)
     assert torch.equal(drop.eval()(x), x)
+
+
+def test_decoder_returns_cross_attention_weights_on_request():
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    src = torch.tensor([[5, 6, 7, 3, 0]])
+    tgt_in = torch.tensor([[2, 8, 9]])
+    memory, src_mask = model.encode(src)
+    plain = model.decode(tgt_in, memory, src_mask)
+    with_weights = model.decode(tgt_in, memory, src_mask, need_weights=True)
+    assert torch.allclose(plain, with_weights, atol=1e-5)
+    weights = model.cross_attention_weights()
+    assert len(weights) == 2 and weights[0].shape == (1, 4, 3, 5)
+    assert torch.allclose(weights[0].sum(-1), torch.ones(1, 4, 3), atol=1e-6)
+    assert (weights[0][..., 4] == 0).all()  # the padded source position gets no attention

@@ -155,3 +155,16 @@ def test_streaming_writes_before_input_ends(reverse_model):
     proc.stdin.close()
     proc.wait(timeout=60)
     assert proc.returncode == 0
+
+
+def test_closed_pipe_downstream_exits_quietly(reverse_model, tmp_path):
+    """`cat big.txt | tfm translate | head -n 1`: no traceback, no error status."""
+    _, summary = reverse_model
+    big = tmp_path / "big.txt"
+    big.write_text("wa wb wc\n" * 3000)
+    cmd = (f"{sys.executable} -m transformer_cli.cli translate --checkpoint {summary.best_checkpoint} "
+           f"--beam 1 < {big} | head -n 1")
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert proc.stdout == "wc wb wa\n"
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr

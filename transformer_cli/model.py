@@ -173,13 +173,9 @@ class MultiHeadAttention(nn.Module):
                 cache.key, cache.value = k, v
         dropout = self.dropout if self.training else 0.0
         weights = None
-        if isinstance(mask, str):  # CAUSAL
-            if need_weights:
-                mask = causal_mask(q.size(2), q.device)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-                out = out.transpose(1, 2).reshape(query.size(0), query.size(1), -1)
-                return self.out_proj(out), None
+        is_causal = isinstance(mask, str)  # CAUSAL: SDPA builds the mask itself
+        if is_causal:
+            mask = causal_mask(q.size(2), q.device) if need_weights else None
         if need_weights:
             # Explicit softmax(QKᵀ/√Dh)V so the weights can be returned (e.g. for plots).
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)  # (B, H, Tq, Tk)
@@ -188,7 +184,7 @@ class MultiHeadAttention(nn.Module):
             weights = scores.softmax(dim=-1)
             out = F.dropout(weights, dropout, self.training) @ v
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
         out = out.transpose(1, 2).reshape(query.size(0), query.size(1), -1)  # (B, Tq, D)
         return self.out_proj(out), weights
 

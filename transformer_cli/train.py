@@ -390,6 +390,10 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
                 out.log(record)
                 out.advance({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}",
                              "tok/s": f"{record['tokens_per_s']:.0f}"})
+                if not progress_bar:  # no live bar (a log file, CI): one line per log interval instead
+                    out.print(f"step {progress.step}: loss {record['loss']:.3f} ppl {record['ppl']:.1f} "
+                              f"lr {lr:.2e} {record['tokens_per_s']:.0f} tok/s "
+                              f"padding {100 * record['padding']:.1f}% {record['elapsed'] / 60:.1f} min")
                 window_tokens, window_start, window_loss, window_nll, window_pad = 0, time.perf_counter(), 0.0, 0.0, []
             else:
                 out.advance()
