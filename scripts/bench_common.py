@@ -34,7 +34,7 @@ def hf_model(config: ExperimentConfig, vocab_size: int):
     return MarianMTModel(hf_config)
 
 
-def machine_line() -> str:
+def machine_line(device: torch.device | None = None) -> str:
     cpu = platform.processor() or "cpu"
     try:
         with open("/proc/cpuinfo") as f:
@@ -43,5 +43,6 @@ def machine_line() -> str:
         pass
     import os
 
-    return (f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    gpu = f"GPU {torch.cuda.get_device_name(device)}, " if device is not None and device.type == "cuda" else ""
+    return (f"machine: {gpu}{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, python {platform.python_version()}")

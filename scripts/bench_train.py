@@ -3,6 +3,7 @@
     pip install -e '.[bench]'
     tfm prepare --config configs/de-en.yaml
     python scripts/bench_train.py --config configs/de-en.yaml [--steps 200 --warmup 20]
+    python scripts/bench_train.py --device cuda            # on a GPU: bf16 autocast for both
 
 Both models get the same token-bucketed Multi30k batches (tfm's batcher, --max-tokens), the same
 label smoothing (HF through torch's fused cross_entropy) and one optimizer step per batch; steps
@@ -38,8 +39,15 @@ def main() -> None:
     parser.add_argument("--system-malloc", action="store_true",
                         help="skip tfm's allocator setting (keep_freed_memory); it is process-wide, so "
                              "when on (the default, as in `tfm train`) HF benefits from it too")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="auto: bf16 autocast on CUDA, fp32 on CPU (as `tfm train`)")
     args = parser.parse_args()
-    if not args.system_malloc:
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    amp_dtype = torch.bfloat16 if args.precision == "bf16" or (
+        args.precision == "auto" and device.type == "cuda") else None
+    if not args.system_malloc and device.type == "cpu":
         keep_freed_memory()
 
     torch.set_num_threads(args.threads)
@@ -54,16 +62,16 @@ def main() -> None:
     while len(order) < needed:
         order += data.batches(args.max_tokens, seed=epoch)
         epoch += 1
-    batches = [data.collate(b) for b in order[:needed]]
+    batches = [data.collate(b).to(device) for b in order[:needed]]
     smoothing = config.train.label_smoothing
 
-    tfm = tfm_model(config, vocab).train()
-    hf = hf_model(config, vocab).train()
-    print(machine_line())
+    tfm = tfm_model(config, vocab).to(device).train()
+    hf = hf_model(config, vocab).to(device).train()
+    print(machine_line(device))
     print(f"shape: d_model {config.model.d_model}, heads {config.model.n_heads}, layers "
           f"{config.model.enc_layers}+{config.model.dec_layers}, ffn {config.model.d_ff}, vocab {vocab}; "
           f"params tfm {tfm.num_parameters():,} / HF {sum(p.numel() for p in hf.parameters()):,}; "
-          f"batches of <= {args.max_tokens} tokens")
+          f"batches of <= {args.max_tokens} tokens; {device}, {'bf16 autocast' if amp_dtype else 'fp32'}")
 
     # tfm: what `tfm train` uses. HF: what its Trainer uses unless --hf-optimizer fused.
     opt_tfm = torch.optim.Adam(tfm.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
@@ -77,7 +85,8 @@ def main() -> None:
     def tfm_step(batch, step):
         for g in opt_tfm.param_groups:
             g["lr"] = learning_rate(step, config.train, config.model.d_model)
-        loss, _ = batch_loss(tfm, batch, smoothing)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss, _ = batch_loss(tfm, batch, smoothing)
         (loss / batch.n_tgt_tokens).backward()
         opt_tfm.step()
         opt_tfm.zero_grad(set_to_none=True)
@@ -85,21 +94,28 @@ def main() -> None:
     def hf_step(batch, step):
         for g in opt_hf.param_groups:
             g["lr"] = learning_rate(step, config.train, config.model.d_model)
-        out = hf(input_ids=batch.src, attention_mask=(batch.src != PAD_ID).long(),
-                 decoder_input_ids=batch.tgt_in, decoder_attention_mask=(batch.tgt_in != PAD_ID).long())
-        loss = F.cross_entropy(out.logits.view(-1, vocab), batch.tgt_out.view(-1), ignore_index=PAD_ID,
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            out = hf(input_ids=batch.src, attention_mask=(batch.src != PAD_ID).long(),
+                     decoder_input_ids=batch.tgt_in, decoder_attention_mask=(batch.tgt_in != PAD_ID).long())
+        loss = F.cross_entropy(out.logits.float().view(-1, vocab), batch.tgt_out.view(-1), ignore_index=PAD_ID,
                                label_smoothing=smoothing, reduction="sum")
         (loss / batch.n_tgt_tokens).backward()
         opt_hf.step()
         opt_hf.zero_grad(set_to_none=True)
+
+    def sync():  # GPU work is asynchronous: time it to completion
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     seconds = {"tfm": 0.0, "hf": 0.0}
     tokens = 0
     for i, batch in enumerate(batches):
         timed = i >= args.warmup
         for name, fn in (("tfm", tfm_step), ("hf", hf_step)) if i % 2 == 0 else (("hf", hf_step), ("tfm", tfm_step)):
+            sync()
             start = time.perf_counter()
             fn(batch, i + 1)
+            sync()
             if timed:
                 seconds[name] += time.perf_counter() - start
         if timed:
