@@ -1,6 +1,6 @@
 """Decoding speed: tfm vs HuggingFace `generate` (and CTranslate2 if installed), same shape.
 
-    pip install -e '.[bench]'          # + `pip install ctranslate2` for the CT2 column
+    pip install -e '.[bench]'          # transformers + ctranslate2 (the CT2 column is skipped without it)
     tfm prepare --config configs/de-en.yaml
     python scripts/bench_translate.py --config configs/de-en.yaml [--checkpoint runs/de-en/checkpoints/checkpoint_best.pt]
 

@@ -116,7 +116,9 @@ def train(
 def translate(
     config: Optional[Path] = ConfigOpt,
     set_: Optional[list[str]] = SetOpt,
-    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Model file (default: the run's best)."),
+    checkpoint: Optional[Path] = typer.Option(
+        None, "--checkpoint", help="Model file (default: the run's checkpoint_avg.pt, else checkpoint_best.pt)."
+    ),
     input_: Optional[Path] = typer.Option(None, "--input", "-i", help="Source text (default: stdin)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Translations (default: stdout)."),
     beam: Optional[int] = typer.Option(None, "--beam", help="Beam size (1 = greedy; default decode.beam)."),
@@ -166,7 +168,9 @@ def evaluate(
     ref: Optional[Path] = typer.Option(None, "--ref", help="Reference file."),
     config: Optional[Path] = ConfigOpt,
     set_: Optional[list[str]] = SetOpt,
-    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="With --config: model (default: best)."),
+    checkpoint: Optional[Path] = typer.Option(
+        None, "--checkpoint", help="With --config: model (default: checkpoint_avg.pt, else checkpoint_best.pt)."
+    ),
     split: str = typer.Option("test", "--split", help="With --config: valid or test."),
     beam: Optional[int] = typer.Option(None, "--beam", help="With --config: beam size (default decode.beam)."),
     metrics: str = typer.Option("bleu,chrf", "--metrics", help="Comma-separated: bleu, chrf, ter."),
