@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from bench_common import hf_model, machine_line, tfm_model
-from transformer_cli.config import load_config
+from transformer_cli.config import TrainConfig, load_config
 from transformer_cli.data import PAD_ID, ParallelData, load_manifest
 from transformer_cli.runtime import keep_freed_memory
-from transformer_cli.train import batch_loss, learning_rate
+from transformer_cli.train import autocast_dtype, batch_loss, learning_rate
 
 
 def main() -> None:
@@ -41,12 +41,11 @@ def main() -> None:
                              "when on (the default, as in `tfm train`) HF benefits from it too")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                        help="auto: bf16 autocast on CUDA, fp32 on CPU (as `tfm train`)")
+                        help="for both toolkits; auto: as `tfm train` (bf16 autocast on CUDA and AMX CPUs)")
     args = parser.parse_args()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
-    amp_dtype = torch.bfloat16 if args.precision == "bf16" or (
-        args.precision == "auto" and device.type == "cuda") else None
+    amp_dtype = autocast_dtype(TrainConfig(precision=args.precision), device)
     if not args.system_malloc and device.type == "cpu":
         keep_freed_memory()
 

@@ -23,6 +23,8 @@ def main() -> None:
     parser.add_argument("--what", default="both", choices=["train", "beam", "both"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: autocast the training step to bfloat16")
     args = parser.parse_args()
     config = load_config(args.config)
     manifest = load_manifest(config.run_path)
@@ -31,8 +33,11 @@ def main() -> None:
     batches = [data.collate(b) for b in data.batches(config.train.max_tokens, seed=0)[: args.steps + 1]]
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
 
+    amp = args.precision == "bf16"
+
     def train_step(batch) -> None:
-        loss, _ = batch_loss(model, batch, config.train.label_smoothing)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss, _ = batch_loss(model, batch, config.train.label_smoothing)
         (loss / batch.n_tgt_tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from transformer_cli.model import (MultiHeadAttention, PositionalEncoding, Transformer, TransformerConfig,
+from transformer_cli.model import (CAUSAL, MultiHeadAttention, PositionalEncoding, Transformer, TransformerConfig,
                                    causal_mask, decoder_self_attention_mask, padding_mask, sinusoidal_table)
 
 
@@ -50,6 +50,21 @@ def test_attention_matches_naive_softmax_implementation():
     assert weights.shape == (2, 4, 3, 5)
     assert torch.allclose(weights.sum(-1), torch.ones(2, 4, 3))
     assert (weights[0, :, :, 3:] == 0).all()  # padded keys get no weight
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_autocast_attention_on_cpu_matches_fp32(causal):
+    # Under CPU bf16 autocast the attention core runs in fp32 (faster there); the result must
+    # still agree with the fp32 module to bf16 precision, with and without the causal mask.
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(d_model=32, n_heads=4).eval()
+    x = torch.randn(3, 7, 32)
+    mask = CAUSAL if causal else padding_mask(torch.tensor([[1] * 7, [1] * 5 + [0] * 2, [1] * 7]), pad_id=0)
+    reference, _ = mha(x, x, mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = mha(x, x, mask)
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), reference, atol=3e-2, rtol=3e-2)
 
 
 def test_sinusoidal_values_at_known_positions():

@@ -11,7 +11,7 @@ from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import TrainConfig, config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
-from transformer_cli.train import label_smoothed_loss, learning_rate, train
+from transformer_cli.train import autocast_dtype, cpu_has_fast_bf16, label_smoothed_loss, learning_rate, train
 
 from .conftest import ROOT, multi30k_config
 
@@ -59,10 +59,11 @@ def test_model_learns_the_reverse_task(reverse_model):
     assert train_losses[-1] < 0.2 * train_losses[0]
 
 
-def test_resume_gives_identical_weights(multi30k_2k, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_gives_identical_weights(multi30k_2k, tmp_path, precision):
     def run(run_dir: Path, steps: int, resume: bool = False) -> None:
         raw = multi30k_config(multi30k_2k, run_dir, train={"max_steps": steps, "eval_every": 20,
-                                                          "eval_bleu_sentences": 5})
+                                                          "eval_bleu_sentences": 5, "precision": precision})
         config = config_from_dict(raw)
         prepare(config, progress=False)
         train(config, resume=resume, progress_bar=False)
@@ -141,3 +142,12 @@ def test_logits_for_target_rows_equal_the_full_projection():
     assert rows.tolist() == [0, 1, 2, 3, 4] and targets.tolist() == [8, 9, 3, 8, 3]
     full = model(src, tgt_in).reshape(-1, 30)
     assert torch.allclose(model(src, tgt_in, rows), full[rows], atol=1e-6)
+
+
+def test_precision_auto_means_bf16_on_cuda_and_amx_cpus_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert autocast_dtype(TrainConfig(precision="auto"), cuda) is torch.bfloat16
+    assert autocast_dtype(TrainConfig(precision="fp32"), cuda) is None
+    assert autocast_dtype(TrainConfig(precision="bf16"), cpu) is torch.bfloat16
+    expected = torch.bfloat16 if cpu_has_fast_bf16() else None
+    assert autocast_dtype(TrainConfig(precision="auto"), cpu) is expected

@@ -63,7 +63,7 @@ class ModelConfig(_Section):
 class TrainConfig(_Section):
     seed: int = 1
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto = bf16 autocast on CUDA and AMX CPUs, else fp32
     compile: bool = False
     threads: int | None = None  # torch intra-op threads on CPU (None = torch default)
     max_tokens: int = 4096  # tokens per batch, padding included
