@@ -11,7 +11,8 @@ from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import TrainConfig, config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
-from transformer_cli.train import autocast_dtype, cpu_has_fast_bf16, label_smoothed_loss, learning_rate, train
+from transformer_cli.runtime import cpu_has_fast_bf16
+from transformer_cli.train import autocast_dtype, label_smoothed_loss, learning_rate, train
 
 from .conftest import ROOT, multi30k_config
 

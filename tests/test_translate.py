@@ -17,7 +17,8 @@ TFM = [sys.executable, "-m", "transformer_cli.cli"]
 @pytest.fixture(scope="module")
 def translator(reverse_model):
     config, summary = reverse_model
-    return Translator.from_checkpoint(summary.best_checkpoint, device="cpu")
+    # fp32 whatever the CPU: exact batch invariance and beam-1 == greedy are fp32 guarantees.
+    return Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=fp32"])
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,16 @@ def test_reverse_model_translates_held_out_sentences(translator, test_set, beam)
     hyps = [t[0].text for t in translator.translate(src, beam=beam)]
     bleu = sacrebleu.corpus_bleu(hyps, [ref]).score
     assert bleu >= 90, f"beam {beam}: BLEU {bleu:.1f}"
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_bf16_decoding_keeps_quality(reverse_model, test_set, beam):
+    _, summary = reverse_model
+    bf16 = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=bf16"])
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    src, ref = test_set
+    hyps = [t[0].text for t in bf16.translate(src, beam=beam)]
+    assert sacrebleu.corpus_bleu(hyps, [ref]).score >= 90
 
 
 def test_beam_one_equals_greedy_token_for_token(translator, test_set):
@@ -112,6 +123,16 @@ def test_cli_nbest_output_and_invalid_utf8(reverse_model):
     lines = proc.stdout.decode().splitlines()
     assert len(lines) == 6 and [line.split("\t")[0] for line in lines] == ["0", "0", "1", "1", "2", "2"]
     assert b"line 2 is not valid UTF-8" in proc.stderr
+
+
+def test_cli_set_without_config_edits_the_checkpoint_settings(reverse_model):
+    _, summary = reverse_model
+    base = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint)]
+    proc = subprocess.run([*base, "--set", "decode.beem=3"], input="wa\n", capture_output=True, text=True)
+    assert proc.returncode == 2 and "decode.beem" in proc.stderr and "beam" in proc.stderr
+    proc = subprocess.run([*base, "--set", "decode.beam=1", "--nbest", "2"], input="wa\n",
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--nbest 2 needs a beam" in proc.stderr
 
 
 def test_cli_bad_checkpoint_is_one_line_exit_2(tmp_path, reverse_model):

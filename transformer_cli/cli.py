@@ -135,7 +135,9 @@ def translate(
         if cfg is None:
             raise TfmError("give --checkpoint, or --config to use the run's best checkpoint")
         checkpoint = default_checkpoint(cfg)
-    translator = Translator.from_checkpoint(checkpoint, decode=cfg.decode if cfg else None, device=device)
+    # Without --config, --set edits the settings the checkpoint carries.
+    translator = Translator.from_checkpoint(checkpoint, decode=cfg.decode if cfg else None, device=device,
+                                            overrides=None if cfg else set_)
     updates = {k: v for k, v in (("batch_size", batch_size), ("batch_tokens", batch_tokens)) if v is not None}
     translator.decode = translator.decode.model_copy(update=updates)
     if nbest < 1 or (beam is not None and beam < 1):

@@ -183,9 +183,9 @@ class MultiHeadAttention(nn.Module):
                 scores = scores.masked_fill(~mask, float("-inf"))
             weights = scores.softmax(dim=-1)
             out = F.dropout(weights, dropout, self.training) @ v
-        elif q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            # On CPU, torch's fused attention kernel is ~3x slower in bf16 than in fp32 at these
-            # short lengths (softmax-bound, not matmul-bound): under bf16 autocast, attend in fp32.
+        elif q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(2) > 1:
+            # On CPU, torch's fused attention kernel is ~3x slower in bf16 than in fp32 for short
+            # multi-query blocks (training): attend in fp32 there. One-query decode steps stay bf16.
             with torch.autocast("cpu", enabled=False):
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                      dropout_p=dropout, is_causal=is_causal).to(q.dtype)

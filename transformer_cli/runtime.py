@@ -6,6 +6,8 @@ import ctypes
 import ctypes.util
 import sys
 
+import torch
+
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _configured = False
 
@@ -30,3 +32,20 @@ def keep_freed_memory() -> bool:
     ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     _configured = ok
     return ok
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True on CPUs with AMX tiles, where a bf16 matmul runs ~12x faster than fp32.
+
+    Measured on a 2-core Xeon with AMX: 2,900 vs 235 GFLOP/s for (4096x256)@(256x1024).
+    Without AMX (AVX2, or AVX-512 BF16 alone) bf16 gains little or loses, so those stay fp32.
+    """
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(is_amx and is_amx())
+
+
+def wants_bf16(precision: str, device: torch.device) -> bool:
+    """Resolve a `precision` setting (auto, fp32, bf16): auto = bf16 on CUDA and on AMX CPUs."""
+    if precision == "auto":
+        return device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
+    return precision == "bf16"

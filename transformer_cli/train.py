@@ -21,7 +21,7 @@ from .data import BOS_ID, EOS_ID, PAD_ID, Batch, ParallelData, load_manifest, pa
 from .errors import TfmError
 from .io_utils import atomic_write_text, read_lines
 from .model import Transformer, TransformerConfig
-from .runtime import keep_freed_memory
+from .runtime import keep_freed_memory, wants_bf16
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,23 +35,9 @@ def resolve_device(name: str) -> torch.device:
         raise TfmError(f"train.device={name!r} is not a device (use auto, cpu, cuda or cuda:N)") from None
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True on CPUs with AMX tiles, where a bf16 matmul runs ~12x faster than fp32.
-
-    Measured on a 2-core Xeon with AMX: 2,900 vs 235 GFLOP/s for (4096x256)@(256x1024).
-    Without AMX (AVX2, or AVX-512 BF16 alone) bf16 gains little or loses, so those stay fp32.
-    """
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(is_amx and is_amx())
-
-
 def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
     """bf16 autocast: `auto` turns it on for CUDA and for CPUs with AMX; `fp32` keeps it off."""
-    if config.precision == "bf16":
-        return torch.bfloat16
-    if config.precision == "auto" and (device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())):
-        return torch.bfloat16
-    return None
+    return torch.bfloat16 if wants_bf16(config.precision, device) else None
 
 
 def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: int) -> Transformer:

@@ -14,12 +14,12 @@ import torch
 from tqdm import tqdm
 
 from .checkpoint import load_checkpoint, model_from_checkpoint, tensor_to_bytes
-from .config import DecodeConfig, ExperimentConfig
+from .config import DecodeConfig, ExperimentConfig, apply_override, config_from_dict
 from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search
 from .errors import TfmError
 from .model import Transformer
-from .runtime import keep_freed_memory
+from .runtime import keep_freed_memory, wants_bf16
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
@@ -86,12 +86,15 @@ class Translator:
                  decode: DecodeConfig, device: torch.device):
         self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
         model.to(device).eval()
+        if wants_bf16(decode.precision, device):
+            model.to(torch.bfloat16)  # scores are still accumulated in fp32 (decoding.py)
         if device.type == "cpu":
             keep_freed_memory()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, decode: DecodeConfig | None = None,
-                        device: str = "auto") -> Translator:
+                        device: str = "auto", overrides: list[str] | None = None) -> Translator:
+        """`decode` replaces the checkpoint's decode settings; `overrides` (`decode.beam=4`…) edit them."""
         dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                            ("cpu" if device == "auto" else device))
         payload = load_checkpoint(path)
@@ -101,6 +104,11 @@ class Translator:
         for side, sp, size in (("source", src_sp, model.cfg.src_vocab_size), ("target", tgt_sp, model.cfg.tgt_vocab_size)):
             if sp.vocab_size() != size:
                 raise TfmError(f"{path}: {side} vocabulary has {sp.vocab_size()} pieces but the model expects {size}")
+        if overrides:
+            raw = config.model_dump(mode="json")
+            for assignment in overrides:
+                apply_override(raw, assignment)
+            config = config_from_dict(raw, f"{path} (with --set)")
         return cls(model, src_sp, tgt_sp, decode or config.decode, dev)
 
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
