@@ -13,6 +13,7 @@ sentences/s and the ratios. With --checkpoint, tfm also decodes normally (no for
 from __future__ import annotations
 
 import argparse
+import copy
 import tempfile
 import time
 
@@ -21,7 +22,7 @@ import torch
 
 from bench_common import hf_model, machine_line, tfm_model
 from transformer_cli.config import load_config
-from transformer_cli.data import EOS_ID, PAD_ID, ParallelData, load_manifest
+from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData, load_manifest
 from transformer_cli.translate import decode_token_ids, length_sorted_batches
 
 
@@ -40,6 +41,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--limit", type=int, default=0, help="use only the first N sentences (0 = all)")
     parser.add_argument("--checkpoint", default=None, help="also time tfm on trained weights, natural lengths")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                        help="weights/activations for every system (CT2: compute_type)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -55,8 +58,10 @@ def main() -> None:
     print(machine_line())
     print(f"{n} sentences, batches of {args.batch_size}, forced output length {args.length} tokens")
 
-    tfm = tfm_model(config, vocab).eval()
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    tfm = tfm_model(config, vocab).eval().to(dtype)
     hf = hf_model(config, vocab).eval()
+    print(f"precision {args.precision} (all systems)")
     device = torch.device("cpu")
 
     # HF gets the same length-sorted batches tfm builds internally.
@@ -79,6 +84,32 @@ def main() -> None:
     def run_tfm(beam: int) -> None:
         decode_token_ids(tfm, sources, decode, device, beam=beam, min_len=args.length, max_len=args.length)
 
+    hf.to(dtype)
+
+    # Warm-up (first calls allocate and pick kernels).
+    small = sources[: args.batch_size]
+    decode_token_ids(tfm, small, decode, device, beam=2, min_len=3, max_len=3)
+    hf.generate(input_ids=hf_batches[0][:4], attention_mask=(hf_batches[0][:4] != PAD_ID).long(),
+                num_beams=2, max_new_tokens=3)
+
+    seconds_tfm = {}
+    for beam in beams:
+        seconds_tfm[beam] = t_tfm = time_it(lambda: run_tfm(beam))
+        t_hf = time_it(lambda: run_hf(beam))
+        label = "greedy" if beam == 1 else f"beam {beam}"
+        print(f"{label:7s} tfm {n / t_tfm:7.1f} sent/s   HF {n / t_hf:7.1f} sent/s   tfm/HF {t_hf / t_tfm:5.2f}x")
+
+    if args.checkpoint:
+        from transformer_cli.translate import Translator
+
+        trained = Translator.from_checkpoint(args.checkpoint, decode=decode.model_copy(
+            update={"precision": args.precision}), device="cpu")
+        for beam in beams:
+            seconds = time_it(lambda: trained.translate([trained.src_sp.decode(s) for s in sources], beam=beam))
+            print(f"trained checkpoint, natural lengths, beam {beam}: {n / seconds:.1f} sent/s")
+
+    # CTranslate2 last: its thread pool keeps spinning after a call, which would slow whatever
+    # ran next in this process.
     ct2 = None
     try:
         import ctranslate2  # noqa: F401
@@ -89,11 +120,33 @@ def main() -> None:
     ct2_translator = None
     if ct2 is not None:
         folder = tempfile.mkdtemp()
-        hf.save_pretrained(folder + "/hf")
-        converter = ct2.converters.TransformersConverter(folder + "/hf", load_as_float16=False)
+        # CT2's Marian loader drops the last vocabulary row (HF appends <pad> to Marian vocabularies)
+        # and reads the vocabulary from a tokenizer: save a copy with one extra row, and hand it
+        # token names "0".."V-1" (tfm's ids) + "<pad>" instead of a tokenizer on disk.
+        hf_for_ct2 = copy.deepcopy(hf)
+        hf_for_ct2.resize_token_embeddings(vocab + 1, mean_resizing=False)
+        hf_for_ct2.save_pretrained(folder + "/hf")  # fp32 weights; CT2 casts at load (compute_type)
+        del hf_for_ct2
+
+        class IdTokenizer:
+            eos_token, unk_token = str(EOS_ID), str(UNK_ID)
+
+            def get_vocab(self) -> dict[str, int]:
+                return {**{str(i): i for i in range(vocab)}, "<pad>": vocab}
+
+        class Converter(ct2.converters.TransformersConverter):
+            def load_tokenizer(self, *args, **kwargs):
+                return IdTokenizer()
+
+        converter = Converter(folder + "/hf", load_as_float16=False)
         try:
             converter.convert(folder + "/ct2", force=True)
-            ct2_translator = ct2.Translator(folder + "/ct2", device="cpu", inter_threads=1, intra_threads=args.threads)
+            compute_type = "bfloat16" if args.precision == "bf16" else "float32"
+            if compute_type not in ct2.get_supported_compute_types("cpu"):
+                print(f"CTranslate2 has no {compute_type} on this CPU: CT2 runs float32")
+                compute_type = "float32"
+            ct2_translator = ct2.Translator(folder + "/ct2", device="cpu", inter_threads=1, intra_threads=args.threads,
+                                            compute_type=compute_type)
         except Exception as exc:  # noqa: BLE001 (report any converter failure and go on)
             print(f"CTranslate2 conversion failed: {exc}")
 
@@ -105,30 +158,13 @@ def main() -> None:
                                        min_decoding_length=args.length, max_decoding_length=args.length,
                                        length_penalty=1.0)
 
-    # Warm-up (first calls allocate and pick kernels).
-    small = sources[: args.batch_size]
-    decode_token_ids(tfm, small, decode, device, beam=2, min_len=3, max_len=3)
-    hf.generate(input_ids=hf_batches[0][:4], attention_mask=(hf_batches[0][:4] != PAD_ID).long(),
-                num_beams=2, max_new_tokens=3)
-
-    for beam in beams:
-        t_tfm = time_it(lambda: run_tfm(beam))
-        t_hf = time_it(lambda: run_hf(beam))
-        label = "greedy" if beam == 1 else f"beam {beam}"
-        print(f"{label:7s} tfm {n / t_tfm:7.1f} sent/s   HF {n / t_hf:7.1f} sent/s   tfm/HF {t_hf / t_tfm:5.2f}x")
-        if ct2_translator is not None:
-            t_ct2 = time_it(lambda: run_ct2(beam))
-            ct2_ids = ct2_translator  # keep a reference (translator owns the threads)
-            del ct2_ids
-            print(f"{'':7s} CT2 {n / t_ct2:7.1f} sent/s   tfm/CT2 {t_ct2 / t_tfm:5.2f}x")
-
-    if args.checkpoint:
-        from transformer_cli.translate import Translator
-
-        trained = Translator.from_checkpoint(args.checkpoint, decode=decode, device="cpu")
+    if ct2_translator is not None:
+        run_ct2_small = [[str(t) for t in s] for s in with_eos[: args.batch_size]]
+        ct2_translator.translate_batch(run_ct2_small, beam_size=2, max_decoding_length=3)  # warm-up
         for beam in beams:
-            seconds = time_it(lambda: trained.translate([trained.src_sp.decode(s) for s in sources], beam=beam))
-            print(f"trained checkpoint, natural lengths, beam {beam}: {n / seconds:.1f} sent/s")
+            t_ct2 = time_it(lambda: run_ct2(beam))
+            label = "greedy" if beam == 1 else f"beam {beam}"
+            print(f"{label:7s} CT2 {n / t_ct2:7.1f} sent/s   tfm/CT2 {t_ct2 / seconds_tfm[beam]:5.2f}x")
 
 
 if __name__ == "__main__":
