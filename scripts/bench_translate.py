@@ -123,9 +123,9 @@ def main() -> None:
         # CT2's Marian loader drops the last vocabulary row (HF appends <pad> to Marian vocabularies)
         # and reads the vocabulary from a tokenizer: save a copy with one extra row, and hand it
         # token names "0".."V-1" (tfm's ids) + "<pad>" instead of a tokenizer on disk.
-        hf_for_ct2 = copy.deepcopy(hf)
+        hf_for_ct2 = copy.deepcopy(hf).float()  # hf may be bf16 by now; CT2 reads fp32 and casts itself
         hf_for_ct2.resize_token_embeddings(vocab + 1, mean_resizing=False)
-        hf_for_ct2.save_pretrained(folder + "/hf")  # fp32 weights; CT2 casts at load (compute_type)
+        hf_for_ct2.save_pretrained(folder + "/hf")
         del hf_for_ct2
 
         class IdTokenizer:

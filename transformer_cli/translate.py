@@ -80,7 +80,11 @@ class Translation:
 
 
 class Translator:
-    """A trained model plus its sentencepiece models: raw text in, detokenized text out."""
+    """A trained model plus its sentencepiece models: raw text in, detokenized text out.
+
+    The model is moved to `device` and, when `decode.precision` resolves to bf16, cast in place:
+    pass a model of its own, not one still being trained.
+    """
 
     def __init__(self, model: Transformer, src_sp: spm.SentencePieceProcessor, tgt_sp: spm.SentencePieceProcessor,
                  decode: DecodeConfig, device: torch.device):
