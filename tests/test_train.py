@@ -1,5 +1,6 @@
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -145,10 +146,36 @@ def test_logits_for_target_rows_equal_the_full_projection():
     assert torch.allclose(model(src, tgt_in, rows), full[rows], atol=1e-6)
 
 
-def test_precision_auto_means_bf16_on_cuda_and_amx_cpus_only():
+def test_precision_auto_means_bf16_on_cuda_and_amx_cpus_only(monkeypatch):
+    monkeypatch.delenv("TFM_PRECISION", raising=False)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert autocast_dtype(TrainConfig(precision="auto"), cuda) is torch.bfloat16
     assert autocast_dtype(TrainConfig(precision="fp32"), cuda) is None
     assert autocast_dtype(TrainConfig(precision="bf16"), cpu) is torch.bfloat16
     expected = torch.bfloat16 if cpu_has_fast_bf16() else None
     assert autocast_dtype(TrainConfig(precision="auto"), cpu) is expected
+
+
+def test_tfm_precision_env_decides_auto_only(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for forced, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("BF16", torch.bfloat16)):
+        monkeypatch.setenv("TFM_PRECISION", forced)
+        assert autocast_dtype(TrainConfig(precision="auto"), cpu) is dtype
+        assert autocast_dtype(TrainConfig(precision="auto"), cuda) is dtype
+    monkeypatch.setenv("TFM_PRECISION", "bf16")
+    assert autocast_dtype(TrainConfig(precision="fp32"), cpu) is None  # explicit settings win
+    monkeypatch.setenv("TFM_PRECISION", "fp16")
+    with pytest.raises(TfmError, match="TFM_PRECISION='fp16': expected fp32, bf16 or auto"):
+        autocast_dtype(TrainConfig(precision="auto"), cpu)
+
+
+def test_tfm_precision_env_error_is_one_line_exit_2(multi30k_2k, tmp_path):
+    raw = multi30k_config(multi30k_2k, tmp_path / "run")
+    config = config_from_dict(raw)
+    prepare(config, progress=False)
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(json.dumps(raw))
+    env = {**os.environ, "TFM_PRECISION": "half"}
+    proc = subprocess.run([sys.executable, "-m", "transformer_cli.cli", "train", "--config", str(cfg_path)],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "TFM_PRECISION='half'" in proc.stderr and "Traceback" not in proc.stderr

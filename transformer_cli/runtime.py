@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 import torch
+
+from .errors import TfmError
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _configured = False
@@ -44,8 +47,31 @@ def cpu_has_fast_bf16() -> bool:
     return bool(is_amx and is_amx())
 
 
+PRECISION_ENV = "TFM_PRECISION"
+
+
+def precision_override() -> str | None:
+    """`TFM_PRECISION=fp32|bf16` decides what `precision: auto` means, on any device.
+
+    It lets anyone reproduce another CPU family's behaviour (the test suite run as on an AMX
+    Xeon, or as on a CPU without fast bf16). Explicit `fp32`/`bf16` settings are not affected.
+    """
+    value = os.environ.get(PRECISION_ENV, "").strip().lower()
+    if not value or value == "auto":
+        return None
+    if value not in ("fp32", "bf16"):
+        raise TfmError(f"{PRECISION_ENV}={value!r}: expected fp32, bf16 or auto")
+    return value
+
+
 def wants_bf16(precision: str, device: torch.device) -> bool:
-    """Resolve a `precision` setting (auto, fp32, bf16): auto = bf16 on CUDA and on AMX CPUs."""
+    """Resolve a `precision` setting (auto, fp32, bf16).
+
+    auto = `TFM_PRECISION` when set, else bf16 on CUDA and on AMX CPUs, fp32 elsewhere.
+    """
     if precision == "auto":
+        forced = precision_override()
+        if forced is not None:
+            return forced == "bf16"
         return device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
     return precision == "bf16"
