@@ -115,3 +115,79 @@ def test_token_batches_respect_budget_and_cover_everything(prepared):
     assert (batch.tgt_in[:, 0] == BOS_ID).all()
     assert ((batch.tgt_out == EOS_ID).sum(dim=1) == 1).all()
     assert json.loads((config.run_path / "prepare.json").read_text())["special_ids"]["pad"] == PAD_ID
+
+
+def _prepared_arrays(run_dir) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((run_dir / "data").glob("*.npy"))}
+
+
+def test_parallel_workers_write_the_same_files_as_one_process(multi30k_2k, tmp_path):
+    """Chunked encoding in 2 worker processes (small chunks, so many tasks) = in-process encoding."""
+    outputs = []
+    for workers in (1, 2):
+        raw = multi30k_config(multi30k_2k, tmp_path / f"w{workers}", prepare={"workers": workers, "chunk_lines": 150})
+        result = prepare(config_from_dict(raw), progress=False)
+        assert result.manifest["workers"] == workers
+        outputs.append((_prepared_arrays(tmp_path / f"w{workers}"), result.manifest["stats"],
+                        result.manifest["train_pairs_dropped"]))
+    assert outputs[0] == outputs[1]
+    assert len(outputs[0][0]) == 12  # 3 splits x 2 sides x (tokens, offsets)
+    # The streamed .npy files are ordinary numpy arrays (memory-mapped by training).
+    data = ParallelData(tmp_path / "w2", "train")
+    assert data.src.tokens.dtype == np.uint16 and data.src.offsets[-1] == len(data.src.tokens)
+
+
+def test_vocab_sample_is_uniform_aligned_and_in_corpus_order(tmp_path):
+    from transformer_cli.corpus import sample_pairs
+
+    (tmp_path / "a.src").write_text("".join(f"s{i}\n" for i in range(5000)))
+    (tmp_path / "a.tgt").write_text("".join(f"t{i}\n" for i in range(5000)))
+    src, tgt, read = sample_pairs(tmp_path / "a.src", tmp_path / "a.tgt", 500, seed=1)
+    assert read == 5000 and len(src) == len(tgt) == 500
+    numbers = [int(s[1:]) for s in src]
+    assert [int(t[1:]) for t in tgt] == numbers  # pairs stay aligned
+    assert numbers == sorted(numbers) and len(set(numbers)) == 500
+    # Uniform over the corpus: each fifth of the file holds about a fifth of the sample.
+    counts = np.bincount(np.array(numbers) // 1000, minlength=5)
+    assert counts.min() > 60, counts
+    assert sample_pairs(tmp_path / "a.src", tmp_path / "a.tgt", 500, seed=2)[0] != src
+    everything, _, _ = sample_pairs(tmp_path / "a.src", tmp_path / "a.tgt", 0, seed=1)
+    assert everything == [f"s{i}" for i in range(5000)]
+    limited = sample_pairs(tmp_path / "a.src", tmp_path / "a.tgt", 10_000, seed=1, limit=300)
+    assert limited[2] == 300 and limited[0] == [f"s{i}" for i in range(300)]
+
+
+def test_small_vocab_sample_still_builds_a_working_vocab(multi30k_2k, tmp_path):
+    raw = multi30k_config(multi30k_2k, tmp_path / "run", vocab={"size": 500, "input_sentence_size": 600})
+    result = prepare(config_from_dict(raw), progress=False)
+    assert result.manifest["vocab_sample_pairs"] == 300  # joint: half the sentences from each side
+    assert result.manifest["train_pairs_read"] == 2000
+    assert result.manifest["stats"]["test"]["tgt"]["unk_rate"] < 0.01
+
+
+def test_npy_appender_round_trip_and_abort(tmp_path):
+    from transformer_cli.corpus import NpyAppender
+
+    writer = NpyAppender(tmp_path / "x.npy", np.uint16)
+    parts = [np.arange(n, dtype=np.uint16) for n in (0, 5, 70_000 % 65_536, 3)]
+    for part in parts:
+        writer.append(part)
+    assert not (tmp_path / "x.npy").exists()  # appears only when complete
+    writer.close()
+    assert np.array_equal(np.load(tmp_path / "x.npy"), np.concatenate(parts))
+    aborted = NpyAppender(tmp_path / "y.npy", np.int32)
+    aborted.append(np.arange(4, dtype=np.int32))
+    aborted.abort()
+    assert list(tmp_path.iterdir()) == [tmp_path / "x.npy"]  # no partial file, no temp file left
+
+
+def test_truncated_gzip_corpus_is_a_clear_error(multi30k_2k, tmp_path):
+    data = tmp_path / "d"
+    data.mkdir()
+    for lang in ("de", "en"):
+        blob = (multi30k_2k / f"train.{lang}.gz").read_bytes()
+        (data / f"train.{lang}.gz").write_bytes(blob[: len(blob) // 2] if lang == "en" else blob)
+    raw = multi30k_config(multi30k_2k, tmp_path / "run")
+    raw["data"]["train"] = str(data / "train")
+    with pytest.raises(TfmError, match=r"train.en.gz: cannot read it to the end: truncated or corrupt"):
+        prepare(config_from_dict(raw), progress=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import TfmError
 
@@ -40,8 +40,16 @@ class VocabConfig(_Section):
     size: int = 8000
     model_type: Literal["bpe", "unigram"] = "bpe"
     character_coverage: float = 1.0
-    # Sentences sampled for training sentencepiece (0 = all).
-    input_sentence_size: int = 0
+    # Sentences each sentencepiece model trains on: a uniform random sample of the training pairs
+    # drawn in one streaming pass (a joint vocabulary takes half from each side); 0 = all of them.
+    input_sentence_size: int = 2_000_000
+
+
+class PrepareConfig(_Section):
+    # Encoding processes (None = all cores for corpora of 50k pairs or more, else 1). The output
+    # does not depend on it, so it is not part of the data fingerprint.
+    workers: int | None = Field(None, ge=1)
+    chunk_lines: int = Field(20_000, ge=1)  # pairs per encoding task (memory per worker ~ this × line size)
 
 
 class ModelConfig(_Section):
@@ -114,6 +122,7 @@ class ExperimentConfig(_Section):
     run_dir: str = "runs/experiment"
     data: DataConfig = DataConfig()
     vocab: VocabConfig = VocabConfig()
+    prepare: PrepareConfig = PrepareConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     decode: DecodeConfig = DecodeConfig()

@@ -10,6 +10,7 @@ Token ids carry no <bos>/<eos>; batching adds them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -25,8 +26,10 @@ import torch
 from tqdm import tqdm
 
 from .config import ExperimentConfig
+from .corpus import (EncodeTask, NpyAppender, default_workers, encode_chunk, init_encoder, ordered_map,
+                     parallel_chunks, sample_pairs)
 from .errors import TfmError
-from .io_utils import atomic_path, atomic_write_text, count_lines, read_lines
+from .io_utils import atomic_path, atomic_write_text
 
 # Fixed special ids, the same in every tfm vocabulary.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -45,18 +48,6 @@ def corpus_file(prefix: str, lang: str) -> Path:
 def split_files(config: ExperimentConfig, split: str) -> tuple[Path, Path]:
     prefix = getattr(config.data, split)
     return corpus_file(prefix, config.data.src_lang), corpus_file(prefix, config.data.tgt_lang)
-
-
-def read_parallel(config: ExperimentConfig, split: str) -> tuple[list[str], list[str]]:
-    src_path, tgt_path = split_files(config, split)
-    src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
-    if len(src_lines) != len(tgt_lines):
-        raise TfmError(
-            f"line counts differ: {src_path} has {len(src_lines)} lines, {tgt_path} has {len(tgt_lines)}"
-        )
-    if split == "train" and config.data.train_limit:
-        src_lines, tgt_lines = src_lines[: config.data.train_limit], tgt_lines[: config.data.train_limit]
-    return src_lines, tgt_lines
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -80,8 +71,7 @@ def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentCo
                 vocab_size=vocab.size,
                 model_type=vocab.model_type,
                 character_coverage=vocab.character_coverage,
-                input_sentence_size=vocab.input_sentence_size,
-                shuffle_input_sentence=True,
+                input_sentence_size=0,  # `prepare` already sampled (vocab.input_sentence_size)
                 pad_id=PAD_ID,
                 unk_id=UNK_ID,
                 bos_id=BOS_ID,
@@ -117,24 +107,10 @@ class TokenArray:
     def __getitem__(self, i: int) -> np.ndarray:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
-    @property
+    @functools.cached_property
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    @classmethod
-    def from_lists(cls, sentences: list[list[int]], vocab_size: int) -> TokenArray:
-        lengths = np.fromiter((len(s) for s in sentences), dtype=np.int64, count=len(sentences))
-        offsets = np.zeros(len(sentences) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max else np.int32
-        tokens = np.fromiter((t for s in sentences for t in s), dtype=dtype, count=int(offsets[-1]))
-        return cls(tokens, offsets)
-
-    def save(self, stem: Path) -> None:
-        for name, array in (("tokens", self.tokens), ("offsets", self.offsets)):
-            with atomic_path(stem.with_name(f"{stem.name}.{name}.npy")) as tmp:
-                with open(tmp, "wb") as f:
-                    np.save(f, array)
+        """(N,) int32 sentence lengths, computed once (an epoch's batching reads them)."""
+        return np.diff(self.offsets).astype(np.int32)
 
     @classmethod
     def load(cls, stem: Path) -> TokenArray:
@@ -173,23 +149,6 @@ def _fingerprint(config: ExperimentConfig) -> str:
     return hashlib.sha256(payload).hexdigest()[:16]
 
 
-def _filter_train(
-    src: list[list[int]], tgt: list[list[int]], max_len: int, max_ratio: float
-) -> tuple[list[int], dict[str, int]]:
-    keep, dropped = [], {"empty": 0, "too_long": 0, "length_ratio": 0}
-    for i, (s, t) in enumerate(zip(src, tgt)):
-        if not s or not t:
-            dropped["empty"] += 1
-        elif len(s) > max_len or len(t) > max_len:
-            dropped["too_long"] += 1
-        elif max(len(s), len(t)) / min(len(s), len(t)) > max_ratio and max(len(s), len(t)) > 5:
-            # Short pairs (≤ 5 tokens) are exempt: "Ja ." → "Yes ." is a fine 1:2 pair.
-            dropped["length_ratio"] += 1
-        else:
-            keep.append(i)
-    return keep, dropped
-
-
 def _summary_table(stats: dict) -> str:
     header = f"{'split':<6} {'side':<4} {'lines':>8} {'tokens':>10} {'mean':>6} {'p95':>5} {'unk%':>6}"
     rows = [header, "-" * len(header)]
@@ -203,77 +162,131 @@ def _summary_table(stats: dict) -> str:
     return "\n".join(rows)
 
 
-def _side_stats(array: TokenArray) -> dict:
-    lengths = array.lengths
+def _side_stats(lengths: np.ndarray, unk: int) -> dict:
     n_tokens = int(lengths.sum())
     return {
-        "lines": len(array),
+        "lines": len(lengths),
         "tokens": n_tokens,
         "mean_len": float(lengths.mean()) if len(lengths) else 0.0,
         "p95_len": int(np.percentile(lengths, 95)) if len(lengths) else 0,
-        "unk_rate": float((np.asarray(array.tokens) == UNK_ID).sum() / max(n_tokens, 1)),
+        "unk_rate": unk / max(n_tokens, 1),
     }
 
 
+def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) -> tuple[int, int]:
+    """Sentencepiece on a uniform sample of the training pairs; returns (pairs read, pairs sampled)."""
+    vocab, (src_path, tgt_path) = config.vocab, split_files(config, "train")
+    size = vocab.input_sentence_size
+    # input_sentence_size counts sentences per sentencepiece model: a joint one sees both sides.
+    pairs = (size + 1) // 2 if vocab.joint and size > 0 else size
+    src, tgt, read = sample_pairs(src_path, tgt_path, pairs, seed, config.data.train_limit)
+    if vocab.joint:
+        train_sentencepiece(src + tgt, paths["src"], config)
+    else:
+        train_sentencepiece(src, paths["src"], config)
+        train_sentencepiece(tgt, paths["tgt"], config)
+    return read, len(src)
+
+
+def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], dtype: str, workers: int,
+                  bar: tqdm) -> tuple[dict, dict[str, int], int]:
+    """Stream one split through the encoders into its token/offset files; returns stats, drops, pairs read."""
+    src_path, tgt_path = split_files(config, split)
+    is_train = split == "train"
+    limit = config.data.train_limit if is_train else None
+    tasks = (EncodeTask(chunk, str(src_path), str(tgt_path), dtype,
+                        config.data.max_len if is_train else None, config.data.max_len_ratio if is_train else None)
+             for chunk in parallel_chunks(src_path, tgt_path, config.prepare.chunk_lines, limit))
+    writers = {side: NpyAppender(_array_path(binary_stem(config.run_path, split, side), "tokens"), np.dtype(dtype))
+               for side in SIDES}
+    lengths: dict[str, list[np.ndarray]] = {side: [] for side in SIDES}
+    unk = {side: 0 for side in SIDES}
+    dropped = {"empty": 0, "too_long": 0, "length_ratio": 0}
+    read = 0
+    try:
+        for result in ordered_map(encode_chunk, tasks, workers, init_encoder,
+                                  (str(paths["src"]), str(paths["tgt"]))):
+            for side, encoded in (("src", result.src), ("tgt", result.tgt)):
+                writers[side].append(encoded.tokens)
+                lengths[side].append(encoded.lengths)
+                unk[side] += encoded.unk
+            for reason, count in result.dropped.items():
+                dropped[reason] += count
+            read += result.read
+            bar.update(result.read)
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    stats = {}
+    for side in SIDES:
+        writers[side].close()
+        side_lengths = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, dtype=np.int32)
+        offsets = np.zeros(len(side_lengths) + 1, dtype=np.int64)
+        np.cumsum(side_lengths, out=offsets[1:])
+        with atomic_path(_array_path(binary_stem(config.run_path, split, side), "offsets")) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, offsets)
+        stats[side] = _side_stats(side_lengths, unk[side])
+    return stats, dropped, read
+
+
+def _array_path(stem: Path, name: str) -> Path:
+    return stem.with_name(f"{stem.name}.{name}.npy")
+
+
 def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True) -> PrepareResult:
-    """Train the vocab and binarise train/valid/test into `config.run_dir` (idempotent)."""
+    """Train the vocab and binarise train/valid/test into `config.run_dir` (idempotent).
+
+    Streams: sentencepiece trains on a bounded uniform sample, and each split is encoded chunk by
+    chunk in `prepare.workers` processes and appended to disk, so memory does not grow with the
+    corpus. The output is the same whatever the number of workers.
+    """
     run_dir = config.run_path
     manifest_path = run_dir / "prepare.json"
     fingerprint = _fingerprint(config)
     if manifest_path.is_file() and not force:
         manifest = json.loads(manifest_path.read_text())
         expected = [binary_stem(run_dir, sp, si) for sp in SPLITS for si in SIDES]
-        files_ok = all(
-            p.with_name(f"{p.name}.{n}.npy").is_file() for p in expected for n in ("tokens", "offsets")
-        ) and all(p.is_file() for p in vocab_paths(run_dir, config.vocab.joint).values())
+        files_ok = all(_array_path(p, n).is_file() for p in expected for n in ("tokens", "offsets")) and all(
+            p.is_file() for p in vocab_paths(run_dir, config.vocab.joint).values())
         if manifest.get("fingerprint") == fingerprint and files_ok:
             return PrepareResult(run_dir, True, _summary_table(manifest["stats"]), manifest)
 
     started = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
-    texts = {split: read_parallel(config, split) for split in SPLITS}
+    for split in SPLITS:
+        split_files(config, split)  # every input exists before minutes of work begin
 
-    # Vocabulary: trained on the training data only.
+    # Vocabulary: trained on (a sample of) the training data only.
     paths = vocab_paths(run_dir, config.vocab.joint)
-    train_src, train_tgt = texts["train"]
-    if config.vocab.joint:
-        train_sentencepiece(train_src + train_tgt, paths["src"], config)
-    else:
-        train_sentencepiece(train_src, paths["src"], config)
-        train_sentencepiece(train_tgt, paths["tgt"], config)
-    processors = {side: load_sentencepiece(paths[side]) for side in SIDES}
+    train_read, sampled = _train_vocab(config, paths, seed=config.train.seed)
+    vocab_sizes = {side: load_sentencepiece(paths[side]).vocab_size() for side in SIDES}
+    dtype = "uint16" if max(vocab_sizes.values()) <= np.iinfo(np.uint16).max else "int32"
+    workers = config.prepare.workers
+    if workers is None:  # all cores, unless starting processes costs more than it saves
+        workers = default_workers() if train_read >= 50_000 else 1
 
     stats: dict = {}
     dropped: dict[str, int] = {}
-    bar = tqdm(total=sum(2 * len(texts[s][0]) for s in SPLITS), desc="encoding", unit="sent",
-               disable=not progress, leave=False)
-    for split in SPLITS:
-        encoded = {}
-        for side, lines in zip(SIDES, texts[split]):
-            encoded[side] = processors[side].encode(lines, out_type=int, num_threads=2)
-            bar.update(len(lines))
-        if split == "train":
-            keep, dropped = _filter_train(encoded["src"], encoded["tgt"], config.data.max_len,
-                                          config.data.max_len_ratio)
-            encoded = {side: [encoded[side][i] for i in keep] for side in SIDES}
-        stats[split] = {}
-        for side in SIDES:
-            array = TokenArray.from_lists(encoded[side], processors[side].vocab_size())
-            array.save(binary_stem(run_dir, split, side))
-            stats[split][side] = _side_stats(array)
-        del encoded
-    bar.close()
+    with tqdm(desc="encoding", unit=" pairs", unit_scale=True, disable=not progress, leave=False) as bar:
+        for split in SPLITS:
+            stats[split], split_dropped, _ = _encode_split(config, split, paths, dtype, workers, bar)
+            if split == "train":
+                dropped = split_dropped
 
     manifest = {
         "fingerprint": fingerprint,
         "src_lang": config.data.src_lang,
         "tgt_lang": config.data.tgt_lang,
         "vocab": {side: str(paths[side]) for side in SIDES},
-        "vocab_size": {side: processors[side].vocab_size() for side in SIDES},
+        "vocab_size": vocab_sizes,
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         "files": {split: [str(p) for p in split_files(config, split)] for split in SPLITS},
-        "train_pairs_read": len(train_src),
+        "train_pairs_read": train_read,
         "train_pairs_dropped": dropped,
+        "vocab_sample_pairs": sampled,
+        "workers": workers,
         "stats": stats,
         "seconds": round(time.perf_counter() - started, 2),
     }
@@ -329,24 +342,35 @@ def collate(src: list[np.ndarray], tgt: list[np.ndarray]) -> Batch:
 def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, seed: int) -> list[np.ndarray]:
     """Group sentence indices into batches of ≤ max_tokens (padding included), bucketed by length.
 
-    Sentences are sorted by length (random tie-break from `seed`) so a batch holds similar lengths,
-    then batch order is shuffled: different seeds give different batches and orders.
+    Sentences are sorted by width = max(source, target) length (then target, source, and a random
+    tie-break from `seed`), so widths only grow along the order and a batch from `start` to `end`
+    costs width[end - 1] · (end - start). Each batch is the longest run that fits, found by
+    bisection: the Python loop runs once per batch, not once per sentence (10M pairs: ~1 s).
+    Batch order is shuffled: different seeds give different batches and orders.
     """
     rng = np.random.default_rng(seed)
     n = len(src_lens)
-    # +1: <eos>/<bos> added at collate time.
-    src_w, tgt_w = src_lens + 1, tgt_lens + 1
-    order = np.lexsort((rng.random(n), src_w, tgt_w))
-    batches, start, longest = [], 0, 0
-    for pos in range(n):
-        idx = order[pos]
-        width = max(longest, src_w[idx], tgt_w[idx])
-        if pos > start and width * (pos - start + 1) > max_tokens:
-            batches.append(order[start:pos])
-            start, width = pos, max(src_w[idx], tgt_w[idx])
-        longest = width
-    if start < n:
-        batches.append(order[start:])
+    widths = np.maximum(src_lens, tgt_lens).astype(np.int64) + 1  # +1: <eos>/<bos> added at collate time
+    # One 64-bit sort key, 16 bits each: width, target, source, random (np.lexsort of four keys
+    # is ~5x slower on 10M sentences).
+    fields = (widths, tgt_lens, src_lens, rng.integers(0, 1 << 16, n))
+    key = np.zeros(n, dtype=np.uint64)
+    for value in fields:
+        key = (key << np.uint64(16)) | np.minimum(value, (1 << 16) - 1).astype(np.uint64)
+    order = np.argsort(key)
+    sorted_widths = widths[order]
+    batches, start = [], 0
+    while start < n:
+        # At most max_tokens // width[start] sentences fit; widths only grow, so bisect the end.
+        lo, hi = start + 1, min(n, start + max(1, max_tokens // int(sorted_widths[start])))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sorted_widths[mid - 1] * (mid - start) <= max_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        batches.append(order[start:lo])
+        start = lo
     rng.shuffle(batches)
     return batches
 
@@ -378,7 +402,3 @@ def padding_ratio(batch: Batch) -> float:
     total = batch.src.numel() + batch.tgt_out.numel()
     pads = int((batch.src == PAD_ID).sum()) + int((batch.tgt_out == PAD_ID).sum())
     return pads / max(total, 1)
-
-
-def count_corpus_lines(path: Path) -> int:
-    return count_lines(path)

@@ -6,6 +6,7 @@ import gzip
 import io
 import os
 import tempfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,26 +24,36 @@ def open_text(path: str | Path) -> IO[str]:
     return open(path, encoding="utf-8", newline="\n")
 
 
-def read_lines(path: str | Path) -> list[str]:
-    """All lines of a plain or gzipped UTF-8 file, without line endings.
+def _open_binary(path: Path) -> IO[bytes]:
+    if not path.is_file():
+        raise TfmError(f"file not found: {path}")
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
-    Invalid UTF-8 is an error naming the file and line (it would otherwise corrupt the vocab).
+
+def iter_raw_lines(path: str | Path) -> Iterator[bytes]:
+    """Lines of a plain or gzipped file as bytes (line ending included); a broken gzip is a TfmError."""
+    path = Path(path)
+    try:
+        with _open_binary(path) as f:
+            yield from f
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise TfmError(f"{path}: cannot read it to the end: truncated or corrupt file ({exc})") from None
+
+
+def decode_line(raw: bytes, path: str | Path, number: int) -> str:
+    """UTF-8 text of one line without its ending; invalid UTF-8 names the file and line.
+
+    (Invalid bytes are an error rather than replaced: they would otherwise corrupt the vocab.)
     """
-    lines: list[str] = []
-    with open(path, "rb") as raw_file:
-        raw = gzip.GzipFile(fileobj=raw_file) if str(path).endswith(".gz") else raw_file
-        for number, raw_line in enumerate(raw, start=1):
-            try:
-                lines.append(raw_line.decode("utf-8").rstrip("\r\n"))
-            except UnicodeDecodeError as exc:
-                raise TfmError(f"{path}: line {number} is not valid UTF-8 ({exc.reason})") from None
-    return lines
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        raise TfmError(f"{path}: line {number} is not valid UTF-8 ({exc.reason})") from None
 
 
-def count_lines(path: str | Path) -> int:
-    with open(path, "rb") as raw_file:
-        raw = gzip.GzipFile(fileobj=raw_file) if str(path).endswith(".gz") else raw_file
-        return sum(1 for _ in raw)
+def read_lines(path: str | Path) -> list[str]:
+    """All lines of a plain or gzipped UTF-8 file, without line endings."""
+    return [decode_line(raw, path, number) for number, raw in enumerate(iter_raw_lines(path), start=1)]
 
 
 @contextmanager

@@ -1,0 +1,228 @@
+"""Streaming access to parallel corpora for `tfm prepare`: memory stays flat whatever the size.
+
+- `parallel_chunks` reads a source and a target file in lock-step, `chunk_lines` pairs at a time,
+  as raw bytes (decoding happens in the encoding workers, in parallel).
+- `sample_pairs` draws a uniform random sample in one pass (reservoir sampling) for sentencepiece.
+- `encode_chunks` encodes chunks in `workers` processes, yielding results in input order with a
+  bounded number of chunks in flight, and `NpyAppender` writes a growing `.npy` array to disk.
+No torch here: worker processes start quickly and never touch torch's thread pools.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import random
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+import numpy as np
+import sentencepiece as spm
+
+from .errors import TfmError
+from .io_utils import atomic_path, decode_line, iter_raw_lines
+
+UNK_ID = 1  # as data.UNK_ID (kept here so workers import nothing heavy)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _mismatch(src: Path, tgt: Path, n_src: int, n_tgt: int) -> TfmError:
+    return TfmError(f"line counts differ: {src} has {n_src} lines, {tgt} has {n_tgt}")
+
+
+@dataclass
+class RawChunk:
+    first_line: int  # 1-based number of the chunk's first line in the files
+    src: list[bytes]
+    tgt: list[bytes]
+
+
+def parallel_chunks(src: Path, tgt: Path, chunk_lines: int, limit: int | None = None) -> Iterator[RawChunk]:
+    """Line-aligned chunks of the two files; unequal line counts raise a TfmError naming both."""
+    src_lines, tgt_lines = iter_raw_lines(src), iter_raw_lines(tgt)
+    read = 0
+    while limit is None or read < limit:
+        n = chunk_lines if limit is None else min(chunk_lines, limit - read)
+        s, t = list(itertools.islice(src_lines, n)), list(itertools.islice(tgt_lines, n))
+        if len(s) != len(t):
+            n_src = read + len(s) + sum(1 for _ in src_lines)
+            n_tgt = read + len(t) + sum(1 for _ in tgt_lines)
+            raise _mismatch(src, tgt, n_src, n_tgt)
+        if not s:
+            return
+        yield RawChunk(read + 1, s, t)
+        read += len(s)
+        if len(s) < n:  # both files ended inside this chunk, together
+            return
+
+
+def sample_pairs(src: Path, tgt: Path, k: int, seed: int, limit: int | None = None
+                 ) -> tuple[list[str], list[str], int]:
+    """A uniform random sample of ≤ k pairs (all of them when the corpus is smaller), in corpus order.
+
+    Reservoir sampling (Algorithm R) over one pass: memory holds k pairs, never the corpus.
+    Returns (source sentences, target sentences, pairs read). k ≤ 0 keeps every pair.
+    """
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, bytes, bytes]] = []
+    seen = 0
+    for chunk in parallel_chunks(src, tgt, 100_000, limit):
+        for offset, pair in enumerate(zip(chunk.src, chunk.tgt)):
+            number = chunk.first_line + offset
+            if k <= 0 or seen < k:
+                reservoir.append((number, *pair))
+            else:
+                j = rng.randrange(seen + 1)
+                if j < k:
+                    reservoir[j] = (number, *pair)
+            seen += 1
+    reservoir.sort(key=lambda item: item[0])
+    src_text = [decode_line(s, src, n) for n, s, _ in reservoir]
+    tgt_text = [decode_line(t, tgt, n) for n, _, t in reservoir]
+    return src_text, tgt_text, seen
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+@dataclass
+class EncodeTask:
+    chunk: RawChunk
+    src_path: str
+    tgt_path: str
+    token_dtype: str  # "uint16" or "int32"
+    max_len: int | None = None  # training filters; None keeps every pair (valid/test)
+    max_len_ratio: float | None = None
+
+
+@dataclass
+class EncodedSide:
+    tokens: np.ndarray  # (sum of lengths,) ids of all kept sentences, concatenated
+    lengths: np.ndarray  # (kept,) int32
+    unk: int
+
+
+@dataclass
+class EncodedChunk:
+    src: EncodedSide
+    tgt: EncodedSide
+    read: int
+    dropped: dict[str, int] = field(default_factory=dict)
+
+
+_processors: dict[str, spm.SentencePieceProcessor] = {}
+
+
+def init_encoder(src_model: str, tgt_model: str) -> None:
+    """Load the sentencepiece models once per worker process."""
+    _processors["src"] = spm.SentencePieceProcessor(model_file=src_model)
+    _processors["tgt"] = spm.SentencePieceProcessor(model_file=tgt_model)
+
+
+def _flatten(encoded: list[list[int]], keep: np.ndarray, dtype: str) -> EncodedSide:
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype, count=int(lengths.sum()))
+    if not keep.all():
+        flat = flat[np.repeat(keep, lengths)]
+        lengths = lengths[keep]
+    return EncodedSide(flat, lengths.astype(np.int32), int((flat == UNK_ID).sum()))
+
+
+def training_filter(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, max_ratio: float
+                    ) -> tuple[np.ndarray, dict[str, int]]:
+    """Keep-mask for training pairs and the counts of each drop reason (first reason wins)."""
+    empty = (src_len == 0) | (tgt_len == 0)
+    too_long = ~empty & ((src_len > max_len) | (tgt_len > max_len))
+    longer, shorter = np.maximum(src_len, tgt_len), np.maximum(np.minimum(src_len, tgt_len), 1)
+    # Short pairs (≤ 5 tokens) are exempt: "Ja ." → "Yes ." is a fine 1:2 pair.
+    ratio = ~empty & ~too_long & (longer / shorter > max_ratio) & (longer > 5)
+    keep = ~(empty | too_long | ratio)
+    return keep, {"empty": int(empty.sum()), "too_long": int(too_long.sum()), "length_ratio": int(ratio.sum())}
+
+
+def encode_chunk(task: EncodeTask) -> EncodedChunk:
+    chunk = task.chunk
+    src_text = [decode_line(raw, task.src_path, chunk.first_line + i) for i, raw in enumerate(chunk.src)]
+    tgt_text = [decode_line(raw, task.tgt_path, chunk.first_line + i) for i, raw in enumerate(chunk.tgt)]
+    src_ids = _processors["src"].encode(src_text, out_type=int)
+    tgt_ids = _processors["tgt"].encode(tgt_text, out_type=int)
+    keep, dropped = np.ones(len(src_ids), dtype=bool), {}
+    if task.max_len is not None:
+        src_len = np.fromiter(map(len, src_ids), dtype=np.int64, count=len(src_ids))
+        tgt_len = np.fromiter(map(len, tgt_ids), dtype=np.int64, count=len(tgt_ids))
+        keep, dropped = training_filter(src_len, tgt_len, task.max_len, task.max_len_ratio or float("inf"))
+    return EncodedChunk(_flatten(src_ids, keep, task.token_dtype), _flatten(tgt_ids, keep, task.token_dtype),
+                        len(src_ids), dropped)
+
+
+def default_workers() -> int:
+    """Cores this process may use (affinity-aware where the OS tells)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on Linux
+        return max(os.cpu_count() or 1, 1)
+
+
+def ordered_map(fn: Callable, tasks: Iterator, workers: int, initializer: Callable, initargs: tuple
+                ) -> Iterator:
+    """`map(fn, tasks)` over `workers` processes, in input order, with ≤ 2·workers tasks in flight.
+
+    (`multiprocessing.Pool.imap` would read the whole input ahead into its queue.)
+    With one worker everything runs in this process: no start-up or pickling cost.
+    """
+    if workers <= 1:
+        initializer(*initargs)
+        yield from map(fn, tasks)
+        return
+    # spawn: children start clean (no copy of torch's thread pools or of the parent's memory).
+    with multiprocessing.get_context("spawn").Pool(workers, initializer, initargs) as pool:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(fn, (task,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class NpyAppender:
+    """A 1-D `.npy` file written piece by piece: placeholder header, data, then the real header.
+
+    For 1-D arrays numpy's version-1.0 header is padded to 128 bytes whatever the length, so
+    the header can be rewritten in place once the length is known. The file appears at `target`
+    (atomically) only on `close()`.
+    """
+
+    def __init__(self, target: Path, dtype: np.dtype):
+        self.dtype, self.count, self.target = np.dtype(dtype), 0, target
+        self._atomic = atomic_path(target)
+        self._tmp = self._atomic.__enter__()
+        self._file = open(self._tmp, "wb")
+        self._header_size = self._write_header(0)
+
+    def _write_header(self, count: int) -> int:
+        self._file.seek(0)
+        header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (count,)}
+        np.lib.format.write_array_header_1_0(self._file, header)
+        return self._file.tell()
+
+    def append(self, array: np.ndarray) -> None:
+        self._file.write(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
+        self.count += len(array)
+
+    def close(self) -> None:
+        if self._write_header(self.count) != self._header_size:
+            raise RuntimeError("npy header size changed")  # cannot happen for 1-D arrays
+        self._file.close()
+        self._atomic.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        self._file.close()
+        self._atomic.__exit__(TfmError, TfmError("aborted"), None)
