@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from . import __version__
-from .errors import TfmError
+from .errors import Interrupted, TfmError
 
 app = typer.Typer(
     help="tfm: train and run Transformer translation models.\n\n"
@@ -37,6 +37,9 @@ def user_errors(fn):
         except TfmError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(2) from None
+        except Interrupted as stop:
+            typer.echo(str(stop), err=True)
+            raise typer.Exit(stop.exit_code) from None
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130) from None

@@ -3,3 +3,11 @@
 
 class TfmError(Exception):
     """Bad input (config, files, arguments) that the user can fix; never a bug."""
+
+
+class Interrupted(Exception):
+    """Training stopped by a signal after saving; the CLI exits with `exit_code` (130, 143)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import sys
 import math
+import signal
+import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import sacrebleu
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .checkpoint import (average_state_dicts, bytes_to_tensor, load_checkpoint, save_checkpoint)
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
-from .data import BOS_ID, EOS_ID, PAD_ID, Batch, ParallelData, load_manifest, padding_ratio
-from .errors import TfmError
+from .data import PAD_ID, Batch, ParallelData, load_manifest, padding_ratio
+from .distributed import World, all_max, all_rng_states, all_sum, join, leave, world_from_environment
+from .errors import Interrupted, TfmError
 from .io_utils import atomic_write_text, read_lines
 from .model import Transformer, TransformerConfig
 from .runtime import keep_freed_memory, wants_bf16
+from .signals import EXIT_CODES, StopRequest
 
 
 def resolve_device(name: str) -> torch.device:
@@ -241,7 +247,8 @@ def validation_bleu(model: Transformer, data: ParallelData, references: list[str
 
 
 def _checkpoint_payload(model: Transformer, config: ExperimentConfig, manifest: dict, progress: TrainProgress,
-                        optimizer: torch.optim.Optimizer | None = None) -> dict:
+                        optimizer: torch.optim.Optimizer | None = None,
+                        rng_states: list[torch.Tensor] | None = None) -> dict:
     vocab = manifest["vocab"]
     payload = {
         "model": model.state_dict(),
@@ -254,17 +261,32 @@ def _checkpoint_payload(model: Transformer, config: ExperimentConfig, manifest: 
     if optimizer is not None:
         payload["optimizer"] = optimizer.state_dict()
         payload["torch_rng"] = torch.get_rng_state()
+        if rng_states is not None and len(rng_states) > 1:
+            payload["torch_rng_ranks"] = rng_states  # one per torchrun rank
         if torch.cuda.is_available():
             payload["cuda_rng"] = torch.cuda.get_rng_state_all()
     return payload
 
 
 def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = True,
-          rank: int = 0) -> TrainSummary:
+          on_step: Callable[[int, Transformer], None] | None = None) -> TrainSummary:
+    """Train; under torchrun every rank runs this same function (see distributed.py).
+
+    `on_step(step, model)` is called on every rank after each optimizer step (tests, tooling).
+    """
+    world = world_from_environment()
+    try:
+        return _train(config, resume, progress_bar, world, on_step)
+    finally:
+        leave(world)
+
+
+def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: World,
+           on_step: Callable[[int, Transformer], None] | None) -> TrainSummary:
     tc = config.train
     run_dir = config.run_path
     manifest = load_manifest(run_dir)
-    out = RunOutput(run_dir, rank=rank, progress=progress_bar)
+    out = RunOutput(run_dir, rank=world.rank, progress=progress_bar)
     last_path = out.ckpt_dir / "checkpoint_last.pt"
     if last_path.exists() and not resume:
         raise TfmError(f"{run_dir} already holds a training run ({last_path}); "
@@ -275,7 +297,7 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
     torch.manual_seed(tc.seed)
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    device = resolve_device(tc.device)
+    device = join(world, resolve_device(tc.device))
     amp_dtype = autocast_dtype(tc, device)
     if device.type == "cpu":
         keep_freed_memory()
@@ -299,28 +321,49 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["torch_rng"].cpu())
+        rank_states = ckpt.get("torch_rng_ranks")
+        if world.enabled:
+            if rank_states is not None and len(rank_states) == world.size:
+                torch.set_rng_state(rank_states[world.rank].cpu())
+            elif world.rank > 0:  # a different number of processes: fresh, distinct dropout streams
+                torch.manual_seed(tc.seed + 7919 * world.rank + ckpt["progress"]["step"])
         if "cuda_rng" in ckpt and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["cuda_rng"]])
         progress = TrainProgress(**ckpt["progress"])
         out.print(f"resuming from {last_path} at step {progress.step}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", config_to_yaml(config))
+    elif world.rank > 0:
+        torch.manual_seed(tc.seed + 7919 * world.rank)  # same initial weights (DDP syncs them), own dropout
+    if out.active:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "config.yaml", config_to_yaml(config))
 
-    step_model = torch.compile(model) if tc.compile else model
+    # DDP all-reduces (averages) gradients during backward; the model itself stays unwrapped for
+    # validation, checkpoints and decoding.
+    ddp = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+           if world.enabled else None)
+    step_model = ddp or model
+    step_model = torch.compile(step_model) if tc.compile else step_model
     max_time = parse_duration(tc.max_time) if tc.max_time is not None else math.inf
     d_model = config.model.d_model
     out.print(f"model: {model.num_parameters():,} parameters on {device}"
               f"{' with bf16 autocast' if amp_dtype else ''}; {len(train_data):,} training pairs")
+    batches_per_step = tc.accum_steps * world.size
+    out.print(f"effective batch: {world.size} process(es) x {tc.accum_steps} accumulation step(s) x "
+              f"{tc.max_tokens:,} tokens = {batches_per_step * tc.max_tokens:,} tokens per update (padding included)")
+    tgt_lengths = train_data.tgt.lengths
     out.start_bar(tc.max_steps, progress.step)
 
     def checkpoint(metrics: dict | None, at: TrainProgress) -> None:
-        """Evaluate-time bookkeeping: step checkpoint, last, best, pruning."""
+        """Evaluate-time bookkeeping: step checkpoint, last, best, pruning (all ranks call it)."""
+        rng_states = all_rng_states(world)
+        if not out.active:
+            return
         weights_only = _checkpoint_payload(model, config, manifest, at)
         if metrics is not None:
             out.save(f"step_{at.step}.pt", weights_only)
             if at.best_step == at.step:
                 out.save("checkpoint_best.pt", weights_only)
-        out.save("checkpoint_last.pt", _checkpoint_payload(model, config, manifest, at, optimizer))
+        out.save("checkpoint_last.pt", _checkpoint_payload(model, config, manifest, at, optimizer, rng_states))
         out.prune(tc.keep_last)
 
     def validate() -> dict:
@@ -336,96 +379,113 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
 
     model.train()
     started = time.perf_counter() - progress.elapsed
-    window_tokens, window_start, window_loss, window_nll, window_pad = 0, time.perf_counter(), 0.0, 0.0, []
+    window_tokens, window_start, window_sums = 0, time.perf_counter(), [0.0, 0.0, 0.0, 0.0]  # loss, nll, pad, n
     stop_reason = ""
     batches = train_data.batches(tc.max_tokens, seed=tc.seed + progress.epoch)
-    pending: list[Batch] = []
-    committed = replace(progress)  # progress as of the last completed optimizer step
-    try:
-        while not stop_reason:
-            # Next accum_steps batches, rolling over epochs.
-            pending.clear()
-            while len(pending) < tc.accum_steps:
-                if progress.batch_in_epoch >= len(batches):
-                    progress.epoch += 1
-                    progress.batch_in_epoch = 0
-                    if tc.max_epochs is not None and progress.epoch >= tc.max_epochs:
-                        stop_reason = f"max_epochs={tc.max_epochs}"
-                        break
-                    batches = train_data.batches(tc.max_tokens, seed=tc.seed + progress.epoch)
-                pending.append(train_data.collate(batches[progress.batch_in_epoch]))
-                progress.batch_in_epoch += 1
-            if stop_reason:
-                break
-            lr = learning_rate(progress.step + 1, tc, d_model)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            n_tokens = sum(b.n_tgt_tokens for b in pending)
-            for batch in pending:
-                batch = batch.to(device)
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    loss, nll = batch_loss(step_model, batch, tc.label_smoothing)
-                (loss / n_tokens).backward()
-                window_loss += float(loss.detach())
-                window_nll += float(nll.detach())
-                window_pad.append(padding_ratio(batch))
-            if tc.clip_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            progress.step += 1
-            progress.target_tokens += n_tokens
-            window_tokens += n_tokens
-            progress.elapsed = time.perf_counter() - started
-            committed = replace(progress)
-
-            if progress.step % tc.log_every == 0:
-                seconds = time.perf_counter() - window_start
-                record = {"kind": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr,
-                          "loss": window_loss / window_tokens, "ppl": math.exp(min(window_nll / window_tokens, 50)),
-                          "tokens_per_s": window_tokens / seconds, "padding": float(np.mean(window_pad)),
-                          "elapsed": round(progress.elapsed, 1)}
-                out.log(record)
-                out.advance({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}",
-                             "tok/s": f"{record['tokens_per_s']:.0f}"})
-                if not progress_bar:  # no live bar (a log file, CI): one line per log interval instead
-                    out.print(f"step {progress.step}: loss {record['loss']:.3f} ppl {record['ppl']:.1f} "
-                              f"lr {lr:.2e} {record['tokens_per_s']:.0f} tok/s "
-                              f"padding {100 * record['padding']:.1f}% {record['elapsed'] / 60:.1f} min")
-                window_tokens, window_start, window_loss, window_nll, window_pad = 0, time.perf_counter(), 0.0, 0.0, []
-            else:
-                out.advance()
-
-            if progress.step >= tc.max_steps:
-                stop_reason = f"max_steps={tc.max_steps}"
-            elif progress.elapsed >= max_time:
-                stop_reason = f"max_time={tc.max_time}"
-            if progress.step % tc.eval_every == 0 or stop_reason:
-                metrics = validate()
-                record = {"kind": "valid", "step": progress.step, "epoch": progress.epoch,
-                          "elapsed": round(time.perf_counter() - started, 1), **metrics}
-                out.log(record)
-                out.print(f"step {progress.step}: valid loss {metrics['loss']:.3f} ppl {metrics['ppl']:.2f} "
-                          f"BLEU {metrics['bleu']:.2f} (greedy, {tc.eval_bleu_sentences} sentences)")
+    with StopRequest() as stop:
+        try:
+            while not stop_reason:
+                # The next accum_steps x world.size batches of the (global) epoch order, rolling over
+                # epochs; every rank computes the same list and takes its share: rank r gets r, r+N, …
+                pending: list[np.ndarray] = []
+                while len(pending) < batches_per_step:
+                    if progress.batch_in_epoch >= len(batches):
+                        progress.epoch += 1
+                        progress.batch_in_epoch = 0
+                        if tc.max_epochs is not None and progress.epoch >= tc.max_epochs:
+                            stop_reason = f"max_epochs={tc.max_epochs}"
+                            break
+                        batches = train_data.batches(tc.max_tokens, seed=tc.seed + progress.epoch)
+                    pending.append(batches[progress.batch_in_epoch])
+                    progress.batch_in_epoch += 1
+                if stop_reason:
+                    break
+                lr = learning_rate(progress.step + 1, tc, d_model)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                # The loss is normalised by the target tokens of the whole update (all ranks).
+                n_tokens = sum(int(tgt_lengths[idx].sum()) + len(idx) for idx in pending)
+                mine = pending[world.rank::world.size]
+                for i, indices in enumerate(mine):
+                    batch = train_data.collate(indices).to(device)
+                    # Gradients are all-reduced once per update: on the last micro-batch only.
+                    sync = ddp is None or i == len(mine) - 1
+                    with contextlib.nullcontext() if sync else ddp.no_sync():
+                        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                            loss, nll = batch_loss(step_model, batch, tc.label_smoothing)
+                        # x world.size: DDP averages the ranks' gradients, the loss wants their sum.
+                        (loss * (world.size / n_tokens)).backward()
+                    window_sums[0] += float(loss.detach())
+                    window_sums[1] += float(nll.detach())
+                    window_sums[2] += padding_ratio(batch)
+                    window_sums[3] += 1
+                if tc.clip_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                progress.step += 1
+                progress.target_tokens += n_tokens
+                window_tokens += n_tokens
                 progress.elapsed = time.perf_counter() - started
-                checkpoint(metrics, progress)
-                window_start = time.perf_counter()  # validation time is not training throughput
-                if tc.patience is not None and progress.bad_evals >= tc.patience and not stop_reason:
-                    stop_reason = f"no improvement in {tc.patience} evaluations"
-    except KeyboardInterrupt:
-        out.close_bar()
-        # Weights/optimizer are those of the last completed step: safe to resume from.
-        checkpoint(None, committed)
-        out.print(f"interrupted: saved step {committed.step} to {last_path} (continue with --resume)")
-        raise
-    finally:
-        out.close_bar()
+                if on_step is not None:
+                    on_step(progress.step, model)
+
+                if progress.step % tc.log_every == 0:
+                    seconds = time.perf_counter() - window_start
+                    loss_sum, nll_sum, pad_sum, n_batches = all_sum(window_sums, world, device)
+                    record = {"kind": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr,
+                              "loss": loss_sum / window_tokens, "ppl": math.exp(min(nll_sum / window_tokens, 50)),
+                              "tokens_per_s": window_tokens / seconds, "padding": pad_sum / max(n_batches, 1),
+                              "tokens_per_update": window_tokens / tc.log_every,
+                              "elapsed": round(progress.elapsed, 1)}
+                    out.log(record)
+                    out.advance({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}",
+                                 "tok/s": f"{record['tokens_per_s']:.0f}"})
+                    if not progress_bar:  # no live bar (a log file, CI): one line per log interval instead
+                        out.print(f"step {progress.step}: loss {record['loss']:.3f} ppl {record['ppl']:.1f} "
+                                  f"lr {lr:.2e} {record['tokens_per_s']:.0f} tok/s "
+                                  f"padding {100 * record['padding']:.1f}% {record['elapsed'] / 60:.1f} min")
+                    window_tokens, window_start, window_sums = 0, time.perf_counter(), [0.0, 0.0, 0.0, 0.0]
+                else:
+                    out.advance()
+
+                # Stop decisions that can differ between ranks (clock, signals) are agreed on: the
+                # largest request wins, so all ranks stop after the same step.
+                request = 2 if stop.signum is not None else int(progress.elapsed >= max_time)
+                request = all_max(request, world, device)
+                if request == 2:
+                    checkpoint(None, progress)
+                    out.close_bar()
+                    signum = stop.signum or signal.SIGTERM
+                    raise Interrupted(f"{signal.Signals(signum).name}: saved step {progress.step} to {last_path} "
+                                      "(continue with --resume)", EXIT_CODES[signum])
+                if progress.step >= tc.max_steps:
+                    stop_reason = f"max_steps={tc.max_steps}"
+                elif request == 1:
+                    stop_reason = f"max_time={tc.max_time}"
+                if progress.step % tc.eval_every == 0 or stop_reason:
+                    # Rank 0 validates; the others wait for it inside checkpoint()'s collective.
+                    metrics = validate() if out.active else {}
+                    if out.active:
+                        record = {"kind": "valid", "step": progress.step, "epoch": progress.epoch,
+                                  "elapsed": round(time.perf_counter() - started, 1), **metrics}
+                        out.log(record)
+                        out.print(f"step {progress.step}: valid loss {metrics['loss']:.3f} ppl {metrics['ppl']:.2f} "
+                                  f"BLEU {metrics['bleu']:.2f} (greedy, {tc.eval_bleu_sentences} sentences)")
+                    progress.elapsed = time.perf_counter() - started
+                    checkpoint(metrics, progress)
+                    window_start = time.perf_counter()  # validation time is not training throughput
+                    patience_over = tc.patience is not None and progress.bad_evals >= tc.patience
+                    if all_max(int(patience_over), world, device) and not stop_reason:
+                        stop_reason = f"no improvement in {tc.patience} evaluations"
+        finally:
+            out.close_bar()
 
     if progress.step % tc.eval_every != 0 and stop_reason.startswith("max_epochs"):
-        metrics = validate()
+        metrics = validate() if out.active else {}
         out.log({"kind": "valid", "step": progress.step, "epoch": progress.epoch, **metrics})
         checkpoint(metrics, progress)
-    if tc.average_last > 1:
+    if tc.average_last > 1 and out.active:
         steps = sorted(out.ckpt_dir.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
         chosen = steps[-tc.average_last:]
         payload = _checkpoint_payload(model, config, manifest, progress)

@@ -1,0 +1,127 @@
+"""Benchmark `tfm prepare` on a synthetic corpus of N million pairs: throughput and peak memory.
+
+The corpus is Multi30k de-en (found by scripts/get_data.sh) repeated with each line's word
+order shuffled, so the vocabulary and line lengths are realistic but lines are not copies.
+`tfm prepare` runs as a subprocess; its memory is sampled from /proc every 0.1 s as the sum of
+the RSS of the whole process tree (main process + encoding workers), and the largest single
+process's peak comes from getrusage(RUSAGE_CHILDREN).
+
+    python scripts/bench_prepare.py --millions 1 5 10            # workers = all cores
+    python scripts/bench_prepare.py --millions 1 --workers 1 2   # speed-up of 2 workers over 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def make_corpus(folder: Path, pairs: int, seed: int = 0) -> Path:
+    """`folder/train.{de,en}` with `pairs` lines (plus Multi30k's real val/test), built once."""
+    prefix = folder / "train"
+    if (folder / "done").is_file() and int((folder / "done").read_text()) == pairs:
+        return prefix
+    multi30k = folder / "multi30k"
+    subprocess.run(["bash", str(ROOT / "scripts" / "get_data.sh"), "multi30k", "--dest", str(multi30k)], check=True)
+    base = {lang: gzip.open(multi30k / f"train.{lang}.gz", "rt", encoding="utf-8").read().splitlines()
+            for lang in ("de", "en")}
+    rng = random.Random(seed)
+    with open(f"{prefix}.de", "w", encoding="utf-8") as de, open(f"{prefix}.en", "w", encoding="utf-8") as en:
+        for i in range(pairs):
+            j = i % len(base["de"])
+            for lang, out in (("de", de), ("en", en)):
+                words = base[lang][j].split()
+                if i >= len(base["de"]):  # the first copy is the real corpus, later ones shuffled
+                    rng.shuffle(words)
+                out.write(" ".join(words) + "\n")
+    (folder / "done").write_text(str(pairs))
+    return prefix
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and all its descendants."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                stack.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def run_prepare(prefix: Path, run_dir: Path, workers: int | None, multi30k: Path) -> dict:
+    sets = [f"run_dir={run_dir}", f"data.train={prefix}", f"data.valid={multi30k}/val",
+            f"data.test={multi30k}/test_2016_flickr", "vocab.size=8000"]
+    if workers is not None:
+        sets.append(f"prepare.workers={workers}")
+    cmd = [sys.executable, "-m", "transformer_cli", "prepare", "--config", str(ROOT / "configs" / "de-en.yaml"),
+           "--force", *[f"--set={s}" for s in sets]]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, tree_rss(proc.pid))
+        time.sleep(0.1)
+    seconds = time.perf_counter() - started
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"tfm prepare failed:\n{err}")
+    manifest = json.loads((run_dir / "prepare.json").read_text())
+    return {"seconds": seconds, "peak_tree_rss": peak, "pairs": manifest["train_pairs_read"],
+            "workers": manifest["workers"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--millions", type=float, nargs="+", default=[1, 5, 10])
+    parser.add_argument("--workers", type=int, nargs="+", default=[None])
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "tfm_bench_prepare")
+    args = parser.parse_args()
+    from bench_common import machine_line
+
+    print(machine_line())
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    print(f"{'pairs':>11} {'workers':>7} {'seconds':>8} {'pairs/s':>9} {'peak RSS (tree)':>16} "
+          f"{'max single proc':>16}", flush=True)
+    results = []
+    for millions in args.millions:
+        pairs = int(millions * 1_000_000)
+        folder = args.workdir / f"corpus_{pairs}"
+        folder.mkdir(exist_ok=True)
+        prefix = make_corpus(folder, pairs)
+        for workers in args.workers:
+            r = run_prepare(prefix, args.workdir / "run", workers, folder / "multi30k")
+            single = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # max so far
+            results.append(r)
+            print(f"{r['pairs']:>11,} {r['workers']:>7} {r['seconds']:>8.1f} {r['pairs'] / r['seconds']:>9,.0f} "
+                  f"{r['peak_tree_rss'] / 2**30:>13.2f} GB {single / 2**30:>13.2f} GB", flush=True)
+    by_workers = {r["workers"]: r for r in results if r["pairs"] == results[0]["pairs"]}
+    if 1 in by_workers and len(by_workers) > 1:
+        for w, r in sorted(by_workers.items()):
+            if w > 1:
+                ratio = (r["pairs"] / r["seconds"]) / (by_workers[1]["pairs"] / by_workers[1]["seconds"])
+                print(f"throughput {w} workers / 1 worker: {ratio:.2f}x")
+    if len({r["pairs"] for r in results}) > 1:
+        first, last = results[0], results[-1]
+        growth = last["peak_tree_rss"] / first["peak_tree_rss"] - 1
+        print(f"peak RSS growth {first['pairs']:,} → {last['pairs']:,} pairs: {100 * growth:+.1f}%")
+
+
+if __name__ == "__main__":
+    main()

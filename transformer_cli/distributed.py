@@ -1,0 +1,73 @@
+"""Multi-process training with torchrun + DistributedDataParallel (PyTorch's own engine).
+
+torchrun sets RANK, LOCAL_RANK and WORLD_SIZE (and the rendezvous address); a plain `tfm train`
+has none of them and runs as a world of one, with every helper below a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0  # global rank: 0 prints, logs and writes checkpoints
+    local_rank: int = 0  # rank on this machine: which GPU
+    size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+
+def world_from_environment() -> World:
+    env = os.environ
+    return World(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)))
+
+
+def join(world: World, device: torch.device) -> torch.device:
+    """Join the process group (nccl on CUDA, gloo on CPU); each rank gets its local GPU."""
+    if not world.enabled:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank, world_size=world.size)
+    return device
+
+
+def leave(world: World) -> None:
+    if world.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_max(value: int, world: World, device: torch.device) -> int:
+    """The largest of every rank's `value` (a stop request anywhere stops all ranks together)."""
+    if not world.enabled:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def all_sum(values: list[float], world: World, device: torch.device) -> list[float]:
+    if not world.enabled:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def all_rng_states(world: World) -> list[torch.Tensor]:
+    """Every rank's CPU RNG state (dropout masks differ per rank), gathered on all ranks."""
+    state = torch.get_rng_state()
+    if not world.enabled:
+        return [state]
+    states: list = [None] * world.size
+    dist.all_gather_object(states, state)
+    return states
