@@ -84,7 +84,8 @@ def run_prepare(prefix: Path, run_dir: Path, workers: int | None, multi30k: Path
         raise SystemExit(f"tfm prepare failed:\n{err}")
     manifest = json.loads((run_dir / "prepare.json").read_text())
     return {"seconds": seconds, "peak_tree_rss": peak, "pairs": manifest["train_pairs_read"],
-            "workers": manifest["workers"]}
+            "workers": manifest["workers"], "encode_seconds": manifest["seconds"] - manifest["seconds_vocab"],
+            "vocab_seconds": manifest["seconds_vocab"]}
 
 
 def main() -> None:
@@ -97,8 +98,8 @@ def main() -> None:
 
     print(machine_line())
     args.workdir.mkdir(parents=True, exist_ok=True)
-    print(f"{'pairs':>11} {'workers':>7} {'seconds':>8} {'pairs/s':>9} {'peak RSS (tree)':>16} "
-          f"{'max single proc':>16}", flush=True)
+    print(f"{'pairs':>11} {'workers':>7} {'seconds':>8} {'pairs/s':>9} {'vocab s':>8} {'encode pairs/s':>15} "
+          f"{'peak RSS (tree)':>16} {'max single proc':>16}", flush=True)
     results = []
     for millions in args.millions:
         pairs = int(millions * 1_000_000)
@@ -110,13 +111,15 @@ def main() -> None:
             single = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # max so far
             results.append(r)
             print(f"{r['pairs']:>11,} {r['workers']:>7} {r['seconds']:>8.1f} {r['pairs'] / r['seconds']:>9,.0f} "
+                  f"{r['vocab_seconds']:>8.1f} {r['pairs'] / r['encode_seconds']:>15,.0f} "
                   f"{r['peak_tree_rss'] / 2**30:>13.2f} GB {single / 2**30:>13.2f} GB", flush=True)
     by_workers = {r["workers"]: r for r in results if r["pairs"] == results[0]["pairs"]}
     if 1 in by_workers and len(by_workers) > 1:
         for w, r in sorted(by_workers.items()):
             if w > 1:
-                ratio = (r["pairs"] / r["seconds"]) / (by_workers[1]["pairs"] / by_workers[1]["seconds"])
-                print(f"throughput {w} workers / 1 worker: {ratio:.2f}x")
+                ratio = by_workers[1]["seconds"] / r["seconds"]
+                encode = by_workers[1]["encode_seconds"] / r["encode_seconds"]
+                print(f"throughput {w} workers / 1 worker: {ratio:.2f}x overall, {encode:.2f}x encoding")
     if len({r["pairs"] for r in results}) > 1:
         first, last = results[0], results[-1]
         growth = last["peak_tree_rss"] / first["peak_tree_rss"] - 1

@@ -1,8 +1,10 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,40 @@ def test_tfm_precision_env_error_is_one_line_exit_2(multi30k_2k, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "transformer_cli.cli", "train", "--config", str(cfg_path)],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and "TFM_PRECISION='half'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, tmp_path, signum, code):
+    """A real `tfm train` process is signalled mid-run; resumed, it ends where an uninterrupted run does."""
+    def config_file(run_dir: Path) -> Path:
+        raw = multi30k_config(multi30k_2k, run_dir, train={"max_steps": 60, "eval_every": 1000, "log_every": 1,
+                                                          "eval_bleu_sentences": 5, "precision": "fp32"})
+        prepare(config_from_dict(raw), progress=False)
+        path = run_dir.with_suffix(".yaml")
+        path.write_text(json.dumps(raw))
+        return path
+
+    tfm = [sys.executable, "-m", "transformer_cli.cli", "train", "--config"]
+    straight = config_file(tmp_path / "straight")
+    assert subprocess.run([*tfm, str(straight)], capture_output=True, text=True).returncode == 0
+
+    stopped = config_file(tmp_path / "stopped")
+    proc = subprocess.Popen([*tfm, str(stopped)], stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr and "continue with --resume" in stderr
+    saved = load_checkpoint(tmp_path / "stopped/checkpoints/checkpoint_last.pt")["progress"]["step"]
+    assert 5 <= saved < 60, f"stopped at step {saved}"
+    resumed = subprocess.run([*tfm, str(stopped), "--resume"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    a = load_checkpoint(tmp_path / "straight/checkpoints/checkpoint_last.pt")
+    b = load_checkpoint(tmp_path / "stopped/checkpoints/checkpoint_last.pt")
+    assert a["progress"]["step"] == b["progress"]["step"] == 60
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name

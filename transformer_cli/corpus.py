@@ -148,8 +148,10 @@ def encode_chunk(task: EncodeTask) -> EncodedChunk:
     chunk = task.chunk
     src_text = [decode_line(raw, task.src_path, chunk.first_line + i) for i, raw in enumerate(chunk.src)]
     tgt_text = [decode_line(raw, task.tgt_path, chunk.first_line + i) for i, raw in enumerate(chunk.tgt)]
-    src_ids = _processors["src"].encode(src_text, out_type=int)
-    tgt_ids = _processors["tgt"].encode(tgt_text, out_type=int)
+    # One thread per worker: parallelism comes from the worker processes (sentencepiece would
+    # otherwise start a thread per core inside every worker).
+    src_ids = _processors["src"].encode(src_text, out_type=int, num_threads=1)
+    tgt_ids = _processors["tgt"].encode(tgt_text, out_type=int, num_threads=1)
     keep, dropped = np.ones(len(src_ids), dtype=bool), {}
     if task.max_len is not None:
         src_len = np.fromiter(map(len, src_ids), dtype=np.int64, count=len(src_ids))

@@ -261,6 +261,7 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
     # Vocabulary: trained on (a sample of) the training data only.
     paths = vocab_paths(run_dir, config.vocab.joint)
     train_read, sampled = _train_vocab(config, paths, seed=config.train.seed)
+    vocab_seconds = time.perf_counter() - started
     vocab_sizes = {side: load_sentencepiece(paths[side]).vocab_size() for side in SIDES}
     dtype = "uint16" if max(vocab_sizes.values()) <= np.iinfo(np.uint16).max else "int32"
     workers = config.prepare.workers
@@ -289,6 +290,7 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
         "workers": workers,
         "stats": stats,
         "seconds": round(time.perf_counter() - started, 2),
+        "seconds_vocab": round(vocab_seconds, 2),  # sampling pass + sentencepiece training
     }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2))
     return PrepareResult(run_dir, False, _summary_table(stats), manifest)
