@@ -40,6 +40,9 @@ def main() -> None:
                         help="skip tfm's allocator setting (keep_freed_memory); it is process-wide, so "
                              "when on (the default, as in `tfm train`) HF benefits from it too")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's dense peak for MFU (default: 989 bf16 / 495 tf32-fp32 on H100/H200; "
+                             "none on other devices)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                         help="for both toolkits; auto: as `tfm train` (bf16 autocast on CUDA and AMX CPUs)")
     args = parser.parse_args()
@@ -108,6 +111,7 @@ def main() -> None:
 
     seconds = {"tfm": 0.0, "hf": 0.0}
     tokens = 0
+    flops = 0.0
     for i, batch in enumerate(batches):
         timed = i >= args.warmup
         for name, fn in (("tfm", tfm_step), ("hf", hf_step)) if i % 2 == 0 else (("hf", hf_step), ("tfm", tfm_step)):
@@ -119,6 +123,7 @@ def main() -> None:
                 seconds[name] += time.perf_counter() - start
         if timed:
             tokens += batch.n_tgt_tokens
+            flops += training_flops(config, batch, vocab)
         if (i + 1) % 20 == 0:
             print(f"  step {i + 1}/{needed}", flush=True)
 
@@ -127,6 +132,36 @@ def main() -> None:
     print(f"tfm           {tfm_rate:8.0f} target tokens/s")
     print(f"HF MarianMT   {hf_rate:8.0f} target tokens/s")
     print(f"ratio tfm/HF  {tfm_rate / hf_rate:8.2f}x")
+    peak = args.peak_tflops
+    if peak is None and device.type == "cuda" and any(n in torch.cuda.get_device_name(device) for n in ("H100", "H200")):
+        peak = 989.0 if amp_dtype else 494.5  # dense bf16 / tf32 tensor-core peak (SXM)
+    if peak:
+        for name in ("tfm", "hf"):
+            achieved = flops / seconds[name] / 1e12
+            print(f"MFU {name:<4} {achieved:7.1f} TFLOP/s of {peak:.0f} = {100 * achieved / peak:5.1f}% "
+                  "(model FLOPs: 3 x forward matmuls, see training_flops)")
+    if device.type == "cuda":
+        print(f"peak GPU memory (both models resident): {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+
+
+def training_flops(config, batch, vocab: int) -> float:
+    """Model FLOPs of one training step on `batch`: 3 x the forward pass's matmul FLOPs (backward = 2x).
+
+    Per layer, with d = d_model, f = d_ff, B sentences, S/T padded source/target lengths:
+    encoder 2·(4d² + 2df)·BS + 2·2·B·S²·d (scores and weighted values); decoder self-attention
+    2·4d²·BT + 2·2·B·T²·d, cross-attention 2·2d²·BT + 2·2d²·BS + 2·2·B·T·S·d, FFN 2·2df·BT;
+    output projection 2·d·V per real target token. Embeddings, norms and softmax are not counted.
+    """
+    m = config.model
+    d, f = m.d_model, m.d_ff
+    b, s_len = batch.src.shape
+    t_len = batch.tgt_in.shape[1]
+    bs, bt = b * s_len, b * t_len
+    encoder = m.enc_layers * (2 * (4 * d * d + 2 * d * f) * bs + 4 * b * s_len * s_len * d)
+    decoder = m.dec_layers * (2 * 4 * d * d * bt + 4 * b * t_len * t_len * d + 2 * 2 * d * d * (bt + bs)
+                              + 4 * b * t_len * s_len * d + 2 * 2 * d * f * bt)
+    output = 2 * d * vocab * batch.n_tgt_tokens
+    return 3.0 * (encoder + decoder + output)
 
 
 if __name__ == "__main__":

@@ -41,8 +41,15 @@ def join(world: World, device: torch.device) -> torch.device:
     return device
 
 
-def leave(world: World) -> None:
+def leave(world: World, finished: bool) -> None:
+    """Leave the process group; after a normal finish, all ranks leave together.
+
+    (A rank that tears down while another still uses the group can lose the rendezvous store
+    when that store's host exits, and abort. After an error, waiting could hang: no barrier.)
+    """
     if world.enabled and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -275,10 +275,13 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
     `on_step(step, model)` is called on every rank after each optimizer step (tests, tooling).
     """
     world = world_from_environment()
+    finished = False
     try:
-        return _train(config, resume, progress_bar, world, on_step)
+        summary = _train(config, resume, progress_bar, world, on_step)
+        finished = True
+        return summary
     finally:
-        leave(world)
+        leave(world, finished)
 
 
 def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: World,
