@@ -129,18 +129,44 @@ def translate(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentences per batch."),
     batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Source tokens per batch."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="int8: dynamic int8 Linear layers (CPU; "
+                                           "same as --set decode.precision=int8)."),
+    engine: str = typer.Option("torch", "--engine", help="torch (tfm itself) or ctranslate2 (a directory "
+                               "from tfm export; needs pip install -e '.\\[ct2]')."),
+    model_dir: Optional[Path] = typer.Option(None, "--model", help="With --engine ctranslate2: the exported "
+                                             "model directory."),
+    compute_type: str = typer.Option("default", "--compute-type", help="With --engine ctranslate2: int8, "
+                                     "float32, bfloat16… (default: as exported, fp32)."),
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
     from .translate import Translator, default_checkpoint, read_decoded_lines, translate_stream
 
     cfg = _load(config, set_) if config is not None else None
-    if checkpoint is None:
-        if cfg is None:
-            raise TfmError("give --checkpoint, or --config to use the run's best checkpoint")
-        checkpoint = default_checkpoint(cfg)
-    # Without --config, --set edits the settings the checkpoint carries.
-    translator = Translator.from_checkpoint(checkpoint, decode=cfg.decode if cfg else None, device=device,
-                                            overrides=None if cfg else set_)
+    if engine not in ("torch", "ctranslate2"):
+        raise TfmError(f"--engine {engine}: choose torch or ctranslate2")
+    if quantize not in (None, "int8"):
+        raise TfmError(f"--quantize {quantize}: only int8 is supported")
+    if engine == "ctranslate2":
+        from .export import CT2Translator
+
+        if model_dir is None:
+            raise TfmError("--engine ctranslate2 needs --model DIR (from tfm export --format ctranslate2)")
+        if checkpoint is not None or quantize is not None:
+            raise TfmError("--checkpoint/--quantize are for --engine torch; with ctranslate2 use --model "
+                           "and --compute-type")
+        decode = cfg.decode if cfg else None
+        translator = CT2Translator(model_dir, device=device, compute_type=compute_type, decode=decode,
+                                   overrides=None if cfg else set_)
+    else:
+        if model_dir is not None or compute_type != "default":
+            raise TfmError("--model/--compute-type are for --engine ctranslate2")
+        if checkpoint is None:
+            if cfg is None:
+                raise TfmError("give --checkpoint, or --config to use the run's best checkpoint")
+            checkpoint = default_checkpoint(cfg)
+        # Without --config, --set edits the settings the checkpoint carries.
+        translator = Translator.from_checkpoint(checkpoint, decode=cfg.decode if cfg else None, device=device,
+                                                overrides=None if cfg else set_, precision=quantize)
     updates = {k: v for k, v in (("batch_size", batch_size), ("batch_tokens", batch_tokens)) if v is not None}
     translator.decode = translator.decode.model_copy(update=updates)
     if nbest < 1 or (beam is not None and beam < 1):
@@ -247,6 +273,73 @@ def average(
     payload["averaged"] = [str(p) for p in checkpoints]
     save_checkpoint(output, payload)
     typer.echo(f"averaged {len(checkpoints)} checkpoints → {output}")
+
+
+@app.command()
+@user_errors
+def plot(
+    runs: list[Path] = typer.Argument(..., help="Run directories (or their metrics.jsonl); several are overlaid."),
+    output: Path = typer.Option(Path("curves.png"), "--output", "-o", help="PNG to write."),
+    width: int = typer.Option(1200, "--width", help="Image width in pixels."),
+    height: int = typer.Option(800, "--height", help="Image height in pixels."),
+) -> None:
+    """Learning curves (train/valid loss, valid BLEU against step and minutes, LR) as a PNG.
+
+    Needs matplotlib: pip install -e '.\\[plot]'.
+    """
+    from .plot import plot_runs
+
+    plot_runs(list(runs), output, width, height)
+    typer.echo(f"wrote {output} ({width}x{height}, {len(runs)} run{'s' if len(runs) > 1 else ''})")
+
+
+@app.command()
+@user_errors
+def attention(
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="Model file (.pt)."),
+    src: str = typer.Option(..., "--src", help="Source sentence."),
+    tgt: Optional[str] = typer.Option(None, "--tgt", help="Target to teacher-force (default: the model's own "
+                                      "greedy translation)."),
+    layer: Optional[int] = typer.Option(None, "--layer", help="Layer whose heads are drawn, 1-based (default: last)."),
+    self_: bool = typer.Option(False, "--self", help="Encoder self-attention instead of encoder–decoder."),
+    output: Path = typer.Option(Path("attention.png"), "--output", "-o", help="PNG to write."),
+) -> None:
+    """Attention heatmaps: one per head of a layer, plus every layer's head average.
+
+    Source subwords on the x axis, target subwords on the y axis (source on both with --self).
+    Needs matplotlib: pip install -e '.\\[plot]'.
+    """
+    from .attention import AttentionModel, check_layer, plot_attention
+
+    model = AttentionModel(checkpoint)
+    n_layers = model.model.cfg.enc_layers if self_ else model.model.cfg.dec_layers
+    check_layer(layer, n_layers, "encoder" if self_ else "decoder")  # before decoding anything
+    maps = model.maps(src, tgt, encoder_self=self_)
+    plot_attention(maps, layer, output)
+    if maps.translation:
+        typer.echo(f"target: {maps.translation}")
+    typer.echo(f"wrote {output}")
+
+
+@app.command()
+@user_errors
+def export(
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="Model file (.pt)."),
+    format_: str = typer.Option("ctranslate2", "--format", help="Export format: ctranslate2."),
+    output: Path = typer.Option(..., "--output", "-o", help="Directory to write."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+) -> None:
+    """Convert a checkpoint for serving: a CTranslate2 model directory (with its sentencepiece models).
+
+    Translate with it: tfm translate --engine ctranslate2 --model DIR. Needs pip install -e '.\\[ct2]'.
+    """
+    from .export import export_ctranslate2
+
+    if format_ != "ctranslate2":
+        raise TfmError(f"--format {format_}: only ctranslate2 is supported")
+    export_ctranslate2(checkpoint, output, force=force)
+    typer.echo(f"exported {checkpoint} → {output} (CTranslate2; translate with: tfm translate --engine "
+               f"ctranslate2 --model {output})")
 
 
 def main() -> None:

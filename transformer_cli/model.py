@@ -235,9 +235,15 @@ class EncoderLayer(nn.Module):
         self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation)
         self.attn_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
         self.ffn_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
+        self.last_self_weights: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:  # (B, S, D)
-        x = self.attn_add_norm(x, lambda h: self.self_attn(h, h, src_mask)[0])
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor, need_weights: bool = False) -> torch.Tensor:
+        def attend(h: torch.Tensor) -> torch.Tensor:  # (B, S, D)
+            out, weights = self.self_attn(h, h, src_mask, need_weights=need_weights)
+            self.last_self_weights = weights
+            return out
+
+        x = self.attn_add_norm(x, attend)
         return self.ffn_add_norm(x, self.ffn)
 
 
@@ -351,12 +357,12 @@ class Transformer(nn.Module):
 
     # -- training / full forward
 
-    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, src: torch.Tensor, need_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, S) ids → memory (B, S, D) and source padding mask (B, 1, 1, S)."""
         src_mask = padding_mask(src, self.cfg.pad_id)
         x = self.src_pos(self.src_embed(src))
         for layer in self.encoder_layers:
-            x = layer(x, src_mask)
+            x = layer(x, src_mask, need_weights=need_weights)
         return self.encoder_norm(x), src_mask
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
@@ -378,6 +384,10 @@ class Transformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask, rows=rows)
+
+    def encoder_attention_weights(self) -> list[torch.Tensor | None]:
+        """Per encoder layer (B, H, S, S) self-attention weights of the last `encode(..., need_weights=True)`."""
+        return [layer.last_self_weights for layer in self.encoder_layers]
 
     def cross_attention_weights(self) -> list[torch.Tensor | None]:
         """Per decoder layer (B, H, T, S) weights of the last `decode(..., need_weights=True)`."""

@@ -72,6 +72,24 @@ def decode_token_ids(
     return results
 
 
+def quantize_int8(model: Transformer) -> Transformer:
+    """Dynamic int8 quantization, in place: every nn.Linear keeps its weight as int8 (per tensor)
+    and quantizes its input on the fly; embeddings, LayerNorms and the attention core stay fp32.
+
+    The tied output projection becomes an int8 copy; the embedding it was tied to stays fp32.
+    """
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        # torch ≥ 2.10 marks torch.ao.quantization as deprecated in favour of torchao, which is
+        # not a dependency; the eager dynamic path still works and is what we test.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
 @dataclass
 class Translation:
     text: str
@@ -90,15 +108,22 @@ class Translator:
                  decode: DecodeConfig, device: torch.device):
         self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
         model.to(device).eval()
-        if wants_bf16(decode.precision, device):
+        if decode.precision == "int8":
+            if device.type != "cpu":
+                raise TfmError("int8 decoding (--quantize int8 / decode.precision=int8) runs on CPU only: "
+                               "add --device cpu")
+            self.model = quantize_int8(model)
+        elif wants_bf16(decode.precision, device):
             model.to(torch.bfloat16)  # scores are still accumulated in fp32 (decoding.py)
         if device.type == "cpu":
             keep_freed_memory()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, decode: DecodeConfig | None = None,
-                        device: str = "auto", overrides: list[str] | None = None) -> Translator:
-        """`decode` replaces the checkpoint's decode settings; `overrides` (`decode.beam=4`…) edit them."""
+                        device: str = "auto", overrides: list[str] | None = None,
+                        precision: str | None = None) -> Translator:
+        """`decode` replaces the checkpoint's decode settings; `overrides` (`decode.beam=4`…) edit them;
+        `precision` (fp32, bf16, int8, auto), when given, replaces the resulting decode.precision."""
         dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                            ("cpu" if device == "auto" else device))
         payload = load_checkpoint(path)
@@ -113,7 +138,10 @@ class Translator:
             for assignment in overrides:
                 apply_override(raw, assignment)
             config = config_from_dict(raw, f"{path} (with --set)")
-        return cls(model, src_sp, tgt_sp, decode or config.decode, dev)
+        decode = decode or config.decode
+        if precision is not None:
+            decode = DecodeConfig.model_validate({**decode.model_dump(), "precision": precision})
+        return cls(model, src_sp, tgt_sp, decode, dev)
 
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
                   min_len: int = 0, max_len: int | None = None) -> list[list[Translation]]:

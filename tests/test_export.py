@@ -1,0 +1,146 @@
+"""CTranslate2 export: the exported model must decode exactly as tfm does (fp32, same search settings).
+
+tfm and CTranslate2 are compared with each other, never with fixed strings, so the tests do not
+depend on the CPU that trained the fixtures.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+from transformer_cli.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from transformer_cli.config import config_from_dict  # noqa: E402
+from transformer_cli.data import BOS_ID, EOS_ID, prepare  # noqa: E402
+from transformer_cli.errors import TfmError  # noqa: E402
+from transformer_cli.export import CT2Translator, check_convertible, export_ctranslate2  # noqa: E402
+from transformer_cli.io_utils import read_lines  # noqa: E402
+from transformer_cli.model import Transformer, TransformerConfig  # noqa: E402
+from transformer_cli.train import train  # noqa: E402
+from transformer_cli.translate import Translator, decode_token_ids  # noqa: E402
+
+from .conftest import multi30k_config  # noqa: E402
+
+TFM = [sys.executable, "-m", "transformer_cli.cli"]
+# Same search on both sides: no length penalty (tfm's GNMT ((5+len)/6)^a and CTranslate2's len^a
+# agree only at a = 0) and a fixed length limit (CTranslate2 takes one limit per batch).
+SAME_SEARCH = ["decode.precision=fp32", "decode.length_penalty=0", "decode.max_len_a=0", "decode.max_len_b=30"]
+
+
+def compare(checkpoint, sources, tmp_path, beam):
+    """Token ids of tfm's and CTranslate2's best hypothesis for each source line."""
+    out = tmp_path / "ct2"
+    if not out.exists():
+        export_ctranslate2(checkpoint, out)
+    tfm = Translator.from_checkpoint(checkpoint, device="cpu", overrides=SAME_SEARCH)
+    ct2 = CT2Translator(out, decode=tfm.decode, compute_type="float32")
+    ids = tfm.src_sp.encode(sources, out_type=int)
+    ours = [h[0].tokens for h in decode_token_ids(tfm.model, ids, tfm.decode, tfm.device, beam)]
+    pieces = [[tfm.src_sp.id_to_piece(i) for i in s] for s in ids]
+    theirs = [[tfm.tgt_sp.piece_to_id(p) for p in h[0][0]] for h in ct2.translate_pieces(pieces, beam)]
+    return ours, theirs
+
+
+@pytest.fixture(scope="module")
+def multi30k_model(multi30k_2k, tmp_path_factory):
+    """A tiny de→en model, 100 steps of the real prepare + train (post-norm here, unlike the
+    pre-norm reverse model, so both layouts are checked on trained weights)."""
+    run = tmp_path_factory.mktemp("m30k_ct2")
+    config = config_from_dict(multi30k_config(multi30k_2k, run / "run", model={"norm_position": "post"},
+                                              train={"eval_every": 100, "eval_bleu_sentences": 10}))
+    prepare(config, progress=False)
+    summary = train(config, progress_bar=False)
+    return config, summary
+
+
+def test_reverse_model_greedy_and_beam_match_tfm(reverse_model, tmp_path):
+    config, summary = reverse_model
+    src = read_lines(f"{config.data.test}.src.gz")[:100]
+    ours, theirs = compare(summary.best_checkpoint, src, tmp_path, beam=1)
+    assert ours == theirs  # token for token, all 100 sentences
+    ours, theirs = compare(summary.best_checkpoint, src, tmp_path, beam=4)
+    assert sum(a == b for a, b in zip(ours, theirs)) >= 0.9 * len(src)
+
+
+def test_multi30k_model_greedy_and_beam_match_tfm(multi30k_model, tmp_path):
+    config, summary = multi30k_model
+    src = read_lines(f"{config.data.test}.de.gz")[:60]
+    ours, theirs = compare(summary.best_checkpoint, src, tmp_path, beam=1)
+    assert ours == theirs
+    ours, theirs = compare(summary.best_checkpoint, src, tmp_path, beam=4)
+    assert sum(a == b for a, b in zip(ours, theirs)) >= 0.9 * len(src)
+
+
+@pytest.mark.parametrize("variant", [
+    {"norm_position": "post", "activation": "gelu", "positional": "learned", "share_embeddings": False,
+     "tie_output": False},
+    {"norm_position": "pre", "activation": "gelu", "positional": "sinusoidal", "share_embeddings": True,
+     "tie_output": False},
+])
+def test_other_architectures_score_identically(reverse_model, tmp_path, variant):
+    """Random weights in other layouts: CTranslate2's log-probabilities of a target equal tfm's."""
+    _, summary = reverse_model
+    payload = load_checkpoint(summary.best_checkpoint)
+    payload.pop("format")
+    torch.manual_seed(0)
+    cfg = TransformerConfig(**{**payload["model_config"], **variant})
+    model = Transformer(cfg).eval()
+    payload["model_config"] = {**payload["model_config"], **variant}
+    payload["model"] = model.state_dict()
+    save_checkpoint(tmp_path / "variant.pt", payload)
+    export_ctranslate2(tmp_path / "variant.pt", tmp_path / "ct2")
+    ct2 = ctranslate2.Translator(str(tmp_path / "ct2"), compute_type="float32")
+    sp = Translator.from_checkpoint(tmp_path / "variant.pt", device="cpu").src_sp
+    src = ["wa wb wc wd", "wp wo", "wa wa wb wc wd we wf wg wh"]
+    tgt = ["wd wc wb wa", "wo wp", "wh wg wf we wd wc wb wa wa"]
+    scores = ct2.score_batch([sp.encode(s, out_type=str) for s in src], [sp.encode(t, out_type=str) for t in tgt])
+    for s, t, result in zip(src, tgt, scores):
+        src_ids = torch.tensor([sp.encode(s) + [EOS_ID]])
+        tgt_ids = sp.encode(t) + [EOS_ID]
+        with torch.no_grad():
+            logits = model(src_ids, torch.tensor([[BOS_ID] + tgt_ids[:-1]]))  # (1, T, V)
+        ours = logits.log_softmax(-1)[0, torch.arange(len(tgt_ids)), tgt_ids]
+        assert torch.allclose(ours, torch.tensor(result.log_probs), atol=1e-4)
+
+
+def test_unrepresentable_models_are_refused(reverse_model):
+    _, summary = reverse_model
+    tr = Translator.from_checkpoint(summary.best_checkpoint, device="cpu")
+    cfg = TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, activation="swish")
+    with pytest.raises(TfmError, match="cannot export to CTranslate2: activation 'swish'"):
+        check_convertible(cfg, tr.src_sp, tr.tgt_sp)
+
+
+def test_cli_export_and_translate_stream(reverse_model, tmp_path):
+    config, summary = reverse_model
+    out = tmp_path / "model"
+    proc = subprocess.run([*TFM, "export", "--checkpoint", str(summary.best_checkpoint), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert {"model.bin", "source.spm.model", "target.spm.model"} <= {p.name for p in out.iterdir()}
+    proc = subprocess.run([*TFM, "export", "--checkpoint", str(summary.best_checkpoint), "-o", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--force" in proc.stderr
+
+    src = read_lines(f"{config.data.test}.src.gz")[:30]
+    text = "\n".join(src[:20] + ["", "   "] + src[20:]) + "\n"
+    torch_out = subprocess.run([*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "1",
+                                "--set", "decode.precision=fp32"], input=text, capture_output=True, text=True)
+    for compute_type in ("float32", "int8"):
+        proc = subprocess.run([*TFM, "translate", "--engine", "ctranslate2", "--model", str(out), "--beam", "1",
+                               "--compute-type", compute_type, "--batch-size", "7"],
+                              input=text, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.split("\n")[:-1]
+        assert len(lines) == 32 and lines[20] == "" and lines[21] == ""
+        if compute_type == "float32":
+            assert proc.stdout == torch_out.stdout  # same order, same empty lines, same words
+    for args, message in ((["--model", str(tmp_path / "nothing")], "not a CTranslate2 model directory"),
+                          (["--model", str(out), "--compute-type", "float8"], "--compute-type float8"),
+                          ([], "needs --model")):
+        proc = subprocess.run([*TFM, "translate", "--engine", "ctranslate2", *args], input="wa\n",
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
