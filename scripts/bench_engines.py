@@ -4,7 +4,7 @@
     python scripts/bench_engines.py --checkpoint runs/de-en/checkpoints/checkpoint_best.pt \
         --src data/multi30k/test_2016_flickr.de.gz --ref data/multi30k/test_2016_flickr.en.gz
 
-Systems: tfm fp32, tfm bf16 (only where torch reports AMX, i.e. where tfm would pick it), tfm int8
+Systems: tfm fp32, tfm bf16 (where torch reports AMX, i.e. where tfm would pick it, or with --bf16), tfm int8
 (dynamic int8 Linear layers), CTranslate2 float32 and int8 (the checkpoint exported with
 `tfm export`). Greedy and beam 5, batches of --batch-size sentences, natural output lengths (each
 system stops at </s>). Each system's settings are the checkpoint's decode settings; CTranslate2's
@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--ref", required=True)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--beams", default="1,5")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also time tfm bf16 on a CPU without AMX (tfm's auto precision would not pick it)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -47,7 +49,7 @@ def main() -> None:
                                                               precision="fp32"),
                "tfm int8": lambda: Translator.from_checkpoint(args.checkpoint, device="cpu", overrides=overrides,
                                                               precision="int8")}
-    if cpu_has_fast_bf16():
+    if cpu_has_fast_bf16() or args.bf16:
         systems["tfm bf16"] = lambda: Translator.from_checkpoint(args.checkpoint, device="cpu",
                                                                  overrides=overrides, precision="bf16")
     try:
