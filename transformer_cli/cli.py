@@ -124,7 +124,7 @@ def translate(
     ),
     input_: Optional[Path] = typer.Option(None, "--input", "-i", help="Source text (default: stdin)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Translations (default: stdout)."),
-    beam: Optional[int] = typer.Option(None, "--beam", help="Beam size (1 = greedy; default decode.beam)."),
+    beam: Optional[int] = typer.Option(None, "--beam", min=1, help="Beam size (1 = greedy; default decode.beam)."),
     nbest: int = typer.Option(1, "--nbest", help="Print the K best: 'line<TAB>rank<TAB>score<TAB>text'."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentences per batch."),
     batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Source tokens per batch."),
@@ -203,7 +203,7 @@ def evaluate(
         None, "--checkpoint", help="With --config: model (default: checkpoint_avg.pt, else checkpoint_best.pt)."
     ),
     split: str = typer.Option("test", "--split", help="With --config: valid or test."),
-    beam: Optional[int] = typer.Option(None, "--beam", help="With --config: beam size (default decode.beam)."),
+    beam: Optional[int] = typer.Option(None, "--beam", min=1, help="With --config: beam size (default decode.beam)."),
     metrics: str = typer.Option("bleu,chrf", "--metrics", help="Comma-separated: bleu, chrf, ter."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     min_bleu: Optional[float] = typer.Option(None, "--min-bleu", help="Exit 1 when BLEU is below this (CI gate)."),
@@ -219,15 +219,29 @@ def evaluate(
         if ref is None:
             raise TfmError("--hyp needs --ref")
         if len(hyp) > 1:
+            import sacrebleu
+
             from .evaluate import check_aligned
             from .io_utils import read_lines
 
+            if as_json or confidence:
+                raise TfmError("--json and --confidence are not available with two --hyp (paired mode); "
+                               "score each system on its own for them")
             refs = read_lines(ref)
             systems = {}
             for path in hyp:
                 systems[str(path)] = read_lines(path)
                 check_aligned(systems[str(path)], refs, str(path), str(ref))
             typer.echo(paired_comparison(systems, refs, names))
+            if min_bleu is not None:  # the gate applies to every system compared
+                scores = {name: sacrebleu.corpus_bleu(lines, [refs]).score for name, lines in systems.items()}
+                failed = {name: score for name, score in scores.items() if score < min_bleu}
+                for name, score in scores.items():
+                    verdict = "FAIL" if name in failed else "PASS"
+                    typer.echo(f"{verdict}: {name} BLEU {score:.2f} {'<' if name in failed else '>='} {min_bleu}",
+                               err=True)
+                if failed:
+                    raise typer.Exit(1)
             return
         result = evaluate_files(hyp[0], ref, names, confidence)
     elif config is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import TfmError
 
@@ -30,14 +30,14 @@ class DataConfig(_Section):
     train: str = "data/multi30k/train"
     valid: str = "data/multi30k/val"
     test: str = "data/multi30k/test_2016_flickr"
-    max_len: int = 128  # training pairs longer than this (in tokens, either side) are dropped
+    max_len: int = Field(128, ge=1) # training pairs longer than this (in tokens, either side) are dropped
     max_len_ratio: float = 3.0  # ... and pairs whose length ratio exceeds this
     train_limit: int | None = None  # use only the first N training pairs (smoke runs)
 
 
 class VocabConfig(_Section):
     joint: bool = True
-    size: int = 8000
+    size: int = Field(8000, ge=8)
     model_type: Literal["bpe", "unigram"] = "bpe"
     character_coverage: float = 1.0
     # Sentences each sentencepiece model trains on: a uniform random sample of the training pairs
@@ -53,19 +53,26 @@ class PrepareConfig(_Section):
 
 
 class ModelConfig(_Section):
-    d_model: int = 512
-    n_heads: int = 8
-    enc_layers: int = 6
-    dec_layers: int = 6
-    d_ff: int = 2048
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
+    d_model: int = Field(512, ge=1)
+    n_heads: int = Field(8, ge=1)
+    enc_layers: int = Field(6, ge=1)
+    dec_layers: int = Field(6, ge=1)
+    d_ff: int = Field(2048, ge=1)
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     activation: Literal["relu", "gelu"] = "relu"
     norm_position: Literal["post", "pre"] = "post"
     positional: Literal["sinusoidal", "learned"] = "sinusoidal"
-    max_positions: int = 1024
+    max_positions: int = Field(1024, ge=1)
     share_embeddings: bool = True  # source/target embeddings shared (needs a joint vocab)
     tie_output: bool = True  # output projection tied to the target embedding
+
+
+    @model_validator(mode="after")
+    def _heads_divide_d_model(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        return self
 
 
 class TrainConfig(_Section):
@@ -74,22 +81,22 @@ class TrainConfig(_Section):
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto = bf16 autocast on CUDA and AMX CPUs, else fp32
     compile: bool = False
     threads: int | None = None  # torch intra-op threads on CPU (None = torch default)
-    max_tokens: int = 4096  # tokens per batch, padding included
-    accum_steps: int = 1
-    max_steps: int = 100_000
+    max_tokens: int = Field(4096, ge=1) # tokens per batch, padding included
+    accum_steps: int = Field(1, ge=1)
+    max_steps: int = Field(100_000, ge=1)
     max_epochs: int | None = None
     max_time: float | str | None = None  # seconds, or "90s" / "30m" / "2h"
     lr_schedule: Literal["noam", "inverse_sqrt", "constant"] = "noam"
     lr_factor: float = 1.0  # noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     lr: float = 5e-4  # peak lr for inverse_sqrt / constant
-    warmup: int = 4000
+    warmup: int = Field(4000, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
-    label_smoothing: float = 0.1
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     clip_norm: float = 0.0  # 0 disables gradient-norm clipping
-    log_every: int = 50
-    eval_every: int = 1000
+    log_every: int = Field(50, ge=1)
+    eval_every: int = Field(1000, ge=1)
     eval_bleu_sentences: int = 200  # valid sentences greedy-decoded for BLEU at each evaluation
     best_metric: Literal["bleu", "loss"] = "bleu"
     patience: int | None = None  # evaluations without improvement before stopping
@@ -105,13 +112,13 @@ class TrainConfig(_Section):
 
 
 class DecodeConfig(_Section):
-    beam: int = 5
+    beam: int = Field(5, ge=1)
     length_penalty: float = 0.6  # GNMT alpha: score / ((5 + len) / 6) ** alpha
     max_len_a: float = 1.5  # max output tokens = a * src_len + b
     max_len_b: int = 10
-    batch_size: int = 64  # sentences per batch
+    batch_size: int = Field(64, ge=1) # sentences per batch
     batch_tokens: int | None = None  # if set, also cap source tokens per batch
-    nbest: int = 1
+    nbest: int = Field(1, ge=1)
     # Weights and activations while translating: auto = bf16 on CUDA and AMX CPUs (as
     # train.precision), else fp32. On an AMX CPU bf16 beam search ran 1.41x faster with equal
     # BLEU (Multi30k test: 39.26 vs 39.15 de-en, 36.72 vs 36.68 en-de).
@@ -175,7 +182,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             messages.append(f"unknown key '{key}'{hint}")
         else:
             got = e.get("input")
-            messages.append(f"key '{key}': {e['msg']} (got {got!r})")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"  # a whole section says nothing
+            messages.append(f"key '{key}': {e['msg']}{shown}")
     return f"{source}: " + "; ".join(messages)
 
 

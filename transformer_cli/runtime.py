@@ -75,3 +75,15 @@ def wants_bf16(precision: str, device: torch.device) -> bool:
             return forced == "bf16"
         return device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
     return precision == "bf16"
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` (CUDA when present), `cpu`, `cuda`, `cuda:N`; anything else is a one-line TfmError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise TfmError(f"device {name!r} was asked for, but CUDA is not available on this machine")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise TfmError(f"{name!r} is not a device (use auto, cpu, cuda or cuda:N)") from None

@@ -26,19 +26,8 @@ from .distributed import World, all_max, all_rng_states, all_sum, join, leave, w
 from .errors import Interrupted, TfmError
 from .io_utils import atomic_write_text, read_lines
 from .model import Transformer, TransformerConfig
-from .runtime import keep_freed_memory, wants_bf16
+from .runtime import keep_freed_memory, resolve_device, wants_bf16
 from .signals import EXIT_CODES, StopRequest
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise TfmError(f"train.device={name!r} but CUDA is not available on this machine")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise TfmError(f"train.device={name!r} is not a device (use auto, cpu, cuda or cuda:N)") from None
 
 
 def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:

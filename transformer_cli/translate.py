@@ -19,7 +19,7 @@ from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search
 from .errors import TfmError
 from .model import Transformer
-from .runtime import keep_freed_memory, wants_bf16
+from .runtime import keep_freed_memory, resolve_device, wants_bf16
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
@@ -124,8 +124,7 @@ class Translator:
                         precision: str | None = None) -> Translator:
         """`decode` replaces the checkpoint's decode settings; `overrides` (`decode.beam=4`…) edit them;
         `precision` (fp32, bf16, int8, auto), when given, replaces the resulting decode.precision."""
-        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                           ("cpu" if device == "auto" else device))
+        dev = resolve_device(device)
         payload = load_checkpoint(path)
         model, config = model_from_checkpoint(payload)
         src_sp, tgt_sp = (spm.SentencePieceProcessor(model_proto=tensor_to_bytes(payload[key]))
