@@ -114,7 +114,7 @@ class TokenArray:
 
     @classmethod
     def load(cls, stem: Path) -> TokenArray:
-        paths = [stem.with_name(f"{stem.name}.{name}.npy") for name in ("tokens", "offsets")]
+        paths = [_array_path(stem, name) for name in ("tokens", "offsets")]
         for p in paths:
             if not p.is_file():
                 raise TfmError(f"binarised data not found: {p} (run `tfm prepare` first)")

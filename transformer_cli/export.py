@@ -85,6 +85,13 @@ def _linear(spec: Any, *layers: torch.nn.Linear) -> None:
         spec.bias = np.concatenate([_np(layer.bias) for layer in layers])
 
 
+def _feed_forward(ffn_spec: Any, layer: torch.nn.Module) -> None:
+    """PositionwiseFeedForward + its Add & Norm, the same in encoder and decoder layers."""
+    _linear(ffn_spec.linear_0, layer.ffn.w1)
+    _linear(ffn_spec.linear_1, layer.ffn.w2)
+    _layer_norm(ffn_spec.layer_norm, layer.ffn_add_norm.norm)
+
+
 def _layer_norm(spec: Any, norm: torch.nn.LayerNorm) -> None:
     spec.gamma, spec.beta = _np(norm.weight), _np(norm.bias)
 
@@ -113,9 +120,7 @@ def build_spec(model: Transformer, src_vocab: list[str], tgt_vocab: list[str]) -
         _linear(attn.linear[0], layer.self_attn.q_proj, layer.self_attn.kv_proj)  # fused Q, K, V
         _linear(attn.linear[1], layer.self_attn.out_proj)
         _layer_norm(attn.layer_norm, layer.attn_add_norm.norm)
-        _linear(layer_spec.ffn.linear_0, layer.ffn.w1)
-        _linear(layer_spec.ffn.linear_1, layer.ffn.w2)
-        _layer_norm(layer_spec.ffn.layer_norm, layer.ffn_add_norm.norm)
+        _feed_forward(layer_spec.ffn, layer)
     if pre:
         _layer_norm(enc.layer_norm, model.encoder_norm)
 
@@ -131,9 +136,7 @@ def build_spec(model: Transformer, src_vocab: list[str], tgt_vocab: list[str]) -
         _linear(cross.linear[1], layer.cross_attn.kv_proj)  # (2D, D): K rows, then V rows
         _linear(cross.linear[2], layer.cross_attn.out_proj)
         _layer_norm(cross.layer_norm, layer.cross_add_norm.norm)
-        _linear(layer_spec.ffn.linear_0, layer.ffn.w1)
-        _linear(layer_spec.ffn.linear_1, layer.ffn.w2)
-        _layer_norm(layer_spec.ffn.layer_norm, layer.ffn_add_norm.norm)
+        _feed_forward(layer_spec.ffn, layer)
     if pre:
         _layer_norm(dec.layer_norm, model.decoder_norm)
     _linear(dec.projection, model.output_proj)  # tied: a copy of the target embedding (no bias)
