@@ -7,8 +7,11 @@ Corpus data is never read from a hard-coded path: the same script users run find
 from __future__ import annotations
 
 import gzip
+import json
 import random
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +105,39 @@ def reverse_model(tmp_path_factory):
     prepare(config, progress=False)
     summary = train(config, progress_bar=False)
     return config, summary
+
+
+# --------------------------------------------------------------------------- a tiny prepared run (CLI tests)
+
+TFM = [sys.executable, "-m", "transformer_cli.cli"]
+
+
+def tfm(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    """Run the real `tfm` command line in a subprocess (text mode, output captured)."""
+    return subprocess.run([*TFM, *map(str, args)], capture_output=True, text=True, **kwargs)
+
+
+def tiny_reverse_config(data_dir: Path, run_dir: Path, **train_overrides) -> dict:
+    """The reverse task with a 23k-parameter model: a step takes milliseconds (fault-injection tests)."""
+    settings = {"max_steps": 30, "eval_every": 10, "log_every": 5, "eval_bleu_sentences": 10, "precision": "fp32"}
+    raw = reverse_task_config(data_dir, run_dir, **{**settings, **train_overrides})
+    raw["model"].update(d_model=32, d_ff=64, n_heads=2, enc_layers=1, dec_layers=1)
+    return raw
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tmp_path_factory) -> tuple[Path, Path]:
+    """(data folder, prepared run folder) of the tiny reverse task; copy the run before changing it."""
+    root = tmp_path_factory.mktemp("tiny")
+    write_reverse_task(root / "data", n_train=2000, n_test=50)
+    prepare(config_from_dict(tiny_reverse_config(root / "data", root / "run")), progress=False)
+    return root / "data", root / "run"
+
+
+def tiny_run(tiny_prepared, dest: Path, **train_overrides) -> Path:
+    """A private copy of the prepared tiny run at `dest` and its config file; returns the config path."""
+    data, run = tiny_prepared
+    shutil.copytree(run, dest / "run")
+    config = dest / "tiny.yaml"
+    config.write_text(json.dumps(tiny_reverse_config(data, dest / "run", **train_overrides)))
+    return config

@@ -4,6 +4,8 @@ model bytes, so `tfm translate --checkpoint X.pt` needs nothing else."""
 
 from __future__ import annotations
 
+import io
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import torch
 
 from .config import ExperimentConfig, config_from_dict
 from .errors import TfmError
-from .io_utils import atomic_path
+from .io_utils import atomic_write_bytes
 from .model import Transformer, TransformerConfig
 
 FORMAT = "tfm-checkpoint-1"
@@ -26,21 +28,40 @@ def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """Write atomically: a crash mid-write never leaves a truncated checkpoint behind."""
-    payload = {"format": FORMAT, **payload}
-    with atomic_path(path) as tmp:
-        torch.save(payload, tmp)
+    """Write atomically and durably: a crash mid-write never leaves a truncated checkpoint behind.
+
+    Serialised in memory first, then written by Python: a failed write (disk full, file-size
+    limit, permissions) is then a plain OSError naming the cause, which torch's own file writer
+    turns into an opaque "enforce fail" message.
+    """
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT, **payload}, buffer)
+    atomic_write_bytes(path, buffer.getbuffer())
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise TfmError(f"checkpoint not found: {path}")
+    if path.stat().st_size == 0:
+        raise TfmError(f"{path}: empty file (0 bytes), not a checkpoint")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if not (magic.startswith(b"PK\x03\x04") or magic.startswith(b"\x80")):  # torch's zip, or a legacy pickle
+        raise TfmError(f"{path}: not a checkpoint file (it starts with {magic!r}, not a torch zip archive)")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # truncated file, not a torch file, or a pickle with code in it
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TfmError(f"{path}: not a readable tfm checkpoint ({first_line[:200]})") from None
+    except pickle.UnpicklingError as exc:
+        if "Weights only load failed" in str(exc):
+            # torch's message ends with advice to load with weights_only=False: never do that with
+            # a file you did not write yourself — unpickling it can run arbitrary code.
+            raise TfmError(f"{path}: refused: it contains Python objects or code, not just tensors, and tfm never "
+                           "loads checkpoints unsafely (loading such a file can run arbitrary code)") from None
+        raise TfmError(f"{path}: not a readable tfm checkpoint (corrupt pickle: {exc})") from None
+    except Exception as exc:  # truncated file, text, another binary format
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        raise TfmError(f"{path}: not a checkpoint file, or a truncated/corrupt one "
+                       f"({type(exc).__name__}{': ' + first if first else ''})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise TfmError(f"{path}: not a tfm checkpoint (missing format marker {FORMAT!r})")
     return payload
@@ -57,15 +78,34 @@ def model_from_checkpoint(payload: dict[str, Any]) -> tuple[Transformer, Experim
 
 
 def average_state_dicts(paths: list[Path]) -> dict[str, torch.Tensor]:
-    """Element-wise mean of the model weights of several checkpoints (Vaswani et al. §6.1)."""
+    """Element-wise mean of the model weights of several checkpoints (Vaswani et al. §6.1).
+
+    Every checkpoint must hold the same tensors with the same shapes (the same model config).
+    """
     if not paths:
         raise TfmError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}
     for path in paths:
         weights = load_checkpoint(path)["model"]
+        if total and weights.keys() != total.keys():
+            differ = sorted(weights.keys() ^ total.keys())[0]
+            raise TfmError(f"cannot average {path} with {paths[0]}: different models ({differ!r} is only in one)")
         for name, tensor in weights.items():
-            if name in total:
-                total[name] += tensor.double()
-            else:
+            if name not in total:
                 total[name] = tensor.double().clone()
+            elif tensor.shape != total[name].shape:
+                raise TfmError(f"cannot average {path} with {paths[0]}: {name} has shape {tuple(tensor.shape)} "
+                               f"there but {tuple(total[name].shape)} in the first (different model configs)")
+            else:
+                total[name] += tensor.double()
     return {name: (tensor / len(paths)).to(torch.float32) for name, tensor in total.items()}
+
+
+def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
+    """A weights-only checkpoint whose weights are the mean of `paths`'; config and vocab of the last."""
+    payload = load_checkpoint(paths[-1])
+    for training_state in ("optimizer", "torch_rng", "torch_rng_ranks", "cuda_rng", "format"):
+        payload.pop(training_state, None)
+    payload["model"] = average_state_dicts(list(paths))
+    payload["averaged"] = [str(p) for p in paths]
+    return payload

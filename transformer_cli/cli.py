@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -12,7 +14,7 @@ from typing import Optional
 import typer
 
 from . import __version__
-from .errors import Interrupted, TfmError
+from .errors import Diverged, Interrupted, TfmError
 
 app = typer.Typer(
     help="tfm: train and run Transformer translation models.\n\n"
@@ -37,6 +39,9 @@ def user_errors(fn):
         except TfmError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(2) from None
+        except Diverged as stop:
+            typer.echo(f"error: {stop}", err=True)
+            raise typer.Exit(stop.exit_code) from None
         except Interrupted as stop:
             typer.echo(str(stop), err=True)
             raise typer.Exit(stop.exit_code) from None
@@ -48,8 +53,23 @@ def user_errors(fn):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             raise typer.Exit(0) from None
+        except OSError as exc:
+            # Disk full, read-only or unwritable directories, file-size limits: name the path and cause.
+            typer.echo(f"error: {describe_os_error(exc)}", err=True)
+            raise typer.Exit(2) from None
+        except MemoryError:
+            typer.echo("error: out of memory (use smaller batches: train.max_tokens / decode.batch_size)", err=True)
+            raise typer.Exit(2) from None
 
     return wrapper
+
+
+def describe_os_error(exc: OSError) -> str:
+    """`<path>: <reason> (<ERRNO>)`, e.g. `runs/x/checkpoints: No space left on device (ENOSPC)`."""
+    code = errno.errorcode.get(exc.errno, "") if exc.errno is not None else ""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    where = f"{exc.filename}: " if exc.filename else ""
+    return f"{where}{reason}{f' ({code})' if code else ''}"
 
 
 def _load(config: Optional[Path], overrides: Optional[list[str]]):
@@ -81,13 +101,10 @@ def prepare(
     force: bool = typer.Option(False, "--force", help="Rebuild even if the run directory is up to date."),
 ) -> None:
     """Train the sentencepiece vocabulary and binarise train/valid/test into the run directory."""
-    from .config import config_to_yaml
     from .data import prepare as run_prepare
-    from .io_utils import atomic_write_text
 
     cfg = _load(config, set_)
     result = run_prepare(cfg, force=force, progress=sys.stderr.isatty())
-    atomic_write_text(cfg.run_path / "config.yaml", config_to_yaml(cfg))
     m = result.manifest
     if result.reused:
         typer.echo(f"{result.run_dir}: up to date, reused existing vocab and data (--force to rebuild)")
@@ -97,6 +114,10 @@ def prepare(
                    f"({'joint' if cfg.vocab.joint else 'separate'}); dropped {sum(dropped.values())} of "
                    f"{m['train_pairs_read']} training pairs "
                    f"({', '.join(f'{k}: {v}' for k, v in dropped.items())})")
+    for split, cut in m.get("truncated", {}).items():
+        typer.echo(f"warning: data.{split}: {cut['count']} pair(s) longer than {cut['max_tokens']} tokens "
+                   f"(model.max_positions - 2) kept but truncated; line(s) {', '.join(map(str, cut['lines']))}"
+                   f"{' …' if cut['count'] > len(cut['lines']) else ''}", err=True)
     typer.echo(result.summary)
 
 
@@ -219,27 +240,24 @@ def evaluate(
         if ref is None:
             raise TfmError("--hyp needs --ref")
         if len(hyp) > 1:
-            import sacrebleu
-
-            from .evaluate import check_aligned
+            from .evaluate import check_aligned, format_paired
             from .io_utils import read_lines
 
-            if as_json or confidence:
-                raise TfmError("--json and --confidence are not available with two --hyp (paired mode); "
-                               "score each system on its own for them")
             refs = read_lines(ref)
             systems = {}
             for path in hyp:
                 systems[str(path)] = read_lines(path)
                 check_aligned(systems[str(path)], refs, str(path), str(ref))
-            typer.echo(paired_comparison(systems, refs, names))
+            report = paired_comparison(systems, refs, names, confidence)
+            typer.echo(json.dumps(report) if as_json else format_paired(report))
             if min_bleu is not None:  # the gate applies to every system compared
-                scores = {name: sacrebleu.corpus_bleu(lines, [refs]).score for name, lines in systems.items()}
-                failed = {name: score for name, score in scores.items() if score < min_bleu}
-                for name, score in scores.items():
-                    verdict = "FAIL" if name in failed else "PASS"
-                    typer.echo(f"{verdict}: {name} BLEU {score:.2f} {'<' if name in failed else '>='} {min_bleu}",
-                               err=True)
+                failed = []
+                for name, scores in report["systems"].items():
+                    bleu = scores["bleu"]["score"]
+                    passed = bleu >= min_bleu
+                    failed += [] if passed else [name]
+                    typer.echo(f"{'PASS' if passed else 'FAIL'}: {name} BLEU {bleu:.2f} "
+                               f"{'>=' if passed else '<'} {min_bleu}", err=True)
                 if failed:
                     raise typer.Exit(1)
             return
@@ -278,14 +296,9 @@ def average(
     output: Path = typer.Option(..., "--output", "-o", help="Averaged checkpoint to write."),
 ) -> None:
     """Average the weights of several checkpoints (paper §6.1) into one."""
-    from .checkpoint import average_state_dicts, load_checkpoint, save_checkpoint
+    from .checkpoint import average_checkpoints, save_checkpoint
 
-    payload = load_checkpoint(checkpoints[-1])
-    payload.pop("optimizer", None)
-    payload.pop("format", None)
-    payload["model"] = average_state_dicts(list(checkpoints))
-    payload["averaged"] = [str(p) for p in checkpoints]
-    save_checkpoint(output, payload)
+    save_checkpoint(output, average_checkpoints(list(checkpoints)))
     typer.echo(f"averaged {len(checkpoints)} checkpoints → {output}")
 
 
@@ -357,6 +370,10 @@ def export(
 
 
 def main() -> None:
+    if hasattr(signal, "SIGXFSZ"):
+        # A file-size limit (ulimit -f) then fails the write with EFBIG, reported like a full
+        # disk, instead of killing the process in the middle of it.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     app()
 
 

@@ -101,6 +101,12 @@ class TrainConfig(_Section):
     best_metric: Literal["bleu", "loss"] = "bleu"
     patience: int | None = None  # evaluations without improvement before stopping
     keep_last: int = 3
+    # checkpoint_last.pt is written at every evaluation and, if set, every save_every steps:
+    # what a kill -9 or a lost machine can cost is at most this many steps.
+    save_every: int | None = Field(None, ge=1)
+    # A step whose loss or gradient is NaN/Inf is skipped (weights and optimizer untouched); this
+    # many in a row stop training with exit status 3.
+    max_bad_steps: int = Field(10, ge=1)
     average_last: int = 0  # at the end, also write checkpoint_avg.pt averaging the last N evaluations
 
     @field_validator("max_time")

@@ -97,6 +97,7 @@ class EncodeTask:
     token_dtype: str  # "uint16" or "int32"
     max_len: int | None = None  # training filters; None keeps every pair (valid/test)
     max_len_ratio: float | None = None
+    truncate_to: int | None = None  # valid/test: longer sentences are cut to this many tokens
 
 
 @dataclass
@@ -112,6 +113,7 @@ class EncodedChunk:
     tgt: EncodedSide
     read: int
     dropped: dict[str, int] = field(default_factory=dict)
+    truncated: list[int] = field(default_factory=list)  # line numbers of truncated pairs
 
 
 _processors: dict[str, spm.SentencePieceProcessor] = {}
@@ -153,12 +155,19 @@ def encode_chunk(task: EncodeTask) -> EncodedChunk:
     src_ids = _processors["src"].encode(src_text, out_type=int, num_threads=1)
     tgt_ids = _processors["tgt"].encode(tgt_text, out_type=int, num_threads=1)
     keep, dropped = np.ones(len(src_ids), dtype=bool), {}
+    truncated: list[int] = []
+    if task.truncate_to is not None:
+        n = task.truncate_to
+        for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):
+            if len(s) > n or len(t) > n:
+                src_ids[i], tgt_ids[i] = s[:n], t[:n]
+                truncated.append(chunk.first_line + i)
     if task.max_len is not None:
         src_len = np.fromiter(map(len, src_ids), dtype=np.int64, count=len(src_ids))
         tgt_len = np.fromiter(map(len, tgt_ids), dtype=np.int64, count=len(tgt_ids))
         keep, dropped = training_filter(src_len, tgt_len, task.max_len, task.max_len_ratio or float("inf"))
     return EncodedChunk(_flatten(src_ids, keep, task.token_dtype), _flatten(tgt_ids, keep, task.token_dtype),
-                        len(src_ids), dropped)
+                        len(src_ids), dropped, truncated)
 
 
 def default_workers() -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -25,11 +26,12 @@ import sentencepiece as spm
 import torch
 from tqdm import tqdm
 
-from .config import ExperimentConfig
+from .config import ExperimentConfig, config_to_yaml
 from .corpus import (EncodeTask, NpyAppender, default_workers, encode_chunk, init_encoder, ordered_map,
                      parallel_chunks, sample_pairs)
 from .errors import TfmError
-from .io_utils import atomic_path, atomic_write_text
+from .io_utils import atomic_path, atomic_write_text, iter_raw_lines, remove_stale_temps
+from .runlock import RunLock
 
 # Fixed special ids, the same in every tfm vocabulary.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -42,7 +44,17 @@ def corpus_file(prefix: str, lang: str) -> Path:
     for candidate in (Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")):
         if candidate.is_file():
             return candidate
+        if candidate.is_dir():
+            raise TfmError(f"corpus file {candidate} is a directory, not a text file")
     raise TfmError(f"corpus file not found: {prefix}.{lang} (nor {prefix}.{lang}.gz)")
+
+
+def check_corpus_files(config: ExperimentConfig) -> None:
+    """Every input exists and has a first line, before minutes of work begin."""
+    for split in SPLITS:
+        for path in split_files(config, split):
+            if next(iter(iter_raw_lines(path)), None) is None:
+                raise TfmError(f"corpus file {path} is empty (data.{split})")
 
 
 def split_files(config: ExperimentConfig, split: str) -> tuple[Path, Path]:
@@ -80,7 +92,12 @@ def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentCo
                 minloglevel=2,
             )
         except RuntimeError as exc:  # e.g. vocab size too large for the corpus
-            raise TfmError(f"sentencepiece training failed (vocab.size={vocab.size}): {exc}") from None
+            too_high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(exc))
+            if too_high:
+                raise TfmError(f"key 'vocab.size': {vocab.size} pieces is more than this training data supports "
+                               f"(at most {too_high[2]}); lower vocab.size") from None
+            detail = re.sub(r"^.*?\) \[?", "", str(exc).strip().splitlines()[0])  # drop "INTERNAL: file.cc(123)"
+            raise TfmError(f"sentencepiece training failed (vocab.size={vocab.size}): {detail}") from None
         with atomic_path(target) as tmp_target:
             shutil.copyfile(f"{prefix}.model", tmp_target)
 
@@ -144,7 +161,7 @@ def _fingerprint(config: ExperimentConfig) -> str:
             stat = path.stat()
             inputs.append([str(path), stat.st_size, int(stat.st_mtime)])
     payload = json.dumps(
-        [config.data.model_dump(), config.vocab.model_dump(), inputs], sort_keys=True
+        [config.data.model_dump(), config.vocab.model_dump(), config.model.max_positions, inputs], sort_keys=True
     ).encode()
     return hashlib.sha256(payload).hexdigest()[:16]
 
@@ -189,13 +206,18 @@ def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) ->
 
 
 def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], dtype: str, workers: int,
-                  bar: tqdm) -> tuple[dict, dict[str, int], int]:
-    """Stream one split through the encoders into its token/offset files; returns stats, drops, pairs read."""
+                  bar: tqdm) -> tuple[dict, dict[str, int], int, list[int]]:
+    """Stream one split through the encoders into its token/offset files.
+
+    Returns stats, training drops, pairs read and the line numbers of valid/test pairs that were
+    truncated to the model's positions (they are kept: scores must cover every line).
+    """
     src_path, tgt_path = split_files(config, split)
     is_train = split == "train"
     limit = config.data.train_limit if is_train else None
     tasks = (EncodeTask(chunk, str(src_path), str(tgt_path), dtype,
-                        config.data.max_len if is_train else None, config.data.max_len_ratio if is_train else None)
+                        config.data.max_len if is_train else None, config.data.max_len_ratio if is_train else None,
+                        None if is_train else config.model.max_positions - 2)
              for chunk in parallel_chunks(src_path, tgt_path, config.prepare.chunk_lines, limit))
     writers = {side: NpyAppender(_array_path(binary_stem(config.run_path, split, side), "tokens"), np.dtype(dtype))
                for side in SIDES}
@@ -203,6 +225,7 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
     unk = {side: 0 for side in SIDES}
     dropped = {"empty": 0, "too_long": 0, "length_ratio": 0}
     read = 0
+    truncated: list[int] = []
     try:
         for result in ordered_map(encode_chunk, tasks, workers, init_encoder,
                                   (str(paths["src"]), str(paths["tgt"]))):
@@ -213,6 +236,7 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
             for reason, count in result.dropped.items():
                 dropped[reason] += count
             read += result.read
+            truncated += result.truncated
             bar.update(result.read)
     except BaseException:
         for writer in writers.values():
@@ -228,7 +252,7 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
             with open(tmp, "wb") as f:
                 np.save(f, offsets)
         stats[side] = _side_stats(side_lengths, unk[side])
-    return stats, dropped, read
+    return stats, dropped, read, truncated
 
 
 def _array_path(stem: Path, name: str) -> Path:
@@ -240,8 +264,19 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
 
     Streams: sentencepiece trains on a bounded uniform sample, and each split is encoded chunk by
     chunk in `prepare.workers` processes and appended to disk, so memory does not grow with the
-    corpus. The output is the same whatever the number of workers.
+    corpus. The output is the same whatever the number of workers. Holds the run_dir's lock
+    (a training on the same directory makes it refuse) and writes the resolved config.yaml.
     """
+    check_corpus_files(config)  # before anything is created or locked
+    with RunLock(config.run_path, "tfm prepare"):
+        for directory in (config.run_path, config.run_path / "data"):
+            remove_stale_temps(directory)  # left by an interrupted write
+        result = _prepare(config, force, progress)
+        atomic_write_text(config.run_path / "config.yaml", config_to_yaml(config))
+    return result
+
+
+def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareResult:
     run_dir = config.run_path
     manifest_path = run_dir / "prepare.json"
     fingerprint = _fingerprint(config)
@@ -255,8 +290,6 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
 
     started = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for split in SPLITS:
-        split_files(config, split)  # every input exists before minutes of work begin
 
     # Vocabulary: trained on (a sample of) the training data only.
     paths = vocab_paths(run_dir, config.vocab.joint)
@@ -270,11 +303,15 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
 
     stats: dict = {}
     dropped: dict[str, int] = {}
+    truncated: dict[str, dict] = {}
     with tqdm(desc="encoding", unit=" pairs", unit_scale=True, disable=not progress, leave=False) as bar:
         for split in SPLITS:
-            stats[split], split_dropped, _ = _encode_split(config, split, paths, dtype, workers, bar)
+            stats[split], split_dropped, _, lines = _encode_split(config, split, paths, dtype, workers, bar)
             if split == "train":
                 dropped = split_dropped
+            elif lines:
+                truncated[split] = {"count": len(lines), "lines": lines[:10],
+                                    "max_tokens": config.model.max_positions - 2}
 
     manifest = {
         "fingerprint": fingerprint,
@@ -286,6 +323,7 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
         "files": {split: [str(p) for p in split_files(config, split)] for split in SPLITS},
         "train_pairs_read": train_read,
         "train_pairs_dropped": dropped,
+        "truncated": truncated,  # valid/test pairs cut to the model's positions (first line numbers)
         "vocab_sample_pairs": sampled,
         "workers": workers,
         "stats": stats,

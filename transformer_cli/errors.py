@@ -11,3 +11,10 @@ class Interrupted(Exception):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Diverged(Interrupted):
+    """Too many consecutive non-finite steps: training stops (exit 3), the last checkpoint is good."""
+
+    def __init__(self, message: str):
+        super().__init__(message, exit_code=3)

@@ -46,6 +46,8 @@ def parse_metrics(spec: str) -> list[str]:
 
 
 def check_aligned(hyps: list[str], refs: list[str], hyp_name: str, ref_name: str) -> None:
+    if not refs:
+        raise TfmError(f"{ref_name} is empty: there is nothing to score")
     if len(hyps) != len(refs):
         raise TfmError(f"line counts differ: {hyp_name} has {len(hyps)} lines, {ref_name} has {len(refs)}")
 
@@ -62,19 +64,39 @@ def score(hyps: list[str], refs: list[str], metrics: list[str] = ("bleu",), conf
     return EvalResult(results, len(hyps))
 
 
-def paired_comparison(systems: dict[str, list[str]], refs: list[str], metrics: list[str]) -> str:
-    """Paired approximate-randomisation test of each system against the first (sacrebleu's)."""
+def paired_comparison(systems: dict[str, list[str]], refs: list[str], metrics: list[str],
+                      confidence: bool = False) -> dict:
+    """Each system against the first, by sacrebleu's paired test.
+
+    Approximate randomisation by default; with `confidence`, paired bootstrap resampling, which
+    also gives each system's 95% confidence interval. Returns a JSON-ready dict:
+    {"baseline", "test", "systems": {name: {metric: {"score", "p_value", "ci"}}}, "signatures"}.
+    """
     test = PairedTest(list(systems.items()), {m: METRICS[m]() for m in metrics}, [refs],
-                      test_type="ar", n_samples=1000)
+                      test_type="bs" if confidence else "ar", n_samples=1000)
     signatures, results = test()
-    lines = []
+    report: dict = {"baseline": next(iter(systems)), "test": "paired bootstrap" if confidence else
+                    "approximate randomisation", "systems": {name: {} for name in systems},
+                    "signatures": {str(k): str(v) for k, v in signatures.items()}}
     for metric, per_system in results.items():
         if metric == "System":  # the names column
             continue
         for system_name, res in zip(systems, per_system):
-            p = "" if res.p_value is None else f"  p = {res.p_value:.4f}"
-            lines.append(f"{metric:5s} {system_name}: {res.score:.2f}{p}")
-    lines.append("baseline: " + next(iter(systems)) + "; p < 0.05 means the difference is significant")
+            ci = getattr(res, "ci", None) if confidence else None
+            report["systems"][system_name][metric.lower()] = {
+                "score": float(res.score), "p_value": None if res.p_value is None else float(res.p_value),
+                "ci": None if ci is None else float(ci)}
+    return report
+
+
+def format_paired(report: dict) -> str:
+    lines = []
+    for name, scores in report["systems"].items():
+        for metric, r in scores.items():
+            p = "" if r["p_value"] is None else f"  p = {r['p_value']:.4f}"
+            ci = "" if r["ci"] is None else f" (95% CI ± {r['ci']:.2f})"
+            lines.append(f"{metric.upper():5s} {name}: {r['score']:.2f}{ci}{p}")
+    lines.append(f"baseline: {report['baseline']}; {report['test']}; p < 0.05 means the difference is significant")
     return "\n".join(lines)
 
 

@@ -269,11 +269,15 @@ class CT2Translator:
                 results[i] = list(zip(result.hypotheses, result.scores))
         return results
 
-    def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1) -> list[list[_Translation]]:
+    def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
+                  first_line: int = 1) -> list[list[_Translation]]:
         """Per input line its n-best translations; empty (or blank) lines give empty output."""
+        from .translate import warn_long_lines
+
         beam = self.decode.beam if beam is None else beam
         nonempty = [i for i, line in enumerate(lines) if line.strip()]
         pieces = self.src_sp.encode([lines[i] for i in nonempty], out_type=str) if nonempty else []
+        warn_long_lines(nonempty, pieces, self.max_input_length - 1, first_line)  # room for </s>
         hyps = self.translate_pieces(pieces, max(beam, 1), nbest) if pieces else []
         out: list[list[_Translation]] = [[_Translation("", 0.0, 0)] * max(nbest, 1) for _ in lines]
         for i, h in zip(nonempty, hyps):

@@ -23,10 +23,11 @@ from .checkpoint import (average_state_dicts, bytes_to_tensor, load_checkpoint, 
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
 from .data import PAD_ID, Batch, ParallelData, load_manifest, padding_ratio
 from .distributed import World, all_max, all_rng_states, all_sum, join, leave, world_from_environment
-from .errors import Interrupted, TfmError
-from .io_utils import atomic_write_text, read_lines
+from .errors import Diverged, Interrupted, TfmError
+from .io_utils import atomic_write_text, read_lines, remove_stale_temps
 from .model import Transformer, TransformerConfig
-from .runtime import keep_freed_memory, resolve_device, wants_bf16
+from .runlock import RunLock
+from .runtime import is_out_of_memory, keep_freed_memory, resolve_device, wants_bf16
 from .signals import EXIT_CODES, StopRequest
 
 
@@ -115,11 +116,33 @@ def target_rows(tgt_out: torch.Tensor, pad_id: int = PAD_ID) -> tuple[torch.Tens
     return rows, flat.index_select(0, rows)
 
 
+def gradient_norm(model: torch.nn.Module, clip_norm: float) -> float:
+    """Total L2 norm of the gradients (before clipping); clips to `clip_norm` when it is > 0."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if clip_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
 def batch_loss(model: torch.nn.Module, batch: Batch, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced summed loss and NLL of a batch; logits only where there is a target."""
     rows, targets = target_rows(batch.tgt_out)
     logits = model(batch.src, batch.tgt_in, rows)  # (N, V)
     return label_smoothed_loss(logits, targets, smoothing)
+
+
+def check_vocab_matches(config: ExperimentConfig, manifest: dict) -> None:
+    """The config's vocab settings must be those the run_dir was prepared with."""
+    prepared = manifest.get("vocab_size", {})
+    if any(size != config.vocab.size for size in prepared.values()):
+        raise TfmError(f"key 'vocab.size': {config.vocab.size} in the config, but {config.run_dir} was prepared with "
+                       f"{sorted(set(prepared.values()))[0]}; re-run `tfm prepare --force` or change vocab.size")
+    joint = manifest["vocab"]["src"] == manifest["vocab"]["tgt"]
+    if joint != config.vocab.joint:
+        raise TfmError(f"key 'vocab.joint': {config.vocab.joint} in the config, but {config.run_dir} was prepared "
+                       f"with joint={joint}; re-run `tfm prepare --force`")
 
 
 # --------------------------------------------------------------------------- side effects
@@ -196,6 +219,8 @@ class TrainProgress:
     best_score: float | None = None
     best_step: int = 0
     bad_evals: int = 0
+    bad_steps: int = 0  # consecutive skipped (non-finite) updates
+    skipped_steps: int = 0  # all skipped updates of the run
 
 
 @dataclass
@@ -264,11 +289,21 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
     `on_step(step, model)` is called on every rank after each optimizer step (tests, tooling).
     """
     world = world_from_environment()
+    load_manifest(config.run_path)  # a clear error for an unprepared run_dir before anything is created
     finished = False
+    # Rank 0 is the only writer, so it alone holds the run directory's lock.
+    lock = RunLock(config.run_path, "tfm train") if world.rank == 0 else contextlib.nullcontext()
     try:
-        summary = _train(config, resume, progress_bar, world, on_step)
+        with lock:
+            summary = _train(config, resume, progress_bar, world, on_step)
         finished = True
         return summary
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            raise TfmError(f"out of memory while training ({str(exc).strip().splitlines()[0][:120]}): lower "
+                           f"train.max_tokens (now {config.train.max_tokens}) and raise train.accum_steps to keep "
+                           "the tokens per update, or use a smaller model") from None
+        raise
     finally:
         leave(world, finished)
 
@@ -285,6 +320,11 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
                        "continue it with --resume or choose another run_dir")
     if resume and not last_path.exists():
         raise TfmError(f"--resume: no checkpoint to resume from at {last_path}")
+    check_vocab_matches(config, manifest)
+    if out.active:
+        # Temporary files of writes that a kill -9 interrupted (we hold the lock: nobody is writing).
+        for stale in remove_stale_temps(run_dir) + remove_stale_temps(out.ckpt_dir):
+            out.print(f"removed {stale.name}, left by an interrupted write")
 
     torch.manual_seed(tc.seed)
     if tc.threads:
@@ -398,6 +438,7 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
                 # The loss is normalised by the target tokens of the whole update (all ranks).
                 n_tokens = sum(int(tgt_lengths[idx].sum()) + len(idx) for idx in pending)
                 mine = pending[world.rank::world.size]
+                step_sums = [0.0, 0.0, 0.0, 0.0]  # loss, nll, padding, batches (into the log window if kept)
                 for i, indices in enumerate(mine):
                     batch = train_data.collate(indices).to(device)
                     # Gradients are all-reduced once per update: on the last micro-batch only.
@@ -407,12 +448,26 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
                             loss, nll = batch_loss(step_model, batch, tc.label_smoothing)
                         # x world.size: DDP averages the ranks' gradients, the loss wants their sum.
                         (loss * (world.size / n_tokens)).backward()
-                    window_sums[0] += float(loss.detach())
-                    window_sums[1] += float(nll.detach())
-                    window_sums[2] += padding_ratio(batch)
-                    window_sums[3] += 1
-                if tc.clip_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip_norm)
+                    step_sums[0] += float(loss.detach())
+                    step_sums[1] += float(nll.detach())
+                    step_sums[2] += padding_ratio(batch)
+                    step_sums[3] += 1
+                grad_norm = gradient_norm(model, tc.clip_norm)  # the same on every rank (synced grads)
+                if not math.isfinite(grad_norm):
+                    # Skip the update: weights, optimizer state and the step count stay as they were.
+                    optimizer.zero_grad(set_to_none=True)
+                    progress.bad_steps += 1
+                    progress.skipped_steps += 1
+                    out.print(f"warning: non-finite loss/gradient at step {progress.step + 1} (norm {grad_norm}); "
+                              f"update skipped ({progress.bad_steps}/{tc.max_bad_steps} in a row)")
+                    if progress.bad_steps >= tc.max_bad_steps:
+                        out.close_bar()
+                        raise Diverged(f"training diverged: {progress.bad_steps} consecutive steps with a NaN/Inf "
+                                       f"loss or gradient after step {progress.step}; the last good checkpoint is "
+                                       f"{last_path} (lower train.lr, or set train.clip_norm)")
+                    continue
+                progress.bad_steps = 0
+                window_sums = [a + b for a, b in zip(window_sums, step_sums)]
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 progress.step += 1
@@ -455,7 +510,10 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
                     stop_reason = f"max_steps={tc.max_steps}"
                 elif request == 1:
                     stop_reason = f"max_time={tc.max_time}"
-                if progress.step % tc.eval_every == 0 or stop_reason:
+                evaluating = progress.step % tc.eval_every == 0 or bool(stop_reason)
+                if tc.save_every and progress.step % tc.save_every == 0 and not evaluating:
+                    checkpoint(None, progress)
+                if evaluating:
                     # Rank 0 validates; the others wait for it inside checkpoint()'s collective.
                     metrics = validate() if out.active else {}
                     if out.active:

@@ -19,7 +19,7 @@ from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search
 from .errors import TfmError
 from .model import Transformer
-from .runtime import keep_freed_memory, resolve_device, wants_bf16
+from .runtime import keep_freed_memory, resolve_device, split_on_out_of_memory, wants_bf16
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
@@ -54,7 +54,8 @@ def decode_token_ids(
     was_training = model.training
     model.eval()
     max_len_a, max_len_b = (0.0, max_len) if max_len is not None else (decode.max_len_a, decode.max_len_b)
-    for batch in length_sorted_batches([len(s) for s in sources], decode.batch_size, decode.batch_tokens):
+
+    def decode_batch(batch: list[int]) -> list[list[Hypothesis]]:
         width = max(len(sources[i]) for i in batch)
         src = torch.full((len(batch), width), model.cfg.pad_id, dtype=torch.long)
         for row, i in enumerate(batch):
@@ -62,11 +63,15 @@ def decode_token_ids(
         src = src.to(device)
         b = min(max_len_b, limit_positions - int(max_len_a * width))  # stay inside the position table
         if beam <= 1:
-            hyps = [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, max_len_a, b, min_len)]
-        else:
-            hyps = beam_search(model, src, BOS_ID, EOS_ID, beam, decode.length_penalty, max_len_a, b,
-                               nbest, min_len)
-        for i, h in zip(batch, hyps):
+            return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, max_len_a, b, min_len)]
+        return beam_search(model, src, BOS_ID, EOS_ID, beam, decode.length_penalty, max_len_a, b, nbest, min_len)
+
+    def halved(size: int) -> None:
+        print(f"warning: out of memory translating a batch of {size} sentences: retrying it in halves "
+              "(lower decode.batch_size to avoid this)", file=sys.stderr)
+
+    for batch in length_sorted_batches([len(s) for s in sources], decode.batch_size, decode.batch_tokens):
+        for i, h in zip(batch, split_on_out_of_memory(decode_batch, batch, halved)):
             results[i] = h
     model.train(was_training)
     return results
@@ -143,15 +148,28 @@ class Translator:
         return cls(model, src_sp, tgt_sp, decode, dev)
 
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
-                  min_len: int = 0, max_len: int | None = None) -> list[list[Translation]]:
-        """Per input line its n-best translations; empty (or blank) lines give empty output."""
+                  min_len: int = 0, max_len: int | None = None, first_line: int = 1) -> list[list[Translation]]:
+        """Per input line its n-best translations; empty (or blank) lines give empty output.
+
+        A line longer than the model's positions is truncated with a warning naming it
+        (`first_line` is the number of `lines[0]` in the user's input).
+        """
         nonempty = [i for i, line in enumerate(lines) if line.strip()]
         ids = self.src_sp.encode([lines[i] for i in nonempty], out_type=int) if nonempty else []
+        warn_long_lines(nonempty, ids, self.model.cfg.max_positions - 2, first_line)  # room for </s>
         hyps = decode_token_ids(self.model, ids, self.decode, self.device, beam, nbest, min_len, max_len)
         out: list[list[Translation]] = [[Translation("", 0.0, 0)] * max(nbest, 1) for _ in lines]
         for i, h in zip(nonempty, hyps):
             out[i] = [Translation(self.tgt_sp.decode(x.tokens), x.score, len(x.tokens)) for x in h]
         return out
+
+
+def warn_long_lines(numbers: list[int], encoded: list[list], limit: int, first_line: int) -> None:
+    """A warning for each input line with more than `limit` tokens (decoding keeps the first `limit`)."""
+    for i, tokens in zip(numbers, encoded):
+        if len(tokens) > limit:
+            print(f"warning: input line {first_line + i} has {len(tokens)} tokens, more than the model's "
+                  f"{limit}: only the first {limit} are translated", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- streaming
@@ -166,6 +184,8 @@ def read_decoded_lines(stream: IO[bytes], warn: IO[str]) -> Iterator[str]:
             text = raw.decode("utf-8", errors="replace")
             print(f"warning: input line {number} is not valid UTF-8 ({exc.reason}); "
                   "invalid bytes replaced with U+FFFD", file=warn)
+        if number == 1 and text.startswith("\ufeff"):
+            text = text[1:]  # a UTF-8 byte-order mark (Windows editors) is not part of the text
         yield text.rstrip("\r\n")
 
 
@@ -204,7 +224,7 @@ def translate_stream(
     bar = tqdm(desc="translate", unit="sent", file=sys.stderr, disable=not progress)
     first = min(chunk_lines, translator.decode.batch_size)
     for chunk in chunks(lines, first, chunk_lines):
-        results = translator.translate(chunk, beam=beam, nbest=nbest)
+        results = translator.translate(chunk, beam=beam, nbest=nbest, first_line=stats.sentences + 1)
         for offset, translations in enumerate(results):
             if nbest > 1:
                 output.write("\n".join(format_nbest(stats.sentences + offset, translations)) + "\n")

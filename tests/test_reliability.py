@@ -1,0 +1,263 @@
+"""Faults injected into real `tfm` processes: kill -9, NaN, full disks, unwritable dirs, locks, OOM.
+
+Each test starts the real command line (subprocess) or the real training loop and checks what a
+user would see: the exit status, a one-line message without a traceback, and what is on disk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import resource
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TFM, tfm, tiny_run
+from transformer_cli.checkpoint import load_checkpoint
+from transformer_cli.config import load_config
+from transformer_cli.errors import Diverged
+from transformer_cli.runtime import split_on_out_of_memory
+from transformer_cli.train import train
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def temp_files(run_dir: Path) -> list[Path]:
+    return [p for folder in (run_dir, run_dir / "checkpoints") if folder.is_dir() for p in folder.glob(".*.tmp")]
+
+
+# --------------------------------------------------------------------------- kill -9
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_always_resumes(tiny_prepared, tmp_path):
+    """20 SIGKILLs at random moments of a run that checkpoints every step: every restart resumes."""
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=100_000, save_every=1, eval_every=25, keep_last=2)
+    last = tmp_path / "run/checkpoints/checkpoint_last.pt"
+    rng = random.Random(0)
+    kills, steps_seen, stale_seen = 0, [], 0
+    deadline = time.monotonic() + 240
+    while kills < 20 and time.monotonic() < deadline:
+        args = [*TFM, "train", "--config", str(config)] + (["--resume"] if last.exists() else [])
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(0.5, 4.0))  # start-up is ~2 s: kills land before, during and after it
+        proc.kill()
+        _, stderr = proc.communicate()
+        assert proc.returncode == -signal.SIGKILL, stderr  # it was still running: nothing ended it early
+        kills += 1
+        stale_seen += bool(temp_files(tmp_path / "run"))
+        if last.exists():  # whatever moment the kill hit, the last checkpoint is whole
+            steps_seen.append(load_checkpoint(last)["progress"]["step"])
+    assert kills == 20, f"only {kills} kills in the time limit"
+    assert steps_seen == sorted(steps_seen) and steps_seen[-1] > 0, steps_seen
+    final = steps_seen[-1] + 20
+    done = tfm("train", "--config", config, "--resume", "--set", f"train.max_steps={final}")
+    assert done.returncode == 0, done.stderr
+    assert f"resuming from {last} at step {steps_seen[-1]}" in done.stderr
+    assert load_checkpoint(last)["progress"]["step"] == final
+    assert temp_files(tmp_path / "run") == []  # killed writes' temp files were cleaned up
+    print(f"{kills} kills, checkpoints at steps {steps_seen}, {stale_seen} kills left a temp file")
+
+
+def test_stale_temp_files_are_removed_at_start(tiny_prepared, tmp_path):
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=3)
+    stale = tmp_path / "run/checkpoints/.checkpoint_last.pt.abc123.tmp"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"half a checkpoint")
+    proc = tfm("train", "--config", config)
+    assert proc.returncode == 0, proc.stderr
+    assert not stale.exists() and "removed .checkpoint_last.pt.abc123.tmp" in proc.stderr
+
+
+# --------------------------------------------------------------------------- divergence
+
+
+def test_divergence_stops_with_exit_3_and_keeps_the_last_checkpoint(tiny_prepared, tmp_path):
+    """An absurd learning rate makes every loss NaN after the first update: exit 3, no traceback."""
+    config = tiny_run(tiny_prepared, tmp_path, lr=1e30, save_every=1, max_bad_steps=4, clip_norm=0.0)
+    proc = tfm("train", "--config", config)
+    assert proc.returncode == 3, proc.stderr
+    assert "training diverged: 4 consecutive steps" in one_line_error(proc)
+    assert proc.stderr.count("update skipped") == 4
+    assert load_checkpoint(tmp_path / "run/checkpoints/checkpoint_last.pt")["progress"]["step"] >= 1
+
+
+def poison(model: torch.nn.Module, forwards: int, seen: list[dict]) -> None:
+    """Make the model's next `forwards` outputs NaN (a real forward hook), recording the weights each time."""
+    state = {"left": forwards}
+
+    def hook(module, inputs, output):
+        if state["left"] == 0:
+            return output
+        state["left"] -= 1
+        seen.append({k: v.detach().clone() for k, v in module.state_dict().items()})
+        return output * float("nan")
+
+    model.register_forward_hook(hook)
+
+
+def test_a_nan_step_is_skipped_without_touching_the_weights(tiny_prepared, tmp_path, capsys):
+    config_path = tiny_run(tiny_prepared, tmp_path, max_steps=12, max_bad_steps=3)
+    config = load_config(config_path)
+    seen: list[dict] = []
+    steps: list[int] = []
+
+    def on_step(step: int, model: torch.nn.Module) -> None:
+        steps.append(step)
+        if step == 4:
+            poison(model, 1, seen)
+
+    summary = train(config, progress_bar=False, on_step=on_step)
+    assert summary.steps == 12 and steps == list(range(1, 13))  # the skipped update was not counted
+    assert "non-finite loss/gradient at step 5" in capsys.readouterr().err
+    progress = load_checkpoint(tmp_path / "run/checkpoints/checkpoint_last.pt")["progress"]
+    assert progress["skipped_steps"] == 1 and progress["bad_steps"] == 0
+    weights = load_checkpoint(tmp_path / "run/checkpoints/checkpoint_last.pt")["model"]
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_consecutive_nan_steps_leave_weights_untouched_then_stop(tiny_prepared, tmp_path):
+    config = load_config(tiny_run(tiny_prepared, tmp_path, max_steps=50, max_bad_steps=3))
+    seen: list[dict] = []
+    on_step = lambda step, model: poison(model, 10, seen) if step == 2 else None  # noqa: E731
+    with pytest.raises(Diverged, match="3 consecutive steps"):
+        train(config, progress_bar=False, on_step=on_step)
+    assert len(seen) == 3  # three poisoned forwards, three skipped updates
+    for later in seen[1:]:  # the weights seen by each poisoned forward: unchanged by the skipped updates
+        assert all(torch.equal(later[k], seen[0][k]) for k in seen[0])
+
+
+# --------------------------------------------------------------------------- disks
+
+
+def limit_file_size(max_bytes: int):
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+    return apply
+
+
+def test_failed_checkpoint_write_is_one_line_and_keeps_the_previous_one(tiny_prepared, tmp_path):
+    """A file-size limit (as a full disk would) makes the next checkpoint write fail: EFBIG, exit 2."""
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=10)
+    assert tfm("train", "--config", config).returncode == 0
+    last = tmp_path / "run/checkpoints/checkpoint_last.pt"
+    before = last.read_bytes()
+    proc = subprocess.run([*TFM, "train", "--config", str(config), "--resume", "--set", "train.max_steps=20"],
+                          capture_output=True, text=True, preexec_fn=limit_file_size(100_000))
+    assert proc.returncode == 2, proc.stderr
+    message = one_line_error(proc)
+    assert "File too large (EFBIG)" in message and str(tmp_path / "run" / "checkpoints") in message
+    assert last.read_bytes() == before and temp_files(tmp_path / "run") == []
+    resumed = tfm("train", "--config", config, "--resume", "--set", "train.max_steps=20")
+    assert resumed.returncode == 0 and load_checkpoint(last)["progress"]["step"] == 20
+
+
+def without_permission_override():
+    """Root ignores file permissions; drop that privilege in the child so a read-only dir is one.
+
+    (CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH leave the bounding set: the exec'ed tfm lacks them.)
+    """
+    if os.geteuid() != 0:
+        return None
+
+    def drop() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+    return drop
+
+
+def test_read_only_run_dir_is_a_one_line_error(tiny_prepared, tmp_path):
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=3)
+    assert tfm("train", "--config", config).returncode == 0  # a checkpoint to resume and evaluate below
+    run = tmp_path / "run"
+    try:
+        for path in [run, *run.rglob("*")]:
+            if path.is_dir():
+                path.chmod(0o555)
+        for args in (["prepare", "--config", config, "--force"], ["train", "--config", config, "--resume"],
+                     ["evaluate", "--config", config, "--checkpoint", run / "checkpoints/checkpoint_last.pt"]):
+            proc = subprocess.run([*TFM, *map(str, args)], capture_output=True, text=True,
+                                  preexec_fn=without_permission_override())
+            assert proc.returncode == 2, (args, proc.stderr)
+            message = one_line_error(proc)
+            assert "Permission denied (EACCES)" in message and str(run) in message, message
+    finally:
+        for path in [run, *run.rglob("*")]:
+            if path.is_dir():
+                path.chmod(0o755)
+
+
+# --------------------------------------------------------------------------- concurrent use
+
+
+def test_second_training_on_a_run_dir_is_refused_and_a_dead_holders_lock_is_taken_over(tiny_prepared, tmp_path):
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=100_000, save_every=50)
+    first = subprocess.Popen([*TFM, "train", "--config", str(config)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    last = tmp_path / "run/checkpoints/checkpoint_last.pt"
+    deadline = time.monotonic() + 120
+    while not last.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = tfm("train", "--config", config, "--resume")
+    assert second.returncode == 2
+    assert f"in use by PID {first.pid} (tfm train)" in one_line_error(second)
+    assert tfm("prepare", "--config", config, "--force").returncode == 2  # prepare waits its turn too
+    first.kill()  # kill -9: the lock file stays behind, naming a dead process
+    first.communicate()
+    assert (tmp_path / "run/.tfm.lock").exists()
+    step = load_checkpoint(last)["progress"]["step"]
+    resumed = tfm("train", "--config", config, "--resume", "--set", f"train.max_steps={step + 5}")
+    assert resumed.returncode == 0, resumed.stderr
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_out_of_memory_while_training_names_max_tokens(tiny_prepared, tmp_path):
+    """An allocation that cannot succeed (address-space limit in the child): a message naming the knob."""
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=2)
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
+
+    proc = subprocess.run([*TFM, "train", "--config", str(config), "--set", f"model.d_ff={2**27}"],
+                          capture_output=True, text=True, preexec_fn=limit_memory)
+    assert proc.returncode == 2, proc.stderr
+    message = one_line_error(proc)
+    assert "out of memory while training" in message and "train.max_tokens (now 1500)" in message
+
+
+def test_translation_batches_that_run_out_of_memory_are_halved():
+    """`split_on_out_of_memory` with a decoder that cannot fit more than 3 sentences at once."""
+    calls: list[int] = []
+
+    def decode(batch: list[int]) -> list[int]:
+        calls.append(len(batch))
+        if len(batch) > 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return [x * 10 for x in batch]
+
+    splits: list[int] = []
+    assert split_on_out_of_memory(decode, list(range(10)), splits.append) == [x * 10 for x in range(10)]
+    assert splits == [10, 5, 5] and max(c for c in calls if c <= 3) == 3
+
+    def hopeless(batch: list[int]) -> list[int]:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+
+    with pytest.raises(RuntimeError, match="can't allocate"):
+        split_on_out_of_memory(hopeless, [1, 2])
+    with pytest.raises(ValueError):  # other errors are not retried
+        split_on_out_of_memory(lambda b: (_ for _ in ()).throw(ValueError("bug")), [1, 2])
