@@ -63,9 +63,32 @@ def test_relative_paths_resolve_against_working_directory(tmp_path, monkeypatch)
     assert cfg.run_path.resolve() == (tmp_path / "runs" / "de-en").resolve()
 
 
-@pytest.mark.parametrize("name", ["de-en.yaml", "en-de.yaml", "tiny.yaml", "base.yaml"])
+def test_every_shipped_config_is_tested():
+    assert {p.name for p in (ROOT / "configs").glob("*.yaml")} == set(SHIPPED)
+
+
+SHIPPED = ["de-en.yaml", "en-de.yaml", "tiny.yaml", "base.yaml", "de-en-gpu.yaml"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs_validate(name):
     cfg = load_config(ROOT / "configs" / name)
     if name == "base.yaml":
         assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.enc_layers, cfg.model.dec_layers,
                 cfg.model.d_ff, cfg.model.dropout, cfg.train.warmup) == (512, 8, 6, 6, 2048, 0.1, 4000)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_configs_build_their_model(name):
+    """Every shipped config's model section builds (on the meta device: no memory, no time)."""
+    import torch
+
+    from transformer_cli.train import build_model
+
+    cfg = load_config(ROOT / "configs" / name)
+    with torch.device("meta"):
+        model = build_model(cfg, cfg.vocab.size, cfg.vocab.size)
+    assert model.num_parameters() > 0
+    if name == "de-en-gpu.yaml":  # the paper's base shape, trained in bf16 on CUDA by default
+        assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.enc_layers, cfg.model.d_ff) == (512, 8, 6, 2048)
+        assert cfg.train.precision == "auto" and cfg.train.device in ("auto", "cuda")

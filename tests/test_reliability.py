@@ -7,6 +7,7 @@ user would see: the exit status, a one-line message without a traceback, and wha
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import random
 import resource
@@ -75,9 +76,13 @@ def test_stale_temp_files_are_removed_at_start(tiny_prepared, tmp_path):
     stale = tmp_path / "run/checkpoints/.checkpoint_last.pt.abc123.tmp"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"half a checkpoint")
+    metrics = tmp_path / "run/metrics.jsonl"
+    metrics.write_text('{"kind": "train", "step": 1, "lo')  # an append cut by a kill
     proc = tfm("train", "--config", config)
     assert proc.returncode == 0, proc.stderr
     assert not stale.exists() and "removed .checkpoint_last.pt.abc123.tmp" in proc.stderr
+    lines = metrics.read_text().splitlines()
+    assert lines[0] == '{"kind": "train", "step": 1, "lo' and all(json.loads(line) for line in lines[1:])
 
 
 # --------------------------------------------------------------------------- divergence
@@ -203,6 +208,7 @@ def test_read_only_run_dir_is_a_one_line_error(tiny_prepared, tmp_path):
 # --------------------------------------------------------------------------- concurrent use
 
 
+@pytest.mark.slow
 def test_second_training_on_a_run_dir_is_refused_and_a_dead_holders_lock_is_taken_over(tiny_prepared, tmp_path):
     config = tiny_run(tiny_prepared, tmp_path, max_steps=100_000, save_every=50)
     first = subprocess.Popen([*TFM, "train", "--config", str(config)], stdout=subprocess.DEVNULL,

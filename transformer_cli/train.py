@@ -189,6 +189,15 @@ class RunOutput:
             with open(self.metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def end_torn_line(self) -> None:
+        """A kill during an append can leave a half line in metrics.jsonl: end it, so the next record
+        starts on a line of its own (readers skip the broken one)."""
+        if self.active and self.metrics_path.is_file() and self.metrics_path.stat().st_size:
+            with open(self.metrics_path, "rb+") as f:
+                f.seek(-1, 2)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+
     def save(self, name: str, payload: dict) -> Path | None:
         if not self.active:
             return None
@@ -325,6 +334,7 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
         # Temporary files of writes that a kill -9 interrupted (we hold the lock: nobody is writing).
         for stale in remove_stale_temps(run_dir) + remove_stale_temps(out.ckpt_dir):
             out.print(f"removed {stale.name}, left by an interrupted write")
+        out.end_torn_line()
 
     torch.manual_seed(tc.seed)
     if tc.threads:
