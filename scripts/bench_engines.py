@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformer_cli.io_utils import read_lines  # noqa: E402
-from transformer_cli.runtime import cpu_has_fast_bf16  # noqa: E402
+from transformer_cli.runtime import choose_precision  # noqa: E402
 from transformer_cli.translate import Translator  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def main() -> None:
                                                               precision="fp32"),
                "tfm int8": lambda: Translator.from_checkpoint(args.checkpoint, device="cpu", overrides=overrides,
                                                               precision="int8")}
-    if cpu_has_fast_bf16() or args.bf16:
+    if choose_precision("auto", torch.device("cpu")).bf16 or args.bf16:
         systems["tfm bf16"] = lambda: Translator.from_checkpoint(args.checkpoint, device="cpu",
                                                                  overrides=overrides, precision="bf16")
     try:

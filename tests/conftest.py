@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -27,6 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session", autouse=True)
 def _torch_threads():
     torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_measurement_cache(tmp_path_factory):
+    """The bf16 speed measurement (runtime.measure_bf16_speedup) is cached here, not in ~/.cache."""
+    os.environ.setdefault("TFM_CACHE", str(tmp_path_factory.mktemp("tfm_cache")))
 
 
 def get_corpus_slice(dest: Path, lines: int) -> Path:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from tests.conftest import tfm, tiny_run
 from transformer_cli.checkpoint import load_checkpoint
+from transformer_cli.config import load_config
+from transformer_cli.translate import default_checkpoint
 
 
 def mean_of(*paths):
@@ -30,11 +34,31 @@ def test_tfm_average_is_the_elementwise_mean_and_translates(tiny_prepared, tmp_p
     assert translated.returncode == 0 and translated.stdout.count("\n") == 2, translated.stderr
 
 
-def test_average_last_writes_the_mean_of_the_last_evaluations(tiny_prepared, tmp_path):
-    config = tiny_run(tiny_prepared, tmp_path, max_steps=20, eval_every=5, keep_last=4, average_last=2)
-    assert tfm("train", "--config", config).returncode == 0
+def test_average_last_writes_the_mean_of_the_final_evaluations(tiny_prepared, tmp_path):
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=20, eval_every=4, keep_last=5, average_last=3,
+                      average_window=0.5)
+    proc = tfm("train", "--config", config)
+    assert proc.returncode == 0, proc.stderr
     ckpts = tmp_path / "run/checkpoints"
     averaged = load_checkpoint(ckpts / "checkpoint_avg.pt")
-    assert averaged["averaged"] == ["step_15.pt", "step_20.pt"]
-    expected = mean_of(ckpts / "step_15.pt", ckpts / "step_20.pt")
+    # the last 3 of the final half (steps > 10): step_12, 16, 20 — never an earlier one
+    assert averaged["averaged"] == ["step_12.pt", "step_16.pt", "step_20.pt"]
+    expected = mean_of(*(ckpts / name for name in averaged["averaged"]))
     assert all(torch.allclose(averaged["model"][k].double(), expected[k], atol=1e-7) for k in expected)
+    scores = json.loads((ckpts / "scores.json").read_text())
+    assert set(scores) == {"metric", "checkpoint_best.pt", "checkpoint_avg.pt"} and "checkpoint_avg.pt = mean" in proc.stderr
+    # translate/evaluate --config take the average only if it validated at least as well as the best
+    cfg = load_config(config)
+    for avg_score, chosen in ((scores["checkpoint_best.pt"] - 1, "checkpoint_best.pt"),
+                              (scores["checkpoint_best.pt"], "checkpoint_avg.pt")):
+        (ckpts / "scores.json").write_text(json.dumps({**scores, "checkpoint_avg.pt": avg_score}))
+        assert default_checkpoint(cfg).name == chosen
+
+
+def test_no_average_of_early_checkpoints(tiny_prepared, tmp_path):
+    """With evaluations at 5, 10, 15, 20 only step_20 lies in the last 20%: nothing is averaged."""
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=20, eval_every=5, average_last=3)
+    proc = tfm("train", "--config", config)
+    assert proc.returncode == 0 and "no checkpoint_avg.pt: 1 evaluated checkpoint(s) in the last 20%" in proc.stderr
+    assert not (tmp_path / "run/checkpoints/checkpoint_avg.pt").exists()
+    assert default_checkpoint(load_config(config)).name == "checkpoint_best.pt"

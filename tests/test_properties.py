@@ -17,7 +17,8 @@ from transformer_cli.errors import TfmError
 from transformer_cli.train import train
 from transformer_cli.translate import Translator, read_decoded_lines, translate_stream
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,  # CI sees the same examples each run
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def config_keys() -> list[str]:
@@ -94,7 +95,7 @@ def tiny_translator(tiny_prepared, tmp_path_factory) -> Translator:
     return Translator.from_checkpoint(summary.last_checkpoint, precision="fp32")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.binary(max_size=300))
 def test_random_bytes_on_stdin_never_crash_translate(tiny_translator, data):
     warnings, output = io.StringIO(), io.StringIO()

@@ -71,6 +71,27 @@ def test_kill_9_at_random_moments_always_resumes(tiny_prepared, tmp_path):
     print(f"{kills} kills, checkpoints at steps {steps_seen}, {stale_seen} kills left a temp file")
 
 
+def test_a_second_signal_while_stopping_corrupts_nothing(tiny_prepared, tmp_path):
+    """SIGTERM, then another SIGTERM at once (while the first one's save may be running)."""
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=100_000, save_every=20)
+    last = tmp_path / "run/checkpoints/checkpoint_last.pt"
+    proc = subprocess.Popen([*TFM, "train", "--config", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not last.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode in (130, 143) and "Traceback" not in stderr, stderr
+    step = load_checkpoint(last)["progress"]["step"]  # whole, whichever write the second signal hit
+    assert step >= 10  # the first evaluation's checkpoint, or a later one
+    resumed = tfm("train", "--config", config, "--resume", "--set", f"train.max_steps={step + 3}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert temp_files(tmp_path / "run") == []  # an abandoned temp file, if any, was cleaned up
+
+
 def test_stale_temp_files_are_removed_at_start(tiny_prepared, tmp_path):
     config = tiny_run(tiny_prepared, tmp_path, max_steps=3)
     stale = tmp_path / "run/checkpoints/.checkpoint_last.pt.abc123.tmp"

@@ -14,7 +14,7 @@ from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import TrainConfig, config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
-from transformer_cli.runtime import cpu_has_fast_bf16
+from transformer_cli.runtime import choose_precision, cpu_has_fast_bf16
 from transformer_cli.train import autocast_dtype, label_smoothed_loss, learning_rate, train
 
 from .conftest import ROOT, multi30k_config
@@ -148,14 +148,24 @@ def test_logits_for_target_rows_equal_the_full_projection():
     assert torch.allclose(model(src, tgt_in, rows), full[rows], atol=1e-6)
 
 
-def test_precision_auto_means_bf16_on_cuda_and_amx_cpus_only(monkeypatch):
+def test_precision_auto_follows_the_device_and_the_measured_cpu_speedup(monkeypatch, tmp_path):
     monkeypatch.delenv("TFM_PRECISION", raising=False)
+    monkeypatch.setenv("TFM_CACHE", str(tmp_path))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert autocast_dtype(TrainConfig(precision="auto"), cuda) is torch.bfloat16
     assert autocast_dtype(TrainConfig(precision="fp32"), cuda) is None
     assert autocast_dtype(TrainConfig(precision="bf16"), cpu) is torch.bfloat16
-    expected = torch.bfloat16 if cpu_has_fast_bf16() else None
-    assert autocast_dtype(TrainConfig(precision="auto"), cpu) is expected
+    choice = choose_precision("auto", cpu, (64, 128))
+    cache = json.loads((tmp_path / "bf16_speedup.json").read_text()) if not cpu_has_fast_bf16() else {}
+    if cpu_has_fast_bf16():
+        assert choice.bf16 and "AMX" in choice.reason
+        return
+    (key, measured), = cache.items()  # measured once, for this CPU, torch, threads and shape
+    assert "64x128" in key.split("|")[-1] and measured > 0
+    assert choice.bf16 == (measured >= 1.5) and "measured on this CPU" in choice.reason
+    for speedup, bf16 in ((0.6, False), (1.4, False), (4.2, True)):  # the decision follows the cached figure
+        (tmp_path / "bf16_speedup.json").write_text(json.dumps({key: speedup}))
+        assert choose_precision("auto", cpu, (64, 128)).bf16 is bf16
 
 
 def test_tfm_precision_env_decides_auto_only(monkeypatch):

@@ -209,8 +209,10 @@ def translate(
     else:
         stats = run(sys.stdout)
     rate = stats.sentences / stats.seconds if stats.seconds else 0.0
+    precision = getattr(translator, "precision", None)
     typer.echo(f"translated {stats.sentences} sentences in {stats.seconds:.1f}s: {rate:.1f} sentences/s, "
-               f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s", err=True)
+               f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s"
+               f"{f'; {precision.describe()}' if precision is not None else ''}", err=True)
 
 
 @app.command()

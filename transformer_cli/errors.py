@@ -2,7 +2,13 @@
 
 
 class TfmError(Exception):
-    """Bad input (config, files, arguments) that the user can fix; never a bug."""
+    """Bad input (config, files, arguments) that the user can fix; never a bug.
+
+    Always one line: line breaks that come in with user input (a key, a file name) are escaped.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(str(message).replace("\r", "\\r").replace("\n", "\\n"))
 
 
 class Interrupted(Exception):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -41,13 +45,83 @@ def keep_freed_memory() -> bool:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True on CPUs with AMX tiles, where a bf16 matmul runs ~12x faster than fp32.
-
-    Measured on a 2-core Xeon with AMX: 2,900 vs 235 GFLOP/s for (4096x256)@(256x1024).
-    Without AMX (AVX2, or AVX-512 BF16 alone) bf16 gains little or loses, so those stay fp32.
-    """
+    """True on CPUs with AMX tiles, where a bf16 matmul runs ~12x faster than fp32 (no need to measure)."""
     is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(is_amx and is_amx())
+
+
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+CACHE_ENV = "TFM_CACHE"
+BF16_MIN_SPEEDUP = 1.5  # below this, autocast's casts and the fp32 elementwise work eat the gain
+
+
+def cache_dir() -> Path:
+    """Where measurements are kept: `TFM_CACHE`, else `$XDG_CACHE_HOME/tfm`, else `~/.cache/tfm`."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tfm"
+
+
+def _matmul_flops(a: torch.Tensor, b: torch.Tensor, seconds: float = 0.08) -> float:
+    for _ in range(2):  # warm-up: oneDNN picks and JITs its kernel on first use
+        a @ b
+    calls, started = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - started < seconds:
+        a @ b
+        calls += 1
+    return 2 * a.size(0) * a.size(1) * b.size(1) * calls / (time.perf_counter() - started)
+
+
+def measure_bf16_speedup(d_model: int, d_ff: int, tokens: int = 2048) -> float:
+    """bf16 / fp32 matmul throughput for the model's own FFN shape, (tokens × d_model) @ (d_model × d_ff).
+
+    ~0.3 s; the answer is cached per CPU model, torch version, thread count and shape.
+    """
+    key = f"{cpu_model_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | " \
+          f"{tokens}x{d_model}x{d_ff}"
+    path = cache_dir() / "bf16_speedup.json"
+    try:
+        cached = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cached = {}
+    if not isinstance(cached, dict):
+        cached = {}
+    if isinstance(cached.get(key), (int, float)):
+        return float(cached[key])
+    a, b = torch.randn(tokens, d_model), torch.randn(d_model, d_ff)
+    fp32 = _matmul_flops(a, b)
+    bf16 = _matmul_flops(a.bfloat16(), b.bfloat16())
+    speedup = bf16 / fp32
+    cached[key] = round(speedup, 3)
+    try:
+        from .io_utils import atomic_write_text  # noqa: PLC0415 (io_utils imports errors only)
+
+        atomic_write_text(path, json.dumps(cached, indent=1))
+    except OSError:
+        pass  # a read-only home: measure again next time
+    return speedup
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    bf16: bool
+    reason: str  # printed with the first line of train/translate
+
+    def describe(self) -> str:
+        return f"{'bf16 autocast' if self.bf16 else 'fp32'} ({self.reason})"
 
 
 PRECISION_ENV = "TFM_PRECISION"
@@ -67,17 +141,33 @@ def precision_override() -> str | None:
     return value
 
 
-def wants_bf16(precision: str, device: torch.device) -> bool:
-    """Resolve a `precision` setting (auto, fp32, bf16).
+def choose_precision(precision: str, device: torch.device, shape: tuple[int, int] = (512, 2048)) -> PrecisionChoice:
+    """Resolve a `precision` setting (auto, fp32, bf16) and say why.
 
-    auto = `TFM_PRECISION` when set, else bf16 on CUDA and on AMX CPUs, fp32 elsewhere.
+    auto = `TFM_PRECISION` when set; else bf16 on CUDA; on a CPU, bf16 when its bf16 matmuls
+    measure ≥ 1.5x faster than fp32 for the model's (d_model, d_ff) — AMX Xeons (~12x) and
+    AVX512_BF16 CPUs such as AMD Zen 4/5 (~4x) do, AVX2-only CPUs do not — else fp32.
     """
-    if precision == "auto":
-        forced = precision_override()
-        if forced is not None:
-            return forced == "bf16"
-        return device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
-    return precision == "bf16"
+    if precision != "auto":
+        return PrecisionChoice(precision == "bf16", f"precision: {precision}")
+    forced = precision_override()
+    if forced is not None:
+        return PrecisionChoice(forced == "bf16", f"{PRECISION_ENV}={forced}")
+    if device.type == "cuda":
+        return PrecisionChoice(True, "CUDA")
+    if device.type != "cpu":
+        return PrecisionChoice(False, f"no bf16 rule for {device.type}")
+    if cpu_has_fast_bf16():
+        return PrecisionChoice(True, "AMX on this CPU")
+    speedup = measure_bf16_speedup(*shape)
+    verdict = "faster" if speedup >= 1 else "slower"
+    factor = speedup if speedup >= 1 else 1 / speedup
+    return PrecisionChoice(speedup >= BF16_MIN_SPEEDUP,
+                           f"bf16 matmuls {factor:.1f}x {verdict} than fp32 measured on this CPU")
+
+
+def wants_bf16(precision: str, device: torch.device, shape: tuple[int, int] = (512, 2048)) -> bool:
+    return choose_precision(precision, device, shape).bf16
 
 
 def resolve_device(name: str) -> torch.device:

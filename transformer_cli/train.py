@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import signal
@@ -27,13 +28,14 @@ from .errors import Diverged, Interrupted, TfmError
 from .io_utils import atomic_write_text, read_lines, remove_stale_temps
 from .model import Transformer, TransformerConfig
 from .runlock import RunLock
-from .runtime import is_out_of_memory, keep_freed_memory, resolve_device, wants_bf16
+from .runtime import choose_precision, is_out_of_memory, keep_freed_memory, resolve_device
 from .signals import EXIT_CODES, StopRequest
 
 
-def autocast_dtype(config: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast: `auto` turns it on for CUDA and for CPUs with AMX; `fp32` keeps it off."""
-    return torch.bfloat16 if wants_bf16(config.precision, device) else None
+def autocast_dtype(config: TrainConfig, device: torch.device, shape: tuple[int, int] = (512, 2048)
+                   ) -> torch.dtype | None:
+    """bf16 autocast or None (fp32): see `runtime.choose_precision` for what `auto` means."""
+    return torch.bfloat16 if choose_precision(config.precision, device, shape).bf16 else None
 
 
 def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: int) -> Transformer:
@@ -291,6 +293,38 @@ def _checkpoint_payload(model: Transformer, config: ExperimentConfig, manifest: 
     return payload
 
 
+def average_final_checkpoints(model: Transformer, config: ExperimentConfig, manifest: dict, progress: TrainProgress,
+                              out: RunOutput, valid_data: ParallelData, references: list[str], tgt_sp,
+                              device: torch.device) -> Path | None:
+    """checkpoint_avg.pt: the mean of the last `average_last` step checkpoints of the run's final
+    `average_window`, validated like the others; its score and the best's go to scores.json,
+    which `tfm translate/evaluate --config` read to pick the better of the two."""
+    tc = config.train
+    avg_path = out.ckpt_dir / "checkpoint_avg.pt"
+    first_step = (1.0 - tc.average_window) * progress.step
+    steps = sorted(out.ckpt_dir.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    chosen = [p for p in steps if int(p.stem.split("_")[1]) > first_step][-tc.average_last:]
+    if len(chosen) < 2:
+        avg_path.unlink(missing_ok=True)  # an older run's average would no longer be its final one
+        out.print(f"no checkpoint_avg.pt: {len(chosen)} evaluated checkpoint(s) in the last "
+                  f"{100 * tc.average_window:.0f}% of the run (evaluate more often: train.eval_every)")
+        return None
+    averaged = copy.deepcopy(model)
+    averaged.load_state_dict(average_state_dicts(chosen))
+    metrics = evaluate_loss(averaged, valid_data, config, device)
+    metrics["bleu"] = validation_bleu(averaged, valid_data, references, tgt_sp, config, device)
+    score = metrics["bleu"] if tc.best_metric == "bleu" else -metrics["loss"]
+    payload = _checkpoint_payload(averaged, config, manifest, progress)
+    payload["averaged"] = [p.name for p in chosen]
+    out.save(avg_path.name, payload)
+    out.log({"kind": "valid_avg", "step": progress.step, "averaged": payload["averaged"], **metrics})
+    scores = {"metric": tc.best_metric, "checkpoint_best.pt": progress.best_score, "checkpoint_avg.pt": score}
+    atomic_write_text(out.ckpt_dir / "scores.json", json.dumps(scores, indent=1))
+    out.print(f"checkpoint_avg.pt = mean of {', '.join(payload['averaged'])}: valid loss {metrics['loss']:.3f} "
+              f"BLEU {metrics['bleu']:.2f} (greedy, {tc.eval_bleu_sentences} sentences)")
+    return avg_path
+
+
 def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = True,
           on_step: Callable[[int, Transformer], None] | None = None) -> TrainSummary:
     """Train; under torchrun every rank runs this same function (see distributed.py).
@@ -340,7 +374,8 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
     if tc.threads:
         torch.set_num_threads(tc.threads)
     device = join(world, resolve_device(tc.device))
-    amp_dtype = autocast_dtype(tc, device)
+    precision = choose_precision(tc.precision, device, (config.model.d_model, config.model.d_ff))
+    amp_dtype = torch.bfloat16 if precision.bf16 else None
     if device.type == "cpu":
         keep_freed_memory()
 
@@ -387,8 +422,8 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
     step_model = torch.compile(step_model) if tc.compile else step_model
     max_time = parse_duration(tc.max_time) if tc.max_time is not None else math.inf
     d_model = config.model.d_model
-    out.print(f"model: {model.num_parameters():,} parameters on {device}"
-              f"{' with bf16 autocast' if amp_dtype else ''}; {len(train_data):,} training pairs")
+    out.print(f"model: {model.num_parameters():,} parameters on {device}, {precision.describe()}; "
+              f"{len(train_data):,} training pairs")
     batches_per_step = tc.accum_steps * world.size
     out.print(f"effective batch: {world.size} process(es) x {tc.accum_steps} accumulation step(s) x "
               f"{tc.max_tokens:,} tokens = {batches_per_step * tc.max_tokens:,} tokens per update (padding included)")
@@ -546,12 +581,7 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
         out.log({"kind": "valid", "step": progress.step, "epoch": progress.epoch, **metrics})
         checkpoint(metrics, progress)
     if tc.average_last > 1 and out.active:
-        steps = sorted(out.ckpt_dir.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-        chosen = steps[-tc.average_last:]
-        payload = _checkpoint_payload(model, config, manifest, progress)
-        payload["model"] = average_state_dicts(chosen)
-        payload["averaged"] = [p.name for p in chosen]
-        out.save("checkpoint_avg.pt", payload)
+        average_final_checkpoints(model, config, manifest, progress, out, valid_data, references, tgt_sp, device)
     best = out.ckpt_dir / "checkpoint_best.pt"
     summary = TrainSummary(progress.step, progress.elapsed, progress.best_score, tc.best_metric,
                            best if best.exists() else None, last_path, stop_reason)

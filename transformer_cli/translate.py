@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -19,7 +20,8 @@ from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search
 from .errors import TfmError
 from .model import Transformer
-from .runtime import keep_freed_memory, resolve_device, split_on_out_of_memory, wants_bf16
+from .runtime import (PrecisionChoice, choose_precision, keep_freed_memory, resolve_device,
+                      split_on_out_of_memory)
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
@@ -112,14 +114,17 @@ class Translator:
     def __init__(self, model: Transformer, src_sp: spm.SentencePieceProcessor, tgt_sp: spm.SentencePieceProcessor,
                  decode: DecodeConfig, device: torch.device):
         self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
+        self.precision = PrecisionChoice(False, "int8 dynamic quantization")
         model.to(device).eval()
         if decode.precision == "int8":
             if device.type != "cpu":
                 raise TfmError("int8 decoding (--quantize int8 / decode.precision=int8) runs on CPU only: "
                                "add --device cpu")
             self.model = quantize_int8(model)
-        elif wants_bf16(decode.precision, device):
-            model.to(torch.bfloat16)  # scores are still accumulated in fp32 (decoding.py)
+        else:
+            self.precision = choose_precision(decode.precision, device, (model.cfg.d_model, model.cfg.d_ff))
+            if self.precision.bf16:
+                model.to(torch.bfloat16)  # scores are still accumulated in fp32 (decoding.py)
         if device.type == "cpu":
             keep_freed_memory()
 
@@ -240,8 +245,17 @@ def translate_stream(
 
 
 def default_checkpoint(config: ExperimentConfig) -> Path:
+    """The run's checkpoint_avg.pt, unless it validated worse than checkpoint_best.pt (scores.json);
+    then checkpoint_best.pt, then checkpoint_last.pt."""
     ckpt_dir = config.run_path / "checkpoints"
-    for name in ("checkpoint_avg.pt", "checkpoint_best.pt", "checkpoint_last.pt"):
+    order = ["checkpoint_avg.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
+    try:
+        scores = json.loads((ckpt_dir / "scores.json").read_text(encoding="utf-8"))
+        if scores["checkpoint_avg.pt"] < scores["checkpoint_best.pt"]:
+            order.remove("checkpoint_avg.pt")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    for name in order:
         if (ckpt_dir / name).is_file():
             return ckpt_dir / name
     raise TfmError(f"no checkpoint in {ckpt_dir}: train first or pass --checkpoint")
