@@ -88,7 +88,8 @@ def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentCo
                 unk_id=UNK_ID,
                 bos_id=BOS_ID,
                 eos_id=EOS_ID,
-                num_threads=2,
+                # prepare.workers is the number of cores prepare may use, in every stage.
+                num_threads=config.prepare.workers or default_workers(),
                 minloglevel=2,
             )
         except RuntimeError as exc:  # e.g. vocab size too large for the corpus
