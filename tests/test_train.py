@@ -15,7 +15,7 @@ from transformer_cli.config import TrainConfig, config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
 from transformer_cli.runtime import choose_precision, cpu_has_fast_bf16
-from transformer_cli.train import autocast_dtype, label_smoothed_loss, learning_rate, train
+from transformer_cli.train import autocast_dtype, budget_used, label_smoothed_loss, learning_rate, train
 
 from .conftest import ROOT, multi30k_config
 
@@ -37,6 +37,34 @@ def test_inverse_sqrt_and_constant_schedules():
     assert learning_rate(400, cfg, 256) == pytest.approx(5e-4)
     const = TrainConfig(lr_schedule="constant", warmup=0, lr=3e-4)
     assert learning_rate(1, const, 256) == learning_rate(10_000, const, 256) == 3e-4
+
+
+def test_budget_schedule_warms_up_then_reaches_lr_min_when_the_budget_ends():
+    cfg = TrainConfig(lr_schedule="budget", warmup=100, lr=1e-3, lr_min=1e-5, max_steps=1000)
+    assert budget_used(500, 0.0, cfg) == 0.5
+    lrs = [learning_rate(step, cfg, 256, budget_used(step - 1, 0.0, cfg)) for step in range(1, 1001)]
+    assert lrs[0] < lrs[49] < lrs[99]  # warm-up
+    assert lrs[99] == pytest.approx(1e-3 * (1e-5 / 1e-3 + (1 - 1e-5 / 1e-3) * 0.5 * (1 + math.cos(math.pi * 0.099))))
+    assert all(a >= b for a, b in zip(lrs[100:], lrs[101:]))  # then only down
+    assert lrs[-1] == pytest.approx(1e-5, rel=1e-3)
+    assert learning_rate(1000, cfg, 256, 1.0) == pytest.approx(1e-5)
+    timed = TrainConfig(lr_schedule="budget", warmup=0, lr=1e-3, max_time="30m", max_steps=100_000)
+    assert budget_used(10, 900.0, timed) == 0.5  # the wall-clock budget is further along than the steps
+    assert learning_rate(10, timed, 256, budget_used(10, 900.0, timed)) == pytest.approx(5e-4)
+    assert learning_rate(10, timed, 256, budget_used(10, 1800.0, timed)) == pytest.approx(0.0)
+
+
+def test_budget_schedule_in_a_real_run_ends_at_lr_min(tiny_prepared, tmp_path):
+    from transformer_cli.config import load_config
+    from .conftest import tiny_run
+
+    config = load_config(tiny_run(tiny_prepared, tmp_path, lr_schedule="budget", lr=0.003, lr_min=1e-4,
+                                  warmup=5, max_steps=40, log_every=1, eval_every=40))
+    train(config, progress_bar=False)
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    lrs = [row["lr"] for row in rows if row["kind"] == "train"]
+    assert len(lrs) == 40 and max(lrs) == lrs[4] and lrs[-1] == pytest.approx(1e-4, rel=0.05)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
 
 
 def test_label_smoothed_loss_by_hand():

@@ -87,7 +87,10 @@ class TrainConfig(_Section):
     max_steps: int = Field(100_000, ge=1)
     max_epochs: int | None = None
     max_time: float | str | None = None  # seconds, or "90s" / "30m" / "2h"
-    lr_schedule: Literal["noam", "inverse_sqrt", "constant"] = "noam"
+    # budget: linear warm-up to `lr`, then cosine decay that reaches `lr_min` exactly when the run's
+    # budget ends (max_time, measured in training seconds, or max_steps; whichever ends first).
+    lr_schedule: Literal["noam", "inverse_sqrt", "constant", "budget"] = "noam"
+    lr_min: float = Field(0.0, ge=0.0)
     lr_factor: float = 1.0  # noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     lr: float = 5e-4  # peak lr for inverse_sqrt / constant
     warmup: int = Field(4000, ge=0)

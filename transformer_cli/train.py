@@ -50,10 +50,23 @@ def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: i
 # --------------------------------------------------------------------------- schedule and loss
 
 
-def learning_rate(step: int, config: TrainConfig, d_model: int) -> float:
-    """Learning rate at optimizer step `step` (1-based)."""
+def budget_used(step: int, elapsed: float, config: TrainConfig) -> float:
+    """Fraction of the run's budget spent: training seconds of `max_time` or steps of `max_steps`,
+    whichever is further along (both are kept in checkpoints, so this survives --resume)."""
+    used = step / config.max_steps
+    if config.max_time is not None:
+        used = max(used, elapsed / parse_duration(config.max_time))
+    return min(max(used, 0.0), 1.0)
+
+
+def learning_rate(step: int, config: TrainConfig, d_model: int, budget: float = 0.0) -> float:
+    """Learning rate at optimizer step `step` (1-based); `budget` = `budget_used()` (budget schedule)."""
     step = max(step, 1)
     warmup = max(config.warmup, 1)
+    if config.lr_schedule == "budget":
+        # warm-up x cosine decay over the whole budget: at the end, exactly lr_min.
+        warm = min(1.0, step / warmup) if config.warmup else 1.0
+        return config.lr_min + (config.lr * warm - config.lr_min) * 0.5 * (1.0 + math.cos(math.pi * budget))
     if config.lr_schedule == "noam":
         # Vaswani et al. eq. (3): linear warm-up, then inverse square-root decay.
         return config.lr_factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
@@ -477,7 +490,7 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
                     progress.batch_in_epoch += 1
                 if stop_reason:
                     break
-                lr = learning_rate(progress.step + 1, tc, d_model)
+                lr = learning_rate(progress.step + 1, tc, d_model, budget_used(progress.step, progress.elapsed, tc))
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 # The loss is normalised by the target tokens of the whole update (all ranks).
