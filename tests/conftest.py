@@ -148,3 +148,13 @@ def tiny_run(tiny_prepared, dest: Path, **train_overrides) -> Path:
     config = dest / "tiny.yaml"
     config.write_text(json.dumps(tiny_reverse_config(data, dest / "run", **train_overrides)))
     return config
+
+
+def assert_same_final_weights(a_path: Path, b_path: Path, step: int) -> None:
+    """Two runs' checkpoint_last.pt are at `step` with bit-identical weights."""
+    from transformer_cli.checkpoint import load_checkpoint
+
+    a, b = load_checkpoint(a_path), load_checkpoint(b_path)
+    assert a["progress"]["step"] == b["progress"]["step"] == step
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name

@@ -24,7 +24,7 @@ from transformer_cli.config import config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.train import train
 
-from .conftest import multi30k_config
+from .conftest import assert_same_final_weights, multi30k_config
 
 pytestmark = pytest.mark.slow
 
@@ -122,11 +122,8 @@ def test_torchrun_resume_continues_exactly_even_with_another_process_count(multi
     split["train"]["max_steps"] = 6
     proc = torchrun(["--standalone", "--nproc-per-node", "2"], split, tmp_path, "split_b", ["--resume"])
     assert proc.returncode == 0, proc.stderr
-    a = load_checkpoint(tmp_path / "straight/checkpoints/checkpoint_last.pt")
-    b = load_checkpoint(tmp_path / "split/checkpoints/checkpoint_last.pt")
-    assert a["progress"]["step"] == b["progress"]["step"] == 6
-    for name, tensor in a["model"].items():
-        assert torch.equal(tensor, b["model"][name]), name
+    assert_same_final_weights(tmp_path / "straight/checkpoints/checkpoint_last.pt",
+                              tmp_path / "split/checkpoints/checkpoint_last.pt", 6)
 
     # The data position is counted in global batches: one process with accum_steps=2 resumes the
     # 2-process run at step 3 and reaches the same weights (to float tolerance).
@@ -135,6 +132,7 @@ def test_torchrun_resume_continues_exactly_even_with_another_process_count(multi
     other["train"].update(max_steps=6, accum_steps=2)
     train(config_from_dict(other), resume=True, progress_bar=False)
     c = load_checkpoint(tmp_path / "other/checkpoints/checkpoint_last.pt")
+    a = load_checkpoint(tmp_path / "straight/checkpoints/checkpoint_last.pt")
     assert_same_weights(a["model"], c["model"])
 
 

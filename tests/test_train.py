@@ -17,7 +17,7 @@ from transformer_cli.errors import TfmError
 from transformer_cli.runtime import choose_precision, cpu_has_fast_bf16
 from transformer_cli.train import autocast_dtype, budget_used, label_smoothed_loss, learning_rate, train
 
-from .conftest import ROOT, multi30k_config
+from .conftest import ROOT, assert_same_final_weights, multi30k_config
 
 
 def test_noam_schedule_values():
@@ -251,8 +251,5 @@ def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, tmp_pa
     assert 5 <= saved < 60, f"stopped at step {saved}"
     resumed = subprocess.run([*tfm, str(stopped), "--resume"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    a = load_checkpoint(tmp_path / "straight/checkpoints/checkpoint_last.pt")
-    b = load_checkpoint(tmp_path / "stopped/checkpoints/checkpoint_last.pt")
-    assert a["progress"]["step"] == b["progress"]["step"] == 60
-    for name, tensor in a["model"].items():
-        assert torch.equal(tensor, b["model"][name]), name
+    assert_same_final_weights(tmp_path / "straight/checkpoints/checkpoint_last.pt",
+                              tmp_path / "stopped/checkpoints/checkpoint_last.pt", 60)

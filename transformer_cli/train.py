@@ -133,9 +133,9 @@ def target_rows(tgt_out: torch.Tensor, pad_id: int = PAD_ID) -> tuple[torch.Tens
 
 def gradient_norm(model: torch.nn.Module, clip_norm: float) -> float:
     """Total L2 norm of the gradients (before clipping); clips to `clip_norm` when it is > 0."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
     if clip_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
