@@ -23,7 +23,8 @@ import torch
 from bench_common import hf_model, machine_line, tfm_model
 from transformer_cli.config import load_config
 from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData, load_manifest
-from transformer_cli.translate import decode_token_ids, length_sorted_batches
+from transformer_cli.runtime import choose_precision
+from transformer_cli.translate import decode_token_ids, length_sorted_batches, pack_linear_layers
 
 
 def time_it(fn) -> float:
@@ -41,8 +42,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--limit", type=int, default=0, help="use only the first N sentences (0 = all)")
     parser.add_argument("--checkpoint", default=None, help="also time tfm on trained weights, natural lengths")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                        help="weights/activations for every system (CT2: compute_type)")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="weights/activations for every system (CT2: compute_type); auto = what tfm "
+                             "picks on this CPU (decode.precision: auto)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -58,10 +60,15 @@ def main() -> None:
     print(machine_line())
     print(f"{n} sentences, batches of {args.batch_size}, forced output length {args.length} tokens")
 
+    if args.precision == "auto":
+        choice = choose_precision("auto", torch.device("cpu"), (config.model.d_model, config.model.d_ff))
+        args.precision = "bf16" if choice.bf16 else "fp32"
+        print(f"precision auto → {choice.describe()}")
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     tfm = tfm_model(config, vocab).eval().to(dtype)
+    packed = pack_linear_layers(tfm)  # what tfm's Translator does on CPU
     hf = hf_model(config, vocab).eval()
-    print(f"precision {args.precision} (all systems)")
+    print(f"precision {args.precision} (all systems); tfm linear layers pre-packed for oneDNN: {packed}")
     device = torch.device("cpu")
 
     # HF gets the same length-sorted batches tfm builds internally.

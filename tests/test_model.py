@@ -2,9 +2,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from transformer_cli.model import (CAUSAL, MultiHeadAttention, PositionalEncoding, Transformer, TransformerConfig,
-                                   causal_mask, decoder_self_attention_mask, padding_mask, sinusoidal_table)
+                                   causal_mask, decoder_self_attention_mask, padding_mask, single_query_attention,
+                                   sinusoidal_table)
 
 
 def tiny_config(**overrides) -> TransformerConfig:
@@ -93,6 +95,46 @@ def test_incremental_decoding_equals_full_forward(norm, positional):
         state = model.init_state(memory, src_mask)
         steps = torch.stack([model.decode_step(tgt_in[:, t], state) for t in range(tgt_in.size(1))], dim=1)
     assert torch.allclose(steps, full, atol=1e-5), (steps - full).abs().max()
+
+
+def test_single_query_attention_shared_keys_equal_copied_keys_and_sdpa():
+    """Beams that share a sentence's cross-attention K/V (grouped queries) give exactly what
+    copies of it per beam give, and both equal torch's fused attention, padding masked."""
+    torch.manual_seed(0)
+    sentences, beams, heads, keys, d_head = 3, 4, 2, 7, 8
+    q = torch.randn(sentences * beams, heads, 1, d_head)
+    k, v = torch.randn(sentences, heads, keys, d_head), torch.randn(sentences, heads, keys, d_head)
+    mask = torch.ones(sentences, 1, 1, keys, dtype=torch.bool)
+    mask[1, ..., 5:] = False  # sentence 1 has 2 padded source positions
+    copied = [t.repeat_interleave(beams, dim=0) for t in (k, v, mask)]
+    shared = single_query_attention(q, k, v, mask)
+    assert shared.shape == (sentences * beams, heads, 1, d_head)
+    assert torch.allclose(shared, single_query_attention(q, *copied), atol=1e-6)
+    assert torch.allclose(shared, F.scaled_dot_product_attention(q, *copied[:2], attn_mask=copied[2]), atol=1e-6)
+    v_pad = v.clone()
+    v_pad[1, :, 5:] = 1e6  # padded positions must get zero weight
+    assert torch.allclose(single_query_attention(q, k, v_pad, mask), shared, atol=1e-6)
+
+
+def test_beam_rows_decode_like_copies_of_their_sentence():
+    """init_state(beams=K) keeps one cross-attention K/V per sentence for its K decoding rows:
+    every row's logits equal decoding that row's sentence alone."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
+    tokens = torch.tensor([[2, 2, 2], [11, 12, 13], [14, 15, 16]])  # 3 steps × (2 sentences · 3 beams)
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        grouped = model.init_state(memory, src_mask, beams=3)
+        copied = model.init_state(memory.repeat_interleave(3, 0), src_mask.repeat_interleave(3, 0))
+        for step in tokens:
+            row_tokens = step.repeat(2)  # (6,)
+            assert torch.allclose(model.decode_step(row_tokens, grouped), model.decode_step(row_tokens, copied),
+                                  atol=1e-5)
+        # Dropping sentence 0 keeps sentence 1's rows and its K/V.
+        keep_rows, keep_sentences = torch.arange(3, 6), torch.tensor([1])
+        grouped, copied = grouped.reorder(keep_rows, keep_sentences), copied.reorder(keep_rows, keep_rows)
+        assert torch.allclose(model.decode_step(tokens[1], grouped), model.decode_step(tokens[1], copied), atol=1e-5)
 
 
 def test_tied_and_shared_embeddings_and_parameter_count():

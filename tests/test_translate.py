@@ -6,10 +6,11 @@ import sacrebleu
 import torch
 
 from transformer_cli.data import BOS_ID, EOS_ID
-from transformer_cli.decoding import beam_search, greedy_search
+from transformer_cli.decoding import beam_search, greedy_search, top_k
 from transformer_cli.errors import TfmError
 from transformer_cli.io_utils import read_lines
-from transformer_cli.translate import Translator, format_nbest, length_sorted_batches
+from transformer_cli.runtime import denormals_flushed_to_zero
+from transformer_cli.translate import PackedLinear, Translator, format_nbest, length_sorted_batches
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 
@@ -202,3 +203,43 @@ def test_closed_pipe_downstream_exits_quietly(reverse_model, translator, tmp_pat
     assert proc.stdout == own_translation(translator, IN_DOMAIN[0], 1) + "\n"
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("rows,n,k", [(4, 40000, 10), (3, 8000, 1), (5, 12345, 4), (2, 300, 3)])
+def test_top_k_equals_torch_topk(rows, n, k):
+    torch.manual_seed(n)
+    scores = torch.randn(rows, n)
+    scores[0, :] = float("-inf")  # a dead beam row: -inf everywhere
+    scores[0, 7] = 1.0
+    scores[1, n - 1] = 100.0  # the best value in the ragged last chunk
+    values, indices = top_k(scores, k)
+    expected = scores.topk(k, dim=1)
+    assert torch.equal(values, expected.values)
+    assert torch.equal(scores.gather(1, indices), values)  # indices point at those values
+    assert int(indices[1, 0]) == n - 1
+
+
+def test_packed_linear_layers_decode_exactly_like_nn_linear(reverse_model, test_set, monkeypatch):
+    """fp32 Translator on CPU packs its Linear layers for oneDNN: same numbers, same tokens."""
+    _, summary = reverse_model
+    packed = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=fp32"])
+    assert any(isinstance(m, PackedLinear) for m in packed.model.modules()), "no layer was packed on this CPU"
+    monkeypatch.setattr("transformer_cli.translate.pack_linear_layers", lambda model: False)
+    plain = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=fp32"])
+    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    x = torch.randn(6, 1, plain.model.cfg.d_model)
+    layer = plain.model.decoder_layers[0].ffn.w1
+    assert torch.allclose(PackedLinear(layer)(x), layer(x), atol=1e-5)
+    src = test_set[0][:60]
+    for beam in (1, 4):
+        assert ([t[0].text for t in packed.translate(src, beam=beam)]
+                == [t[0].text for t in plain.translate(src, beam=beam)])
+
+
+def test_denormals_are_flushed_only_inside_the_decoding_block():
+    tiny = torch.tensor([1e-39])  # a float32 denormal
+    with denormals_flushed_to_zero():
+        inside = float(tiny * 1.0)
+    assert float(tiny * 1.0) > 0.0  # IEEE behaviour is back afterwards
+    if torch.set_flush_denormal(False):  # True where the CPU supports the switch (x86 with SSE3)
+        assert inside == 0.0

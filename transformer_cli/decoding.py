@@ -15,6 +15,28 @@ class Hypothesis:
     score: float  # length-normalised log-probability (greedy: plain sum of log-probs)
 
 
+def top_k(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row of `scores` (R, N) and their column indices, largest first:
+    torch.topk's result (up to the order of equal values), computed faster on CPU for small k.
+
+    torch.topk (and max with indices) walk each row with scalar code, while amax is vectorised:
+    per beam step, topk over 32 × 40,000 candidates cost ~0.8 ms here (AMD EPYC), as much as two
+    decoder layers. Every one of a row's k largest values lies in a chunk whose maximum is among
+    the k largest chunk maxima, so only those k chunks need a real top-k.
+    """
+    rows, n = scores.shape
+    if scores.device.type != "cpu" or n < 8 * k * chunk:
+        return scores.topk(k, dim=1)
+    pad = -n % chunk
+    if pad:  # a ragged end: fill the last chunk with -inf, which never outranks a real value
+        scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+    chunks = scores.view(rows, -1, chunk)  # (R, C, chunk)
+    best_chunks = chunks.amax(dim=2).topk(k, dim=1).indices  # (R, k)
+    columns = (best_chunks[:, :, None] * chunk + torch.arange(chunk, device=scores.device)).view(rows, -1)
+    values, picked = scores.gather(1, columns).topk(k, dim=1)  # (R, k)
+    return values, columns.gather(1, picked)
+
+
 def max_output_lengths(src: torch.Tensor, pad_id: int, a: float, b: int) -> torch.Tensor:
     """Per sentence: a · src_len + b target tokens (src_len counts the source's <eos>)."""
     src_len = (src != pad_id).sum(dim=1)
@@ -45,7 +67,7 @@ def greedy_search(
         logprobs = model.decode_step(tokens, state).float().log_softmax(dim=-1)  # (A, V)
         if step < min_len:
             logprobs[:, eos] = float("-inf")
-        best, tokens = logprobs.max(dim=-1)
+        best, tokens = (t.squeeze(1) for t in top_k(logprobs, 1))
         outputs[alive, step] = tokens
         scores[alive] += best
         finished = (tokens == eos) | (step + 1 >= limits[alive])
@@ -53,7 +75,7 @@ def greedy_search(
             keep = (~finished).nonzero().squeeze(1)
             if keep.numel() == 0:
                 break
-            alive, tokens, state = alive[keep], tokens[keep], state.reorder(keep)
+            alive, tokens, state = alive[keep], tokens[keep], state.reorder(keep, keep)
     hyps = []
     for row, score in zip(outputs.tolist(), scores.tolist()):
         end = row.index(eos) if eos in row else len(row)
@@ -79,9 +101,8 @@ def beam_search(
     n_sent = src.size(0)
     k = beam
     memory, src_mask = model.encode(src)
-    # Every sentence's encoder output/K/V repeated for its K beams: row = sent * K + beam.
-    expand = torch.arange(n_sent, device=device).repeat_interleave(k)
-    state = model.init_state(memory, src_mask).reorder(expand)
+    # Decoding rows: row = sent * K + beam; the K beams of a sentence share its cross-attention K/V.
+    state = model.init_state(memory, src_mask, beams=k)
     limits = max_output_lengths(src, pad, max_len_a, max_len_b).clamp(min=min_len).tolist()
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
 
@@ -99,7 +120,7 @@ def beam_search(
         if step < min_len:
             logprobs[:, eos] = float("-inf")
         candidates = (beam_scores.view(-1, 1) + logprobs).view(n, k * vocab)
-        top_scores, top_ids = candidates.topk(2 * k, dim=1)  # (N, 2K)
+        top_scores, top_ids = top_k(candidates, 2 * k)  # (N, 2K)
         top_beams, top_tokens = top_ids // vocab, top_ids % vocab
         is_eos = top_tokens == eos
         at_limit = [step + 1 >= limits[s] for s in alive_list]
@@ -141,7 +162,7 @@ def beam_search(
             alive_list = [alive_list[r] for r in keep_sent.tolist()]
             beam_scores = beam_scores.index_select(0, keep_sent)
             history, tokens = history.index_select(0, keep_rows), tokens.index_select(0, keep_rows)
-            state = state.reorder(source_rows.index_select(0, keep_rows))
+            state = state.reorder(source_rows.index_select(0, keep_rows), keep_sent)
         else:
-            state = state.reorder(source_rows, cross=False)  # beams move only within their sentence
+            state = state.reorder(source_rows)  # beams move only within their sentence
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]

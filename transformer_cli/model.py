@@ -131,6 +131,30 @@ class AttentionCache:
     value: torch.Tensor
 
 
+def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q kᵀ / √Dh) v for one query per row (incremental decoding), as two batched matmuls.
+
+    q (B, H, 1, Dh); k/v (B/G, H, Tk, Dh): G consecutive query rows share one set of keys and
+    values (the G beams of a sentence in cross-attention, which then need no copies of it);
+    mask broadcastable to (B/G, H, 1, Tk) or None → (B, H, 1, Dh).
+    torch's fused CPU attention kernel works in blocks of queries; with a single query it costs
+    1.5x (fp32) to 6x (bf16 without AMX) more than this (scripts/profile_step.py --what beam).
+    The softmax is taken in fp32, as the fused kernel does.
+    """
+    rows, heads, _, d_head = q.shape
+    groups = rows // k.size(0)
+    if groups > 1:  # (B, H, 1, Dh) → (B/G, H, G, Dh): a sentence's beams become its query block
+        q = q.reshape(k.size(0), groups, heads, d_head).transpose(1, 2)
+    scores = (q * d_head**-0.5) @ k.transpose(-2, -1)  # (B/G, H, G, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype) @ v  # (B/G, H, G, Dh)
+    if groups > 1:
+        out = out.transpose(1, 2).reshape(rows, 1, heads, d_head).transpose(1, 2)
+    return out
+
+
 class MultiHeadAttention(nn.Module):
     """Q, K, V projections → H heads of scaled dot-product attention → concat → output projection."""
 
@@ -183,6 +207,8 @@ class MultiHeadAttention(nn.Module):
                 scores = scores.masked_fill(~mask, float("-inf"))
             weights = scores.softmax(dim=-1)
             out = F.dropout(weights, dropout, self.training) @ v
+        elif q.size(2) == 1 and not self.training:  # incremental decoding
+            out = single_query_attention(q, k, v, mask)
         elif q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(2) > 1:
             # On CPU, torch's fused attention kernel is ~3x slower in bf16 than in fp32 for short
             # multi-query blocks (training): attend in fp32 there. One-query decode steps stay bf16.
@@ -294,22 +320,22 @@ class DecoderState:
     """Everything incremental decoding carries from step to step."""
 
     layers: list[LayerState]
-    src_mask: torch.Tensor  # (B, 1, 1, S)
+    src_mask: torch.Tensor  # (B/G, 1, 1, S): one row per source sentence
     length: int = 0  # target positions decoded so far
     extras: dict = field(default_factory=dict)
 
-    def reorder(self, index: torch.Tensor, cross: bool = True) -> DecoderState:
-        """Keep/duplicate batch rows (beam search): cached tensors are indexed along dim 0.
-
-        `cross=False` leaves the cross-attention K/V and source mask alone: valid when `index`
-        only permutes rows that share a source sentence (beams of one sentence).
+    def reorder(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> DecoderState:
+        """Keep/duplicate decoding rows (beam search): self-attention caches are indexed by `rows`
+        along dim 0. The per-sentence cross-attention K/V and source mask are indexed by
+        `sentences` (None: unchanged, i.e. beams moved only within their own sentence).
         """
 
-        def pick(c: AttentionCache) -> AttentionCache:
+        def pick(c: AttentionCache, index: torch.Tensor) -> AttentionCache:
             return AttentionCache(c.key.index_select(0, index), c.value.index_select(0, index))
 
-        layers = [LayerState(pick(s.self_attn), pick(s.cross_attn) if cross else s.cross_attn) for s in self.layers]
-        src_mask = self.src_mask.index_select(0, index) if cross else self.src_mask
+        layers = [LayerState(pick(s.self_attn, rows), s.cross_attn if sentences is None
+                             else pick(s.cross_attn, sentences)) for s in self.layers]
+        src_mask = self.src_mask if sentences is None else self.src_mask.index_select(0, sentences)
         return DecoderState(layers, src_mask, self.length)
 
 
@@ -395,9 +421,10 @@ class Transformer(nn.Module):
 
     # -- incremental inference
 
-    def init_state(self, memory: torch.Tensor, src_mask: torch.Tensor) -> DecoderState:
-        """Precompute each layer's cross-attention K/V once; self-attention caches start empty."""
-        empty = memory.new_zeros(memory.size(0), self.cfg.n_heads, 0, self.cfg.d_model // self.cfg.n_heads)
+    def init_state(self, memory: torch.Tensor, src_mask: torch.Tensor, beams: int = 1) -> DecoderState:
+        """Precompute each layer's cross-attention K/V once per sentence; self-attention caches
+        start empty with `beams` rows per sentence (row = sentence * beams + beam)."""
+        empty = memory.new_zeros(memory.size(0) * beams, self.cfg.n_heads, 0, self.cfg.d_model // self.cfg.n_heads)
         layers = [
             LayerState(AttentionCache(empty, empty), layer.cross_attn.project_kv(memory))
             for layer in self.decoder_layers

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -42,6 +43,23 @@ def keep_freed_memory() -> bool:
     ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     _configured = ok
     return ok
+
+
+@contextlib.contextmanager
+def denormals_flushed_to_zero() -> Iterator[None]:
+    """Treat denormal floats as zero on CPU inside the block (restored to IEEE behaviour after).
+
+    A trained model's log-softmax over the vocabulary takes exp() of logits far below the
+    maximum; results under 1e-38 are denormals, which x86 cores compute ~100x slower. On the
+    de-en model (AMD EPYC) this made log_softmax 3x slower per beam step. Flushed, they become 0,
+    a change far below bf16/fp32 rounding of any probability that can matter to the search.
+    """
+    changed = torch.set_flush_denormal(True)  # False where the CPU does not support it
+    try:
+        yield
+    finally:
+        if changed:
+            torch.set_flush_denormal(False)
 
 
 def cpu_has_fast_bf16() -> bool:
