@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TIME=${TIME:-10m}
 CONFIG=configs/de-en.yaml
-RUN=(--set run_dir=runs/quickstart)
+# configs/de-en.yaml's dropout 0.3 is for its 30-minute budget; 10 minutes are too short to overfit
+# and learn faster at the paper's 0.1 (valid BLEU after 1,250 steps, AMD EPYC: 37.5 vs 35.3).
+RUN=(--set run_dir=runs/quickstart --set model.dropout=0.1)
 
 scripts/get_data.sh multi30k
 tfm prepare --config "$CONFIG" "${RUN[@]}"

@@ -53,16 +53,21 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
     Softmax is invariant to a key bias, so its true gradient is 0 and what it gets is rounding
     noise that depends on the summation order; Adam divides by the noise's own magnitude and turns
-    it into lr-sized steps (measured: every other tensor agrees to 1e-9, the key biases to 3e-4).
+    it into lr-sized steps (measured: the key biases differ by up to 2.3e-4; that noise, carried
+    through the keys' rounding, leaves every other tensor within 3e-6 — 1e-9 before Q, K, V were
+    fused). A real difference in the gradient moves Adam's weights by ~lr = 3e-3 per step.
     """
     for name, tensor in a.items():
         other = b[name]
-        if name.endswith("kv_proj.bias"):
-            d_model = tensor.numel() // 2
-            torch.testing.assert_close(other[d_model:], tensor[d_model:], rtol=0, atol=1e-6, msg=name)
-            assert (other[:d_model] - tensor[:d_model]).abs().max() < 6 * 3e-3, name  # ≤ steps x peak lr
+        if name.endswith(("qkv_proj.bias", "kv_proj.bias")):  # rows Q|K|V (self) or K|V (cross)
+            d_model = tensor.numel() // (3 if name.endswith("qkv_proj.bias") else 2)
+            key = slice(d_model, 2 * d_model) if name.endswith("qkv_proj.bias") else slice(0, d_model)
+            exact = torch.ones(tensor.numel(), dtype=torch.bool)
+            exact[key] = False
+            torch.testing.assert_close(other[exact], tensor[exact], rtol=0, atol=1e-5, msg=name)
+            assert (other[key] - tensor[key]).abs().max() < 6 * 3e-3, name  # ≤ steps x peak lr
         else:
-            torch.testing.assert_close(other, tensor, rtol=0, atol=1e-6, msg=name)
+            torch.testing.assert_close(other, tensor, rtol=0, atol=1e-5, msg=name)
 
 
 def _rank_main(rank: int, world_size: int, port: int, raw: dict, log_dir: str) -> None:

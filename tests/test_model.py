@@ -54,6 +54,24 @@ def test_attention_matches_naive_softmax_implementation():
     assert (weights[0, :, :, 3:] == 0).all()  # padded keys get no weight
 
 
+def test_fused_self_attention_matches_naive_implementation():
+    """Self-attention's one Q|K|V matmul: rows 0..D-1 are Q, D..2D-1 K, 2D..3D-1 V."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(d_model=16, n_heads=4, self_attention=True).eval()
+    x = torch.randn(2, 5, 16)
+    mask = padding_mask(torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]), pad_id=0)
+    w, b = mha.qkv_proj.weight, mha.qkv_proj.bias
+    q, k, v = (torch.nn.functional.linear(x, w[i * 16:(i + 1) * 16], b[i * 16:(i + 1) * 16])
+               .view(2, 5, 4, 4).transpose(1, 2) for i in range(3))
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(4)).masked_fill(~mask, float("-inf"))
+    naive = mha.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 5, 16))
+    assert torch.allclose(mha(x, x, mask)[0], naive, atol=1e-6)
+    causal = causal_mask(5)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(4)).masked_fill(~causal, float("-inf"))
+    naive = mha.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 5, 16))
+    assert torch.allclose(mha(x, x, CAUSAL)[0], naive, atol=1e-6)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_bf16_autocast_attention_on_cpu_matches_fp32(causal):
     # Under CPU bf16 autocast the attention core runs in fp32 (faster there); the result must
@@ -135,6 +153,29 @@ def test_beam_rows_decode_like_copies_of_their_sentence():
         keep_rows, keep_sentences = torch.arange(3, 6), torch.tensor([1])
         grouped, copied = grouped.reorder(keep_rows, keep_sentences), copied.reorder(keep_rows, keep_rows)
         assert torch.allclose(model.decode_step(tokens[1], grouped), model.decode_step(tokens[1], copied), atol=1e-5)
+
+
+def test_checkpoints_from_before_fused_qkv_load_with_identical_outputs():
+    """Self-attention's Q and K|V projections were two Linear layers (q_proj, kv_proj) before they
+    were fused into qkv_proj: such state dicts still load, strictly, and compute the same."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    d = model.cfg.d_model
+    old_format = {}
+    for name, tensor in model.state_dict().items():
+        if "qkv_proj." in name:
+            prefix, kind = name.split("qkv_proj.")
+            old_format[f"{prefix}q_proj.{kind}"], old_format[f"{prefix}kv_proj.{kind}"] = tensor[:d], tensor[d:]
+        else:
+            old_format[name] = tensor
+    assert any(".self_attn.q_proj." in name for name in old_format)
+    torch.manual_seed(1)
+    loaded = Transformer(tiny_config()).eval()
+    loaded.load_state_dict(old_format)  # strict: no missing or unexpected keys
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
+    tgt_in = torch.tensor([[2, 11, 12], [2, 16, 17]])
+    with torch.no_grad():
+        assert torch.equal(loaded(src, tgt_in), model(src, tgt_in))
 
 
 def test_tied_and_shared_embeddings_and_parameter_count():

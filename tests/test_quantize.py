@@ -6,7 +6,7 @@ import sacrebleu
 import torch
 
 from transformer_cli.io_utils import read_lines
-from transformer_cli.translate import Translator
+from transformer_cli.translate import PackedLinear, Translator
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 
@@ -29,7 +29,9 @@ def test_int8_is_off_by_default_and_reachable_from_the_cli(reverse_model):
     _, summary = reverse_model
     default = Translator.from_checkpoint(summary.best_checkpoint, device="cpu")
     assert default.decode.precision != "int8"
-    assert any(isinstance(m, torch.nn.Linear) for m in default.model.modules())
+    # Not quantized: Linear layers stay floating point (pre-packed for oneDNN on CPU).
+    assert not any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in default.model.modules())
+    assert any(isinstance(m, (torch.nn.Linear, PackedLinear)) for m in default.model.modules())
     base = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "2"]
     for extra in (["--quantize", "int8"], ["--set", "decode.precision=int8"]):
         proc = subprocess.run([*base, *extra], input="wa wb wc\n\nwd we\n", capture_output=True, text=True)

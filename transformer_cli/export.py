@@ -13,8 +13,8 @@ How tfm's conventions map onto CTranslate2's:
 - positions: tfm's sinusoidal table interleaves sin/cos (PE[:, 0::2] = sin, PE[:, 1::2] = cos),
   while CTranslate2's built-in table concatenates them, so the table itself is written into the
   model (as for learned positions). Inputs longer than max_positions are truncated, as in tfm.
-- attention: tfm already fuses K and V into one projection (`kv_proj`), which is CTranslate2's
-  layout for cross-attention; self-attention takes Q, K, V fused into one matrix.
+- attention: tfm's fused projections are CTranslate2's layout: Q, K, V in one matrix for
+  self-attention (`qkv_proj`), K and V in one for cross-attention (`kv_proj`).
 - LayerNorm epsilon is torch's default, 1e-5 (CTranslate2's default differs).
 """
 
@@ -117,7 +117,7 @@ def build_spec(model: Transformer, src_vocab: list[str], tgt_vocab: list[str]) -
     _inputs(enc, enc.embeddings[0], model.src_embed, model.src_pos)
     for layer_spec, layer in zip(enc.layer, model.encoder_layers):
         attn = layer_spec.self_attention
-        _linear(attn.linear[0], layer.self_attn.q_proj, layer.self_attn.kv_proj)  # fused Q, K, V
+        _linear(attn.linear[0], layer.self_attn.qkv_proj)  # fused Q, K, V
         _linear(attn.linear[1], layer.self_attn.out_proj)
         _layer_norm(attn.layer_norm, layer.attn_add_norm.norm)
         _feed_forward(layer_spec.ffn, layer)
@@ -128,7 +128,7 @@ def build_spec(model: Transformer, src_vocab: list[str], tgt_vocab: list[str]) -
     _inputs(dec, dec.embeddings, model.tgt_embed, model.tgt_pos)
     for layer_spec, layer in zip(dec.layer, model.decoder_layers):
         self_attn = layer_spec.self_attention
-        _linear(self_attn.linear[0], layer.self_attn.q_proj, layer.self_attn.kv_proj)
+        _linear(self_attn.linear[0], layer.self_attn.qkv_proj)
         _linear(self_attn.linear[1], layer.self_attn.out_proj)
         _layer_norm(self_attn.layer_norm, layer.self_add_norm.norm)
         cross = layer_spec.attention

@@ -156,17 +156,34 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class MultiHeadAttention(nn.Module):
-    """Q, K, V projections → H heads of scaled dot-product attention → concat → output projection."""
+    """Q, K, V projections → H heads of scaled dot-product attention → concat → output projection.
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0):
+    Self-attention (queries, keys and values all from one sequence) projects Q, K and V with one
+    fused (D → 3D) matmul; cross-attention projects Q from the decoder and K, V (fused, D → 2D)
+    from the encoder output, which incremental decoding computes once per sentence.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, self_attention: bool = False):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.n_heads, self.d_head = n_heads, d_model // n_heads
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.kv_proj = nn.Linear(d_model, 2 * d_model)  # K and V in one matmul
+        self.self_attention = self_attention
+        if self_attention:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)  # rows: Q, then K, then V
+        else:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)  # rows: K, then V
         self.out_proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints written before Q, K, V were fused for self-attention hold q_proj + kv_proj.
+        if self.self_attention and prefix + "q_proj.weight" in state_dict:
+            for kind in ("weight", "bias"):
+                q, kv = state_dict.pop(f"{prefix}q_proj.{kind}"), state_dict.pop(f"{prefix}kv_proj.{kind}")
+                state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat([q, kv])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, D) → (B, H, L, Dh)
         return x.view(x.size(0), x.size(1), self.n_heads, self.d_head).transpose(1, 2)
@@ -179,22 +196,25 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self,
         query: torch.Tensor,  # (B, Tq, D)
-        key_value: torch.Tensor | None,  # (B, Tk, D); None when `static_kv` is given
+        key_value: torch.Tensor | None,  # (B, Tk, D); None with `static_kv`; unused by self-attention
         mask: torch.Tensor | str | None,  # broadcastable to (B, H, Tq, Tk), True = attend; or CAUSAL
         static_kv: AttentionCache | None = None,  # precomputed K/V (cross-attention at inference)
         cache: AttentionCache | None = None,  # self-attention K/V of earlier steps; extended in place
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q = self._split_heads(self.q_proj(query))  # (B, H, Tq, Dh)
-        if static_kv is not None:
-            k, v = static_kv.key, static_kv.value
+        if self.self_attention:  # key_value is query itself
+            q, k, v = (self._split_heads(t) for t in self.qkv_proj(query).chunk(3, dim=-1))  # (B, H, T, Dh)
         else:
-            new = self.project_kv(key_value)
-            k, v = new.key, new.value
-            if cache is not None:
-                if cache.key.numel():
-                    k, v = torch.cat([cache.key, k], dim=2), torch.cat([cache.value, v], dim=2)
-                cache.key, cache.value = k, v
+            q = self._split_heads(self.q_proj(query))  # (B, H, Tq, Dh)
+            if static_kv is not None:
+                k, v = static_kv.key, static_kv.value
+            else:
+                new = self.project_kv(key_value)
+                k, v = new.key, new.value
+        if cache is not None:  # self-attention during incremental decoding: extend the cache in place
+            if cache.key.numel():
+                k, v = torch.cat([cache.key, k], dim=2), torch.cat([cache.value, v], dim=2)
+            cache.key, cache.value = k, v
         dropout = self.dropout if self.training else 0.0
         weights = None
         is_causal = isinstance(mask, str)  # CAUSAL: SDPA builds the mask itself
@@ -257,7 +277,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         pre = cfg.norm_position == "pre"
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, self_attention=True)
         self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation)
         self.attn_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
         self.ffn_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
@@ -285,7 +305,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         pre = cfg.norm_position == "pre"
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, self_attention=True)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
         self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation)
         self.self_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
@@ -371,6 +391,12 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(p)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+        # Fused self-attention Q|K|V: initialised as the separate Q (D×D) and K|V (2D×D) matrices were.
+        for module in self.modules():
+            if isinstance(module, MultiHeadAttention) and module.self_attention:
+                q, kv = module.qkv_proj.weight.detach().split([self.cfg.d_model, 2 * self.cfg.d_model])
+                nn.init.xavier_uniform_(q)
+                nn.init.xavier_uniform_(kv)
         # Embeddings ~ N(0, D^-1/2) so that after the sqrt(D) scaling they have unit variance.
         for emb in {id(m): m for m in (self.src_embed, self.tgt_embed)}.values():
             nn.init.normal_(emb.embedding.weight, 0.0, self.cfg.d_model**-0.5)
