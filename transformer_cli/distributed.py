@@ -6,6 +6,7 @@ has none of them and runs as a world of one, with every helper below a no-op.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -50,6 +51,10 @@ def leave(world: World, finished: bool) -> None:
     if world.enabled and dist.is_initialized():
         if finished:
             dist.barrier()
+        # DistributedDataParallel's hooks form reference cycles, so the wrapped model, its reducer
+        # and their pending gloo work can outlive train() until the interpreter's final clean-up,
+        # where freeing them aborted a rank ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 
