@@ -21,8 +21,8 @@ from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search
 from .errors import TfmError
 from .model import Transformer
-from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, keep_freed_memory, resolve_device,
-                      split_on_out_of_memory)
+from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, keep_freed_memory,
+                      resolve_device, split_on_out_of_memory)
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
