@@ -9,6 +9,7 @@ from transformer_cli.data import BOS_ID, EOS_ID
 from transformer_cli.decoding import beam_search, greedy_search, top_k
 from transformer_cli.errors import TfmError
 from transformer_cli.io_utils import read_lines
+from transformer_cli.model import TransformerConfig
 from transformer_cli.runtime import denormals_flushed_to_zero
 from transformer_cli.translate import PackedLinear, Translator, format_nbest, length_sorted_batches
 
@@ -61,6 +62,48 @@ def test_beam_one_equals_greedy_token_for_token(translator, test_set):
     beam = beam_search(model, src, BOS_ID, EOS_ID, beam=1, max_len_a=0.0, max_len_b=3)
     assert [g.tokens for g in greedy] == [b[0].tokens for b in beam]
     assert all(len(g.tokens) <= 3 for g in greedy)
+
+
+class ConfidentToyModel:
+    """The incremental decoding API over fixed step-wise scores: at step t every row puts almost all
+    mass on token 5 + t, a little on <eos> (log-prob ~ -3), nothing elsewhere, and from step 3 on <eos>
+    is the likely token. The best output is [5, 6, 7] (log-prob ~ -0.15); each step's <eos> candidate
+    also ranks in the top K, so after two steps K = 2 improbable hypotheses have already finished."""
+
+    cfg = TransformerConfig(src_vocab_size=16, tgt_vocab_size=16)
+
+    class State:
+        step = 0
+
+        def reorder(self, rows, sentences=None):
+            return self
+
+    def encode(self, src):
+        return src, None
+
+    def init_state(self, memory, src_mask, beams=1):
+        return self.State()
+
+    def decode_step(self, tokens, state):
+        logits = torch.full((tokens.size(0), 16), -20.0)
+        logits[:, EOS_ID] = -3.0
+        if state.step < 3:
+            logits[:, 5 + state.step] = 0.0
+        else:
+            logits[:, EOS_ID] = 0.0
+        state.step += 1
+        return logits
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_beam_search_keeps_going_while_a_live_beam_can_win(alpha):
+    """Stopping once K hypotheses have finished would return an early <eos> here: the search must
+    continue while the best live beam still beats every finished one."""
+    src = torch.tensor([[7, 8, 9, EOS_ID]])
+    hyps = beam_search(ConfidentToyModel(), src, BOS_ID, EOS_ID, beam=2, alpha=alpha, max_len_b=20, nbest=2)[0]
+    assert hyps[0].tokens == [5, 6, 7]
+    assert hyps[0].score > hyps[1].score
+    assert greedy_search(ConfidentToyModel(), src, BOS_ID, EOS_ID, max_len_b=20)[0].tokens == [5, 6, 7]
 
 
 @pytest.mark.parametrize("beam", [1, 4])

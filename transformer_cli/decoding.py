@@ -92,9 +92,13 @@ def beam_search(
 
     Each step scores all K·V continuations of the K live beams and keeps the 2K best: those ending
     in <eos> among the top K are finished (score / lp(len)); the K best others stay alive, so the
-    beam never fills with finished hypotheses. A sentence is done once it has K finished
-    hypotheses or reaches its length limit; done sentences leave the batch, so no compute is
-    spent on them.
+    beam never fills with finished hypotheses. A sentence is done when it reaches its length limit,
+    or when it has `nbest` finished hypotheses and the best of them scores at least as well as the
+    best live beam would if it ended now (as CTranslate2 and OpenNMT stop once the top beam ends).
+    With alpha = 0 this is exact: live scores only fall. Stopping at K finished hypotheses instead
+    (fairseq's rule) loses the best translation of a confident model, whose K finished hypotheses
+    can all be improbable early <eos> picks made while the one good beam is still running.
+    Done sentences leave the batch, so no compute is spent on them.
     """
     pad = model.cfg.pad_id
     device = src.device
@@ -105,6 +109,7 @@ def beam_search(
     state = model.init_state(memory, src_mask, beams=k)
     limits = max_output_lengths(src, pad, max_len_a, max_len_b).clamp(min=min_len).tolist()
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
+    best_finished = [float("-inf")] * n_sent  # best finished score per sentence
 
     alive = torch.arange(n_sent, device=device)  # original sentence index of each active sentence
     alive_list = alive.tolist()
@@ -131,9 +136,9 @@ def beam_search(
             lp = length_penalty(step + 1, alpha)
             for r, c in zip(eos_rows.tolist(), eos_cols.tolist()):
                 sent = alive_list[r]
-                if len(finished[sent]) < k:
-                    row = r * k + int(top_beams[r, c])
-                    finished[sent].append(Hypothesis(history[row].tolist(), float(top_scores[r, c]) / lp))
+                row = r * k + int(top_beams[r, c])
+                finished[sent].append(Hypothesis(history[row].tolist(), float(top_scores[r, c]) / lp))
+                best_finished[sent] = max(best_finished[sent], finished[sent][-1].score)
 
         # 2) The K best non-<eos> candidates stay alive (stable sort keeps score order).
         rank = torch.arange(2 * k, device=device).expand(n, 2 * k) + is_eos.long() * (2 * k)
@@ -144,16 +149,18 @@ def beam_search(
         history = torch.cat([history.index_select(0, source_rows), next_tokens.view(-1, 1)], dim=1)
         tokens = next_tokens.view(-1)
 
-        # 3) Sentences at their length limit finish their live beams; sentences with K finished are done.
+        # 3) Sentences at their length limit finish their live beams; a sentence whose best finished
+        #    hypothesis beats its best live beam ended now is done.
+        lp = length_penalty(step + 1, alpha)
+        best_alive = (beam_scores[:, 0] / lp).tolist()  # beams stay sorted best first
         done = []
         for r, sent in enumerate(alive_list):
-            if at_limit[r] and len(finished[sent]) < k:
-                lp = length_penalty(step + 1, alpha)
+            if at_limit[r]:
                 for b in range(k):
                     score = float(beam_scores[r, b])
                     if score != float("-inf"):
                         finished[sent].append(Hypothesis(history[r * k + b].tolist(), score / lp))
-            done.append(len(finished[sent]) >= k or at_limit[r])
+            done.append(at_limit[r] or (len(finished[sent]) >= nbest and best_finished[sent] >= best_alive[r]))
         if all(done):
             break
         if any(done):
