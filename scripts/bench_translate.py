@@ -23,7 +23,7 @@ import torch
 from bench_common import hf_model, machine_line, tfm_model
 from transformer_cli.config import load_config
 from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData, load_manifest
-from transformer_cli.runtime import choose_precision
+from transformer_cli.runtime import choose_precision, keep_freed_memory
 from transformer_cli.translate import decode_token_ids, length_sorted_batches, pack_linear_layers
 
 
@@ -45,9 +45,14 @@ def main() -> None:
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                         help="weights/activations for every system (CT2: compute_type); auto = what tfm "
                              "picks on this CPU (decode.precision: auto)")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="skip the allocator setting `tfm translate` makes on CPU (keep_freed_memory); it is "
+                             "process-wide, so by default every system here runs with it")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
+    if not args.system_malloc:
+        keep_freed_memory()
     torch.manual_seed(0)
     config = load_config(args.config)
     manifest = load_manifest(config.run_path)
@@ -58,7 +63,8 @@ def main() -> None:
     beams = [int(b) for b in args.beams.split(",")]
     decode = config.decode.model_copy(update={"batch_size": args.batch_size, "batch_tokens": None})
     print(machine_line())
-    print(f"{n} sentences, batches of {args.batch_size}, forced output length {args.length} tokens")
+    print(f"{n} sentences, batches of {args.batch_size}, forced output length {args.length} tokens; allocator: "
+          f"{'system default' if args.system_malloc else 'keep_freed_memory (every system)'}")
 
     if args.precision == "auto":
         choice = choose_precision("auto", torch.device("cpu"), (config.model.d_model, config.model.d_ff))
