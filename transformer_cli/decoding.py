@@ -102,9 +102,9 @@ def beam_search(
     Each step scores all K·V continuations of the K live beams and keeps the 2K best: those ending
     in <eos> among the top K are finished (score / lp(len)); the K best others stay alive, so the
     beam never fills with finished hypotheses. A sentence is done when it reaches its length limit,
-    or when it has `nbest` finished hypotheses and the best of them scores at least as well as the
-    best live beam would if it ended now (as CTranslate2 and OpenNMT stop once the top beam ends).
-    With alpha = 0 this is exact: live scores only fall. Stopping at K finished hypotheses instead
+    or when the best finished hypothesis scores at least as well as the best live beam would if it
+    ended now, and `nbest` hypotheses (K with a length penalty, alpha > 0) have finished. With
+    alpha = 0 this is exact: live scores only fall. Stopping at K finished hypotheses alone
     (fairseq's rule) loses the best translation of a confident model, whose K finished hypotheses
     can all be improbable early <eos> picks made while the one good beam is still running.
     Done sentences leave the batch, so no compute is spent on them.
@@ -119,6 +119,10 @@ def beam_search(
     limits = max_output_lengths(src, pad, max_len_a, max_len_b).clamp(min=min_len).tolist()
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     best_finished = [float("-inf")] * n_sent  # best finished score per sentence
+    # With alpha = 0 a live beam's score only falls, so beating the best live beam now is final.
+    # With alpha > 0 a longer hypothesis can still overtake it (lp grows with length): also wait
+    # for K finished hypotheses, as CTranslate2 does with a length penalty.
+    min_finished = nbest if alpha == 0 else max(nbest, k)
 
     alive = torch.arange(n_sent, device=device)  # original sentence index of each active sentence
     alive_list = alive.tolist()
@@ -169,7 +173,7 @@ def beam_search(
                     score = float(beam_scores[r, b])
                     if score != float("-inf"):
                         finished[sent].append(Hypothesis(history[r * k + b].tolist(), score / lp))
-            done.append(at_limit[r] or (len(finished[sent]) >= nbest and best_finished[sent] >= best_alive[r]))
+            done.append(at_limit[r] or (len(finished[sent]) >= min_finished and best_finished[sent] >= best_alive[r]))
         if all(done):
             break
         if any(done):
