@@ -473,7 +473,8 @@ class Transformer(nn.Module):
             cross = layer.cross_attn.project_kv(memory)
             # Contiguous: as strided views of the fused K|V projection, every step's matmuls would
             # copy them again (as costly as the attention itself at one query per row).
-            cross = AttentionCache(cross.key.to(dtype).contiguous(), cross.value.to(dtype).contiguous())
+            cross = AttentionCache(*(t.to(dtype, copy=True, memory_format=torch.contiguous_format)  # one copy
+                                     for t in (cross.key, cross.value)))
             layers.append(LayerState(AttentionCache(empty, empty), cross))
         return DecoderState(layers, src_mask)
 
