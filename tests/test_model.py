@@ -102,7 +102,8 @@ def test_sinusoidal_values_at_known_positions():
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
 @pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
-def test_incremental_decoding_equals_full_forward(norm, positional):
+@pytest.mark.parametrize("room", [32, 1])  # 1: the self-attention caches grow (1 → 2 → 4 → 8 positions)
+def test_incremental_decoding_equals_full_forward(norm, positional, room):
     torch.manual_seed(0)
     model = Transformer(tiny_config(norm_position=norm, positional=positional)).eval()
     src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
@@ -110,8 +111,28 @@ def test_incremental_decoding_equals_full_forward(norm, positional):
     with torch.no_grad():
         full = model(src, tgt_in)  # (B, T, V)
         memory, src_mask = model.encode(src)
-        state = model.init_state(memory, src_mask)
+        state = model.init_state(memory, src_mask, max_len=room)
         steps = torch.stack([model.decode_step(tgt_in[:, t], state) for t in range(tgt_in.size(1))], dim=1)
+    assert torch.allclose(steps, full, atol=1e-5), (steps - full).abs().max()
+
+
+def test_reordered_decoding_rows_continue_as_their_new_prefixes():
+    """After a reorder (rows duplicated, dropped, swapped: what beam search does), each row decodes
+    exactly as the full forward pass of the prefix it inherited plus its new tokens."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    src = torch.tensor([[5, 6, 7, 8, 3], [5, 6, 7, 8, 3], [5, 6, 7, 8, 3]])
+    before = torch.tensor([[2, 11, 12], [2, 13, 14], [2, 15, 16]])  # 3 steps on 3 rows
+    rows = torch.tensor([2, 2, 0])  # row 1 dropped, row 2 duplicated, row 0 moved
+    after = torch.tensor([[17, 18], [19, 20], [21, 22]])  # then 2 more steps
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        state = model.init_state(memory, src_mask, max_len=3)
+        for t in range(before.size(1)):
+            model.decode_step(before[:, t], state)
+        state = state.reorder(rows, torch.tensor([0, 1, 2]))
+        steps = torch.stack([model.decode_step(after[:, t], state) for t in range(after.size(1))], dim=1)
+        full = model(src, torch.cat([before[rows], after], dim=1))[:, before.size(1):]  # (3, 2, V)
     assert torch.allclose(steps, full, atol=1e-5), (steps - full).abs().max()
 
 

@@ -81,7 +81,7 @@ class ConfidentToyModel:
     def encode(self, src):
         return src, None
 
-    def init_state(self, memory, src_mask, beams=1):
+    def init_state(self, memory, src_mask, beams=1, max_len=32):
         return self.State()
 
     def decode_step(self, tokens, state):

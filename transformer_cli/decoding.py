@@ -65,9 +65,9 @@ def greedy_search(
     """Arg-max decoding of a (B, S) source batch; finished rows leave the batch."""
     pad = model.cfg.pad_id
     memory, src_mask = model.encode(src)
-    state = model.init_state(memory, src_mask)
     limits = max_output_lengths(src, pad, max_len_a, max_len_b).clamp(min=min_len)
     batch, steps = src.size(0), int(limits.max())
+    state = model.init_state(memory, src_mask, max_len=steps)
     alive = torch.arange(batch, device=src.device)  # original row of each active row
     tokens = torch.full((batch,), bos, dtype=torch.long, device=src.device)
     outputs = torch.full((batch, steps), eos, dtype=torch.long, device=src.device)  # (B, steps)
@@ -115,8 +115,8 @@ def beam_search(
     k = beam
     memory, src_mask = model.encode(src)
     # Decoding rows: row = sent * K + beam; the K beams of a sentence share its cross-attention K/V.
-    state = model.init_state(memory, src_mask, beams=k)
     limits = max_output_lengths(src, pad, max_len_a, max_len_b).clamp(min=min_len).tolist()
+    state = model.init_state(memory, src_mask, beams=k, max_len=max(limits))
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     best_finished = [float("-inf")] * n_sent  # best finished score per sentence
     # With alpha = 0 a live beam's score only falls, so beating the best live beam now is final.

@@ -131,6 +131,49 @@ class AttentionCache:
     value: torch.Tensor
 
 
+class KVCache:
+    """Self-attention keys and values of the decoded prefix, (B, H, t, Dh) each, in buffers with
+    room for more positions: a step writes its own in place instead of torch.cat copying the whole
+    prefix again at every step (greedy decoding +7% sentences/s). A reorder (beam search, rows
+    leaving the batch) copies the prefix once, into buffers with room for just the next step:
+    beam search reorders before every step, and copying empty room would cost more (measured).
+    When full, the buffers double.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        self.keys, self.values, self.length = keys, values, length  # (B, H, capacity, Dh) each
+
+    @classmethod
+    def empty(cls, rows: int, heads: int, d_head: int, capacity: int, like: torch.Tensor,
+              dtype: torch.dtype) -> KVCache:
+        shape = (rows, heads, max(capacity, 1), d_head)
+        return cls(like.new_empty(shape, dtype=dtype), like.new_empty(shape, dtype=dtype), 0)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one step's (B, H, 1, Dh) key and value → the keys and values of every step so far."""
+        t = self.length
+        if t == self.keys.size(2):
+            self.keys, self.values = (self._copy_prefix(b, None, 2 * t) for b in (self.keys, self.values))
+        self.keys[:, :, t] = key[:, :, 0]  # cast to the cache dtype by the copy
+        self.values[:, :, t] = value[:, :, 0]
+        self.length = t + 1
+        return self.keys[:, :, : t + 1], self.values[:, :, : t + 1]
+
+    def index_select(self, rows: torch.Tensor) -> KVCache:
+        """A cache whose row i is this cache's row rows[i] (rows may repeat)."""
+        t = self.length
+        return KVCache(*(self._copy_prefix(b, rows, t + 1) for b in (self.keys, self.values)), t)
+
+    def _copy_prefix(self, buffer: torch.Tensor, rows: torch.Tensor | None, capacity: int) -> torch.Tensor:
+        t = self.length
+        new = buffer.new_empty((buffer.size(0) if rows is None else len(rows), buffer.size(1), capacity, buffer.size(3)))
+        if rows is None:
+            new[:, :, :t] = buffer[:, :, :t]
+        else:
+            torch.index_select(buffer[:, :, :t], 0, rows, out=new[:, :, :t])
+        return new
+
+
 def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None) -> torch.Tensor:
     """softmax(q kᵀ / √Dh) v for one query per row (incremental decoding), as two batched matmuls.
@@ -213,7 +256,7 @@ class MultiHeadAttention(nn.Module):
         key_value: torch.Tensor | None,  # (B, Tk, D); None with `static_kv`; unused by self-attention
         mask: torch.Tensor | str | None,  # broadcastable to (B, H, Tq, Tk), True = attend; or CAUSAL
         static_kv: AttentionCache | None = None,  # precomputed K/V (cross-attention at inference)
-        cache: AttentionCache | None = None,  # self-attention K/V of earlier steps; extended in place
+        cache: KVCache | None = None,  # self-attention K/V of earlier steps; extended in place
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.self_attention:  # key_value is query itself
@@ -226,10 +269,7 @@ class MultiHeadAttention(nn.Module):
                 new = self.project_kv(key_value)
                 k, v = new.key, new.value
         if cache is not None:  # self-attention during incremental decoding: extend the cache in place
-            k, v = k.to(cache.key.dtype), v.to(cache.value.dtype)
-            if cache.key.numel():
-                k, v = torch.cat([cache.key, k], dim=2), torch.cat([cache.value, v], dim=2)
-            cache.key, cache.value = k, v
+            k, v = cache.append(k, v)
         dropout = self.dropout if self.training else 0.0
         weights = None
         is_causal = isinstance(mask, str)  # CAUSAL: SDPA builds the mask itself
@@ -312,7 +352,7 @@ class EncoderLayer(nn.Module):
 class LayerState:
     """Per decoder layer at inference: growing self-attention cache + fixed cross-attention K/V."""
 
-    self_attn: AttentionCache
+    self_attn: KVCache
     cross_attn: AttentionCache
 
 
@@ -368,7 +408,7 @@ class DecoderState:
         def pick(c: AttentionCache, index: torch.Tensor) -> AttentionCache:
             return AttentionCache(c.key.index_select(0, index), c.value.index_select(0, index))
 
-        layers = [LayerState(pick(s.self_attn, rows), s.cross_attn if sentences is None
+        layers = [LayerState(s.self_attn.index_select(rows), s.cross_attn if sentences is None
                              else pick(s.cross_attn, sentences)) for s in self.layers]
         src_mask = self.src_mask if sentences is None else self.src_mask.index_select(0, sentences)
         return DecoderState(layers, src_mask, self.length)
@@ -462,12 +502,13 @@ class Transformer(nn.Module):
 
     # -- incremental inference
 
-    def init_state(self, memory: torch.Tensor, src_mask: torch.Tensor, beams: int = 1) -> DecoderState:
+    def init_state(self, memory: torch.Tensor, src_mask: torch.Tensor, beams: int = 1,
+                   max_len: int = 32) -> DecoderState:
         """Precompute each layer's cross-attention K/V once per sentence; self-attention caches
-        start empty with `beams` rows per sentence (row = sentence * beams + beam)."""
+        start empty with `beams` rows per sentence (row = sentence * beams + beam) and room for
+        `max_len` steps (more if decoding goes on)."""
         dtype = decoding_cache_dtype(memory, beams)
-        empty = memory.new_zeros(memory.size(0) * beams, self.cfg.n_heads, 0, self.cfg.d_model // self.cfg.n_heads,
-                                 dtype=dtype)
+        rows, d_head = memory.size(0) * beams, self.cfg.d_model // self.cfg.n_heads
         layers = []
         for layer in self.decoder_layers:
             cross = layer.cross_attn.project_kv(memory)
@@ -475,7 +516,7 @@ class Transformer(nn.Module):
             # copy them again (as costly as the attention itself at one query per row).
             cross = AttentionCache(*(t.to(dtype, copy=True, memory_format=torch.contiguous_format)  # one copy
                                      for t in (cross.key, cross.value)))
-            layers.append(LayerState(AttentionCache(empty, empty), cross))
+            layers.append(LayerState(KVCache.empty(rows, self.cfg.n_heads, d_head, max_len, memory, dtype), cross))
         return DecoderState(layers, src_mask)
 
     def decode_step(self, tokens: torch.Tensor, state: DecoderState) -> torch.Tensor:
