@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from functools import partial
 import tempfile
 import time
 
@@ -24,13 +25,20 @@ from bench_common import hf_model, machine_line, tfm_model
 from transformer_cli.config import load_config
 from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData, load_manifest
 from transformer_cli.runtime import choose_precision, keep_freed_memory
-from transformer_cli.translate import decode_token_ids, length_sorted_batches, pack_linear_layers
+from transformer_cli.translate import decode_batch, decode_token_ids, length_sorted_batches, pack_linear_layers
+from transformer_cli.workers import DecodingWorkers, resolve_workers
 
 
-def time_it(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def best_times(runs: list, repeats: int) -> list[float]:
+    """The best (lowest) wall time of each run over `repeats` rounds, the runs alternating within a
+    round, so that a slow phase of a shared machine does not land on one system only."""
+    best = [float("inf")] * len(runs)
+    for _ in range(repeats):
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
@@ -40,6 +48,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=30, help="forced output length in tokens")
     parser.add_argument("--beams", default="1,5")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--workers", default="auto", help="tfm's decode.workers (auto = one process per core)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per system; the best is printed")
     parser.add_argument("--limit", type=int, default=0, help="use only the first N sentences (0 = all)")
     parser.add_argument("--checkpoint", default=None, help="also time tfm on trained weights, natural lengths")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
@@ -94,32 +104,48 @@ def main() -> None:
                             do_sample=False, min_new_tokens=args.length, max_new_tokens=args.length,
                             length_penalty=1.0, early_stopping=False)
 
-    def run_tfm(beam: int) -> None:
-        decode_token_ids(tfm, sources, decode, device, beam=beam, min_len=args.length, max_len=args.length)
+    # tfm as `tfm translate` runs by default (decode.workers: auto, one process of one thread per
+    # core), and in one process with all threads (decode.workers: 1), as HF generate runs.
+    processes = resolve_workers(args.workers, device)
+    pool = DecodingWorkers(partial(decode_batch, tfm, device), processes)
+    single = DecodingWorkers(partial(decode_batch, tfm, device), 1)
+
+    def run_tfm(beam: int, workers: DecodingWorkers) -> None:
+        decode_token_ids(tfm, sources, decode, device, beam=beam, min_len=args.length, max_len=args.length,
+                         workers=workers)
 
     hf.to(dtype)
 
-    # Warm-up (first calls allocate and pick kernels).
-    small = sources[: args.batch_size]
-    decode_token_ids(tfm, small, decode, device, beam=2, min_len=3, max_len=3)
+    # Warm-up (first calls allocate and pick kernels; the pool's processes start).
+    small = sources[: 2 * args.batch_size]
+    for workers in (pool, single):
+        decode_token_ids(tfm, small, decode, device, beam=2, min_len=3, max_len=3, workers=workers)
     hf.generate(input_ids=hf_batches[0][:4], attention_mask=(hf_batches[0][:4] != PAD_ID).long(),
                 num_beams=2, max_new_tokens=3)
 
+    print(f"tfm: {processes} decoding process(es) (decode.workers={args.workers}); 'tfm 1p' = one process, "
+          f"{args.threads} threads; HF: one process, {args.threads} threads; best of {args.repeats}, alternating")
     seconds_tfm = {}
     for beam in beams:
-        seconds_tfm[beam] = t_tfm = time_it(lambda: run_tfm(beam))
-        t_hf = time_it(lambda: run_hf(beam))
+        t_tfm, t_one, t_hf = best_times([lambda: run_tfm(beam, pool), lambda: run_tfm(beam, single),
+                                         lambda: run_hf(beam)], args.repeats)
+        seconds_tfm[beam] = t_tfm
         label = "greedy" if beam == 1 else f"beam {beam}"
-        print(f"{label:7s} tfm {n / t_tfm:7.1f} sent/s   HF {n / t_hf:7.1f} sent/s   tfm/HF {t_hf / t_tfm:5.2f}x")
+        print(f"{label:7s} tfm {n / t_tfm:7.1f} sent/s   tfm 1p {n / t_one:7.1f}   HF {n / t_hf:7.1f} sent/s   "
+              f"tfm/HF {t_hf / t_tfm:5.2f}x   tfm 1p/HF {t_hf / t_one:5.2f}x")
+    pool.close()
 
     if args.checkpoint:
         from transformer_cli.translate import Translator
 
         trained = Translator.from_checkpoint(args.checkpoint, decode=decode.model_copy(
-            update={"precision": args.precision}), device="cpu")
+            update={"precision": args.precision, "workers": args.workers}), device="cpu")
+        lines = [trained.src_sp.decode(s) for s in sources]
+        trained.translate(lines[: 2 * args.batch_size], beam=1)  # warm-up, starts the workers
         for beam in beams:
-            seconds = time_it(lambda: trained.translate([trained.src_sp.decode(s) for s in sources], beam=beam))
+            seconds = best_times([lambda: trained.translate(lines, beam=beam)], args.repeats)[0]
             print(f"trained checkpoint, natural lengths, beam {beam}: {n / seconds:.1f} sent/s")
+        trained.close()
 
     # CTranslate2 last: its thread pool keeps spinning after a call, which would slow whatever
     # ran next in this process.
@@ -130,7 +156,7 @@ def main() -> None:
         ct2 = ctranslate2
     except ImportError:
         print("ctranslate2 not installed: skipping the CT2 column (pip install ctranslate2)")
-    ct2_translator = None
+    ct2_translator = ct2_workers = None
     if ct2 is not None:
         folder = tempfile.mkdtemp()
         # CT2's Marian loader drops the last vocabulary row (HF appends <pad> to Marian vocabularies)
@@ -158,26 +184,36 @@ def main() -> None:
             if compute_type not in ct2.get_supported_compute_types("cpu"):
                 print(f"CTranslate2 has no {compute_type} on this CPU: CT2 runs float32")
                 compute_type = "float32"
+            # As tfm: one translator with all threads, and one of `processes` workers (CT2's
+            # inter_threads: batches decoded at once) with one thread each.
             ct2_translator = ct2.Translator(folder + "/ct2", device="cpu", inter_threads=1, intra_threads=args.threads,
                                             compute_type=compute_type)
+            ct2_workers = ct2.Translator(folder + "/ct2", device="cpu", inter_threads=processes, intra_threads=1,
+                                         compute_type=compute_type)
         except Exception as exc:  # noqa: BLE001 (report any converter failure and go on)
             print(f"CTranslate2 conversion failed: {exc}")
 
-    def run_ct2(beam: int) -> None:
+    def run_ct2(translator, beam: int) -> None:
         tokens = [[str(t) for t in s] for s in with_eos]
         order = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
         batch = [tokens[i] for i in order]
-        ct2_translator.translate_batch(batch, max_batch_size=args.batch_size, beam_size=beam,
-                                       min_decoding_length=args.length, max_decoding_length=args.length,
-                                       length_penalty=1.0)
+        translator.translate_batch(batch, max_batch_size=args.batch_size, beam_size=beam,
+                                   min_decoding_length=args.length, max_decoding_length=args.length,
+                                   length_penalty=1.0)
 
     if ct2_translator is not None:
-        run_ct2_small = [[str(t) for t in s] for s in with_eos[: args.batch_size]]
-        ct2_translator.translate_batch(run_ct2_small, beam_size=2, max_decoding_length=3)  # warm-up
+        run_ct2_small = [[str(t) for t in s] for s in with_eos[: 2 * args.batch_size]]
+        for translator in (ct2_translator, ct2_workers):  # warm-up
+            translator.translate_batch(run_ct2_small, max_batch_size=args.batch_size, beam_size=2,
+                                       max_decoding_length=3)
+        print(f"CT2 1p: inter_threads 1, intra_threads {args.threads}; CT2 {processes}w: inter_threads {processes}, "
+              f"intra_threads 1")
         for beam in beams:
-            t_ct2 = time_it(lambda: run_ct2(beam))
+            t_one, t_workers = best_times([lambda: run_ct2(ct2_translator, beam), lambda: run_ct2(ct2_workers, beam)],
+                                          args.repeats)
             label = "greedy" if beam == 1 else f"beam {beam}"
-            print(f"{label:7s} CT2 {n / t_ct2:7.1f} sent/s   tfm/CT2 {t_ct2 / seconds_tfm[beam]:5.2f}x")
+            print(f"{label:7s} CT2 1p {n / t_one:7.1f} sent/s   CT2 {processes}w {n / t_workers:7.1f} sent/s   "
+                  f"tfm/CT2 best {min(t_one, t_workers) / seconds_tfm[beam]:5.2f}x")
 
 
 if __name__ == "__main__":

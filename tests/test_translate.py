@@ -1,5 +1,9 @@
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import sacrebleu
@@ -12,6 +16,7 @@ from transformer_cli.io_utils import read_lines
 from transformer_cli.model import TransformerConfig
 from transformer_cli.runtime import denormals_flushed_to_zero
 from transformer_cli.translate import PackedLinear, Translator, format_nbest, length_sorted_batches
+from transformer_cli.workers import resolve_workers, usable_cores
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 
@@ -286,3 +291,74 @@ def test_denormals_are_flushed_only_inside_the_decoding_block():
     assert float(tiny * 1.0) > 0.0  # IEEE behaviour is back afterwards
     if torch.set_flush_denormal(False):  # True where the CPU supports the switch (x86 with SSE3)
         assert inside == 0.0
+
+
+# --------------------------------------------------------------------------- decoding workers
+
+
+def test_decoding_workers_translate_exactly_like_one_process(reverse_model, test_set):
+    """Batches decoded by two forked worker processes come back complete, in input order, and
+    equal (text and score) to decoding in this process with the workers' one thread."""
+    _, summary = reverse_model
+    settings = ["decode.precision=fp32", "decode.batch_size=16"]
+    one = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=[*settings, "decode.workers=1"])
+    two = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=[*settings, "decode.workers=2"])
+    src, _ = test_set
+    torch.set_num_threads(1)  # what each worker runs: the same arithmetic
+    try:
+        for beam in (1, 4):
+            in_process = one.translate(src, beam=beam)
+            assert two.translate(src, beam=beam) == in_process
+        workers = [p.pid for p in two.workers._pool._pool]
+        assert len(workers) == 2 and os.getpid() not in workers
+    finally:
+        torch.set_num_threads(2)
+        two.close()
+    assert one.workers.processes == 1 and one.workers._pool is None  # workers=1 never forks
+
+
+def test_workers_setting_resolves_per_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_workers("auto", cpu) == usable_cores() >= 1
+    assert resolve_workers(3, cpu) == 3
+    assert resolve_workers("auto", cuda) == resolve_workers(4, cuda) == 1
+
+
+def test_cli_with_workers_streams_in_order_and_stops_cleanly_on_ctrl_c(reverse_model, test_set, translator):
+    """`tfm translate --workers 2` writes what one process writes; Ctrl-C (SIGINT to the whole
+    process group, as a terminal sends it) ends it with 130, no traceback and no worker left."""
+    _, summary = reverse_model
+    src, _ = test_set
+    args = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--set", "decode.precision=fp32",
+            "--batch-size", "8", "--workers", "2"]
+    proc = subprocess.run(args, input="\n".join(src) + "\n", capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 decoding processes" in proc.stderr
+    torch.set_num_threads(1)
+    try:
+        expected = [t[0].text for t in translator.translate(src)]
+    finally:
+        torch.set_num_threads(2)
+    assert proc.stdout.splitlines() == expected
+
+    endless = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)  # its own process group, like a terminal job
+    feeder = threading.Thread(target=lambda: feed_forever(endless.stdin, src), daemon=True)
+    feeder.start()
+    assert endless.stdout.readline()  # the first chunk is out: the second one's batches go to the workers
+    time.sleep(1.0)
+    os.killpg(endless.pid, signal.SIGINT)
+    _, stderr = endless.communicate(timeout=60)
+    assert endless.returncode == 130 and "Traceback" not in stderr, stderr
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(endless.pid, 0)  # nobody left in its process group
+
+
+def feed_forever(stream, lines: list[str]) -> None:
+    try:
+        while True:
+            stream.write("\n".join(lines) + "\n")
+            stream.flush()
+    except (BrokenPipeError, ValueError, OSError):
+        pass  # the translator has exited

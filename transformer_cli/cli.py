@@ -158,6 +158,8 @@ def translate(
                                              "model directory."),
     compute_type: str = typer.Option("default", "--compute-type", help="With --engine ctranslate2: int8, "
                                      "float32, bfloat16… (default: as exported, fp32)."),
+    workers: Optional[str] = typer.Option(None, "--workers", help="CPU: processes decoding batches at once, one "
+                                          "thread each (auto = one per core; 1 = this process, all threads)."),
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
     from .translate import Translator, default_checkpoint, read_decoded_lines, translate_stream
@@ -188,8 +190,13 @@ def translate(
         # Without --config, --set edits the settings the checkpoint carries.
         translator = Translator.from_checkpoint(checkpoint, decode=cfg.decode if cfg else None, device=device,
                                                 overrides=None if cfg else set_, precision=quantize)
-    updates = {k: v for k, v in (("batch_size", batch_size), ("batch_tokens", batch_tokens)) if v is not None}
-    translator.decode = translator.decode.model_copy(update=updates)
+    updates = {k: v for k, v in (("batch_size", batch_size), ("batch_tokens", batch_tokens), ("workers", workers))
+               if v is not None}
+    if updates:  # validated like the config file
+        from .config import config_from_dict
+
+        translator.decode = config_from_dict({"decode": {**translator.decode.model_dump(), **updates}},
+                                             "command line").decode
     if nbest < 1 or (beam is not None and beam < 1):
         raise TfmError("--beam and --nbest must be at least 1")
     if nbest > max(beam or translator.decode.beam, 1):
@@ -210,9 +217,12 @@ def translate(
         stats = run(sys.stdout)
     rate = stats.sentences / stats.seconds if stats.seconds else 0.0
     precision = getattr(translator, "precision", None)
+    processes = translator.decoding_processes
     typer.echo(f"translated {stats.sentences} sentences in {stats.seconds:.1f}s: {rate:.1f} sentences/s, "
                f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s"
-               f"{f'; {precision.describe()}' if precision is not None else ''}", err=True)
+               f"{f'; {precision.describe()}' if precision is not None else ''}"
+               f"{f'; {processes} decoding processes' if processes > 1 else ''}",
+               err=True)
 
 
 @app.command()

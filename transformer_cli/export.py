@@ -36,6 +36,7 @@ from .config import DecodeConfig, apply_override, config_from_dict
 from .data import BOS_ID, EOS_ID, UNK_ID
 from .errors import TfmError
 from .model import TransformerConfig, Transformer
+from .workers import resolve_workers
 
 INSTALL_HINT = "ctranslate2 is not installed: pip install -e '.[ct2]' (or pip install ctranslate2)"
 SRC_SPM, TGT_SPM, TFM_JSON = "source.spm.model", "target.spm.model", "tfm_decode.json"
@@ -242,8 +243,9 @@ class CT2Translator:
                 apply_override(raw, assignment)
             decode = config_from_dict(raw, f"{model_dir / TFM_JSON} (with --set)").decode
         self.decode = decode
-        self.translator = ctranslate2.Translator(str(model_dir), device=device, compute_type=compute_type,
-                                                 intra_threads=threads)
+        self._settings = {"model_path": str(model_dir), "device": device, "compute_type": compute_type}
+        self.threads, self.decoding_processes = threads, 1
+        self._translator = None  # opened by the first translation, with the decode.workers set by then
         self.src_sp = spm.SentencePieceProcessor(model_file=str(model_dir / SRC_SPM))
         self.tgt_sp = spm.SentencePieceProcessor(model_file=str(model_dir / TGT_SPM))
         # tfm keeps at most max_positions - 1 source tokens, </s> included (decode_token_ids).
@@ -253,19 +255,29 @@ class CT2Translator:
     def translate_pieces(self, pieces: list[list[str]], beam: int, nbest: int = 1,
                          max_len: int | None = None) -> list[list[tuple[list[str], float]]]:
         """Sentencepiece pieces (no </s>) → per sentence its n-best (pieces, score), in input order."""
+        if self._translator is None:
+            # decode.workers → CTranslate2's inter_threads (batches decoded at once), one thread each.
+            workers = resolve_workers(self.decode.workers, torch.device(self._settings["device"]))
+            self._translator = import_ctranslate2().Translator(
+                **self._settings, inter_threads=workers, intra_threads=1 if workers > 1 else self.threads)
+            self.decoding_processes = workers
         results: list[list[tuple[list[str], float]]] = [[] for _ in pieces]
         order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))  # similar lengths together
         step = self.decode.batch_size
+        submitted = []
         for start in range(0, len(order), step):
             batch = order[start : start + step]
             longest = max(len(pieces[i]) for i in batch) + 1  # + the </s> CTranslate2 appends
             limit = max_len if max_len is not None else int(self.decode.max_len_a * longest) + self.decode.max_len_b
-            out = self.translator.translate_batch(
+            # Asynchronous: with several workers (inter_threads) CTranslate2 decodes batches in parallel.
+            submitted.append((batch, self._translator.translate_batch(
                 [pieces[i] for i in batch], beam_size=beam, num_hypotheses=nbest,
                 length_penalty=self.decode.length_penalty if beam > 1 else 0.0,
                 max_decoding_length=max(limit, 1), max_input_length=self.max_input_length,
-                return_scores=True)
-            for i, result in zip(batch, out):
+                return_scores=True, asynchronous=True)))
+        for batch, out in submitted:
+            for i, pending in zip(batch, out):
+                result = pending.result()
                 results[i] = list(zip(result.hypotheses, result.scores))
         return results
 

@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO
 
@@ -23,6 +24,7 @@ from .errors import TfmError
 from .model import Transformer
 from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, keep_freed_memory,
                       resolve_device, split_on_out_of_memory)
+from .workers import DecodingWorkers, resolve_workers
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
@@ -45,40 +47,55 @@ def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int
 def decode_token_ids(
     model: Transformer, sources: list[list[int]], decode: DecodeConfig, device: torch.device,
     beam: int | None = None, nbest: int = 1, min_len: int = 0, max_len: int | None = None,
+    workers: DecodingWorkers | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate id sequences (no <eos>) → per sentence its n-best hypotheses, in input order.
 
-    `min_len`/`max_len` force the output length (benchmarks with untrained weights).
+    `min_len`/`max_len` force the output length (benchmarks with untrained weights). `workers`
+    (CPU) decodes the batches in parallel processes; they must have been made for this `model`.
     """
     beam = decode.beam if beam is None else beam
     limit_positions = model.cfg.max_positions - 1
     sources = [s[: limit_positions - 1] + [EOS_ID] for s in sources]  # source too long → truncated
     results: list[list[Hypothesis]] = [[] for _ in sources]
+    max_len_a, max_len_b = (0.0, max_len) if max_len is not None else (decode.max_len_a, decode.max_len_b)
+    search = (beam, decode.length_penalty, max_len_a, max_len_b, nbest, min_len)
+    batches = length_sorted_batches([len(s) for s in sources], decode.batch_size, decode.batch_tokens)
+    if workers is None:
+        workers = DecodingWorkers(partial(decode_batch, model, device), processes=1)
     was_training = model.training
     model.eval()
-    max_len_a, max_len_b = (0.0, max_len) if max_len is not None else (decode.max_len_a, decode.max_len_b)
+    try:
+        for batch, hyps in zip(batches, workers.map(([sources[i] for i in batch], *search) for batch in batches)):
+            for i, h in zip(batch, hyps):
+                results[i] = h
+    finally:
+        model.train(was_training)
+    return results
 
-    def decode_batch(batch: list[int]) -> list[list[Hypothesis]]:
-        width = max(len(sources[i]) for i in batch)
-        src = torch.full((len(batch), width), model.cfg.pad_id, dtype=torch.long)
-        for row, i in enumerate(batch):
+
+def decode_batch(model: Transformer, device: torch.device, sources: list[list[int]], beam: int,
+                 alpha: float, max_len_a: float, max_len_b: int, nbest: int, min_len: int) -> list[list[Hypothesis]]:
+    """One batch of id sequences (each ending in <eos>) → per sentence its n-best hypotheses; a batch
+    that runs out of memory is retried in halves."""
+
+    def search(rows: list[int]) -> list[list[Hypothesis]]:
+        width = max(len(sources[i]) for i in rows)
+        src = torch.full((len(rows), width), model.cfg.pad_id, dtype=torch.long)
+        for row, i in enumerate(rows):
             src[row, : len(sources[i])] = torch.tensor(sources[i])
         src = src.to(device)
-        b = min(max_len_b, limit_positions - int(max_len_a * width))  # stay inside the position table
+        b = min(max_len_b, model.cfg.max_positions - 1 - int(max_len_a * width))  # inside the position table
         if beam <= 1:
             return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, max_len_a, b, min_len)]
-        return beam_search(model, src, BOS_ID, EOS_ID, beam, decode.length_penalty, max_len_a, b, nbest, min_len)
+        return beam_search(model, src, BOS_ID, EOS_ID, beam, alpha, max_len_a, b, nbest, min_len)
 
     def halved(size: int) -> None:
         print(f"warning: out of memory translating a batch of {size} sentences: retrying it in halves "
               "(lower decode.batch_size to avoid this)", file=sys.stderr)
 
     with denormals_flushed_to_zero():
-        for batch in length_sorted_batches([len(s) for s in sources], decode.batch_size, decode.batch_tokens):
-            for i, h in zip(batch, split_on_out_of_memory(decode_batch, batch, halved)):
-                results[i] = h
-    model.train(was_training)
-    return results
+        return split_on_out_of_memory(search, list(range(len(sources))), halved)
 
 
 def quantize_int8(model: Transformer) -> Transformer:
@@ -174,6 +191,7 @@ class Translator:
                 pack_linear_layers(model)
         if device.type == "cpu":
             keep_freed_memory()
+        self.workers: DecodingWorkers | None = None  # started by the first translate()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, decode: DecodeConfig | None = None,
@@ -199,6 +217,16 @@ class Translator:
             decode = DecodeConfig.model_validate({**decode.model_dump(), "precision": precision})
         return cls(model, src_sp, tgt_sp, decode, dev)
 
+    @property
+    def decoding_processes(self) -> int:
+        return self.workers.processes if self.workers is not None else 1
+
+    def close(self) -> None:
+        """Stop the decoding worker processes, if any were started (they also stop at exit)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
                   min_len: int = 0, max_len: int | None = None, first_line: int = 1) -> list[list[Translation]]:
         """Per input line its n-best translations; empty (or blank) lines give empty output.
@@ -209,7 +237,11 @@ class Translator:
         nonempty = [i for i, line in enumerate(lines) if line.strip()]
         ids = self.src_sp.encode([lines[i] for i in nonempty], out_type=int) if nonempty else []
         warn_long_lines(nonempty, ids, self.model.cfg.max_positions - 2, first_line)  # room for </s>
-        hyps = decode_token_ids(self.model, ids, self.decode, self.device, beam, nbest, min_len, max_len)
+        if self.workers is None:  # decode.workers is read here: the CLI edits decode after loading
+            processes = resolve_workers(self.decode.workers, self.device)
+            self.workers = DecodingWorkers(partial(decode_batch, self.model, self.device), processes)
+        hyps = decode_token_ids(self.model, ids, self.decode, self.device, beam, nbest, min_len, max_len,
+                                self.workers)
         out: list[list[Translation]] = [[Translation("", 0.0, 0)] * max(nbest, 1) for _ in lines]
         for i, h in zip(nonempty, hyps):
             out[i] = [Translation(self.tgt_sp.decode(x.tokens), x.score, len(x.tokens)) for x in h]
