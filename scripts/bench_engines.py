@@ -4,7 +4,7 @@
     python scripts/bench_engines.py --checkpoint runs/de-en/checkpoints/checkpoint_best.pt \
         --src data/multi30k/test_2016_flickr.de.gz --ref data/multi30k/test_2016_flickr.en.gz
 
-Systems: tfm fp32, tfm bf16 (where torch reports AMX, i.e. where tfm would pick it, or with --bf16), tfm int8
+Systems: tfm fp32, tfm bf16 (where precision: auto picks it, or with --bf16), tfm int8
 (dynamic int8 Linear layers), CTranslate2 float32 and int8 (the checkpoint exported with
 `tfm export`). Greedy and beam 5, batches of --batch-size sentences, natural output lengths (each
 system stops at </s>). Each system's settings are the checkpoint's decode settings; CTranslate2's
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="also time tfm bf16 on a CPU without AMX (tfm's auto precision would not pick it)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=2, help="runs per system and beam; the fastest is printed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     src, ref = read_lines(args.src), read_lines(args.ref)
@@ -66,17 +67,27 @@ def main() -> None:
     except ImportError:
         print("ctranslate2 not installed: skipping CT2 (pip install -e '.[ct2]')", file=sys.stderr)
 
-    print(f"{len(src)} sentences, batch {args.batch_size}, {args.threads} threads")
-    print("| system | beam | sentences/s | BLEU |\n|---|---|---|---|")
+    print(f"{len(src)} sentences, batch {args.batch_size}, {args.threads} threads; each system with decode.workers "
+          f"auto (one process, or CT2 inter_thread, per core; one thread each) and 1 (one process, "
+          f"{args.threads} threads); best of {args.repeats}")
+    print("| system | workers | beam | sentences/s | BLEU |\n|---|---|---|---|---|")
     for name, make in systems.items():
-        translator = make()
-        translator.translate(src[: args.batch_size], beam=1)  # warm-up
-        for beam in beams:
-            start = time.perf_counter()
-            hyps = [t[0].text for t in translator.translate(src, beam=beam)]
-            seconds = time.perf_counter() - start
-            bleu = sacrebleu.corpus_bleu(hyps, [ref]).score
-            print(f"| {name} | {beam} | {len(src) / seconds:.1f} | {bleu:.2f} |", flush=True)
+        for workers in ("auto", "1"):
+            translator = make()
+            translator.decode = translator.decode.model_copy(update={"workers": workers})
+            translator.translate(src[: 2 * args.batch_size], beam=1)  # warm-up; starts the workers
+            for beam in beams:
+                seconds = float("inf")
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    hyps = [t[0].text for t in translator.translate(src, beam=beam)]
+                    seconds = min(seconds, time.perf_counter() - start)
+                bleu = sacrebleu.corpus_bleu(hyps, [ref]).score
+                print(f"| {name} | {translator.decoding_processes} | {beam} | {len(src) / seconds:.1f} | {bleu:.2f} |",
+                      flush=True)
+            if hasattr(translator, "close"):
+                translator.close()
+            del translator
 
 
 if __name__ == "__main__":
