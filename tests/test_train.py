@@ -14,7 +14,7 @@ from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import TrainConfig, config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
-from transformer_cli.runtime import choose_precision, cpu_has_fast_bf16
+from transformer_cli.runtime import choose_precision, cpu_has_fast_bf16, measure_bf16_speedup
 from transformer_cli.train import autocast_dtype, budget_used, label_smoothed_loss, learning_rate, train
 
 from .conftest import ROOT, assert_same_final_weights, multi30k_config
@@ -194,6 +194,17 @@ def test_precision_auto_follows_the_device_and_the_measured_cpu_speedup(monkeypa
     for speedup, bf16 in ((0.6, False), (1.4, False), (4.2, True)):  # the decision follows the cached figure
         (tmp_path / "bf16_speedup.json").write_text(json.dumps({key: speedup}))
         assert choose_precision("auto", cpu, (64, 128)).bf16 is bf16
+
+
+def test_the_precision_measurement_leaves_the_global_rng_alone(monkeypatch, tmp_path):
+    """Training seeds, then chooses the precision: a first, uncached measurement that drew from the
+    global RNG made a run's initial weights differ from a later run's with the same seed."""
+    monkeypatch.setenv("TFM_CACHE", str(tmp_path))
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    measure_bf16_speedup(64, 128, tokens=64)
+    assert (tmp_path / "bf16_speedup.json").is_file()  # it did measure
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_tfm_precision_env_decides_auto_only(monkeypatch):

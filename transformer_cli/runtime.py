@@ -119,7 +119,10 @@ def measure_bf16_speedup(d_model: int, d_ff: int, tokens: int = 2048) -> float:
         cached = {}
     if isinstance(cached.get(key), (int, float)):
         return float(cached[key])
-    a, b = torch.randn(tokens, d_model), torch.randn(d_model, d_ff)
+    # A generator of its own: drawing from the global one would make a run's initial weights depend
+    # on whether this measurement was cached yet (training seeds before it chooses the precision).
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(tokens, d_model, generator=generator), torch.randn(d_model, d_ff, generator=generator)
     fp32 = _matmul_flops(a, b)
     bf16 = _matmul_flops(a.bfloat16(), b.bfloat16())
     speedup = bf16 / fp32
