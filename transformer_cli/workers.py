@@ -80,3 +80,6 @@ class DecodingWorkers:
             self._pool.terminate()
             self._pool.join()
             self._pool = None
+
+    def __del__(self) -> None:
+        self.close()
