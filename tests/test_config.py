@@ -49,6 +49,17 @@ def test_wrong_type_names_key_and_expected_type(tmp_path):
         load_config(None, ["train.max_time=soon"])
 
 
+@pytest.mark.parametrize("value,expected", [("auto", "auto"), ("3", 3), ("1", 1)])
+def test_decode_workers_is_auto_or_a_count(value, expected):
+    assert load_config(None, [f"decode.workers={value}"]).decode.workers == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "true", "1.5"])
+def test_bad_decode_workers_name_the_key(value):
+    with pytest.raises(TfmError, match=r"key 'decode.workers': .*auto or a whole number"):
+        load_config(None, [f"decode.workers={value}"])
+
+
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(TfmError, match="config file not found: .*nope.yaml"):
         load_config(tmp_path / "nope.yaml")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -140,7 +140,17 @@ class DecodeConfig(_Section):
     # CPU: batches decoded at once by forked processes of one thread each (auto = one per core):
     # 1.3x the sentences/s of one process with two threads on 2 cores. 1 = in this process, with
     # all threads (lowest latency for a single batch). GPU: always 1.
-    workers: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
+    workers: int | str = "auto"
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _check_workers(cls, value: Any) -> int | str:
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())) \
+                or int(value) < 1:
+            raise ValueError("must be auto or a whole number of processes ≥ 1")
+        return int(value)
 
 
 class ExperimentConfig(_Section):

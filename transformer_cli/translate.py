@@ -219,7 +219,8 @@ class Translator:
 
     @property
     def decoding_processes(self) -> int:
-        return self.workers.processes if self.workers is not None else 1
+        """Processes that have decoded so far: 1 until the workers start (a chunk of ≥ 2 batches)."""
+        return self.workers.processes if self.workers is not None and self.workers.started else 1
 
     def close(self) -> None:
         """Stop the decoding worker processes, if any were started (they also stop at exit)."""

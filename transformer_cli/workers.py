@@ -75,6 +75,10 @@ class DecodingWorkers:
         # chunksize 1: batches come longest first, so handing them out one at a time balances the load.
         return self._pool.imap(_run_task, args, chunksize=1)
 
+    @property
+    def started(self) -> bool:
+        return self._pool is not None
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.terminate()
