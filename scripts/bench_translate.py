@@ -7,7 +7,11 @@
 Decodes the 1,000 sentences of the test split (test_2016_flickr) in length-sorted batches of 32
 sentences, greedy and beam 5. Untrained weights would stop at random lengths, so every system is
 forced to emit exactly --length target tokens (EOS banned before, forced at the end). Prints
-sentences/s and the ratios. With --checkpoint, tfm also decodes normally (no forced length).
+sentences/s and the ratios, each the best of --repeats rounds with the systems alternating. tfm runs
+as `tfm translate` does by default (decode.workers: auto, one single-threaded process per core) and
+in one process with all --threads ("1p"), HF `generate` in one process with all threads,
+CTranslate2 both ways (inter_threads 1 × intra_threads N, and inter_threads = workers × 1).
+With --checkpoint, tfm also decodes normally (no forced length).
 """
 
 from __future__ import annotations
