@@ -1,10 +1,11 @@
 """Decoding on several CPU cores at once: forked worker processes, one thread each, whole batches.
 
 A decoding step multiplies a few rows by each weight matrix and attends with one query per row:
-ops too small for torch's intra-op threads to split well (two threads decode 1.4-1.5x faster than
-one here), while two processes decoding different batches, one thread each, run ~2x one (greedy
-+33%, beam 5 +32% over one process with two threads; AMD EPYC, 2 cores). CTranslate2 calls this
-`inter_threads`. The workers are forked once the model is loaded, so they share its weights (copy
+ops too small for torch's intra-op threads to split well (two threads decode ~1.5x faster than one
+here), while two processes decoding different batches, one thread each, run close to 2x one: 1.31x
+(greedy) and 1.25x (beam 5) the sentences/s of one process with two threads at forced lengths,
+1.35x / 1.39x on a trained model (AMD EPYC, 2 cores; README, Decoding speed). CTranslate2 calls
+this `inter_threads`. The workers are forked once the model is loaded, so they share its weights (copy
 on write), and each runs exactly one torch thread: GNU OpenMP cannot start a thread team in a
 forked child of a process that used one (it hangs), and one thread per core is the measured best.
 """
@@ -86,4 +87,7 @@ class DecodingWorkers:
             self._pool = None
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown: multiprocessing may be half torn down)
+            pass
