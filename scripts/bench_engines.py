@@ -72,7 +72,7 @@ def main() -> None:
           f"{args.threads} threads); best of {args.repeats}")
     print("| system | workers | beam | sentences/s | BLEU |\n|---|---|---|---|---|")
     for name, make in systems.items():
-        for workers in ("auto", "1"):
+        for workers in ("auto", 1):
             translator = make()
             translator.decode = translator.decode.model_copy(update={"workers": workers})
             translator.translate(src[: 2 * args.batch_size], beam=1)  # warm-up; starts the workers

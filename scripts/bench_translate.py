@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-from functools import partial
 import tempfile
 import time
+from functools import partial
 
 import numpy as np
 import torch

@@ -16,7 +16,8 @@ from transformer_cli.io_utils import read_lines
 from transformer_cli.model import TransformerConfig
 from transformer_cli.runtime import denormals_flushed_to_zero
 from transformer_cli.translate import PackedLinear, Translator, format_nbest, length_sorted_batches
-from transformer_cli.workers import resolve_workers, usable_cores
+from transformer_cli.corpus import default_workers
+from transformer_cli.workers import resolve_workers
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 
@@ -319,7 +320,7 @@ def test_decoding_workers_translate_exactly_like_one_process(reverse_model, test
 
 def test_workers_setting_resolves_per_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_workers("auto", cpu) == usable_cores() >= 1
+    assert resolve_workers("auto", cpu) == default_workers() >= 1
     assert resolve_workers(3, cpu) == 3
     assert resolve_workers("auto", cuda) == resolve_workers(4, cuda) == 1
 

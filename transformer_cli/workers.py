@@ -13,7 +13,6 @@ forked child of a process that used one (it hangs), and one thread per core is t
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -21,15 +20,9 @@ from typing import Any
 
 import torch
 
+from .corpus import default_workers  # the cores this process may use (its affinity mask)
+
 _TASK: Callable[..., Any] | None = None  # set in the parent just before forking; inherited by the workers
-
-
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask: containers, taskset), at least 1."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except AttributeError:  # not Linux
-        return max(os.cpu_count() or 1, 1)
 
 
 def resolve_workers(setting: int | str, device: torch.device) -> int:
@@ -37,7 +30,7 @@ def resolve_workers(setting: int | str, device: torch.device) -> int:
     processes cannot be forked (Windows)."""
     if device.type != "cpu" or "fork" not in multiprocessing.get_all_start_methods():
         return 1
-    return usable_cores() if setting == "auto" else int(setting)
+    return default_workers() if setting == "auto" else int(setting)
 
 
 def _start_worker() -> None:
