@@ -141,7 +141,7 @@ def translate(
     config: Optional[Path] = ConfigOpt,
     set_: Optional[list[str]] = SetOpt,
     checkpoint: Optional[Path] = typer.Option(
-        None, "--checkpoint", help="Model file (default: the run's checkpoint_avg.pt, else checkpoint_best.pt)."
+        None, "--checkpoint", help="Model file (default: the run's best-validated of checkpoint_avg/ema/best.pt)."
     ),
     input_: Optional[Path] = typer.Option(None, "--input", "-i", help="Source text (default: stdin)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Translations (default: stdout)."),
@@ -233,7 +233,7 @@ def evaluate(
     config: Optional[Path] = ConfigOpt,
     set_: Optional[list[str]] = SetOpt,
     checkpoint: Optional[Path] = typer.Option(
-        None, "--checkpoint", help="With --config: model (default: checkpoint_avg.pt, else checkpoint_best.pt)."
+        None, "--checkpoint", help="With --config: model (default: the best-validated of checkpoint_avg/ema/best.pt)."
     ),
     split: str = typer.Option("test", "--split", help="With --config: valid or test."),
     beam: Optional[int] = typer.Option(None, "--beam", min=1, help="With --config: beam size (default decode.beam)."),

@@ -115,6 +115,9 @@ class TrainConfig(_Section):
     # ... taken only from the final part of the run (this fraction of its steps): averaging an
     # early, much worse checkpoint into the final ones makes the average worse than either.
     average_window: float = Field(0.2, gt=0.0, le=1.0)
+    # An exponential moving average of the weights, updated after every step (ema.py): at the end of
+    # the run it is validated and written as checkpoint_ema.pt. None = off; 0.999 spans ~1,000 steps.
+    ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
 
     @field_validator("max_time")
     @classmethod

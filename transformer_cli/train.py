@@ -24,6 +24,7 @@ from .checkpoint import (average_state_dicts, bytes_to_tensor, load_checkpoint, 
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
 from .data import PAD_ID, Batch, ParallelData, load_manifest, padding_ratio
 from .distributed import World, all_max, all_rng_states, all_sum, join, leave, world_from_environment
+from .ema import WeightAverage
 from .errors import Diverged, Interrupted, TfmError
 from .io_utils import atomic_write_text, read_lines, remove_stale_temps
 from .model import Transformer, TransformerConfig
@@ -286,7 +287,7 @@ def validation_bleu(model: Transformer, data: ParallelData, references: list[str
 
 def _checkpoint_payload(model: Transformer, config: ExperimentConfig, manifest: dict, progress: TrainProgress,
                         optimizer: torch.optim.Optimizer | None = None,
-                        rng_states: list[torch.Tensor] | None = None) -> dict:
+                        rng_states: list[torch.Tensor] | None = None, ema: WeightAverage | None = None) -> dict:
     vocab = manifest["vocab"]
     payload = {
         "model": model.state_dict(),
@@ -303,15 +304,16 @@ def _checkpoint_payload(model: Transformer, config: ExperimentConfig, manifest: 
             payload["torch_rng_ranks"] = rng_states  # one per torchrun rank
         if torch.cuda.is_available():
             payload["cuda_rng"] = torch.cuda.get_rng_state_all()
+        if ema is not None:
+            payload["ema"] = ema.state_dict()
     return payload
 
 
 def average_final_checkpoints(model: Transformer, config: ExperimentConfig, manifest: dict, progress: TrainProgress,
                               out: RunOutput, valid_data: ParallelData, references: list[str], tgt_sp,
-                              device: torch.device) -> Path | None:
+                              device: torch.device) -> float | None:
     """checkpoint_avg.pt: the mean of the last `average_last` step checkpoints of the run's final
-    `average_window`, validated like the others; its score and the best's go to scores.json,
-    which `tfm translate/evaluate --config` read to pick the better of the two."""
+    `average_window`, validated like the others; returns its score (for scores.json)."""
     tc = config.train
     avg_path = out.ckpt_dir / "checkpoint_avg.pt"
     first_step = (1.0 - tc.average_window) * progress.step
@@ -331,11 +333,27 @@ def average_final_checkpoints(model: Transformer, config: ExperimentConfig, mani
     payload["averaged"] = [p.name for p in chosen]
     out.save(avg_path.name, payload)
     out.log({"kind": "valid_avg", "step": progress.step, "averaged": payload["averaged"], **metrics})
-    scores = {"metric": tc.best_metric, "checkpoint_best.pt": progress.best_score, "checkpoint_avg.pt": score}
-    atomic_write_text(out.ckpt_dir / "scores.json", json.dumps(scores, indent=1))
     out.print(f"checkpoint_avg.pt = mean of {', '.join(payload['averaged'])}: valid loss {metrics['loss']:.3f} "
               f"BLEU {metrics['bleu']:.2f} (greedy, {tc.eval_bleu_sentences} sentences)")
-    return avg_path
+    return score
+
+
+def save_weight_average(model: Transformer, ema: WeightAverage, config: ExperimentConfig, manifest: dict,
+                        progress: TrainProgress, out: RunOutput, valid_data: ParallelData, references: list[str],
+                        tgt_sp, device: torch.device) -> float:
+    """checkpoint_ema.pt: the moving average of the weights, validated like the others; returns its score."""
+    tc = config.train
+    with ema.applied(model):
+        metrics = evaluate_loss(model, valid_data, config, device)
+        metrics["bleu"] = validation_bleu(model, valid_data, references, tgt_sp, config, device)
+        payload = _checkpoint_payload(model, config, manifest, progress)
+        payload["ema_decay"] = ema.decay
+        out.save("checkpoint_ema.pt", payload)  # inside: the payload holds the model's own tensors
+    out.log({"kind": "valid_ema", "step": progress.step, "ema_decay": ema.decay,
+             "elapsed": round(progress.elapsed, 1), **metrics})
+    out.print(f"checkpoint_ema.pt = moving average of the weights (decay {ema.decay}): valid loss "
+              f"{metrics['loss']:.3f} BLEU {metrics['bleu']:.2f} (greedy, {tc.eval_bleu_sentences} sentences)")
+    return metrics["bleu"] if tc.best_metric == "bleu" else -metrics["loss"]
 
 
 def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = True,
@@ -403,6 +421,7 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
     model = build_model(config, manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"]).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=tuple(tc.adam_betas), eps=tc.adam_eps, fused=True,
                                  weight_decay=tc.weight_decay)
+    ema = WeightAverage(model, tc.ema_decay) if tc.ema_decay else None
     progress = TrainProgress()
     if resume:
         ckpt = load_checkpoint(last_path, map_location=device)
@@ -420,6 +439,12 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
         if "cuda_rng" in ckpt and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["cuda_rng"]])
         progress = TrainProgress(**ckpt["progress"])
+        if ema is not None:
+            if "ema" in ckpt:
+                ema.load_state_dict(ckpt["ema"])
+            else:
+                ema = WeightAverage(model, tc.ema_decay)
+                out.print(f"train.ema_decay: {last_path} has no weight average; it starts from the resumed weights")
         out.print(f"resuming from {last_path} at step {progress.step}")
     elif world.rank > 0:
         torch.manual_seed(tc.seed + 7919 * world.rank)  # same initial weights (DDP syncs them), own dropout
@@ -453,7 +478,7 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
             out.save(f"step_{at.step}.pt", weights_only)
             if at.best_step == at.step:
                 out.save("checkpoint_best.pt", weights_only)
-        out.save("checkpoint_last.pt", _checkpoint_payload(model, config, manifest, at, optimizer, rng_states))
+        out.save("checkpoint_last.pt", _checkpoint_payload(model, config, manifest, at, optimizer, rng_states, ema))
         out.prune(tc.keep_last)
 
     def validate() -> dict:
@@ -528,6 +553,8 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
                 window_sums = [a + b for a, b in zip(window_sums, step_sums)]
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                if ema is not None:
+                    ema.update(model)
                 progress.step += 1
                 progress.target_tokens += n_tokens
                 window_tokens += n_tokens
@@ -593,8 +620,20 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
         metrics = validate() if out.active else {}
         out.log({"kind": "valid", "step": progress.step, "epoch": progress.epoch, **metrics})
         checkpoint(metrics, progress)
-    if tc.average_last > 1 and out.active:
-        average_final_checkpoints(model, config, manifest, progress, out, valid_data, references, tgt_sp, device)
+    if out.active:
+        # scores.json: the valid scores `tfm translate/evaluate --config` choose the default model by
+        scores = {"metric": tc.best_metric, "checkpoint_best.pt": progress.best_score}
+        if tc.average_last > 1:
+            scores["checkpoint_avg.pt"] = average_final_checkpoints(model, config, manifest, progress, out, valid_data,
+                                                                    references, tgt_sp, device)
+        if ema is not None:
+            scores["checkpoint_ema.pt"] = save_weight_average(model, ema, config, manifest, progress, out, valid_data,
+                                                              references, tgt_sp, device)
+        scores = {name: score for name, score in scores.items() if score is not None}
+        if len(scores) > 2:
+            atomic_write_text(out.ckpt_dir / "scores.json", json.dumps(scores, indent=1))
+        else:
+            (out.ckpt_dir / "scores.json").unlink(missing_ok=True)  # an earlier run's would mislead
     best = out.ckpt_dir / "checkpoint_best.pt"
     summary = TrainSummary(progress.step, progress.elapsed, progress.best_score, tc.best_metric,
                            best if best.exists() else None, last_path, stop_reason)

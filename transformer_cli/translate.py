@@ -325,17 +325,19 @@ def translate_stream(
 
 
 def default_checkpoint(config: ExperimentConfig) -> Path:
-    """The run's checkpoint_avg.pt, unless it validated worse than checkpoint_best.pt (scores.json);
-    then checkpoint_best.pt, then checkpoint_last.pt."""
+    """Of the run's checkpoint_avg.pt, checkpoint_ema.pt and checkpoint_best.pt, the one that validated
+    best (scores.json, written at the end of training; ties in that order); without scores, the
+    average, then the best, then checkpoint_last.pt."""
     ckpt_dir = config.run_path / "checkpoints"
-    order = ["checkpoint_avg.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
+    order = ["checkpoint_avg.pt", "checkpoint_ema.pt", "checkpoint_best.pt"]
     try:
         scores = json.loads((ckpt_dir / "scores.json").read_text(encoding="utf-8"))
-        if scores["checkpoint_avg.pt"] < scores["checkpoint_best.pt"]:
-            order.remove("checkpoint_avg.pt")
-    except (OSError, ValueError, KeyError, TypeError):
+        scored = [name for name in order if isinstance(scores.get(name), (int, float)) and (ckpt_dir / name).is_file()]
+        if scored:
+            return ckpt_dir / max(scored, key=lambda name: (scores[name], -order.index(name)))
+    except (OSError, ValueError, AttributeError):
         pass
-    for name in order:
+    for name in ["checkpoint_avg.pt", "checkpoint_best.pt", "checkpoint_last.pt"]:
         if (ckpt_dir / name).is_file():
             return ckpt_dir / name
     raise TfmError(f"no checkpoint in {ckpt_dir}: train first or pass --checkpoint")
