@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from transformer_cli.model import (CAUSAL, MultiHeadAttention, PositionalEncoding, Transformer, TransformerConfig,
-                                   causal_mask, decoder_self_attention_mask, padding_mask, single_query_attention,
+                                   causal_mask, decoder_self_attention_mask, matmul_attention, padding_mask,
+                                   single_query_attention,
                                    sinusoidal_table)
 
 
@@ -84,6 +85,47 @@ def test_bf16_autocast_attention_on_cpu_matches_fp32(causal):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = mha(x, x, mask)
     assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), reference, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_matmul_attention_equals_sdpa_values_and_gradients(causal):
+    """The bf16 CPU training path (two matmuls, fp32 softmax) computes SDPA exactly, gradients too."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = None if causal else padding_mask(torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 2 + [0] * 4]), pad_id=0)
+    ours = matmul_attention(q, k, v, mask, is_causal=causal)
+    ours.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    reference.sum().backward()
+    assert torch.allclose(ours, reference, atol=1e-12)
+    for mine, theirs in zip(grads, (q.grad, k.grad, v.grad)):
+        assert torch.allclose(mine, theirs, atol=1e-12)
+    if causal:  # the last key never reaches the first query: its gradient from that row is zero
+        q.grad = k.grad = v.grad = None
+        matmul_attention(q, k, v, None, is_causal=True)[:, :, 0].sum().backward()
+        assert torch.count_nonzero(k.grad[:, :, 1:]) == 0
+
+
+def test_bf16_training_attention_on_cpu_takes_the_matmul_path_and_matches_fp32():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(d_model=32, n_heads=4, self_attention=True).train()  # dropout 0: deterministic
+    x = torch.randn(3, 7, 32)
+    reference, _ = mha(x, x, CAUSAL)
+    calls = []
+    import transformer_cli.model as model_module
+
+    original = model_module.matmul_attention
+    model_module.matmul_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = mha(x, x, CAUSAL)
+    finally:
+        model_module.matmul_attention = original
+    assert calls and out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), reference, atol=3e-2, rtol=3e-2)
 
 
