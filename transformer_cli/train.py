@@ -421,8 +421,8 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
     model = build_model(config, manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"]).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=tuple(tc.adam_betas), eps=tc.adam_eps, fused=True,
                                  weight_decay=tc.weight_decay)
-    ema = WeightAverage(model, tc.ema_decay) if tc.ema_decay else None
     progress = TrainProgress()
+    saved_ema = None
     if resume:
         ckpt = load_checkpoint(last_path, map_location=device)
         if ckpt["model_config"] != asdict(model.cfg):
@@ -439,15 +439,15 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
         if "cuda_rng" in ckpt and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["cuda_rng"]])
         progress = TrainProgress(**ckpt["progress"])
-        if ema is not None:
-            if "ema" in ckpt:
-                ema.load_state_dict(ckpt["ema"])
-            else:
-                ema = WeightAverage(model, tc.ema_decay)
-                out.print(f"train.ema_decay: {last_path} has no weight average; it starts from the resumed weights")
+        saved_ema = ckpt.get("ema")
         out.print(f"resuming from {last_path} at step {progress.step}")
     elif world.rank > 0:
         torch.manual_seed(tc.seed + 7919 * world.rank)  # same initial weights (DDP syncs them), own dropout
+    ema = WeightAverage(model, tc.ema_decay) if tc.ema_decay else None  # from the (resumed) weights
+    if ema is not None and saved_ema is not None:
+        ema.load_state_dict(saved_ema)
+    elif ema is not None and resume:
+        out.print(f"train.ema_decay: {last_path} has no weight average; it starts from the resumed weights")
     if out.active:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run_dir / "config.yaml", config_to_yaml(config))
