@@ -69,7 +69,8 @@ def test_cli_writes_png_and_refuses_bad_input(reverse_model, tmp_path):
         with Image.open(out) as image:
             assert image.format == "PNG" and min(image.size) > 100
     bad = [(["--layer", "3"], "--layer 3: the decoder has 2 layers"),
-           (["--layer", "0", "--self"], "the encoder has 2 layers")]
+           (["--layer", "0", "--self"], "the encoder has 2 layers"),
+           (["--self", "--tgt", "wc wb wa"], "--tgt has no effect with --self")]
     for extra, message in bad:
         proc = subprocess.run([*base, *extra, "-o", str(tmp_path / "x.png")], capture_output=True, text=True)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

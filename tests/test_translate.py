@@ -232,13 +232,14 @@ def test_streaming_writes_before_input_ends(reverse_model, translator):
     proc = subprocess.Popen([*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "1",
                              "--batch-size", "2", "--set", "decode.precision=fp32"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    proc.stdin.write(f"{IN_DOMAIN[0]}\n{IN_DOMAIN[1]}\n")
-    proc.stdin.flush()
-    first = proc.stdout.readline()  # blocks until tfm flushes the first batch; stdin is still open
-    assert first.strip() == own_translation(translator, IN_DOMAIN[0], 1)
-    proc.stdin.close()
-    proc.wait(timeout=60)
-    assert proc.returncode == 0
+    with proc:  # closes the pipes at the end, whatever happens
+        proc.stdin.write(f"{IN_DOMAIN[0]}\n{IN_DOMAIN[1]}\n")
+        proc.stdin.flush()
+        first = proc.stdout.readline()  # blocks until tfm flushes the first batch; stdin is still open
+        assert first.strip() == own_translation(translator, IN_DOMAIN[0], 1)
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        assert proc.returncode == 0
 
 
 def test_closed_pipe_downstream_exits_quietly(reverse_model, translator, tmp_path):
@@ -279,10 +280,25 @@ def test_packed_linear_layers_decode_exactly_like_nn_linear(reverse_model, test_
     x = torch.randn(6, 1, plain.model.cfg.d_model)
     layer = plain.model.decoder_layers[0].ffn.w1
     assert torch.allclose(PackedLinear(layer)(x), layer(x), atol=1e-5)
+    # The FFN's ReLU runs inside its first matmul (oneDNN post-op) and the FFN no longer applies it.
+    ffn = packed.model.decoder_layers[0].ffn
+    assert ffn.w1.activation == "relu" and ffn.activation(-x).min() < 0  # identity now
+    assert torch.allclose(ffn(x), plain.model.decoder_layers[0].ffn(x), atol=1e-5)
     src = test_set[0][:60]
     for beam in (1, 4):
         assert ([t[0].text for t in packed.translate(src, beam=beam)]
                 == [t[0].text for t in plain.translate(src, beam=beam)])
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_packed_linear_fuses_the_activation(activation):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 64)
+    x = torch.randn(5, 3, 32)
+    fused = PackedLinear(layer, activation=activation)(x)
+    expected = getattr(torch.nn.functional, activation)(layer(x))
+    assert (expected == 0).any() if activation == "relu" else (expected < 0).any()  # the activation mattered
+    assert torch.allclose(fused, expected, atol=1e-5)
 
 
 def test_denormals_are_flushed_only_inside_the_decoding_block():

@@ -85,6 +85,9 @@ class AttentionModel:
     def maps(self, src: str, tgt: str | None = None, encoder_self: bool = False) -> AttentionMaps:
         if not src.strip():
             raise TfmError("--src is empty: give a sentence to translate")
+        if tgt is not None and encoder_self:
+            raise TfmError("--tgt has no effect with --self (encoder self-attention sees only the source): "
+                           "leave one of them out")
         if tgt is not None and not tgt.strip():
             raise TfmError("--tgt is empty: leave it out to use the model's own translation")
         limit = self.model.cfg.max_positions - 1

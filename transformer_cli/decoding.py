@@ -130,6 +130,7 @@ def beam_search(
     beam_scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
     history = torch.full((n_sent * k, 0), bos, dtype=torch.long, device=device)
     tokens = torch.full((n_sent * k,), bos, dtype=torch.long, device=device)
+    first_row = torch.arange(n_sent, device=device)[:, None] * k  # (N, 1) each sentence's first row
 
     for step in range(max(limits)):
         n = len(alive_list)
@@ -144,28 +145,34 @@ def beam_search(
         at_limit = [step + 1 >= limits[s] for s in alive_list]
 
         # 1) Finish hypotheses that chose <eos> within the top K (rare: handled in Python).
-        eos_rows, eos_cols = (is_eos[:, :k] & torch.isfinite(top_scores[:, :k])).nonzero(as_tuple=True)
+        #    An -inf <eos> (barred by min_len) can rank there only when fewer than 2K candidates are finite.
+        eos_rows, eos_cols = is_eos[:, :k].nonzero(as_tuple=True)
         if eos_rows.numel():
             lp = length_penalty(step + 1, alpha)
             for r, c in zip(eos_rows.tolist(), eos_cols.tolist()):
+                score = float(top_scores[r, c])
+                if score == float("-inf"):
+                    continue
                 sent = alive_list[r]
                 row = r * k + int(top_beams[r, c])
-                finished[sent].append(Hypothesis(history[row].tolist(), float(top_scores[r, c]) / lp))
+                finished[sent].append(Hypothesis(history[row].tolist(), score / lp))
                 best_finished[sent] = max(best_finished[sent], finished[sent][-1].score)
 
-        # 2) The K best non-<eos> candidates stay alive (stable sort keeps score order).
-        rank = torch.arange(2 * k, device=device).expand(n, 2 * k) + is_eos.long() * (2 * k)
-        pick = rank.argsort(dim=1, stable=True)[:, :k]  # (N, K) positions within the 2K
+        # 2) The K best non-<eos> candidates stay alive: a stable sort of the <eos> flags puts the
+        #    others first, in score order.
+        pick = is_eos.to(torch.uint8).argsort(dim=1, stable=True)[:, :k]  # (N, K) positions within the 2K
         beam_scores = top_scores.gather(1, pick)
         next_tokens = top_tokens.gather(1, pick)
-        source_rows = (top_beams.gather(1, pick) + torch.arange(n, device=device)[:, None] * k).view(-1)
+        if first_row.size(0) != n:
+            first_row = torch.arange(n, device=device)[:, None] * k  # (N, 1) each sentence's first row
+        source_rows = (top_beams.gather(1, pick) + first_row).view(-1)
         history = torch.cat([history.index_select(0, source_rows), next_tokens.view(-1, 1)], dim=1)
         tokens = next_tokens.view(-1)
 
         # 3) Sentences at their length limit finish their live beams; a sentence whose best finished
         #    hypothesis beats its best live beam ended now is done.
         lp = length_penalty(step + 1, alpha)
-        best_alive = (beam_scores[:, 0] / lp).tolist()  # beams stay sorted best first
+        best_alive = [score / lp for score in beam_scores[:, 0].tolist()]  # beams stay sorted best first
         done = []
         for r, sent in enumerate(alive_list):
             if at_limit[r]:

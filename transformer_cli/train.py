@@ -332,7 +332,8 @@ def average_final_checkpoints(model: Transformer, config: ExperimentConfig, mani
     payload = _checkpoint_payload(averaged, config, manifest, progress)
     payload["averaged"] = [p.name for p in chosen]
     out.save(avg_path.name, payload)
-    out.log({"kind": "valid_avg", "step": progress.step, "averaged": payload["averaged"], **metrics})
+    out.log({"kind": "valid_avg", "step": progress.step, "averaged": payload["averaged"],
+             "elapsed": round(progress.elapsed, 1), **metrics})
     out.print(f"checkpoint_avg.pt = mean of {', '.join(payload['averaged'])}: valid loss {metrics['loss']:.3f} "
               f"BLEU {metrics['bleu']:.2f} (greedy, {tc.eval_bleu_sentences} sentences)")
     return score

@@ -14,6 +14,7 @@ from typing import IO
 import sentencepiece as spm
 import torch
 from torch import nn
+from torch.nn import functional as F
 from tqdm import tqdm
 
 from .checkpoint import load_checkpoint, model_from_checkpoint, tensor_to_bytes
@@ -21,7 +22,7 @@ from .config import DecodeConfig, ExperimentConfig, apply_override, config_from_
 from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search
 from .errors import TfmError
-from .model import Transformer
+from .model import PositionwiseFeedForward, Transformer
 from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, keep_freed_memory,
                       resolve_device, split_on_out_of_memory)
 from .workers import DecodingWorkers, resolve_workers
@@ -125,15 +126,35 @@ class PackedLinear(nn.Module):
     2–3x (MKL's fp32 kernels are slow on this CPU). The same op torch.compile's freezing uses.
     """
 
-    def __init__(self, linear: nn.Linear, rows_hint: int = 64):
+    def __init__(self, linear: nn.Linear, rows_hint: int = 64, activation: str = "none"):
         super().__init__()
         weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)  # not a buffer: opaque layout
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # "relu" / "gelu": applied by oneDNN to the output as it is written (no second pass over it)
+        self.activation = activation
+        self._algorithm = "none" if activation == "gelu" else ""  # gelu: the exact (erf) form, as F.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, self.activation, [],
+                                                  self._algorithm)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _fuses(activation: str, dtype: torch.dtype) -> bool:
+    """Whether oneDNN applies `activation` inside the matmul here, agreeing with torch's own."""
+    probe = nn.Linear(16, 8).to(dtype)
+    x = torch.randn(3, 1, 16).to(dtype)
+    try:
+        with torch.no_grad():
+            fused = PackedLinear(probe, activation=activation)(x).float()
+            return torch.allclose(fused, getattr(F, activation)(probe(x)).float(), atol=0.05, rtol=0.02)
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def pack_linear_layers(model: Transformer) -> bool:
@@ -151,8 +172,13 @@ def pack_linear_layers(model: Transformer) -> bool:
                 return False
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
+    fuses = {name: _fuses(name, dtype) for name in ("relu", "gelu")}
     with torch.no_grad():
         for module in list(model.modules()):
+            if isinstance(module, PositionwiseFeedForward) and type(module.w1) is nn.Linear:
+                activation = {F.relu: "relu", F.gelu: "gelu"}.get(module.activation)
+                if activation and fuses[activation]:  # act(W1 x + b1) in one pass instead of two
+                    module.w1, module.activation = PackedLinear(module.w1, activation=activation), _identity
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
                     setattr(module, name, PackedLinear(child))
