@@ -264,3 +264,15 @@ def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, tmp_pa
     assert resumed.returncode == 0, resumed.stderr
     assert_same_final_weights(tmp_path / "straight/checkpoints/checkpoint_last.pt",
                               tmp_path / "stopped/checkpoints/checkpoint_last.pt", 60)
+
+
+def test_importing_tfm_enlarges_onednn_kernel_cache_unless_the_user_set_it():
+    """oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY once, at its first matmul: importing tfm sets it
+    (before any torch op of ours runs), and a value the user exported is kept."""
+    code = "import os, transformer_cli; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    ours = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert int(ours.stdout) == 16384
+    users = subprocess.run([sys.executable, "-c", code], env={**env, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "77"},
+                           capture_output=True, text=True, check=True)
+    assert users.stdout.strip() == "77"
