@@ -145,38 +145,37 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _fuses(activation: str, dtype: torch.dtype) -> bool:
-    """Whether oneDNN applies `activation` inside the matmul here, agreeing with torch's own."""
+def _packs_correctly(dtype: torch.dtype, activation: str = "none") -> bool:
+    """Whether this torch build and CPU run a PackedLinear (with `activation` fused: "none", "relu",
+    "gelu") and agree with nn.Linear (+ the activation) on a probe."""
     probe = nn.Linear(16, 8).to(dtype)
     x = torch.randn(3, 1, 16).to(dtype)
+    expected_fn = _identity if activation == "none" else getattr(F, activation)
     try:
         with torch.no_grad():
-            fused = PackedLinear(probe, activation=activation)(x).float()
-            return torch.allclose(fused, getattr(F, activation)(probe(x)).float(), atol=0.05, rtol=0.02)
-    except (RuntimeError, NotImplementedError):
+            packed = PackedLinear(probe, activation=activation)(x).float()
+            return torch.allclose(packed, expected_fn(probe(x)).float(), atol=0.05, rtol=0.02)
+    except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
 
 def pack_linear_layers(model: Transformer) -> bool:
-    """Replace every nn.Linear of an inference-only CPU model by a PackedLinear, in place.
+    """Replace every nn.Linear of an inference-only CPU model by a PackedLinear, in place; an FFN's
+    activation moves into its first matmul where oneDNN computes it as torch does (probed).
 
     Returns False (model untouched) where this torch build or CPU lacks the oneDNN ops or they
     disagree with F.linear on a probe, e.g. bf16 on a CPU without bf16 support.
     """
     dtype = next(model.parameters()).dtype
-    try:
-        probe = nn.Linear(16, 8).to(dtype)
-        x = torch.randn(3, 1, 16).to(dtype)
-        with torch.no_grad():
-            if not torch.allclose(PackedLinear(probe)(x).float(), probe(x).float(), atol=0.05, rtol=0.02):
-                return False
-    except (AttributeError, RuntimeError, NotImplementedError):
+    if not _packs_correctly(dtype):
         return False
-    fuses = {name: _fuses(name, dtype) for name in ("relu", "gelu")}
+    fuses: dict[str, bool] = {}  # activation → probed once
     with torch.no_grad():
         for module in list(model.modules()):
             if isinstance(module, PositionwiseFeedForward) and type(module.w1) is nn.Linear:
                 activation = {F.relu: "relu", F.gelu: "gelu"}.get(module.activation)
+                if activation and activation not in fuses:
+                    fuses[activation] = _packs_correctly(dtype, activation)
                 if activation and fuses[activation]:  # act(W1 x + b1) in one pass instead of two
                     module.w1, module.activation = PackedLinear(module.w1, activation=activation), _identity
             for name, child in list(module.named_children()):
