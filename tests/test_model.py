@@ -5,9 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from transformer_cli.model import (CAUSAL, MultiHeadAttention, PositionalEncoding, Transformer, TransformerConfig,
-                                   causal_mask, decoder_self_attention_mask, matmul_attention, padding_mask,
-                                   single_query_attention,
-                                   sinusoidal_table)
+                                   attention_softmax, causal_mask, decoder_self_attention_mask, matmul_attention,
+                                   padding_mask, single_query_attention, sinusoidal_table)
 
 
 def tiny_config(**overrides) -> TransformerConfig:
@@ -195,6 +194,40 @@ def test_single_query_attention_shared_keys_equal_copied_keys_and_sdpa():
     v_pad = v.clone()
     v_pad[1, :, 5:] = 1e6  # padded positions must get zero weight
     assert torch.allclose(single_query_attention(q, k, v_pad, mask), shared, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("keys", [1, 5, 15, 16, 40])  # below 16 keys on many rows: the vectorised path
+def test_attention_softmax_equals_torch_softmax_on_every_path(dtype, keys):
+    torch.manual_seed(0)
+    scores = (torch.randn(160, 4, 1, keys) * 4).to(dtype)  # 640 rows: enough for the short-row path
+    scores[::3, :, :, 0] = float("-inf")  # masked keys get zero weight
+    if keys == 1:
+        scores[::3] = 0.0  # (a row must keep one real key)
+    expected = scores.float().softmax(dim=-1)
+    with torch.no_grad():
+        got = attention_softmax(scores.clone())
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, expected, atol=1e-6, rtol=1e-5), (got - expected).abs().max()
+    if keys > 1:
+        assert bool((got[::3, :, :, 0] == 0).all())
+    assert torch.allclose(got.sum(-1), torch.ones(160, 4, 1), atol=1e-5)
+
+
+def test_single_query_attention_on_many_rows_equals_sdpa():
+    """Enough rows and few keys for the vectorised short-row softmax; the result is SDPA's."""
+    torch.manual_seed(0)
+    sentences, beams, heads, keys, d_head = 32, 5, 4, 9, 16
+    q = torch.randn(sentences * beams, heads, 1, d_head)
+    k, v = torch.randn(sentences, heads, keys, d_head), torch.randn(sentences, heads, keys, d_head)
+    mask = torch.ones(sentences, 1, 1, keys, dtype=torch.bool)
+    mask[::2, ..., 6:] = False
+    copied = [t.repeat_interleave(beams, dim=0) for t in (k, v, mask)]
+    with torch.no_grad():
+        got = single_query_attention(q, k, v, mask)
+        self_attention = single_query_attention(q, *copied[:2], None)  # one set of keys per row
+    assert torch.allclose(got, F.scaled_dot_product_attention(q, *copied[:2], attn_mask=copied[2]), atol=1e-5)
+    assert torch.allclose(self_attention, F.scaled_dot_product_attention(q, *copied[:2]), atol=1e-5)
 
 
 def test_beam_rows_decode_like_copies_of_their_sentence():

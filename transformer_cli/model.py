@@ -178,6 +178,22 @@ class KVCache:
         return new
 
 
+def attention_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 softmax over the last dim of attention scores; may overwrite `scores` (if fp32).
+
+    torch's CPU softmax vectorises along the last dim only from 16 elements up; below that it
+    calls a scalar exp per element: 640 rows of 15 keys cost 112 µs, of 16 keys 9 µs (AMD EPYC).
+    Decoding attends over fewer than 16 keys all the time (the first target steps; Multi30k
+    sources), so there the softmax is written as whole-tensor vectorised ops instead: four ops
+    (~6 µs) that beat the scalar loop from ~500 scores up (640 × 15 scores: 27 µs).
+    """
+    if scores.device.type != "cpu" or scores.size(-1) >= 16 or scores.numel() < 512 or torch.is_grad_enabled():
+        return scores.softmax(dim=-1, dtype=torch.float32)
+    x = scores.float()  # a copy for bf16; fp32 scores are overwritten
+    x.sub_(x.amax(dim=-1, keepdim=True)).exp_()
+    return x.div_(x.sum(dim=-1, keepdim=True))
+
+
 def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None) -> torch.Tensor:
     """softmax(q kᵀ / √Dh) v for one query per row (incremental decoding), as two batched matmuls.
@@ -197,7 +213,7 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = (q * d_head**-0.5) @ k.transpose(-2, -1)  # (B/G, H, G, Tk)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    out = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype) @ v  # (B/G, H, G, Dh)
+    out = attention_softmax(scores).to(v.dtype) @ v  # (B/G, H, G, Dh)
     if groups > 1:
         out = out.transpose(1, 2).reshape(rows, 1, heads, d_head).transpose(1, 2)
     return out.to(out_dtype)
