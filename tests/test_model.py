@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.model import (CAUSAL, MultiHeadAttention, PositionalEncoding, Transformer, TransformerConfig,
-                                   attention_softmax, causal_mask, decoder_self_attention_mask, matmul_attention,
+from transformer_cli.model import (CAUSAL, BeamKVCache, KVCache, MultiHeadAttention, PositionalEncoding, Transformer,
+                                   TransformerConfig, attention_softmax, causal_mask, decoder_self_attention_mask, matmul_attention,
                                    padding_mask, single_query_attention, sinusoidal_table)
 
 
@@ -249,6 +249,64 @@ def test_beam_rows_decode_like_copies_of_their_sentence():
         keep_rows, keep_sentences = torch.arange(3, 6), torch.tensor([1])
         grouped, copied = grouped.reorder(keep_rows, keep_sentences), copied.reorder(keep_rows, keep_rows)
         assert torch.allclose(model.decode_step(tokens[1], grouped), model.decode_step(tokens[1], copied), atol=1e-5)
+
+
+def with_beam_caches(model: Transformer, state, sentences: int, beams: int, dtype: torch.dtype):
+    """`state` with BeamKVCache self-attention caches of `dtype` (init_state picks them for bf16 only)."""
+    d_head = model.cfg.d_model // model.cfg.n_heads
+    like = state.layers[0].cross_attn.key
+    for layer in state.layers:
+        layer.self_attn = BeamKVCache.empty(sentences, beams, model.cfg.n_heads, d_head, like, dtype)
+    return state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_beam_cache_decodes_like_copied_row_caches(dtype):
+    """Beams pick random new parents within their sentence at every step (what beam search does),
+    for more steps than the cache's first capacity (it grows), and a sentence leaves the batch half
+    way: the slot cache with its ancestry masks gives every row the logits of per-row caches that
+    copy each row's prefix."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval().to(dtype)
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0], [11, 12, 13, 3, 0]])
+    k, steps = 3, 3 * BeamKVCache.GROW - 2
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+        slots = with_beam_caches(model, model.init_state(memory, src_mask, beams=k), 3, k, dtype)
+        copies = model.init_state(memory.repeat_interleave(k, 0), src_mask.repeat_interleave(k, 0), max_len=2)
+        assert isinstance(copies.layers[0].self_attn, KVCache)
+        n = 3
+        for step in range(steps):
+            tokens = torch.randint(4, 50, (n * k,), generator=generator)
+            got, expected = model.decode_step(tokens, slots), model.decode_step(tokens, copies)
+            tolerance = 1e-5 if dtype == torch.float32 else 0.05 * float(expected.abs().max())
+            assert torch.allclose(got.float(), expected.float(), atol=tolerance), (step, (got - expected).abs().max())
+            parents = torch.randint(0, k, (n, k), generator=generator)  # (N, K) beam within the sentence
+            if step == steps // 2:  # the middle sentence finishes
+                keep = torch.tensor([0, 2])
+                rows = (parents[keep] + keep[:, None] * k).view(-1)
+                slots, copies, n = slots.reorder(rows, keep), copies.reorder(rows, rows), 2
+            else:
+                rows = (parents + torch.arange(n)[:, None] * k).view(-1)
+                slots, copies = slots.reorder(rows), copies.reorder(rows, rows)
+    assert slots.layers[0].self_attn.capacity == 3 * BeamKVCache.GROW
+
+
+def test_beam_cache_refuses_a_parent_from_another_sentence():
+    cache = BeamKVCache.empty(2, 3, 4, 8, torch.zeros(1), torch.float32)
+    with pytest.raises(ValueError, match="same sentence"):
+        cache.index_select(torch.tensor([0, 1, 3, 3, 4, 5]))  # row 2 (sentence 0) would continue row 3 (sentence 1)
+    cache.index_select(torch.tensor([2, 2, 0, 5, 3, 3]))  # within each sentence: fine
+
+
+def test_bf16_beam_state_on_cpu_uses_the_beam_cache():
+    model = Transformer(tiny_config()).eval().to(torch.bfloat16)
+    with torch.no_grad():
+        memory, src_mask = model.encode(torch.tensor([[5, 6, 3]]))
+        assert isinstance(model.init_state(memory, src_mask, beams=4).layers[0].self_attn, BeamKVCache)
+        assert isinstance(model.init_state(memory, src_mask, beams=1).layers[0].self_attn, KVCache)
+        assert isinstance(model.float().init_state(memory.float(), src_mask, beams=4).layers[0].self_attn, KVCache)
 
 
 def test_checkpoints_from_before_fused_qkv_load_with_identical_outputs():
