@@ -293,8 +293,8 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = (q * d_head**-0.5) @ k.transpose(-2, -1)  # (B/G, H, G, Tk)
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
-    elif mask is not None:  # additive, fp32: added to an fp32 copy, which the softmax then overwrites
-        scores = scores.float().add_(mask) if scores.dtype != torch.float32 else scores.add_(mask)
+    elif mask is not None:  # additive, fp32: bf16 scores + fp32 mask is a new fp32 tensor (one pass)
+        scores = scores + mask if scores.dtype != torch.float32 else scores.add_(mask)
     out = attention_softmax(scores).to(v.dtype) @ v  # (B/G, H, G, Dh)
     if groups > 1:
         out = out.transpose(1, 2).reshape(rows, 1, heads, d_head).transpose(1, 2)
