@@ -228,15 +228,22 @@ class BeamKVCache:
         self.length = t + 1
         return self.keys, self.values, self.mask.view(n, 1, k, -1)
 
-    def index_select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> BeamKVCache:
-        """A cache whose row i continues this cache's row rows[i]; new sentence j is old sentence
-        sentences[j] (None: the same sentences), and each row's source row must lie in its sentence:
-        beams only move within their sentence."""
-        k = self.beams
-        expected = (torch.arange(len(rows), device=rows.device) // k if sentences is None
-                    else sentences.repeat_interleave(k))
-        if not bool((rows // k == expected).all()):
+    @staticmethod
+    def check_rows(rows: torch.Tensor, beams: int, sentences: torch.Tensor | None = None) -> None:
+        """Raise unless new row i's source row rows[i] lies in its sentence: new sentence j is old
+        sentence sentences[j] (None: the same sentences). Beams only move within their sentence."""
+        expected = (torch.arange(len(rows), device=rows.device) // beams if sentences is None
+                    else sentences.repeat_interleave(beams))
+        if not bool((rows // beams == expected).all()):
             raise ValueError("beam search cache: a row's new parent must be a beam of the same sentence")
+
+    def index_select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None,
+                     checked: bool = False) -> BeamKVCache:
+        """A cache whose row i continues this cache's row rows[i] (see `check_rows`, which runs
+        unless the caller has `checked` them)."""
+        k = self.beams
+        if not checked:
+            self.check_rows(rows, k, sentences)
         keys, values = self.keys, self.values
         if sentences is not None:
             keys, values = keys.index_select(0, sentences), values.index_select(0, sentences)
@@ -533,8 +540,14 @@ class DecoderState:
         def pick(c: AttentionCache, index: torch.Tensor) -> AttentionCache:
             return AttentionCache(c.key.index_select(0, index), c.value.index_select(0, index))
 
-        layers = [LayerState(s.self_attn.index_select(rows, sentences), s.cross_attn if sentences is None
-                             else pick(s.cross_attn, sentences)) for s in self.layers]
+        caches = [s.self_attn for s in self.layers]
+        if isinstance(caches[0], BeamKVCache):  # checked once for all layers (one query per step)
+            BeamKVCache.check_rows(rows, caches[0].beams, sentences)
+            caches = [c.index_select(rows, sentences, checked=True) for c in caches]
+        else:
+            caches = [c.index_select(rows, sentences) for c in caches]
+        layers = [LayerState(c, s.cross_attn if sentences is None else pick(s.cross_attn, sentences))
+                  for c, s in zip(caches, self.layers)]
         src_mask = self.src_mask if sentences is None else self.src_mask.index_select(0, sentences)
         return DecoderState(layers, src_mask, self.length)
 
