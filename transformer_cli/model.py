@@ -542,7 +542,7 @@ class DecoderState:
             return AttentionCache(c.key.index_select(0, index), c.value.index_select(0, index))
 
         caches = [s.self_attn for s in self.layers]
-        if isinstance(caches[0], BeamKVCache):  # checked once for all layers (one query per step)
+        if isinstance(caches[0], BeamKVCache):  # the same rows for every layer: checked once
             BeamKVCache.check_rows(rows, caches[0].beams, sentences)
             caches = [c.index_select(rows, sentences, checked=True) for c in caches]
         else:
