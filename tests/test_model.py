@@ -293,6 +293,40 @@ def test_beam_cache_decodes_like_copied_row_caches(dtype):
     assert slots.layers[0].self_attn.capacity == 3 * BeamKVCache.GROW
 
 
+@pytest.mark.parametrize("cache_kind", ["rows", "slots"])
+def test_first_beam_step_with_one_row_per_sentence_decodes_like_k_identical_rows(cache_kind):
+    """Beam search decodes its first step with one row per sentence (all K beams are still the
+    same): both cache kinds store that step for every beam, and after the beams pick parents the
+    next steps give exactly the logits of a search that ran the first step on all K rows."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
+    n, k = 2, 3
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        memory, src_mask = model.encode(src)
+
+        def state():
+            s = model.init_state(memory, src_mask, beams=k)
+            return with_beam_caches(model, s, n, k, torch.float32) if cache_kind == "slots" else s
+
+        one, all_rows = state(), state()
+        first_one = model.decode_step(torch.full((n,), 2), one)  # (N, V)
+        first_all = model.decode_step(torch.full((n * k,), 2), all_rows)  # (N·K, V)
+        assert first_one.shape == (n, model.cfg.tgt_vocab_size)
+        assert torch.allclose(first_one.repeat_interleave(k, 0), first_all, atol=1e-5)
+        parents = torch.arange(k - 1, -1, -1).expand(n, k)  # first: every beam continues another one
+        for _ in range(4):
+            rows = (parents + torch.arange(n)[:, None] * k).reshape(-1)
+            one, all_rows = one.reorder(rows), all_rows.reorder(rows)
+            parents = torch.randint(0, k, (n, k), generator=generator)
+            tokens = torch.randint(4, 50, (n * k,), generator=generator)
+            got, expected = model.decode_step(tokens, one), model.decode_step(tokens, all_rows)
+            assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+        with pytest.raises(ValueError, match="rows at step"):  # one row per sentence only at step 0
+            model.decode_step(torch.full((n,), 2), one)
+
+
 def test_beam_cache_refuses_a_parent_from_another_sentence():
     cache = BeamKVCache.empty(2, 3, 4, 8, torch.zeros(1), torch.float32)
     with pytest.raises(ValueError, match="same sentence"):

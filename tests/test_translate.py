@@ -10,7 +10,7 @@ import sacrebleu
 import torch
 
 from transformer_cli.data import BOS_ID, EOS_ID
-from transformer_cli.decoding import beam_search, greedy_search, top_k
+from transformer_cli.decoding import beam_search, greedy_search, log_probs, logits_buffer, top_k
 from transformer_cli.errors import TfmError
 from transformer_cli.io_utils import read_lines
 from transformer_cli.model import TransformerConfig
@@ -267,6 +267,18 @@ def test_top_k_equals_torch_topk(rows, n, k):
     assert torch.equal(values, expected.values)
     assert torch.equal(scores.gather(1, indices), values)  # indices point at those values
     assert int(indices[1, 0]) == n - 1
+
+
+def test_log_probs_widen_bf16_logits_into_the_search_buffer():
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 300) * 5).to(torch.bfloat16)
+    buffer = logits_buffer(8, logits)  # room for 8 rows; the search passes fewer as sentences finish
+    assert buffer.dtype == torch.float32 and buffer.numel() == 8 * 300
+    for rows in (6, 4):
+        got = log_probs(logits[:rows], buffer)
+        assert got.dtype == torch.float32 and got.data_ptr() == buffer.data_ptr()  # no new tensor
+        assert torch.allclose(got, torch.log_softmax(logits[:rows].float(), dim=-1), atol=1e-6)
+    assert logits_buffer(8, logits.float()) is None  # fp32 logits are normalised in place
 
 
 def test_packed_linear_layers_decode_exactly_like_nn_linear(reverse_model, test_set, monkeypatch):

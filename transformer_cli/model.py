@@ -155,8 +155,20 @@ class KVCache:
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         """Store one step's (B, H, 1, Dh) key and value → the keys and values of every step so far
-        (and no mask: every row attends to all of them)."""
+        (and no mask: every row attends to all of them).
+
+        At the first step of a beam search the key and value may hold one row per sentence (B/G,
+        its beams are all the same then): each is stored in its sentence's G rows and the step
+        attends with the B/G rows it came with."""
         t = self.length
+        if key.size(0) != self.keys.size(0):
+            if t != 0 or self.keys.size(0) % key.size(0):
+                raise ValueError(f"KV cache: {key.size(0)} rows at step {t} of a {self.keys.size(0)}-row cache")
+            beams = self.keys.size(0) // key.size(0)
+            self.keys[:, :, 0] = key[:, :, 0].repeat_interleave(beams, dim=0)
+            self.values[:, :, 0] = value[:, :, 0].repeat_interleave(beams, dim=0)
+            self.length = 1
+            return key, value, None
         if t == self.keys.size(2):
             self.keys, self.values = (self._copy_prefix(b, None, 2 * t) for b in (self.keys, self.values))
         self.keys[:, :, t] = key[:, :, 0]  # cast to the cache dtype by the copy
@@ -215,12 +227,24 @@ class BeamKVCache:
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store one step's (N·K, H, 1, Dh) keys and values → all keys and values (N, H, K·cap, Dh)
-        and each row's additive mask over them, (N, 1, K, K·cap)."""
+        and each row's additive mask over them, (N, 1, K, K·cap).
+
+        At the first step the keys and values may hold one row per sentence (N: its beams are all
+        the same then): they go to slot 0, every beam's ancestry starts there, and the mask
+        returned is (N, 1, 1, K·cap) for those N query rows."""
         t, k = self.length, self.beams
         if t == self.capacity:
             self._grow(t + self.GROW)
         n, heads, _, d_head = self.keys.shape
         slots = (n, heads, k, self.capacity, d_head)
+        if key.size(0) != n * k:
+            if t != 0 or key.size(0) != n:
+                raise ValueError(f"beam search cache: {key.size(0)} rows at step {t} of {n} sentences × {k} beams")
+            self.keys.view(slots)[:, :, 0, 0] = key[:, :, 0]  # (N, H, Dh)
+            self.values.view(slots)[:, :, 0, 0] = value[:, :, 0]
+            self.mask.view(n, k, k, self.capacity)[:, :, 0, 0] = 0.0
+            self.length = 1
+            return self.keys, self.values, self.mask.view(n, 1, k, -1)[:, :, :1]
         self.keys.view(slots)[:, :, :, t] = key.view(n, k, heads, d_head).transpose(1, 2)  # (N, H, K, Dh)
         self.values.view(slots)[:, :, :, t] = value.view(n, k, heads, d_head).transpose(1, 2)
         # Row (s, b) attends to what it just wrote: slot b, position t.
