@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -325,6 +326,36 @@ def test_first_beam_step_with_one_row_per_sentence_decodes_like_k_identical_rows
             assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
         with pytest.raises(ValueError, match="rows at step"):  # one row per sentence only at step 0
             model.decode_step(torch.full((n,), 2), one)
+
+
+def test_folding_the_query_scale_changes_no_output():
+    """fold_query_scale moves 1/√Dh into the query projections (Dh = 16: exactly 1/4): training-style
+    forward passes, the weights returned for plots and incremental decoding give the same numbers."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(d_model=32, n_heads=2)).eval()  # Dh = 16
+    for module in model.modules():  # biases start at zero: make the query biases matter
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            torch.nn.init.normal_(module.bias, std=0.5)
+    folded = copy.deepcopy(model)
+    assert all(m.fold_query_scale() for m in folded.modules() if isinstance(m, MultiHeadAttention))
+    assert not any(m.fold_query_scale() for m in folded.modules() if isinstance(m, MultiHeadAttention))  # once
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
+    tgt_in = torch.tensor([[2, 11, 12, 13], [2, 16, 17, 18]])
+    with torch.no_grad():
+        assert torch.allclose(folded(src, tgt_in), model(src, tgt_in), atol=1e-6, rtol=0)
+        for m in (folded, model):  # the weights returned for plots
+            m.decode(tgt_in, *m.encode(src, need_weights=True), need_weights=True)
+        for wa, wb in zip(folded.cross_attention_weights() + folded.encoder_attention_weights(),
+                          model.cross_attention_weights() + model.encoder_attention_weights()):
+            assert torch.allclose(wa, wb, atol=1e-6, rtol=0)
+        states = [m.init_state(*m.encode(src), beams=2) for m in (folded, model)]
+        for t in range(tgt_in.size(1)):
+            tokens = tgt_in[:, t].repeat_interleave(2)
+            got, expected = (m.decode_step(tokens, st) for m, st in zip((folded, model), states))
+            assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+    odd = MultiHeadAttention(32, 4)  # Dh = 8: 1/√8 is not a power of two, so nothing is folded
+    weight = odd.q_proj.weight.detach().clone()
+    assert not odd.fold_query_scale() and torch.equal(odd.q_proj.weight, weight)
 
 
 def test_beam_cache_refuses_a_parent_from_another_sentence():

@@ -10,10 +10,10 @@ import sacrebleu
 import torch
 
 from transformer_cli.data import BOS_ID, EOS_ID
-from transformer_cli.decoding import beam_search, greedy_search, log_probs, logits_buffer, top_k
+from transformer_cli.decoding import beam_search, beam_top_k, greedy_search, log_probs, logits_buffer, top_k
 from transformer_cli.errors import TfmError
 from transformer_cli.io_utils import read_lines
-from transformer_cli.model import TransformerConfig
+from transformer_cli.model import MultiHeadAttention, TransformerConfig
 from transformer_cli.runtime import denormals_flushed_to_zero
 from transformer_cli.translate import PackedLinear, Translator, format_nbest, length_sorted_batches
 from transformer_cli.corpus import default_workers
@@ -296,10 +296,29 @@ def test_packed_linear_layers_decode_exactly_like_nn_linear(reverse_model, test_
     ffn = packed.model.decoder_layers[0].ffn
     assert ffn.w1.activation == "relu" and ffn.activation(-x).min() < 0  # identity now
     assert torch.allclose(ffn(x), plain.model.decoder_layers[0].ffn(x), atol=1e-5)
+    # Dh = 16 here: 1/√Dh = 1/4 moves into every query projection, exactly.
+    attentions = [m for m in packed.model.modules() if isinstance(m, MultiHeadAttention)]
+    assert attentions and all(m.queries_prescaled for m in attentions)
     src = test_set[0][:60]
     for beam in (1, 4):
         assert ([t[0].text for t in packed.translate(src, beam=beam)]
                 == [t[0].text for t in plain.translate(src, beam=beam)])
+
+
+@pytest.mark.parametrize("vocab", [8000, 8001, 640])  # chunked path; ragged vocabulary and few chunks: fallback
+def test_beam_top_k_equals_top_k_over_the_summed_candidates(vocab):
+    torch.manual_seed(vocab)
+    n, beams, k = 6, 5, 10
+    logprobs = torch.log_softmax(torch.randn(n * beams, vocab) * 4, dim=-1)
+    beam_scores = -torch.rand(n, beams) * 10
+    beam_scores[0, 1:] = float("-inf")  # a sentence with one live beam
+    logprobs[7, 123] = 50.0  # one candidate far ahead of the rest
+    expected = top_k((logprobs + beam_scores.view(-1, 1)).view(n, beams * vocab), k)
+    values, indices = beam_top_k(logprobs.clone(), beam_scores, k)
+    assert torch.equal(values, expected[0])
+    assert torch.equal(indices, expected[1])
+    assert int(indices[1, 0]) == 2 * vocab + 123  # row 7 = sentence 1, beam 2
+    assert bool(torch.isfinite(values[0]).all())  # beam 0 alone fills the first sentence's k
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])

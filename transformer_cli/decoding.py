@@ -37,6 +37,30 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, 
     return values, columns.gather(1, picked)
 
 
+def beam_top_k(logprobs: torch.Tensor, beam_scores: torch.Tensor, k: int,
+               chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best continuations of each sentence's beams: logprobs (N·B, V) of B beams per sentence,
+    beam_scores (N, B) → values beam_score + log-prob (N, k) and their indices into the sentence's
+    B·V candidates, exactly what top_k(logprobs + beam_scores per row, viewed (N, B·V)) gives.
+
+    On CPU with V a multiple of `chunk`, the sum is not written over the whole vocabulary (a pass
+    over B·V floats per sentence): each chunk lies within one beam, so its maximum plus that beam's
+    score is the maximum of its sums (x ↦ x + s rounds monotonically), the k best chunks are
+    picked from those, and only their values get the beam score added.
+    """
+    n, beams = beam_scores.shape
+    vocab = logprobs.size(-1)
+    if logprobs.device.type != "cpu" or vocab % chunk or beams * vocab < 8 * k * chunk:
+        return top_k(logprobs.add_(beam_scores.view(-1, 1)).view(n, beams * vocab), k)
+    per_beam = vocab // chunk
+    chunk_best = logprobs.view(n, beams, per_beam, chunk).amax(dim=3).add_(beam_scores[:, :, None])  # (N, B, C)
+    best_chunks = chunk_best.view(n, -1).topk(k, dim=1).indices  # (N, k) among the B·C chunks
+    columns = (best_chunks[:, :, None] * chunk + torch.arange(chunk, device=logprobs.device)).view(n, -1)  # (N, k·chunk)
+    chunk_scores = beam_scores.gather(1, best_chunks // per_beam).repeat_interleave(chunk, dim=1)
+    values, picked = logprobs.view(n, beams * vocab).gather(1, columns).add_(chunk_scores).topk(k, dim=1)
+    return values, columns.gather(1, picked)
+
+
 def log_probs(logits: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 log-softmax of (R, V) logits, written over one fp32 buffer: at beam sizes each (R, V)
     tensor is megabytes, and every fresh one glibc hands out as new pages (mmap) whose page faults
@@ -164,9 +188,9 @@ def beam_search(
         if step == 0:  # only beam 0 exists; -inf for the others where the vocabulary is under 2K
             candidates = logprobs if vocab >= 2 * k else torch.cat(
                 [logprobs, logprobs.new_full((n, (k - 1) * vocab), float("-inf"))], dim=1)
+            top_scores, top_ids = top_k(candidates, 2 * k)  # (N, 2K)
         else:
-            candidates = logprobs.add_(beam_scores.view(-1, 1)).view(n, k * vocab)  # in place, as above
-        top_scores, top_ids = top_k(candidates, 2 * k)  # (N, 2K)
+            top_scores, top_ids = beam_top_k(logprobs, beam_scores, 2 * k)  # (N, 2K)
         top_beams, top_tokens = top_ids // vocab, top_ids % vocab
         is_eos = top_tokens == eos
         at_limit = [step + 1 >= limits[s] for s in alive_list]

@@ -305,7 +305,7 @@ def attention_softmax(scores: torch.Tensor) -> torch.Tensor:
 
 
 def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           mask: torch.Tensor | None) -> torch.Tensor:
+                           mask: torch.Tensor | None, prescaled: bool = False) -> torch.Tensor:
     """softmax(q kᵀ / √Dh) v for one query per row (incremental decoding), as two batched matmuls.
 
     q (B, H, 1, Dh); k/v (B/G, H, Tk, Dh): G consecutive query rows share one set of keys and
@@ -314,14 +314,14 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (0 / −inf) broadcastable to (B/G, H, G, Tk), or None → (B, H, 1, Dh).
     torch's fused CPU attention kernel works in blocks of queries; with a single query it costs
     1.5x (fp32) to 6x (bf16 without AMX) more than this (scripts/profile_step.py --what beam).
-    The softmax is taken in fp32, as the fused kernel does.
+    The softmax is taken in fp32, as the fused kernel does. `prescaled`: q is already q / √Dh.
     """
     rows, heads, _, d_head = q.shape
     out_dtype, q = q.dtype, q.to(k.dtype)
     groups = rows // k.size(0)
     if groups > 1:  # (B, H, 1, Dh) → (B/G, H, G, Dh): a sentence's beams become its query block
         q = q.reshape(k.size(0), groups, heads, d_head).transpose(1, 2)
-    scores = (q * d_head**-0.5) @ k.transpose(-2, -1)  # (B/G, H, G, Tk)
+    scores = (q if prescaled else q * d_head**-0.5) @ k.transpose(-2, -1)  # (B/G, H, G, Tk)
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:  # additive, fp32: bf16 scores + fp32 mask is a new fp32 tensor (one pass)
@@ -333,7 +333,7 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     is_causal: bool, dropout: float = 0.0) -> torch.Tensor:
+                     is_causal: bool, dropout: float = 0.0, prescaled: bool = False) -> torch.Tensor:
     """softmax(q kᵀ / √Dh) v as two batched matmuls in q's dtype, the softmax in fp32.
 
     q (B, H, Tq, Dh), k/v (B, H, Tk, Dh), mask broadcastable to (B, H, Tq, Tk) (True = attend)
@@ -342,7 +342,7 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     costs the casts of q, k, v and of the output, forward and backward. This way a de-en training
     step ran 12% faster (AMD EPYC, AVX512_BF16 without AMX; alternating blocks of identical batches).
     """
-    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (B, H, Tq, Tk)
+    scores = (q if prescaled else q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)  # (B, H, Tq, Tk)
     if is_causal:
         mask = causal_mask(q.size(2), q.device) if mask is None else mask & causal_mask(q.size(2), q.device)
     if mask is not None:
@@ -388,6 +388,25 @@ class MultiHeadAttention(nn.Module):
             self.kv_proj = nn.Linear(d_model, 2 * d_model)  # rows: K, then V
         self.out_proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
+        self.queries_prescaled = False  # see fold_query_scale
+
+    def fold_query_scale(self) -> bool:
+        """Scale the query projection by 1/√Dh once, for inference, so that no attention call scales
+        its queries again (one elementwise op fewer per attention call and decoding step). Done only
+        where 1/√Dh is a power of two (Dh = 4, 16, 64, 256, …): then every weight is scaled exactly
+        and outputs stay bit-identical. Changes the weights: for a model that is not trained again.
+        """
+        scale = self.d_head**-0.5
+        if self.queries_prescaled or math.frexp(scale)[0] != 0.5:
+            return False
+        projection = self.qkv_proj if self.self_attention else self.q_proj  # Q rows come first in both
+        d_model = self.n_heads * self.d_head
+        with torch.no_grad():
+            projection.weight[:d_model].mul_(scale)
+            if projection.bias is not None:
+                projection.bias[:d_model].mul_(scale)
+        self.queries_prescaled = True
+        return True
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Checkpoints written before Q, K, V were fused for self-attention hold q_proj + kv_proj.
@@ -426,29 +445,33 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:  # self-attention during incremental decoding: extend the cache in place
             k, v, mask = cache.append(k, v)
         dropout = self.dropout if self.training else 0.0
+        scale = 1.0 if self.queries_prescaled else None  # None: SDPA's own 1/√Dh
         weights = None
         is_causal = isinstance(mask, str)  # CAUSAL: SDPA builds the mask itself
         if is_causal:
             mask = causal_mask(q.size(2), q.device) if need_weights else None
         if need_weights:
             # Explicit softmax(QKᵀ/√Dh)V so the weights can be returned (e.g. for plots).
-            scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)  # (B, H, Tq, Tk)
+            scores = q @ k.transpose(-2, -1)  # (B, H, Tq, Tk)
+            if not self.queries_prescaled:
+                scores = scores / math.sqrt(self.d_head)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             weights = scores.softmax(dim=-1)
             out = F.dropout(weights, dropout, self.training) @ v
         elif q.size(2) == 1 and not self.training:  # incremental decoding
-            out = single_query_attention(q, k, v, mask)
+            out = single_query_attention(q, k, v, mask, self.queries_prescaled)
         elif q.device.type == "cpu" and q.dtype == torch.bfloat16 and self.training:
-            out = matmul_attention(q, k, v, mask, is_causal, dropout)
+            out = matmul_attention(q, k, v, mask, is_causal, dropout, self.queries_prescaled)
         elif q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(2) > 1:
             # On CPU, torch's fused attention kernel is ~3x slower in bf16 than in fp32 for short
             # multi-query blocks: attend in fp32 there (the encoder at inference).
             with torch.autocast("cpu", enabled=False):
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                                     dropout_p=dropout, is_causal=is_causal).to(q.dtype)
+                                                     dropout_p=dropout, is_causal=is_causal, scale=scale).to(q.dtype)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
+                                                 scale=scale)
         out = out.transpose(1, 2).reshape(query.size(0), query.size(1), -1)  # (B, Tq, D)
         return self.out_proj(out), weights
 
@@ -552,7 +575,7 @@ class DecoderState:
     """Everything incremental decoding carries from step to step."""
 
     layers: list[LayerState]
-    src_mask: torch.Tensor  # (B/G, 1, 1, S): one row per source sentence
+    src_mask: torch.Tensor  # (B/G, 1, 1, S) bool, or fp32 0/−inf (bf16 beams on CPU): one row per sentence
     length: int = 0  # target positions decoded so far
     extras: dict = field(default_factory=dict)
 
@@ -672,6 +695,7 @@ class Transformer(nn.Module):
         `max_len` steps (more if decoding goes on)."""
         dtype = decoding_cache_dtype(memory, beams)
         rows, d_head = memory.size(0) * beams, self.cfg.d_model // self.cfg.n_heads
+        bf16_cpu_beams = beams > 1 and memory.device.type == "cpu" and dtype == torch.bfloat16 and not self.training
         layers = []
         for layer in self.decoder_layers:
             cross = layer.cross_attn.project_kv(memory)
@@ -680,11 +704,13 @@ class Transformer(nn.Module):
             cross = AttentionCache(*(t.to(dtype, copy=True, memory_format=torch.contiguous_format)  # one copy
                                      for t in (cross.key, cross.value)))
             # bf16 only: in fp32 the per-row matmuls are fast and the grouped ones are not (−3%).
-            if beams > 1 and memory.device.type == "cpu" and dtype == torch.bfloat16 and not self.training:
+            if bf16_cpu_beams:
                 cache = BeamKVCache.empty(memory.size(0), beams, self.cfg.n_heads, d_head, memory, dtype)
             else:
                 cache = KVCache.empty(rows, self.cfg.n_heads, d_head, max_len, memory, dtype)
             layers.append(LayerState(cache, cross))
+        if bf16_cpu_beams:  # additive: the grouped scores take it in the one fp32 pass they need anyway
+            src_mask = torch.zeros(src_mask.shape, device=src_mask.device).masked_fill_(~src_mask, float("-inf"))
         return DecoderState(layers, src_mask)
 
     def decode_step(self, tokens: torch.Tensor, state: DecoderState) -> torch.Tensor:

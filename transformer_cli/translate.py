@@ -22,7 +22,7 @@ from .config import DecodeConfig, ExperimentConfig, apply_override, config_from_
 from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search
 from .errors import TfmError
-from .model import PositionwiseFeedForward, Transformer
+from .model import MultiHeadAttention, PositionwiseFeedForward, Transformer
 from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, keep_freed_memory,
                       resolve_device, split_on_out_of_memory)
 from .workers import DecodingWorkers, resolve_workers
@@ -161,7 +161,8 @@ def _packs_correctly(dtype: torch.dtype, activation: str = "none") -> bool:
 
 def pack_linear_layers(model: Transformer) -> bool:
     """Replace every nn.Linear of an inference-only CPU model by a PackedLinear, in place; an FFN's
-    activation moves into its first matmul where oneDNN computes it as torch does (probed).
+    activation moves into its first matmul where oneDNN computes it as torch does (probed), and
+    each attention's 1/√Dh moves into its query projection where that is exact (fold_query_scale).
 
     Returns False (model untouched) where this torch build or CPU lacks the oneDNN ops or they
     disagree with F.linear on a probe, e.g. bf16 on a CPU without bf16 support.
@@ -178,6 +179,8 @@ def pack_linear_layers(model: Transformer) -> bool:
                     fuses[activation] = _packs_correctly(dtype, activation)
                 if activation and fuses[activation]:  # act(W1 x + b1) in one pass instead of two
                     module.w1, module.activation = PackedLinear(module.w1, activation=activation), _identity
+            if isinstance(module, MultiHeadAttention):
+                module.fold_query_scale()  # before its projections are packed
             for name, child in list(module.named_children()):
                 if type(child) is nn.Linear:
                     setattr(module, name, PackedLinear(child))
