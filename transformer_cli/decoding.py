@@ -30,10 +30,20 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, 
     pad = -n % chunk
     if pad:  # a ragged end: fill the last chunk with -inf, which never outranks a real value
         scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
-    chunks = scores.view(rows, -1, chunk)  # (R, C, chunk)
-    best_chunks = chunks.amax(dim=2).topk(k, dim=1).indices  # (R, k)
+    best_chunks = scores.view(rows, -1, chunk).amax(dim=2).topk(k, dim=1).indices  # (R, k) of C chunks
+    return top_k_in_chunks(scores, best_chunks, k, chunk)
+
+
+def top_k_in_chunks(scores: torch.Tensor, best_chunks: torch.Tensor, k: int, chunk: int,
+                    added: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of the values of each row of `scores` (R, C·chunk) that lie in its chunks
+    `best_chunks` (R, k), plus `added` (R, k) per chunk if given → values and columns (R, k)."""
+    rows = scores.size(0)
     columns = (best_chunks[:, :, None] * chunk + torch.arange(chunk, device=scores.device)).view(rows, -1)
-    values, picked = scores.gather(1, columns).topk(k, dim=1)  # (R, k)
+    values = scores.gather(1, columns)  # (R, k·chunk)
+    if added is not None:
+        values.add_(added.repeat_interleave(chunk, dim=1))
+    values, picked = values.topk(k, dim=1)
     return values, columns.gather(1, picked)
 
 
@@ -55,10 +65,8 @@ def beam_top_k(logprobs: torch.Tensor, beam_scores: torch.Tensor, k: int,
     per_beam = vocab // chunk
     chunk_best = logprobs.view(n, beams, per_beam, chunk).amax(dim=3).add_(beam_scores[:, :, None])  # (N, B, C)
     best_chunks = chunk_best.view(n, -1).topk(k, dim=1).indices  # (N, k) among the B·C chunks
-    columns = (best_chunks[:, :, None] * chunk + torch.arange(chunk, device=logprobs.device)).view(n, -1)  # (N, k·chunk)
-    chunk_scores = beam_scores.gather(1, best_chunks // per_beam).repeat_interleave(chunk, dim=1)
-    values, picked = logprobs.view(n, beams * vocab).gather(1, columns).add_(chunk_scores).topk(k, dim=1)
-    return values, columns.gather(1, picked)
+    return top_k_in_chunks(logprobs.view(n, beams * vocab), best_chunks, k, chunk,
+                           added=beam_scores.gather(1, best_chunks // per_beam))
 
 
 def log_probs(logits: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
