@@ -9,12 +9,17 @@ Systems: tfm fp32, tfm bf16 (where precision: auto picks it, or with --bf16), tf
 `tfm export`). Greedy and beam 5, batches of --batch-size sentences, natural output lengths (each
 system stops at </s>). Each system's settings are the checkpoint's decode settings; CTranslate2's
 length penalty is len^alpha where tfm's is GNMT's ((5+len)/6)^alpha (see README), so beam-5 BLEU
-may differ slightly between the two engines. Prints one markdown table row per system and beam.
+may differ slightly between the two engines. Prints one markdown table row per system and beam
+(the fastest of --rounds), then the issue's targets as ratios: tfm at its default precision for this
+CPU against each CTranslate2 compute type, both with decode.workers auto. This VM's speed drifts by
+±10% from minute to minute, so every system runs once per round, in alternating order, and each
+ratio is the median of the per-round ratios (paired measurements), with their range.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformer_cli.io_utils import read_lines  # noqa: E402
 from transformer_cli.runtime import choose_precision  # noqa: E402
 from transformer_cli.translate import Translator  # noqa: E402
+from bench_common import machine_line  # noqa: E402
 
 
 def main() -> None:
@@ -37,9 +43,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--beams", default="1,5")
     parser.add_argument("--bf16", action="store_true",
-                        help="also time tfm bf16 on a CPU without AMX (tfm's auto precision would not pick it)")
+                        help="also time tfm bf16 where tfm's auto precision does not pick it")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--repeats", type=int, default=2, help="runs per system and beam; the fastest is printed")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs per system and beam, in alternating rounds; the table prints the fastest")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     src, ref = read_lines(args.src), read_lines(args.ref)
@@ -67,27 +74,52 @@ def main() -> None:
     except ImportError:
         print("ctranslate2 not installed: skipping CT2 (pip install -e '.[ct2]')", file=sys.stderr)
 
+    default = "tfm bf16" if choose_precision("auto", torch.device("cpu")).bf16 else "tfm fp32"
+    print(machine_line())
     print(f"{len(src)} sentences, batch {args.batch_size}, {args.threads} threads; each system with decode.workers "
           f"auto (one process, or CT2 inter_thread, per core; one thread each) and 1 (one process, "
-          f"{args.threads} threads); best of {args.repeats}")
-    print("| system | workers | beam | sentences/s | BLEU |\n|---|---|---|---|---|")
-    for name, make in systems.items():
+          f"{args.threads} threads); fastest of {args.rounds} alternating rounds; tfm's default here: {default}")
+    # tfm first: its workers fork before CTranslate2 starts any thread in this process.
+    entries = []  # (system, workers, translator)
+    for name, make in sorted(systems.items(), key=lambda item: item[0].startswith("CT2")):
         for workers in ("auto", 1):
             translator = make()
             translator.decode = translator.decode.model_copy(update={"workers": workers})
-            translator.translate(src[: 2 * args.batch_size], beam=1)  # warm-up; starts the workers
-            for beam in beams:
-                seconds = float("inf")
-                for _ in range(args.repeats):
-                    start = time.perf_counter()
-                    hyps = [t[0].text for t in translator.translate(src, beam=beam)]
-                    seconds = min(seconds, time.perf_counter() - start)
-                bleu = sacrebleu.corpus_bleu(hyps, [ref]).score
-                print(f"| {name} | {translator.decoding_processes} | {beam} | {len(src) / seconds:.1f} | {bleu:.2f} |",
-                      flush=True)
-            if hasattr(translator, "close"):
-                translator.close()
-            del translator
+            translator.translate(src[: 2 * args.batch_size], beam=1)  # starts the workers
+            entries.append((name, workers, translator))
+    for beam in beams:  # an untimed round: oneDNN builds its kernels for each new batch shape on first use
+        for _, _, translator in entries:
+            translator.translate(src, beam=beam)
+    # The pairs behind the target ratios run next to each other (and the order flips every round).
+    targets_first = [default] + [name for name in systems if name.startswith("CT2")]
+    entries.sort(key=lambda e: (e[1] != "auto" or e[0] not in targets_first,
+                                targets_first.index(e[0]) if e[0] in targets_first else 0))
+    seconds: dict[tuple[str, str | int, int], list[float]] = {}
+    bleu: dict[tuple[str, str | int, int], float] = {}
+    for round_ in range(args.rounds):
+        for beam in beams:
+            for name, workers, translator in (entries if round_ % 2 == 0 else entries[::-1]):
+                start = time.perf_counter()
+                hyps = [t[0].text for t in translator.translate(src, beam=beam)]
+                seconds.setdefault((name, workers, beam), []).append(time.perf_counter() - start)
+                bleu[(name, workers, beam)] = sacrebleu.corpus_bleu(hyps, [ref]).score
+    print("| system | workers | beam | sentences/s | BLEU |\n|---|---|---|---|---|")
+    for name, workers, translator in sorted(entries, key=lambda e: (list(systems).index(e[0]), e[1] != "auto")):
+        for beam in beams:
+            best = min(seconds[(name, workers, beam)])
+            print(f"| {name} | {translator.decoding_processes} | {beam} | {len(src) / best:.1f} | "
+                  f"{bleu[(name, workers, beam)]:.2f} |")
+    targets = {1: 1.0, 5: 1.3}  # issue 14: greedy ≥ CTranslate2, beam 5 ≥ 1.3x CTranslate2
+    for beam in beams:
+        for other in (name for name in systems if name.startswith("CT2")):
+            ratios = [theirs / ours for ours, theirs in zip(seconds[(default, "auto", beam)],
+                                                            seconds[(other, "auto", beam)])]
+            target = f", target ≥ {targets[beam]:.1f}x" if beam in targets else ""
+            print(f"beam {beam}: {default} / {other} (workers auto) {statistics.median(ratios):.2f}x, median of "
+                  f"{len(ratios)} rounds ({', '.join(f'{r:.2f}' for r in ratios)}){target}")
+    for _, _, translator in entries:
+        if hasattr(translator, "close"):
+            translator.close()
 
 
 if __name__ == "__main__":
