@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformer_cli.config import load_config
 from transformer_cli.data import BOS_ID, EOS_ID, ParallelData, load_manifest
 from transformer_cli.decoding import beam_search
+from transformer_cli.runtime import keep_freed_memory
 from transformer_cli.train import batch_loss, build_model
 
 
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: autocast the training step to bfloat16")
     args = parser.parse_args()
+    keep_freed_memory()  # as tfm train and translate do: no fresh pages per large tensor
     config = load_config(args.config)
     manifest = load_manifest(config.run_path)
     data = ParallelData(config.run_path, "train")

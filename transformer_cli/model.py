@@ -83,7 +83,9 @@ class Dropout(nn.Module):
         # which would make every eighth byte < 128.
         bits = torch.empty((n + 7) // 8, dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
         keep = bits.view(torch.uint8)[:n].view(x.shape) >= dropped  # bytes uniform on [0, 256)
-        return x * keep * (256.0 / (256 - dropped))
+        # The mask cast to x's dtype once: x * (bool mask) promotes it inside the multiply, forward
+        # and again in backward, 1.6x slower in all (and torch.where or masked_fill slower still).
+        return x * keep.to(x.dtype) * (256.0 / (256 - dropped))
 
 
 class TokenEmbedding(nn.Module):
