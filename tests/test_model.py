@@ -436,6 +436,25 @@ def test_dropout_keeps_expected_fraction_and_scale(p):
     assert (a * b).mean().item() == pytest.approx((1 - p) ** 2, abs=0.005)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_scales_kept_values_exactly_and_backpropagates_through_the_same_mask(dtype):
+    """A kept value is x · 256/(256 − d) computed in fp32 and rounded once to x's dtype (in bf16 the
+    scale itself is not rounded to bf16 first), a dropped one is 0, and the gradient flows through
+    the same mask."""
+    from transformer_cli.model import Dropout
+
+    torch.manual_seed(0)
+    x = (torch.randn(64, 300) * 3).to(dtype).requires_grad_()
+    y = Dropout(0.3).train()(x)
+    scale = 256 / (256 - round(0.3 * 256))
+    kept = y != 0
+    assert y.dtype == dtype and 0.6 < kept.float().mean().item() < 0.8
+    scale32 = torch.tensor(scale, dtype=torch.float32)
+    assert torch.equal(y[kept], (x.detach()[kept].float() * scale32).to(dtype)), "scale rounded twice"
+    (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert torch.equal(grad, (kept.float() * scale32).to(dtype))
+
+
 def test_decoder_returns_cross_attention_weights_on_request():
     torch.manual_seed(0)
     model = Transformer(tiny_config()).eval()
