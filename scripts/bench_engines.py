@@ -90,10 +90,10 @@ def main() -> None:
     for beam in beams:  # an untimed round: oneDNN builds its kernels for each new batch shape on first use
         for _, _, translator in entries:
             translator.translate(src, beam=beam)
-    # The pairs behind the target ratios run next to each other (and the order flips every round).
-    targets_first = [default] + [name for name in systems if name.startswith("CT2")]
-    entries.sort(key=lambda e: (e[1] != "auto" or e[0] not in targets_first,
-                                targets_first.index(e[0]) if e[0] in targets_first else 0))
+    # The pairs behind the target ratios (tfm's default and each CT2 type, workers auto) run next to
+    # each other, first in a round; the order flips every round.
+    paired = [e for e in entries if e[1] == "auto" and (e[0] == default or e[0].startswith("CT2"))]
+    entries = paired + [e for e in entries if e not in paired]
     seconds: dict[tuple[str, str | int, int], list[float]] = {}
     bleu: dict[tuple[str, str | int, int], float] = {}
     for round_ in range(args.rounds):
