@@ -101,9 +101,9 @@ def prepare(
     force: bool = typer.Option(False, "--force", help="Rebuild even if the run directory is up to date."),
 ) -> None:
     """Train the sentencepiece vocabulary and binarise train/valid/test into the run directory."""
+    cfg = _load(config, set_)  # before importing torch (seconds on a slow CPU): config errors come at once
     from .data import prepare as run_prepare
 
-    cfg = _load(config, set_)
     result = run_prepare(cfg, force=force, progress=sys.stderr.isatty())
     m = result.manifest
     if result.reused:
@@ -129,9 +129,9 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the run's checkpoint_last.pt."),
 ) -> None:
     """Train the model (warm-up LR, teacher forcing, label smoothing; GPU when present)."""
+    cfg = _load(config, set_)  # before importing torch: config errors come at once
     from .train import train as run_train
 
-    cfg = _load(config, set_)
     run_train(cfg, resume=resume, progress_bar=sys.stderr.isatty())
 
 
@@ -162,13 +162,12 @@ def translate(
                                           "thread each (auto = one per core; 1 = this process, all threads)."),
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
-    from .translate import Translator, default_checkpoint, read_decoded_lines, translate_stream
-
     cfg = _load(config, set_) if config is not None else None
     if engine not in ("torch", "ctranslate2"):
         raise TfmError(f"--engine {engine}: choose torch or ctranslate2")
     if quantize not in (None, "int8"):
         raise TfmError(f"--quantize {quantize}: only int8 is supported")
+    from .translate import Translator, default_checkpoint, read_decoded_lines, translate_stream  # torch: after the checks
     if engine == "ctranslate2":
         from .export import CT2Translator
 
