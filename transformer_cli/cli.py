@@ -167,7 +167,8 @@ def translate(
         raise TfmError(f"--engine {engine}: choose torch or ctranslate2")
     if quantize not in (None, "int8"):
         raise TfmError(f"--quantize {quantize}: only int8 is supported")
-    from .translate import Translator, default_checkpoint, read_decoded_lines, translate_stream  # torch: after the checks
+    # Imports torch (seconds on a slow CPU): only after the checks above.
+    from .translate import Translator, default_checkpoint, read_decoded_lines, translate_stream
     if engine == "ctranslate2":
         from .export import CT2Translator
 
