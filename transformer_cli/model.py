@@ -132,6 +132,12 @@ class PositionalEncoding(nn.Module):
             raise ValueError(f"sequence of {offset + length} positions exceeds max_positions={self.table.size(0)}")
         return self.dropout(x + self.table[offset : offset + length])
 
+    def step(self, x: torch.Tensor, position: int) -> torch.Tensor:
+        """forward at inference for one position of every row, in place: x (B, D) → x + PE(position)."""
+        if position >= self.table.size(0):
+            raise ValueError(f"sequence of {position + 1} positions exceeds max_positions={self.table.size(0)}")
+        return x.add_(self.table[position])
+
 
 @dataclass
 class AttentionCache:
@@ -320,22 +326,35 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (0 / −inf) broadcastable to (B/G, H, G, Tk), or None → (B, H, 1, Dh).
     torch's fused CPU attention kernel works in blocks of queries; with a single query it costs
     1.5x (fp32) to 6x (bf16 without AMX) more than this (scripts/profile_step.py --what beam).
+    The matmuls are torch.bmm over (B/G · H) blocks: k and v (also a cache's prefix, sliced from
+    its buffer) fold their first two dims into one without a copy, and a 4-D `@` would add an
+    expand and two reshapes around each (decoding runs these 12 times a step for 3 layers).
     The softmax is taken in fp32, as the fused kernel does. `prescaled`: q is already q / √Dh.
     """
     rows, heads, _, d_head = q.shape
-    out_dtype, q = q.dtype, q.to(k.dtype)
-    groups = rows // k.size(0)
-    if groups > 1:  # (B, H, 1, Dh) → (B/G, H, G, Dh): a sentence's beams become its query block
-        q = q.reshape(k.size(0), groups, heads, d_head).transpose(1, 2)
-    scores = (q if prescaled else q * d_head**-0.5) @ k.transpose(-2, -1)  # (B/G, H, G, Tk)
+    sentences, keys = k.size(0), k.size(2)
+    groups = rows // sentences
+    out_dtype = q.dtype
+    if q.dtype != k.dtype:  # (a same-dtype .to is still a dispatched op: 18 a step)
+        q = q.to(k.dtype)
+    if not prescaled:
+        q = q * d_head**-0.5
+    # (B, H, 1, Dh) → (B/G · H, G, Dh): a sentence's beams become its query block (a view for G = 1)
+    q = q.reshape(sentences, groups, heads, d_head).transpose(1, 2).reshape(sentences * heads, groups, d_head)
+    scores = torch.bmm(q, k.reshape(sentences * heads, keys, d_head).transpose(1, 2))  # (B/G · H, G, Tk)
+    scores = scores.view(sentences, heads, groups, keys)
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:  # additive, fp32: bf16 scores + fp32 mask is a new fp32 tensor (one pass)
         scores = scores + mask if scores.dtype != torch.float32 else scores.add_(mask)
-    out = attention_softmax(scores).to(v.dtype) @ v  # (B/G, H, G, Dh)
-    if groups > 1:
-        out = out.transpose(1, 2).reshape(rows, 1, heads, d_head).transpose(1, 2)
-    return out.to(out_dtype)
+    weights = attention_softmax(scores)
+    if weights.dtype != v.dtype:
+        weights = weights.to(v.dtype)
+    weights = weights.view(sentences * heads, groups, keys)
+    out = torch.bmm(weights, v.reshape(sentences * heads, keys, d_head))  # (B/G · H, G, Dh)
+    # → (B, H, 1, Dh): row s·G + g is query g of sentence s
+    out = out.view(sentences, heads, groups, d_head).transpose(1, 2).reshape(rows, heads, 1, d_head)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -430,6 +449,22 @@ class MultiHeadAttention(nn.Module):
         k, v = self.kv_proj(memory).chunk(2, dim=-1)
         return AttentionCache(self._split_heads(k), self._split_heads(v))
 
+    def step(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | BeamKVCache | None = None,
+             static_kv: AttentionCache | None = None) -> torch.Tensor:
+        """Incremental decoding (inference only): one new position per row, x (B, D) → (B, D).
+        Self-attention appends the new key/value to `cache`; cross-attention attends to `static_kv`.
+        What `forward` computes for a (B, 1, D) query, in a few ops and calls fewer: run once per
+        layer and step, the decoder's per-op overhead matters as much as its arithmetic."""
+        rows = x.size(0)
+        if self.self_attention:
+            q, k, v = self.qkv_proj(x).view(rows, 3, self.n_heads, 1, self.d_head).unbind(1)  # (B, H, 1, Dh) each
+            k, v, mask = cache.append(k, v)
+        else:
+            q = self.q_proj(x).view(rows, self.n_heads, 1, self.d_head)
+            k, v = static_kv.key, static_kv.value
+        out = single_query_attention(q, k, v, mask, self.queries_prescaled)  # (B, H, 1, Dh)
+        return self.out_proj(out.reshape(rows, -1))  # heads concatenated, as in forward
+
     def forward(
         self,
         query: torch.Tensor,  # (B, Tq, D)
@@ -494,6 +529,9 @@ class PositionwiseFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, D)
         return self.w2(self.dropout(self.activation(self.w1(x))))
 
+    def step(self, x: torch.Tensor) -> torch.Tensor:  # forward at inference (no dropout)
+        return self.w2(self.activation(self.w1(x)))
+
 
 class AddNorm(nn.Module):
     """Residual connection + LayerNorm around a sub-layer ("Add & Norm").
@@ -512,6 +550,13 @@ class AddNorm(nn.Module):
         if self.pre_norm:
             return x + self.dropout(sublayer(self.norm(x)))
         return self.norm(x + self.dropout(sublayer(x)))
+
+    def step(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+        """forward at inference (no dropout), with LayerNorm called as a function."""
+        norm = self.norm
+        if self.pre_norm:
+            return x + sublayer(F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps))
+        return F.layer_norm(x + sublayer(x), norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
 class EncoderLayer(nn.Module):
@@ -575,13 +620,19 @@ class DecoderLayer(nn.Module):
         x = self.cross_add_norm(x, cross)
         return self.ffn_add_norm(x, self.ffn)
 
+    def step(self, x: torch.Tensor, state: LayerState, src_mask: torch.Tensor) -> torch.Tensor:
+        """One decoding step at inference: x (B, D), the newest position of each row → (B, D)."""
+        x = self.self_add_norm.step(x, lambda h: self.self_attn.step(h, None, cache=state.self_attn))
+        x = self.cross_add_norm.step(x, lambda h: self.cross_attn.step(h, src_mask, static_kv=state.cross_attn))
+        return self.ffn_add_norm.step(x, self.ffn.step)
+
 
 @dataclass
 class DecoderState:
     """Everything incremental decoding carries from step to step."""
 
     layers: list[LayerState]
-    src_mask: torch.Tensor  # (B/G, 1, 1, S) bool, or fp32 0/−inf (bf16 beams on CPU): one row per sentence
+    src_mask: torch.Tensor  # (B/G, 1, 1, S) fp32, 0 where the key is a real token, −inf at padding: one row per sentence
     length: int = 0  # target positions decoded so far
     extras: dict = field(default_factory=dict)
 
@@ -715,8 +766,10 @@ class Transformer(nn.Module):
             else:
                 cache = KVCache.empty(rows, self.cfg.n_heads, d_head, max_len, memory, dtype)
             layers.append(LayerState(cache, cross))
-        if bf16_cpu_beams:  # additive: the grouped scores take it in the one fp32 pass they need anyway
-            src_mask = torch.zeros(src_mask.shape, device=src_mask.device).masked_fill_(~src_mask, float("-inf"))
+        # Additive (0 / −inf), made once: every step then adds it to its fp32 scores in place (bf16
+        # scores take it in the one fp32 pass they need anyway) instead of inverting a boolean mask
+        # and filling a copy of the scores, per layer and step.
+        src_mask = torch.zeros(src_mask.shape, device=src_mask.device).masked_fill_(~src_mask, float("-inf"))
         return DecoderState(layers, src_mask)
 
     def decode_step(self, tokens: torch.Tensor, state: DecoderState) -> torch.Tensor:
@@ -725,8 +778,8 @@ class Transformer(nn.Module):
         The new token attends to every cached position (no mask needed: the prefix has no
         padding and nothing lies in its future); `state` is extended in place.
         """
-        x = self.tgt_pos(self.tgt_embed(tokens[:, None]), offset=state.length)  # (B, 1, D)
+        x = self.tgt_pos.step(self.tgt_embed(tokens), state.length)  # (B, D)
         for layer, layer_state in zip(self.decoder_layers, state.layers):
-            x = layer(x, None, None, state.src_mask, state=layer_state)
+            x = layer.step(x, layer_state, state.src_mask)
         state.length += 1
-        return self.output_proj(self.decoder_norm(x[:, 0]))
+        return self.output_proj(self.decoder_norm(x))
