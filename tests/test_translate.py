@@ -1,3 +1,4 @@
+import gc
 import os
 import signal
 import subprocess
@@ -339,6 +340,41 @@ def test_denormals_are_flushed_only_inside_the_decoding_block():
     assert float(tiny * 1.0) > 0.0  # IEEE behaviour is back afterwards
     if torch.set_flush_denormal(False):  # True where the CPU supports the switch (x86 with SSE3)
         assert inside == 0.0
+
+
+
+def test_searches_pause_the_cyclic_gc_and_restore_it(translator, test_set, monkeypatch):
+    """Inside a search the collector is off (a decoding step sees gc disabled); afterwards it is
+    back as it was, also when the search raised, and left off where the caller had turned it off."""
+    model = translator.model
+    seen = []
+    real_step = model.decode_step
+
+    def step(tokens, state):
+        seen.append(gc.isenabled())
+        return real_step(tokens, state)
+
+    monkeypatch.setattr(model, "decode_step", step)
+    src = torch.tensor([translator.src_sp.encode(test_set[0][0]) + [EOS_ID]])
+    assert gc.isenabled()
+    greedy_search(model, src, BOS_ID, EOS_ID)
+    beam_search(model, src, BOS_ID, EOS_ID, beam=3)
+    assert seen and not any(seen) and gc.isenabled()
+
+    def failing_step(tokens, state):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model, "decode_step", failing_step)
+    with pytest.raises(RuntimeError):
+        greedy_search(model, src, BOS_ID, EOS_ID)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        monkeypatch.setattr(model, "decode_step", step)
+        greedy_search(model, src, BOS_ID, EOS_ID)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 # --------------------------------------------------------------------------- decoding workers

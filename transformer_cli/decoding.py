@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import gc
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -13,6 +17,31 @@ from .model import Transformer
 class Hypothesis:
     tokens: list[int]  # without <bos>/<eos>
     score: float  # length-normalised log-probability (greedy: plain sum of log-probs)
+
+
+Search = TypeVar("Search", bound=Callable)
+
+
+def without_cyclic_gc(search: Search) -> Search:
+    """Run `search` with Python's cyclic garbage collector paused (its previous state restored).
+
+    A decoding step creates a few hundred tensor objects, so the collector's young generation fills
+    and is scanned about once a step, finding nothing: a search makes no reference cycles, and
+    reference counting frees every tensor as before. perf put the collector at ~2% of a greedy
+    search (AMD EPYC Zen 3, 1 thread); paired runs: +1.4% (median of 10, noisy).
+    """
+
+    @functools.wraps(search)
+    def paused(*args, **kwargs):
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return search(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused  # type: ignore[return-value]
 
 
 def top_k(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +132,7 @@ def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | f
     return ((5.0 + length) / 6.0) ** alpha
 
 
+@without_cyclic_gc
 @torch.inference_mode()
 def greedy_search(
     model: Transformer, src: torch.Tensor, bos: int, eos: int,
@@ -142,6 +172,7 @@ def greedy_search(
     return hyps
 
 
+@without_cyclic_gc
 @torch.inference_mode()
 def beam_search(
     model: Transformer, src: torch.Tensor, bos: int, eos: int, beam: int = 5,
