@@ -468,23 +468,17 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self,
         query: torch.Tensor,  # (B, Tq, D)
-        key_value: torch.Tensor | None,  # (B, Tk, D); None with `static_kv`; unused by self-attention
+        key_value: torch.Tensor,  # (B, Tk, D); unused by self-attention
         mask: torch.Tensor | str | None,  # broadcastable to (B, H, Tq, Tk), True = attend; or CAUSAL
-        static_kv: AttentionCache | None = None,  # precomputed K/V (cross-attention at inference)
-        cache: KVCache | BeamKVCache | None = None,  # self-attention K/V of earlier steps; extended in place
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Whole sequences (training, teacher forcing, attention maps); incremental decoding uses `step`."""
         if self.self_attention:  # key_value is query itself
             q, k, v = (self._split_heads(t) for t in self.qkv_proj(query).chunk(3, dim=-1))  # (B, H, T, Dh)
         else:
             q = self._split_heads(self.q_proj(query))  # (B, H, Tq, Dh)
-            if static_kv is not None:
-                k, v = static_kv.key, static_kv.value
-            else:
-                new = self.project_kv(key_value)
-                k, v = new.key, new.value
-        if cache is not None:  # self-attention during incremental decoding: extend the cache in place
-            k, v, mask = cache.append(k, v)
+            kv = self.project_kv(key_value)
+            k, v = kv.key, kv.value
         dropout = self.dropout if self.training else 0.0
         scale = 1.0 if self.queries_prescaled else None  # None: SDPA's own 1/√Dh
         weights = None
@@ -500,7 +494,7 @@ class MultiHeadAttention(nn.Module):
                 scores = scores.masked_fill(~mask, float("-inf"))
             weights = scores.softmax(dim=-1)
             out = F.dropout(weights, dropout, self.training) @ v
-        elif q.size(2) == 1 and not self.training:  # incremental decoding
+        elif q.size(2) == 1 and not self.training:  # one target position (the step path's attention)
             out = single_query_attention(q, k, v, mask, self.queries_prescaled)
         elif q.device.type == "cpu" and q.dtype == torch.bfloat16 and self.training:
             out = matmul_attention(q, k, v, mask, is_causal, dropout, self.queries_prescaled)
@@ -602,18 +596,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (B, T, D)
-        memory: torch.Tensor | None,  # (B, S, D); None when state holds the cross K/V
-        self_mask: torch.Tensor | None,
+        memory: torch.Tensor,  # (B, S, D)
+        self_mask: torch.Tensor | str | None,
         src_mask: torch.Tensor,
-        state: LayerState | None = None,
         need_weights: bool = False,
     ) -> torch.Tensor:
-        cache = state.self_attn if state is not None else None
-        static = state.cross_attn if state is not None else None
-        x = self.self_add_norm(x, lambda h: self.self_attn(h, h, self_mask, cache=cache)[0])
+        x = self.self_add_norm(x, lambda h: self.self_attn(h, h, self_mask)[0])
 
         def cross(h: torch.Tensor) -> torch.Tensor:
-            out, weights = self.cross_attn(h, memory, src_mask, static_kv=static, need_weights=need_weights)
+            out, weights = self.cross_attn(h, memory, src_mask, need_weights=need_weights)
             self.last_cross_weights = weights
             return out
 
@@ -773,7 +764,8 @@ class Transformer(nn.Module):
         return DecoderState(layers, src_mask)
 
     def decode_step(self, tokens: torch.Tensor, state: DecoderState) -> torch.Tensor:
-        """Next-token logits for the last tokens (B,) given the cached prefix → (B, V).
+        """Next-token logits for the last tokens (B,) given the cached prefix → (B, V); inference
+        (no dropout), one new position per row through each layer's `step`.
 
         The new token attends to every cached position (no mask needed: the prefix has no
         padding and nothing lies in its future); `state` is extended in place.
