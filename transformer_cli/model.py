@@ -128,15 +128,17 @@ class PositionalEncoding(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:  # (B, L, D)
         length = x.size(1)
-        if offset + length > self.table.size(0):
-            raise ValueError(f"sequence of {offset + length} positions exceeds max_positions={self.table.size(0)}")
+        self._check_positions(offset + length)
         return self.dropout(x + self.table[offset : offset + length])
 
     def step(self, x: torch.Tensor, position: int) -> torch.Tensor:
         """forward at inference for one position of every row, in place: x (B, D) → x + PE(position)."""
-        if position >= self.table.size(0):
-            raise ValueError(f"sequence of {position + 1} positions exceeds max_positions={self.table.size(0)}")
+        self._check_positions(position + 1)
         return x.add_(self.table[position])
+
+    def _check_positions(self, count: int) -> None:
+        if count > self.table.size(0):
+            raise ValueError(f"sequence of {count} positions exceeds max_positions={self.table.size(0)}")
 
 
 @dataclass
