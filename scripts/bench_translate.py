@@ -29,7 +29,7 @@ from bench_common import hf_model, machine_line, tfm_model
 from transformer_cli.config import load_config
 from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData, load_manifest
 from transformer_cli.runtime import choose_precision, keep_freed_memory
-from transformer_cli.translate import decode_batch, decode_token_ids, length_sorted_batches, pack_linear_layers
+from transformer_cli.translate import decode_batches, decode_token_ids, length_sorted_batches, pack_linear_layers
 from transformer_cli.workers import DecodingWorkers, resolve_workers
 
 
@@ -111,8 +111,8 @@ def main() -> None:
     # tfm as `tfm translate` runs by default (decode.workers: auto, one process of one thread per
     # core), and in one process with all threads (decode.workers: 1), as HF generate runs.
     processes = resolve_workers(args.workers, device)
-    pool = DecodingWorkers(partial(decode_batch, tfm, device), processes)
-    single = DecodingWorkers(partial(decode_batch, tfm, device), 1)
+    pool = DecodingWorkers(partial(decode_batches, tfm, device), processes)
+    single = DecodingWorkers(partial(decode_batches, tfm, device), 1)
 
     def run_tfm(beam: int, workers: DecodingWorkers) -> None:
         decode_token_ids(tfm, sources, decode, device, beam=beam, min_len=args.length, max_len=args.length,

@@ -446,3 +446,72 @@ def feed_forever(stream, lines: list[str]) -> None:
             stream.flush()
     except (BrokenPipeError, ValueError, OSError):
         pass  # the translator has exited
+
+
+def padded_batches(translator, lines: list[str], size: int) -> list[torch.Tensor]:
+    """Source id batches of `size` sentences, longest first, as decode_token_ids makes them."""
+    ids = [translator.src_sp.encode(line) + [EOS_ID] for line in lines]
+    batches = []
+    for batch in length_sorted_batches([len(s) for s in ids], size, None):
+        src = torch.zeros(len(batch), max(len(ids[i]) for i in batch), dtype=torch.long)
+        for row, i in enumerate(batch):
+            src[row, : len(ids[i])] = torch.tensor(ids[i])
+        batches.append(src)
+    return batches
+
+
+@pytest.mark.parametrize("limits", [dict(max_len_a=1.0, max_len_b=5), dict(max_len_a=0.0, max_len_b=4),
+                                    dict(max_len_a=0.0, max_len_b=12, min_len=12)])
+def test_continuous_greedy_equals_greedy_batch_by_batch(translator, test_set, limits, monkeypatch):
+    """Rows refilled with the next batches' sentences decode what each batch decodes alone: the
+    same tokens, scores up to rounding (joined rows attend over masked-out older cache slots). With
+    12 batches of 4 the run outlives its first cache slots, which are dropped (counted)."""
+    from transformer_cli.decoding import greedy_search_continuous
+    from transformer_cli.model import DecoderState
+
+    dropped = []
+    drop_front = DecoderState.drop_front
+    monkeypatch.setattr(DecoderState, "drop_front", lambda self, n: (dropped.append(n), drop_front(self, n)))
+    src_lines, _ = test_set
+    batches = padded_batches(translator, src_lines[:48], 4)
+    model = translator.model
+    alone = [greedy_search(model, b, BOS_ID, EOS_ID, **limits) for b in batches]
+    together = greedy_search_continuous(model, batches, BOS_ID, EOS_ID, **limits)
+    assert [[h.tokens for h in hyps] for hyps in together] == [[h.tokens for h in hyps] for hyps in alone]
+    for hyps_a, hyps_b in zip(alone, together):
+        assert [h.score for h in hyps_b] == pytest.approx([h.score for h in hyps_a], abs=1e-4)
+    assert dropped and all(n >= 16 for n in dropped)
+    # A longer source joining later widens every row's source (unsorted input): still the same.
+    shuffled = [batches[3], batches[0], batches[7]]
+    assert [[h.tokens for h in hyps] for hyps in greedy_search_continuous(model, shuffled, BOS_ID, EOS_ID, **limits)] \
+        == [[h.tokens for h in greedy_search(model, b, BOS_ID, EOS_ID, **limits)] for b in shuffled]
+
+
+def test_joining_rows_attend_only_to_their_own_cache_slots(translator, test_set):
+    """DecoderState.admit: the joined rows start at position 0 with −inf over every slot written before
+    them and 0 from their first slot on; other rows keep theirs; sources are padded with −inf."""
+    model = translator.model
+    src_lines, _ = test_set
+    long, short = padded_batches(translator, src_lines[:8], 4)[:2]
+    with torch.inference_mode():
+        state = model.init_state(*model.encode(long), max_len=4)
+        state.positions = torch.zeros(4, dtype=torch.long)
+        for _ in range(3):
+            model.decode_step(torch.full((4,), BOS_ID), state)
+        joining = model.init_state(*model.encode(short), max_len=1)
+        state.admit(torch.tensor([1, 3]), joining, torch.tensor([2, 0]))
+        assert state.positions.tolist() == [3, 0, 3, 0]
+        mask = state.self_attention_mask()[:, 0, 0]  # (4, length + 1): this step's slots
+        assert mask.shape == (4, 4)
+        assert torch.equal(mask[[0, 2]], torch.zeros(2, 4))
+        assert torch.equal(mask[[1, 3], :3], torch.full((2, 3), float("-inf"))) and torch.equal(mask[[1, 3], 3], torch.zeros(2))
+        width = (short[[2, 0]] != 0).sum(1)  # the joined sentences' own source lengths
+        for row, n in zip((1, 3), width.tolist()):
+            assert torch.equal(state.src_mask[row, 0, 0, :n], torch.zeros(n))
+            assert bool((state.src_mask[row, 0, 0, n:] == float("-inf")).all())
+        expected_key = joining.layers[0].cross_attn.key[2]
+        assert torch.equal(state.layers[0].cross_attn.key[1, :, : expected_key.size(1)], expected_key)
+        # The step after: the joined rows decode their first position like a fresh state would.
+        logits = model.decode_step(torch.full((4,), BOS_ID), state)
+        fresh = model.decode_step(torch.full((4,), BOS_ID), model.init_state(*model.encode(short), max_len=1))
+        torch.testing.assert_close(logits[[1, 3]], fresh[[2, 0]], atol=1e-4, rtol=1e-4)

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 import torch
 
-from .model import Transformer
+from .model import DecoderState, Transformer
 
 
 @dataclass
@@ -170,6 +170,93 @@ def greedy_search(
         end = row.index(eos) if eos in row else len(row)
         hyps.append(Hypothesis(row[:end], score))
     return hyps
+
+
+@without_cyclic_gc
+@torch.inference_mode()
+def greedy_search_continuous(
+    model: Transformer, batches: list[torch.Tensor], bos: int, eos: int,
+    max_len_a: float = 1.5, max_len_b: int | list[int] = 10, min_len: int = 0,
+) -> list[list[Hypothesis]]:
+    """greedy_search over several (B_i, S_i) source batches with continuous batching: up to B_0 rows
+    decode at once, and a row whose sentence is done takes the next waiting sentence at the next
+    step instead of leaving the batch → per batch, its sentences' hypotheses. `max_len_b`: one for
+    all batches, or one per batch.
+
+    Within one batch, output lengths vary, so a batch decoded alone runs its last steps on a few
+    rows, which cost nearly as much as full ones on CPU (each step's fixed cost: ~3.3 ms of ops,
+    weights streamed through the caches, against ~0.18 ms per row at d_model 256, AMD EPYC Zen 3).
+    Here rows stay full until the last batch's sentences. The next batch is encoded when its first
+    sentence is needed; batches should come longest first (`length_sorted_batches`), so a joining
+    sentence's source fits the rows' (it is padded; a longer one widens them all).
+    Results equal greedy_search's per batch up to rounding: a row that joined later attends over
+    the cache slots written before it with an additive −inf mask.
+    """
+    pad = model.cfg.pad_id
+    device = batches[0].device
+    counts = [b.size(0) for b in batches]
+    extra = max_len_b if isinstance(max_len_b, list) else [max_len_b] * len(batches)  # per batch
+    limits_all = torch.cat([max_output_lengths(b, pad, max_len_a, e).clamp(min=min_len) for b, e in zip(batches, extra)])
+    total, steps = len(limits_all), int(limits_all.max())
+    outputs = torch.full((total, steps), eos, dtype=torch.long, device=device)  # (all sentences, steps)
+    scores = torch.zeros(total, device=device)
+    firsts = [sum(counts[:i]) for i in range(len(counts))]  # each batch's first sentence number
+
+    def encode(i: int, capacity: int) -> DecoderState:
+        memory, src_mask = model.encode(batches[i])
+        return model.init_state(memory, src_mask, max_len=capacity)
+
+    state = encode(0, steps)
+    state.positions = torch.zeros(counts[0], dtype=torch.long, device=device)
+    sentence = torch.arange(counts[0], device=device)  # the sentence number each row decodes
+    limits = limits_all[: counts[0]].clone()
+    queue: list[int] = list(range(1, len(batches)))  # batches not yet started
+    batch, waiting, taken = 0, None, 0  # the batch sentences are taken from: its number, encoded state, sentences taken
+    tokens = torch.full((counts[0],), bos, dtype=torch.long, device=device)
+    buffer = None
+    while True:
+        logits = model.decode_step(tokens, state)  # (A, V)
+        if buffer is None:
+            buffer = logits_buffer(counts[0], logits)
+        logprobs = log_probs(logits, buffer)
+        positions = state.positions - 1  # the position each row just decoded
+        if min_len:
+            logprobs[:, eos].masked_fill_(positions < min_len, float("-inf"))
+        best, tokens = (t.squeeze(1) for t in top_k(logprobs, 1))
+        outputs.index_put_((sentence, positions), tokens)
+        scores.index_add_(0, sentence, best)
+        finished = (tokens == eos) | (positions + 1 >= limits)
+        if not bool(finished.any()):
+            continue
+        free = finished.nonzero().squeeze(1)
+        while free.numel() and (waiting is not None or queue):  # done rows take waiting sentences
+            if waiting is None:
+                batch = queue.pop(0)
+                waiting, taken = encode(batch, 1), 0
+            rows = free[: counts[batch] - taken]
+            joining = torch.arange(taken, taken + len(rows), device=device)
+            state.admit(rows, waiting, joining)
+            numbers = joining + firsts[batch]
+            sentence.index_copy_(0, rows, numbers)
+            limits.index_copy_(0, rows, limits_all.index_select(0, numbers))
+            tokens.index_fill_(0, rows, bos)
+            taken, free = taken + len(rows), free[len(rows):]
+            if taken == counts[batch]:
+                waiting = None
+        if free.numel():  # no sentence waits: these rows leave the batch
+            keep = torch.ones_like(finished).index_fill_(0, free, False).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            sentence, limits, tokens = sentence[keep], limits[keep], tokens[keep]
+            state = state.reorder(keep, keep)
+        oldest = state.length - int(state.positions.max())  # the first cache slot any row attends to
+        if oldest >= 16 and 2 * oldest >= state.length:
+            state.drop_front(oldest)
+    hyps = []
+    for row, score in zip(outputs.tolist(), scores.tolist()):
+        end = row.index(eos) if eos in row else len(row)
+        hyps.append(Hypothesis(row[:end], score))
+    return [hyps[first : first + count] for first, count in zip(firsts, counts)]
 
 
 @without_cyclic_gc

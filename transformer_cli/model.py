@@ -131,10 +131,13 @@ class PositionalEncoding(nn.Module):
         self._check_positions(offset + length)
         return self.dropout(x + self.table[offset : offset + length])
 
-    def step(self, x: torch.Tensor, position: int) -> torch.Tensor:
-        """forward at inference for one position of every row, in place: x (B, D) → x + PE(position)."""
-        self._check_positions(position + 1)
-        return x.add_(self.table[position])
+    def step(self, x: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+        """forward at inference for one position of every row, in place: x (B, D) → x + PE(position);
+        `position` is one for all rows, or (B,) one per row (continuous batching)."""
+        if isinstance(position, int):
+            self._check_positions(position + 1)
+            return x.add_(self.table[position])
+        return x.add_(self.table.index_select(0, position))  # (an index past the table raises)
 
     def _check_positions(self, count: int) -> None:
         if count > self.table.size(0):
@@ -195,11 +198,17 @@ class KVCache:
         t = self.length
         return KVCache(*(self._copy_prefix(b, rows, t + 1) for b in (self.keys, self.values)), t)
 
-    def _copy_prefix(self, buffer: torch.Tensor, rows: torch.Tensor | None, capacity: int) -> torch.Tensor:
+    def drop_front(self, positions: int) -> None:
+        """Forget the first `positions` cached positions of every row (no row attends to them any more)."""
+        self.keys, self.values = (self._copy_prefix(b, None, self.keys.size(2), positions) for b in (self.keys, self.values))
+        self.length -= positions
+
+    def _copy_prefix(self, buffer: torch.Tensor, rows: torch.Tensor | None, capacity: int,
+                     skip: int = 0) -> torch.Tensor:
         t = self.length
         new = buffer.new_empty((buffer.size(0) if rows is None else len(rows), buffer.size(1), capacity, buffer.size(3)))
         if rows is None:
-            new[:, :, :t] = buffer[:, :, :t]
+            new[:, :, : t - skip] = buffer[:, :, skip:t]
         else:
             torch.index_select(buffer[:, :, :t], 0, rows, out=new[:, :, :t])
         return new
@@ -460,7 +469,8 @@ class MultiHeadAttention(nn.Module):
         rows = x.size(0)
         if self.self_attention:
             q, k, v = self.qkv_proj(x).view(rows, 3, self.n_heads, 1, self.d_head).unbind(1)  # (B, H, 1, Dh) each
-            k, v, mask = cache.append(k, v)
+            k, v, cache_mask = cache.append(k, v)
+            mask = mask if cache_mask is None else cache_mask
         else:
             q = self.q_proj(x).view(rows, self.n_heads, 1, self.d_head)
             k, v = static_kv.key, static_kv.value
@@ -613,9 +623,11 @@ class DecoderLayer(nn.Module):
         x = self.cross_add_norm(x, cross)
         return self.ffn_add_norm(x, self.ffn)
 
-    def step(self, x: torch.Tensor, state: LayerState, src_mask: torch.Tensor) -> torch.Tensor:
-        """One decoding step at inference: x (B, D), the newest position of each row → (B, D)."""
-        x = self.self_add_norm.step(x, lambda h: self.self_attn.step(h, None, cache=state.self_attn))
+    def step(self, x: torch.Tensor, state: LayerState, src_mask: torch.Tensor,
+             self_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One decoding step at inference: x (B, D), the newest position of each row → (B, D).
+        `self_mask` (B, 1, 1, t) additive, where rows do not attend to every cached position."""
+        x = self.self_add_norm.step(x, lambda h: self.self_attn.step(h, self_mask, cache=state.self_attn))
         x = self.cross_add_norm.step(x, lambda h: self.cross_attn.step(h, src_mask, static_kv=state.cross_attn))
         return self.ffn_add_norm.step(x, self.ffn.step)
 
@@ -626,8 +638,69 @@ class DecoderState:
 
     layers: list[LayerState]
     src_mask: torch.Tensor  # (B/G, 1, 1, S) fp32, 0 where the key is a real token, −inf at padding: one row per sentence
-    length: int = 0  # target positions decoded so far
+    length: int = 0  # target positions decoded so far (cache slots written)
     extras: dict = field(default_factory=dict)
+    # Continuous batching (greedy): rows that joined later sit at other target positions than
+    # `length`, and attend only to the cache slots written since they joined.
+    positions: torch.Tensor | None = None  # (B,) long: each row's next target position; None: all at `length`
+    self_mask: torch.Tensor | None = None  # (B, capacity ≥ length) fp32 additive over cache slots; None: all 0
+
+    def self_attention_mask(self) -> torch.Tensor | None:
+        """The (B, 1, 1, length + 1) additive mask of this step's self-attention (None: attend to all)."""
+        if self.self_mask is None:
+            return None
+        if self.self_mask.size(1) <= self.length:  # room for this step's slot, doubled
+            grown = self.self_mask.new_zeros((self.self_mask.size(0), 2 * (self.length + 1)))
+            grown[:, : self.self_mask.size(1)] = self.self_mask
+            self.self_mask = grown
+        return self.self_mask[:, None, None, : self.length + 1]
+
+    def admit(self, rows: torch.Tensor, joining: DecoderState, sentences: torch.Tensor) -> None:
+        """Continuous batching, greedy (one row per sentence): rows `rows` (whose sentences are done)
+        start the sentences `sentences` of `joining`, a fresh state from `init_state`. They take over
+        its cross-attention keys/values and source mask (padded to the wider source of the two), start
+        at target position 0 and attend only to the cache slots from this step on. In place."""
+        if self.positions is None:
+            self.positions = torch.full((self.src_mask.size(0),), self.length, dtype=torch.long, device=rows.device)
+        if self.self_mask is None:
+            self.self_mask = self.src_mask.new_zeros((self.src_mask.size(0), self.length + 8))
+        width = max(self.src_mask.size(-1), joining.src_mask.size(-1))
+        if self.src_mask.size(-1) < width:
+            self._pad_sources(width)
+
+        def padded(t: torch.Tensor, value: float) -> torch.Tensor:  # (N, ..., S) → (N, ..., width)
+            t = t.index_select(0, sentences)
+            return t if t.size(-1) == width else F.pad(t, (0, width - t.size(-1)), value=value)
+
+        for mine, theirs in zip(self.layers, joining.layers):
+            # keys/values (B, H, S, Dh): pad the source dim (the one before last)
+            for have, new in ((mine.cross_attn.key, theirs.cross_attn.key), (mine.cross_attn.value, theirs.cross_attn.value)):
+                new = new.index_select(0, sentences)
+                if new.size(2) != width:
+                    new = F.pad(new, (0, 0, 0, width - new.size(2)))
+                have.index_copy_(0, rows, new)
+        self.src_mask.index_copy_(0, rows, padded(joining.src_mask, float("-inf")))
+        self.positions.index_fill_(0, rows, 0)
+        mask = self.self_mask.index_select(0, rows).fill_(0.0)
+        mask[:, : self.length] = float("-inf")  # the slots written before they joined
+        self.self_mask.index_copy_(0, rows, mask)
+
+    def _pad_sources(self, width: int) -> None:
+        """Widen every row's source (cross-attention keys/values, source mask) to `width` positions."""
+        extra = width - self.src_mask.size(-1)
+        for layer in self.layers:
+            c = layer.cross_attn
+            layer.cross_attn = AttentionCache(F.pad(c.key, (0, 0, 0, extra)), F.pad(c.value, (0, 0, 0, extra)))
+        self.src_mask = F.pad(self.src_mask, (0, extra), value=float("-inf"))
+
+    def drop_front(self, slots: int) -> None:
+        """Forget the first `slots` self-attention cache slots, which no row attends to any more
+        (every row joined after they were written). In place."""
+        for layer in self.layers:
+            layer.self_attn.drop_front(slots)
+        if self.self_mask is not None:
+            self.self_mask = self.self_mask[:, slots:].clone()
+        self.length -= slots
 
     def reorder(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> DecoderState:
         """Keep/duplicate decoding rows (beam search): self-attention caches are indexed by `rows`
@@ -647,7 +720,9 @@ class DecoderState:
         layers = [LayerState(c, s.cross_attn if sentences is None else pick(s.cross_attn, sentences))
                   for c, s in zip(caches, self.layers)]
         src_mask = self.src_mask if sentences is None else self.src_mask.index_select(0, sentences)
-        return DecoderState(layers, src_mask, self.length)
+        positions = None if self.positions is None else self.positions.index_select(0, rows)
+        self_mask = None if self.self_mask is None else self.self_mask.index_select(0, rows)
+        return DecoderState(layers, src_mask, self.length, positions=positions, self_mask=self_mask)
 
 
 # --------------------------------------------------------------------------- the model
@@ -772,8 +847,12 @@ class Transformer(nn.Module):
         The new token attends to every cached position (no mask needed: the prefix has no
         padding and nothing lies in its future); `state` is extended in place.
         """
-        x = self.tgt_pos.step(self.tgt_embed(tokens), state.length)  # (B, D)
+        position = state.length if state.positions is None else state.positions
+        x = self.tgt_pos.step(self.tgt_embed(tokens), position)  # (B, D)
+        self_mask = state.self_attention_mask()
         for layer, layer_state in zip(self.decoder_layers, state.layers):
-            x = layer.step(x, layer_state, state.src_mask)
+            x = layer.step(x, layer_state, state.src_mask, self_mask)
         state.length += 1
+        if state.positions is not None:
+            state.positions += 1
         return self.output_proj(self.decoder_norm(x))

@@ -20,11 +20,11 @@ from tqdm import tqdm
 from .checkpoint import load_checkpoint, model_from_checkpoint, tensor_to_bytes
 from .config import DecodeConfig, ExperimentConfig, apply_override, config_from_dict
 from .data import BOS_ID, EOS_ID
-from .decoding import Hypothesis, beam_search, greedy_search
+from .decoding import Hypothesis, beam_search, greedy_search, greedy_search_continuous
 from .errors import TfmError
 from .model import MultiHeadAttention, PositionwiseFeedForward, Transformer
-from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, keep_freed_memory,
-                      resolve_device, split_on_out_of_memory)
+from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, is_out_of_memory,
+                      keep_freed_memory, resolve_device, split_on_out_of_memory)
 from .workers import DecodingWorkers, resolve_workers
 
 
@@ -62,31 +62,57 @@ def decode_token_ids(
     max_len_a, max_len_b = (0.0, max_len) if max_len is not None else (decode.max_len_a, decode.max_len_b)
     search = (beam, decode.length_penalty, max_len_a, max_len_b, nbest, min_len)
     batches = length_sorted_batches([len(s) for s in sources], decode.batch_size, decode.batch_tokens)
+    tasks = decoding_tasks(batches, continuous=beam <= 1)
     if workers is None:
-        workers = DecodingWorkers(partial(decode_batch, model, device), processes=1)
+        workers = DecodingWorkers(partial(decode_batches, model, device), processes=1)
     was_training = model.training
     model.eval()
     try:
-        for batch, hyps in zip(batches, workers.map(([sources[i] for i in batch], *search) for batch in batches)):
-            for i, h in zip(batch, hyps):
-                results[i] = h
+        for task, task_hyps in zip(tasks, workers.map(([[sources[i] for i in b] for b in task], *search)
+                                                      for task in tasks)):
+            for batch, hyps in zip(task, task_hyps):
+                for i, h in zip(batch, hyps):
+                    results[i] = h
     finally:
         model.train(was_training)
     return results
 
 
-def decode_batch(model: Transformer, device: torch.device, sources: list[list[int]], beam: int,
-                 alpha: float, max_len_a: float, max_len_b: int, nbest: int, min_len: int) -> list[list[Hypothesis]]:
-    """One batch of id sequences (each ending in <eos>) → per sentence its n-best hypotheses; a batch
-    that runs out of memory is retried in halves."""
+CONTINUOUS_BATCHES = 8  # batches per continuous-batching task (greedy)
 
-    def search(rows: list[int]) -> list[list[Hypothesis]]:
-        width = max(len(sources[i]) for i in rows)
+
+def decoding_tasks(batches: list[list[int]], continuous: bool) -> list[list[list[int]]]:
+    """Batches (longest first) → tasks of batches for the workers. Greedy decodes a task's batches
+    with continuous batching, so tasks hold up to CONTINUOUS_BATCHES batches, dealt out in turn
+    (task j gets batches j, j + T, …: every task has long and short sentences, still longest
+    first); beam search decodes one batch per task. The tasks depend only on the batches, not on
+    the number of processes, so every decode.workers setting computes the same rows together."""
+    if not continuous:
+        return [[b] for b in batches]
+    count = -(-len(batches) // CONTINUOUS_BATCHES)
+    return [batches[j::count] for j in range(count)]
+
+
+def decode_batches(model: Transformer, device: torch.device, batches: list[list[list[int]]], beam: int,
+                   alpha: float, max_len_a: float, max_len_b: int, nbest: int,
+                   min_len: int) -> list[list[list[Hypothesis]]]:
+    """A task: batches of id sequences (each ending in <eos>), longest first → per batch, per sentence its
+    n-best hypotheses. Greedy decodes them with continuous batching (`greedy_search_continuous`),
+    beam search one batch after the other; a batch that runs out of memory is retried in halves."""
+
+    def padded(rows: list[list[int]]) -> torch.Tensor:
+        width = max(len(s) for s in rows)
         src = torch.full((len(rows), width), model.cfg.pad_id, dtype=torch.long)
-        for row, i in enumerate(rows):
-            src[row, : len(sources[i])] = torch.tensor(sources[i])
-        src = src.to(device)
-        b = min(max_len_b, model.cfg.max_positions - 1 - int(max_len_a * width))  # inside the position table
+        for row, s in enumerate(rows):
+            src[row, : len(s)] = torch.tensor(s)
+        return src.to(device)
+
+    def length_limit(width: int) -> int:
+        return min(max_len_b, model.cfg.max_positions - 1 - int(max_len_a * width))  # inside the position table
+
+    def search(sources: list[list[int]], rows: list[int]) -> list[list[Hypothesis]]:
+        src = padded([sources[i] for i in rows])
+        b = length_limit(src.size(1))
         if beam <= 1:
             return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, max_len_a, b, min_len)]
         return beam_search(model, src, BOS_ID, EOS_ID, beam, alpha, max_len_a, b, nbest, min_len)
@@ -95,8 +121,21 @@ def decode_batch(model: Transformer, device: torch.device, sources: list[list[in
         print(f"warning: out of memory translating a batch of {size} sentences: retrying it in halves "
               "(lower decode.batch_size to avoid this)", file=sys.stderr)
 
+    def one_by_one() -> list[list[list[Hypothesis]]]:
+        return [split_on_out_of_memory(partial(search, b), list(range(len(b))), halved) for b in batches]
+
     with denormals_flushed_to_zero():
-        return split_on_out_of_memory(search, list(range(len(sources))), halved)
+        if beam > 1 or len(batches) == 1:
+            return one_by_one()
+        srcs = [padded(b) for b in batches]
+        try:
+            found = greedy_search_continuous(model, srcs, BOS_ID, EOS_ID, max_len_a,
+                                             [length_limit(s.size(1)) for s in srcs], min_len)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            return one_by_one()  # the batches alone, halved where they still do not fit
+        return [[[h] for h in hyps] for hyps in found]
 
 
 def quantize_int8(model: Transformer) -> Transformer:
@@ -268,7 +307,7 @@ class Translator:
         warn_long_lines(nonempty, ids, self.model.cfg.max_positions - 2, first_line)  # room for </s>
         if self.workers is None:  # decode.workers is read here: the CLI edits decode after loading
             processes = resolve_workers(self.decode.workers, self.device)
-            self.workers = DecodingWorkers(partial(decode_batch, self.model, self.device), processes)
+            self.workers = DecodingWorkers(partial(decode_batches, self.model, self.device), processes)
         hyps = decode_token_ids(self.model, ids, self.decode, self.device, beam, nbest, min_len, max_len,
                                 self.workers)
         out: list[list[Translation]] = [[Translation("", 0.0, 0)] * max(nbest, 1) for _ in lines]
