@@ -81,6 +81,7 @@ class ConfidentToyModel:
 
     class State:
         step = 0
+        positions = None  # (B,) per-row target positions, which the searches may set (as DecoderState)
 
         def reorder(self, rows, sentences=None):
             return self
@@ -99,6 +100,8 @@ class ConfidentToyModel:
         else:
             logits[:, EOS_ID] = 0.0
         state.step += 1
+        if state.positions is not None:
+            state.positions += 1
         return logits
 
 

@@ -132,44 +132,12 @@ def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | f
     return ((5.0 + length) / 6.0) ** alpha
 
 
-@without_cyclic_gc
-@torch.inference_mode()
 def greedy_search(
     model: Transformer, src: torch.Tensor, bos: int, eos: int,
     max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
 ) -> list[Hypothesis]:
     """Arg-max decoding of a (B, S) source batch; finished rows leave the batch."""
-    pad = model.cfg.pad_id
-    memory, src_mask = model.encode(src)
-    limits = max_output_lengths(src, pad, max_len_a, max_len_b).clamp(min=min_len)
-    batch, steps = src.size(0), int(limits.max())
-    state = model.init_state(memory, src_mask, max_len=steps)
-    alive = torch.arange(batch, device=src.device)  # original row of each active row
-    tokens = torch.full((batch,), bos, dtype=torch.long, device=src.device)
-    outputs = torch.full((batch, steps), eos, dtype=torch.long, device=src.device)  # (B, steps)
-    scores = torch.zeros(batch, device=src.device)
-    buffer = None
-    for step in range(steps):
-        logits = model.decode_step(tokens, state)  # (A, V)
-        if buffer is None:
-            buffer = logits_buffer(batch, logits)
-        logprobs = log_probs(logits, buffer)
-        if step < min_len:
-            logprobs[:, eos] = float("-inf")
-        best, tokens = (t.squeeze(1) for t in top_k(logprobs, 1))
-        outputs[alive, step] = tokens
-        scores[alive] += best
-        finished = (tokens == eos) | (step + 1 >= limits[alive])
-        if bool(finished.any()):
-            keep = (~finished).nonzero().squeeze(1)
-            if keep.numel() == 0:
-                break
-            alive, tokens, state = alive[keep], tokens[keep], state.reorder(keep, keep)
-    hyps = []
-    for row, score in zip(outputs.tolist(), scores.tolist()):
-        end = row.index(eos) if eos in row else len(row)
-        hyps.append(Hypothesis(row[:end], score))
-    return hyps
+    return greedy_search_continuous(model, [src], bos, eos, max_len_a, max_len_b, min_len)[0]
 
 
 @without_cyclic_gc
