@@ -518,3 +518,29 @@ def test_joining_rows_attend_only_to_their_own_cache_slots(translator, test_set)
         logits = model.decode_step(torch.full((4,), BOS_ID), state)
         fresh = model.decode_step(torch.full((4,), BOS_ID), model.init_state(*model.encode(short), max_len=1))
         torch.testing.assert_close(logits[[1, 3]], fresh[[2, 0]], atol=1e-4, rtol=1e-4)
+
+
+def test_continuous_greedy_out_of_memory_falls_back_to_batch_by_batch(translator, test_set, monkeypatch):
+    """A task of several batches that runs out of memory when decoded together is decoded one batch
+    at a time instead (each batch still halved if need be): the same translations."""
+    import transformer_cli.translate as translate_module
+
+    src, _ = test_set
+    lines = src[:40]
+    before, translator.decode.batch_size = translator.decode.batch_size, 8
+    try:
+        expected = [t[0].text for t in translator.translate(lines, beam=1)]
+        real = translate_module.greedy_search_continuous
+        calls = []
+
+        def tight_memory(model, batches, *args):
+            calls.append(len(batches))
+            if len(batches) > 1:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return real(model, batches, *args)
+
+        monkeypatch.setattr(translate_module, "greedy_search_continuous", tight_memory)
+        assert [t[0].text for t in translator.translate(lines, beam=1)] == expected
+        assert calls == [5]  # 40 sentences: one task of 5 batches, which fell back
+    finally:
+        translator.decode.batch_size = before
