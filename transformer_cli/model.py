@@ -463,7 +463,8 @@ class MultiHeadAttention(nn.Module):
     def step(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | BeamKVCache | None = None,
              static_kv: AttentionCache | None = None) -> torch.Tensor:
         """Incremental decoding (inference only): one new position per row, x (B, D) → (B, D).
-        Self-attention appends the new key/value to `cache`; cross-attention attends to `static_kv`.
+        Self-attention appends the new key/value to `cache` (`mask`: None, or additive over its
+        slots; a BeamKVCache brings its own); cross-attention attends to `static_kv` under `mask`.
         What `forward` computes for a (B, 1, D) query, in a few ops and calls fewer: run once per
         layer and step, the decoder's per-op overhead matters as much as its arithmetic."""
         rows = x.size(0)
@@ -845,7 +846,8 @@ class Transformer(nn.Module):
         (no dropout), one new position per row through each layer's `step`.
 
         The new token attends to every cached position (no mask needed: the prefix has no
-        padding and nothing lies in its future); `state` is extended in place.
+        padding and nothing lies in its future), except, with continuous batching, the positions
+        cached before its row's sentence joined (`state.self_mask`); `state` is extended in place.
         """
         position = state.length if state.positions is None else state.positions
         x = self.tgt_pos.step(self.tgt_embed(tokens), position)  # (B, D)
