@@ -428,7 +428,12 @@ def test_cli_with_workers_streams_in_order_and_stops_cleanly_on_ctrl_c(reverse_m
         torch.set_num_threads(2)
     assert proc.stdout.splitlines() == expected
 
-    endless = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # A terminal job gets Ctrl-C even where this test runs with SIGINT ignored (`pytest &` from a
+    # non-interactive shell ignores it, and a child keeps an ignored signal through exec, so Python
+    # would install no handler): start tfm with SIGINT back at its default, as a terminal has it.
+    with_sigint = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])", *args[1:]]
+    endless = subprocess.Popen(with_sigint, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)  # its own process group, like a terminal job
     feeder = threading.Thread(target=lambda: feed_forever(endless.stdin, src), daemon=True)
     feeder.start()
