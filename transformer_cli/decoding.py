@@ -217,6 +217,8 @@ def greedy_search_continuous(
                 break
             sentence, limits, tokens = sentence[keep], limits[keep], tokens[keep]
             state = state.reorder(keep, keep)
+        if state.self_mask is None:  # no row has joined: every row attends from slot 0
+            continue
         oldest = state.length - int(state.positions.max())  # the first cache slot any row attends to
         if oldest >= 16 and 2 * oldest >= state.length:
             state.drop_front(oldest)
