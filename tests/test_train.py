@@ -15,7 +15,7 @@ from transformer_cli.config import TrainConfig, config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
 from transformer_cli.runtime import choose_precision, cpu_has_fast_bf16, measure_bf16_speedup
-from transformer_cli.train import autocast_dtype, budget_used, label_smoothed_loss, learning_rate, train
+from transformer_cli.train import autocast_dtype, budget_used, label_smoothed_loss, learning_rate, train, warmup_steps
 
 from .conftest import ROOT, assert_same_final_weights, multi30k_config
 
@@ -52,6 +52,29 @@ def test_budget_schedule_warms_up_then_reaches_lr_min_when_the_budget_ends():
     assert budget_used(10, 900.0, timed) == 0.5  # the wall-clock budget is further along than the steps
     assert learning_rate(10, timed, 256, budget_used(10, 900.0, timed)) == pytest.approx(5e-4)
     assert learning_rate(10, timed, 256, budget_used(10, 1800.0, timed)) == pytest.approx(0.0)
+
+
+def test_warmup_ratio_ends_the_warmup_at_a_fraction_of_the_budget():
+    # max_steps: exact. 400 warm-up steps would be 40% of a 1,000-step run; the ratio caps it at 100.
+    cfg = TrainConfig(lr_schedule="inverse_sqrt", warmup=400, warmup_ratio=0.1, lr=1e-3, max_steps=1000)
+    lr = lambda step: learning_rate(step, cfg, 256, budget_used(step, 0.0, cfg))  # noqa: E731
+    assert warmup_steps(50, cfg, budget_used(50, 0.0, cfg)) == pytest.approx(100)
+    assert lr(50) == pytest.approx(5e-4)
+    assert lr(100) == pytest.approx(1e-3)  # the peak, at 10% of the run
+    assert lr(400) == pytest.approx(5e-4)  # then 1/sqrt decay from there
+    # A long run keeps its `warmup`: 10% of 100,000 steps is more than 400.
+    long = cfg.model_copy(update={"max_steps": 100_000})
+    assert warmup_steps(200, long, budget_used(200, 0.0, long)) == 400
+    assert learning_rate(400, long, 256, budget_used(400, 0.0, long)) == pytest.approx(1e-3)
+    # max_time: the budget's length in steps is projected from the pace so far. 30 steps in 60 s of a
+    # 10-minute budget -> 300 steps in all -> the warm-up is 30 steps: the peak is reached now.
+    timed = TrainConfig(lr_schedule="budget", warmup=400, warmup_ratio=0.1, lr=1e-3, max_time="10m")
+    assert warmup_steps(30, timed, budget_used(30, 60.0, timed)) == pytest.approx(30)
+    assert learning_rate(15, timed, 256, budget_used(15, 30.0, timed)) == pytest.approx(
+        1e-3 * 0.5 * 0.5 * (1 + math.cos(math.pi * 0.05)))
+    # Without warmup_ratio, nothing changes (the configs' 400 steps stay 400 steps).
+    plain = timed.model_copy(update={"warmup_ratio": None})
+    assert warmup_steps(30, plain, budget_used(30, 60.0, plain)) == 400
 
 
 def test_budget_schedule_in_a_real_run_ends_at_lr_min(tiny_prepared, tmp_path):

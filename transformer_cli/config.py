@@ -94,6 +94,9 @@ class TrainConfig(_Section):
     lr_factor: float = 1.0  # noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     lr: float = 5e-4  # peak lr for inverse_sqrt / constant
     warmup: int = Field(4000, ge=0)
+    # Warm-up ends after `warmup` steps or after this fraction of the run's budget (max_time or
+    # max_steps), whichever comes first: on a slow CPU a 400-step warm-up can be a whole 10-minute run.
+    warmup_ratio: float | None = Field(None, gt=0.0, le=1.0)
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     weight_decay: float = 0.0

@@ -60,10 +60,21 @@ def budget_used(step: int, elapsed: float, config: TrainConfig) -> float:
     return min(max(used, 0.0), 1.0)
 
 
+def warmup_steps(step: int, config: TrainConfig, budget: float = 0.0) -> float:
+    """Length of the linear warm-up: `warmup` steps, or fewer when `warmup_ratio` of the budget comes
+    first. The budget's length in steps is projected from the pace so far (step / budget), which is
+    exact for max_steps and follows the CPU's speed for max_time; step and elapsed time are both in
+    checkpoints, so it survives --resume."""
+    if config.warmup_ratio is None or budget <= 0.0:
+        return float(config.warmup)
+    return min(float(config.warmup), config.warmup_ratio * step / budget)
+
+
 def learning_rate(step: int, config: TrainConfig, d_model: int, budget: float = 0.0) -> float:
-    """Learning rate at optimizer step `step` (1-based); `budget` = `budget_used()` (budget schedule)."""
+    """Learning rate at optimizer step `step` (1-based); `budget` = `budget_used()` (budget schedule,
+    `warmup_ratio`)."""
     step = max(step, 1)
-    warmup = max(config.warmup, 1)
+    warmup = max(warmup_steps(step, config, budget), 1.0)
     if config.lr_schedule == "budget":
         # warm-up x cosine decay over the whole budget: at the end, exactly lr_min.
         warm = min(1.0, step / warmup) if config.warmup else 1.0
@@ -466,6 +477,9 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
     batches_per_step = tc.accum_steps * world.size
     out.print(f"effective batch: {world.size} process(es) x {tc.accum_steps} accumulation step(s) x "
               f"{tc.max_tokens:,} tokens = {batches_per_step * tc.max_tokens:,} tokens per update (padding included)")
+    if tc.warmup_ratio is not None and tc.warmup:
+        out.print(f"learning rate: {tc.lr_schedule}, warm-up {tc.warmup} steps or {tc.warmup_ratio:.0%} of the "
+                  f"budget, whichever ends first")
     tgt_lengths = train_data.tgt.lengths
     out.start_bar(tc.max_steps, progress.step)
 
