@@ -105,10 +105,14 @@ def reverse_task_config(data_dir: Path, run_dir: Path, **train_overrides) -> dic
 
 @pytest.fixture(scope="session")
 def reverse_model(tmp_path_factory):
-    """A tiny model trained by the real `prepare` + `train` on the reverse task (~40 s on 2 cores)."""
+    """A tiny model trained by the real `prepare` + `train` on the reverse task (~25 s on 2 cores).
+
+    400 steps of the budget schedule (decay to 0 at the last step) end at valid BLEU 98.8–99.6 over
+    seeds 1–3 in fp32 and 99.0 in bf16; 700 steps of inverse_sqrt took 1.7x as long for 98.6."""
     root = tmp_path_factory.mktemp("reverse")
     write_reverse_task(root / "data")
-    config = config_from_dict(reverse_task_config(root / "data", root / "run"))
+    raw = reverse_task_config(root / "data", root / "run", max_steps=400, eval_every=400, lr_schedule="budget")
+    config = config_from_dict(raw)
     prepare(config, progress=False)
     summary = train(config, progress_bar=False)
     return config, summary
@@ -122,6 +126,20 @@ TFM = [sys.executable, "-m", "transformer_cli.cli"]
 def tfm(*args: str, **kwargs) -> subprocess.CompletedProcess:
     """Run the real `tfm` command line in a subprocess (text mode, output captured)."""
     return subprocess.run([*TFM, *map(str, args)], capture_output=True, text=True, **kwargs)
+
+
+def tfm_in_process(*args: str, input: str | None = None):
+    """The real `tfm` app run in this process by Typer's CliRunner: parsing, the error wrapper and the
+    exit code as on the command line, without a subprocess's start-up (~3 s importing torch on a slow
+    CPU). For the variants of a command whose first case runs as a real process. Returns click's
+    Result (exit_code, stdout, stderr); an exception other than the exit is a failure (a traceback)."""
+    from typer.testing import CliRunner
+
+    from transformer_cli.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args], input=input)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    return result
 
 
 def tiny_reverse_config(data_dir: Path, run_dir: Path, **train_overrides) -> dict:

@@ -4,6 +4,7 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import tfm_in_process
 from transformer_cli.attention import AttentionModel, attention_weights, pad_batch
 from transformer_cli.data import EOS_ID
 from transformer_cli.errors import TfmError
@@ -61,22 +62,26 @@ def test_cli_writes_png_and_refuses_bad_input(reverse_model, tmp_path):
     from PIL import Image
 
     _, summary = reverse_model
-    base = [*TFM, "attention", "--checkpoint", str(summary.best_checkpoint), "--src", "wa wb wc"]
-    for extra in ([], ["--self", "--layer", "1"], ["--tgt", "wc wb wa"]):
-        out = tmp_path / f"a{len(extra)}.png"
-        proc = subprocess.run([*base, *extra, "-o", str(out)], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
-        with Image.open(out) as image:
+    args = ["attention", "--checkpoint", summary.best_checkpoint, "--src", "wa wb wc"]
+    # A real process for the plain case and one error; the variants in this process (same app).
+    proc = subprocess.run([*TFM, *args, "-o", str(tmp_path / "a.png")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for extra in (["--self", "--layer", "1"], ["--tgt", "wc wb wa"]):
+        result = tfm_in_process(*args, *extra, "-o", tmp_path / f"a{len(extra)}.png")
+        assert result.exit_code == 0, result.stderr
+    for name in ("a.png", "a3.png", "a2.png"):
+        with Image.open(tmp_path / name) as image:
             assert image.format == "PNG" and min(image.size) > 100
-    bad = [(["--layer", "3"], "--layer 3: the decoder has 2 layers"),
-           (["--layer", "0", "--self"], "the encoder has 2 layers"),
+    proc = subprocess.run([*TFM, *args, "--layer", "3", "-o", str(tmp_path / "x.png")], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == "error: --layer 3: the decoder has 2 layers (choose 1 to 2)\n"
+    bad = [(["--layer", "0", "--self"], "the encoder has 2 layers"),
            (["--self", "--tgt", "wc wb wa"], "--tgt has no effect with --self")]
     for extra, message in bad:
-        proc = subprocess.run([*base, *extra, "-o", str(tmp_path / "x.png")], capture_output=True, text=True)
-        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
-    for args, message in ((["--checkpoint", str(tmp_path / "no.pt"), "--src", "wa"], "checkpoint not found"),
-                          (["--checkpoint", str(summary.best_checkpoint), "--src", ""], "--src is empty")):
-        proc = subprocess.run([*TFM, "attention", *args, "-o", str(tmp_path / "x.png")], capture_output=True, text=True)
-        assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1
+        result = tfm_in_process(*args, *extra, "-o", tmp_path / "x.png")
+        assert result.exit_code == 2 and message in result.stderr
+    for args, message in ((["--checkpoint", tmp_path / "no.pt", "--src", "wa"], "checkpoint not found"),
+                          (["--checkpoint", summary.best_checkpoint, "--src", ""], "--src is empty")):
+        result = tfm_in_process("attention", *args, "-o", tmp_path / "x.png")
+        assert result.exit_code == 2 and result.stderr.startswith("error: ") and message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x.png").exists()

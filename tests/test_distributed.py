@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -124,6 +125,7 @@ def test_torchrun_resume_continues_exactly_even_with_another_process_count(multi
     split = ddp_config(multi30k_2k, tmp_path / "split", steps=3, eval_every=3)
     proc = torchrun(["--standalone", "--nproc-per-node", "2"], split, tmp_path, "split_a")
     assert proc.returncode == 0, proc.stderr
+    shutil.copytree(tmp_path / "split", tmp_path / "other")  # the 2-process run at step 3, resumed below
     split["train"]["max_steps"] = 6
     proc = torchrun(["--standalone", "--nproc-per-node", "2"], split, tmp_path, "split_b", ["--resume"])
     assert proc.returncode == 0, proc.stderr
@@ -132,9 +134,7 @@ def test_torchrun_resume_continues_exactly_even_with_another_process_count(multi
 
     # The data position is counted in global batches: one process with accum_steps=2 resumes the
     # 2-process run at step 3 and reaches the same weights (to float tolerance).
-    other = ddp_config(multi30k_2k, tmp_path / "other", steps=3, eval_every=3)
-    assert torchrun(["--standalone", "--nproc-per-node", "2"], other, tmp_path, "other_a").returncode == 0
-    other["train"].update(max_steps=6, accum_steps=2)
+    other = {**split, "run_dir": str(tmp_path / "other"), "train": {**split["train"], "accum_steps": 2}}
     train(config_from_dict(other), resume=True, progress_bar=False)
     c = load_checkpoint(tmp_path / "other/checkpoints/checkpoint_last.pt")
     a = load_checkpoint(tmp_path / "straight/checkpoints/checkpoint_last.pt")

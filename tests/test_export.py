@@ -22,7 +22,7 @@ from transformer_cli.model import Transformer, TransformerConfig  # noqa: E402
 from transformer_cli.train import train  # noqa: E402
 from transformer_cli.translate import Translator, decode_token_ids  # noqa: E402
 
-from .conftest import multi30k_config  # noqa: E402
+from .conftest import multi30k_config, tfm_in_process  # noqa: E402
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 # Same search on both sides: no length penalty (tfm's GNMT ((5+len)/6)^a and CTranslate2's len^a
@@ -121,9 +121,8 @@ def test_cli_export_and_translate_stream(reverse_model, tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert {"model.bin", "source.spm.model", "target.spm.model"} <= {p.name for p in out.iterdir()}
-    proc = subprocess.run([*TFM, "export", "--checkpoint", str(summary.best_checkpoint), "-o", str(out)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "--force" in proc.stderr
+    again = tfm_in_process("export", "--checkpoint", summary.best_checkpoint, "-o", out)
+    assert again.exit_code == 2 and "--force" in again.stderr
 
     src = read_lines(f"{config.data.test}.src.gz")[:30]
     text = "\n".join(src[:20] + ["", "   "] + src[20:]) + "\n"
@@ -141,6 +140,5 @@ def test_cli_export_and_translate_stream(reverse_model, tmp_path):
     for args, message in ((["--model", str(tmp_path / "nothing")], "not a CTranslate2 model directory"),
                           (["--model", str(out), "--compute-type", "float8"], "--compute-type float8"),
                           ([], "needs --model")):
-        proc = subprocess.run([*TFM, "translate", "--engine", "ctranslate2", *args], input="wa\n",
-                              capture_output=True, text=True)
-        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+        result = tfm_in_process("translate", "--engine", "ctranslate2", *args, input="wa\n")
+        assert result.exit_code == 2 and message in result.stderr

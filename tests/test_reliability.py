@@ -53,13 +53,13 @@ def wait_for_new_checkpoint(path: Path, written_before: int | None, proc: subpro
 
 @pytest.mark.slow
 def test_kill_9_at_random_moments_always_resumes(tiny_prepared, tmp_path):
-    """14 SIGKILLs at random moments of a run that checkpoints every step: every restart resumes."""
+    """10 SIGKILLs at random moments of a run that checkpoints every step: every restart resumes."""
     config = tiny_run(tiny_prepared, tmp_path, max_steps=100_000, save_every=1, eval_every=25, keep_last=2)
     last = tmp_path / "run/checkpoints/checkpoint_last.pt"
     rng = random.Random(0)
     kills, steps_seen, stale_seen = 0, [], 0
     deadline = time.monotonic() + 240
-    while kills < 14 and time.monotonic() < deadline:
+    while kills < 10 and time.monotonic() < deadline:
         args = [*TFM, "train", "--config", str(config)] + (["--resume"] if last.exists() else [])
         written_before = last.stat().st_mtime_ns if last.exists() else None
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -75,7 +75,7 @@ def test_kill_9_at_random_moments_always_resumes(tiny_prepared, tmp_path):
         stale_seen += bool(temp_files(tmp_path / "run"))
         if last.exists():  # whatever moment the kill hit, the last checkpoint is whole
             steps_seen.append(load_checkpoint(last)["progress"]["step"])
-    assert kills == 14, f"only {kills} kills in the time limit"
+    assert kills == 10, f"only {kills} kills in the time limit"
     assert steps_seen == sorted(steps_seen) and steps_seen[-1] > 0, steps_seen
     final = steps_seen[-1] + 20
     done = tfm("train", "--config", config, "--resume", "--set", f"train.max_steps={final}")

@@ -256,23 +256,31 @@ def test_tfm_precision_env_error_is_one_line_exit_2(multi30k_2k, tmp_path):
     assert proc.returncode == 2 and "TFM_PRECISION='half'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def signal_test_config(data: Path, run_dir: Path) -> Path:
+    raw = multi30k_config(data, run_dir, train={"max_steps": 30, "eval_every": 1000, "log_every": 1,
+                                                "eval_bleu_sentences": 5, "precision": "fp32"})
+    prepare(config_from_dict(raw), progress=False)
+    path = run_dir.with_suffix(".yaml")
+    path.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def straight_30_steps(multi30k_2k, tmp_path_factory) -> Path:
+    """checkpoint_last.pt of an uninterrupted 30-step `tfm train` process (shared by both signals)."""
+    run_dir = tmp_path_factory.mktemp("signals") / "straight"
+    proc = subprocess.run([sys.executable, "-m", "transformer_cli.cli", "train", "--config",
+                           str(signal_test_config(multi30k_2k, run_dir))], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return run_dir / "checkpoints/checkpoint_last.pt"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, tmp_path, signum, code):
+def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straight_30_steps, tmp_path, signum, code):
     """A real `tfm train` process is signalled mid-run; resumed, it ends where an uninterrupted run does."""
-    def config_file(run_dir: Path) -> Path:
-        raw = multi30k_config(multi30k_2k, run_dir, train={"max_steps": 30, "eval_every": 1000, "log_every": 1,
-                                                          "eval_bleu_sentences": 5, "precision": "fp32"})
-        prepare(config_from_dict(raw), progress=False)
-        path = run_dir.with_suffix(".yaml")
-        path.write_text(json.dumps(raw))
-        return path
-
     tfm = [sys.executable, "-m", "transformer_cli.cli", "train", "--config"]
-    straight = config_file(tmp_path / "straight")
-    assert subprocess.run([*tfm, str(straight)], capture_output=True, text=True).returncode == 0
-
-    stopped = config_file(tmp_path / "stopped")
+    stopped = signal_test_config(multi30k_2k, tmp_path / "stopped")
     proc = subprocess.Popen([*tfm, str(stopped)], stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.monotonic() + 120
@@ -286,8 +294,7 @@ def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, tmp_pa
     assert 5 <= saved < 30, f"stopped at step {saved}"
     resumed = subprocess.run([*tfm, str(stopped), "--resume"], capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    assert_same_final_weights(tmp_path / "straight/checkpoints/checkpoint_last.pt",
-                              tmp_path / "stopped/checkpoints/checkpoint_last.pt", 30)
+    assert_same_final_weights(straight_30_steps, tmp_path / "stopped/checkpoints/checkpoint_last.pt", 30)
 
 
 def test_importing_tfm_enlarges_onednn_kernel_cache_unless_the_user_set_it():
