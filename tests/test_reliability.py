@@ -194,7 +194,7 @@ def limit_file_size(max_bytes: int):
 def test_failed_checkpoint_write_is_one_line_and_keeps_the_previous_one(tiny_prepared, tmp_path):
     """A file-size limit (as a full disk would) makes the next checkpoint write fail: EFBIG, exit 2."""
     config = tiny_run(tiny_prepared, tmp_path, max_steps=10)
-    assert tfm("train", "--config", config).returncode == 0
+    train(load_config(config), progress_bar=False)  # in this process: the faults below hit real ones
     last = tmp_path / "run/checkpoints/checkpoint_last.pt"
     before = last.read_bytes()
     proc = subprocess.run([*TFM, "train", "--config", str(config), "--resume", "--set", "train.max_steps=20"],
@@ -203,8 +203,8 @@ def test_failed_checkpoint_write_is_one_line_and_keeps_the_previous_one(tiny_pre
     message = one_line_error(proc)
     assert "File too large (EFBIG)" in message and str(tmp_path / "run" / "checkpoints") in message
     assert last.read_bytes() == before and temp_files(tmp_path / "run") == []
-    resumed = tfm("train", "--config", config, "--resume", "--set", "train.max_steps=20")
-    assert resumed.returncode == 0 and load_checkpoint(last)["progress"]["step"] == 20
+    train(load_config(config, ["train.max_steps=20"]), resume=True, progress_bar=False)
+    assert load_checkpoint(last)["progress"]["step"] == 20
 
 
 def without_permission_override():
@@ -225,7 +225,7 @@ def without_permission_override():
 
 def test_read_only_run_dir_is_a_one_line_error(tiny_prepared, tmp_path):
     config = tiny_run(tiny_prepared, tmp_path, max_steps=3)
-    assert tfm("train", "--config", config).returncode == 0  # a checkpoint to resume and evaluate below
+    train(load_config(config), progress_bar=False)  # a checkpoint to resume and evaluate below
     run = tmp_path / "run"
     try:
         for path in [run, *run.rglob("*")]:
