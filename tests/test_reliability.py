@@ -24,6 +24,7 @@ from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import load_config
 from transformer_cli.errors import Diverged
 from transformer_cli.runtime import split_on_out_of_memory
+from transformer_cli.signals import StopRequest
 from transformer_cli.train import train
 
 
@@ -108,6 +109,26 @@ def test_a_second_signal_while_stopping_corrupts_nothing(tiny_prepared, tmp_path
     resumed = tfm("train", "--config", config, "--resume", "--set", f"train.max_steps={step + 3}")
     assert resumed.returncode == 0, resumed.stderr
     assert temp_files(tmp_path / "run") == []  # an abandoned temp file, if any, was cleaned up
+
+
+def test_a_signal_the_process_started_with_ignored_stays_ignored():
+    """`tfm train &` in a script, or under nohup: the shell ignores SIGINT in the job so that Ctrl-C
+    on the script leaves it running; training must not take SIGINT back (SIGTERM still stops it)."""
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with StopRequest() as stop:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # Python runs handlers between bytecodes of the main thread
+            assert stop.signum is None
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored: no stop was requested
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def test_stale_temp_files_are_removed_at_start(tiny_prepared, tmp_path):

@@ -281,7 +281,10 @@ def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straig
     """A real `tfm train` process is signalled mid-run; resumed, it ends where an uninterrupted run does."""
     tfm = [sys.executable, "-m", "transformer_cli.cli", "train", "--config"]
     stopped = signal_test_config(multi30k_2k, tmp_path / "stopped")
-    proc = subprocess.Popen([*tfm, str(stopped)], stderr=subprocess.PIPE, text=True)
+    # With the signal at its default, as in a terminal, even where this suite runs with SIGINT ignored
+    # (`pytest &` from a script): tfm keeps an ignored signal ignored.
+    proc = subprocess.Popen([*tfm, str(stopped)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
     metrics = tmp_path / "stopped" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):

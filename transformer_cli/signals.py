@@ -7,7 +7,8 @@ signal while stopping aborts at once (checkpoint writes are atomic: nothing is c
 Once a stop has begun, a repeat must never meet the default handler, which would kill the process
 by the signal (-15) instead of letting it exit with its code: after the training block a repeat
 exits at once with the code, and from interpreter shutdown on (where Python resets its handlers to
-the default, but leaves ignored signals alone) repeats are ignored.
+the default, but leaves ignored signals alone) repeats are ignored. A signal that the process
+started with ignored stays ignored, as Python itself does with SIGINT.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class StopRequest:
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             for signum in EXIT_CODES:
+                if signal.getsignal(signum) is signal.SIG_IGN:
+                    # The parent asked for it to be ignored, as a non-interactive shell does for `tfm
+                    # train &` (so that Ctrl-C on the script leaves it running) or nohup: keep it so.
+                    continue
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
