@@ -141,6 +141,36 @@ def test_torchrun_resume_continues_exactly_even_with_another_process_count(multi
     assert_same_weights(a["model"], c["model"])
 
 
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_signal_to_torchrun_stops_every_rank_after_the_same_step_and_saves(multi30k_2k, tmp_path, name):
+    """A scheduler's SIGTERM (Ctrl-C, a hang-up) reaches torchrun, which forwards it to every worker:
+    the ranks agree on one step (one that differs would leave a collective waiting forever) and rank 0
+    saves it and says so, once. (torchrun itself then ends with its own SignalException traceback and
+    exit 1.) After a hang-up the message goes nowhere: stderr here is a pipe, which tfm then leaves."""
+    import signal
+    import time
+
+    raw = ddp_config(multi30k_2k, tmp_path / "run", steps=200, log_every=1)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    signum = getattr(signal, name)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "transformer_cli", "train", "--config", str(path)], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=120)
+    saved = load_checkpoint(tmp_path / "run/checkpoints/checkpoint_last.pt")["progress"]["step"]
+    assert 5 <= saved < 200, stderr
+    assert "Sending process" in stderr and f"closing signal {name}" in stderr, stderr  # torchrun forwarded it
+    told = 0 if name == "SIGHUP" else 1
+    assert stderr.count(f"{name}: saved step {saved} to ") == told, stderr
+    assert stderr.count(f"{name}: stopping after the current step") == told, stderr
+
+
 def test_two_node_rendezvous_on_localhost_writes_one_set_of_outputs(multi30k_2k, tmp_path):
     raw = ddp_config(multi30k_2k, tmp_path / "run", steps=4, eval_every=2)
     path = tmp_path / "two_node.yaml"

@@ -300,6 +300,51 @@ def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straig
     assert_same_final_weights(straight_30_steps, tmp_path / "stopped/checkpoints/checkpoint_last.pt", 30)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no terminals to hang up on Windows")
+@pytest.mark.parametrize("output", ["terminal", "pipe"])
+def test_hangup_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straight_30_steps, tmp_path, output):
+    """`tfm train` in a terminal that goes away (ssh connection dropped, window closed): the kernel
+    hangs the terminal up and sends SIGHUP. From then on every write to the terminal fails (EIO), and
+    so does every write into a pipe whose reader went with it (`tfm train 2>&1 | tee log`: EPIPE),
+    the progress bar's included. tfm must still save at a step boundary, exit 129, resume exactly."""
+    import fcntl
+    import select
+    import termios
+
+    tfm = [sys.executable, "-m", "transformer_cli.cli", "train", "--config"]
+    stopped = signal_test_config(multi30k_2k, tmp_path / "stopped")
+    master, terminal = os.openpty()
+    reader, writer = os.pipe()
+
+    def own_the_terminal() -> None:  # as a login shell's job: a session whose controlling terminal it is
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+    proc = subprocess.Popen([*tfm, str(stopped)], stdin=terminal, stdout=terminal,
+                            stderr=terminal if output == "terminal" else writer, preexec_fn=own_the_terminal)
+    os.close(terminal)
+    os.close(writer)
+    shown = b""
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        for ready in select.select([master, reader], [], [], 0.05)[0]:  # keep reading, as a terminal does
+            shown += os.read(ready, 65536)
+    os.close(reader)  # `tee` got the hang-up too (or nobody read it at all)
+    os.close(master)  # the terminal goes away: the kernel hangs it up and sends SIGHUP
+    assert proc.wait(timeout=120) == 129, shown.decode(errors="replace")[-2000:]
+    assert b"Traceback" not in shown and b"model:" in shown  # it did write there while it could
+    saved = load_checkpoint(tmp_path / "stopped/checkpoints/checkpoint_last.pt")["progress"]["step"]
+    assert 5 <= saved < 30, f"stopped at step {saved}"
+    if output == "pipe":
+        return  # the same save as the terminal's; resuming it once is enough
+    resumed = subprocess.run([*tfm, str(stopped), "--resume"], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_final_weights(straight_30_steps, tmp_path / "stopped/checkpoints/checkpoint_last.pt", 30)
+
+
 def test_importing_tfm_enlarges_onednn_kernel_cache_unless_the_user_set_it():
     """oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY once, at its first matmul: importing tfm sets it
     (before any torch op of ours runs), and a value the user exported is kept."""

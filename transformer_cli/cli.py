@@ -43,7 +43,8 @@ def user_errors(fn):
             typer.echo(f"error: {stop}", err=True)
             raise typer.Exit(stop.exit_code) from None
         except Interrupted as stop:
-            typer.echo(str(stop), err=True)
+            if str(stop):  # torchrun's other ranks stop silently: rank 0 has said it
+                typer.echo(str(stop), err=True)
             raise typer.Exit(stop.exit_code) from None
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)

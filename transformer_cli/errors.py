@@ -12,7 +12,7 @@ class TfmError(Exception):
 
 
 class Interrupted(Exception):
-    """Training stopped by a signal after saving; the CLI exits with `exit_code` (130, 143)."""
+    """Training stopped by a signal after saving; the CLI exits with `exit_code` (130, 143, 129)."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)

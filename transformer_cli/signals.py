@@ -1,4 +1,5 @@
-"""SIGINT (Ctrl-C) and SIGTERM (schedulers, preemption): stop at the next step boundary.
+"""SIGINT (Ctrl-C), SIGTERM (schedulers, preemption) and SIGHUP (the terminal or ssh session that
+started training went away): stop at the next step boundary.
 
 The handler only records the signal; the training loop checks it between optimizer steps, saves
 `checkpoint_last.pt` and raises `Interrupted`. Stopping at a boundary makes the saved weights,
@@ -9,6 +10,10 @@ by the signal (-15) instead of letting it exit with its code: after the training
 exits at once with the code, and from interpreter shutdown on (where Python resets its handlers to
 the default, but leaves ignored signals alone) repeats are ignored. A signal that the process
 started with ignored stays ignored, as Python itself does with SIGINT.
+After a hang-up the terminal is gone and every write to it fails (EIO), as do writes into a pipe
+whose reader (`| tee log`, in the same terminal) got the hang-up too (EPIPE); either would turn the
+save into a crash. So output that went to a terminal or a pipe goes to /dev/null from then on;
+output into files keeps going there (metrics.jsonl in the run directory has the record anyway).
 """
 
 from __future__ import annotations
@@ -16,19 +21,25 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import stat
 import sys
 import threading
 from types import FrameType
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+if hasattr(signal, "SIGHUP"):  # not on Windows
+    EXIT_CODES[signal.SIGHUP] = 129
 
 
 class StopRequest:
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
+        self.announce = announce  # False on torchrun ranks other than 0: one message, not one per rank
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._hangup_fds: list[int] = []
 
     def __enter__(self) -> StopRequest:
+        self._hangup_fds = [fd for fd in (1, 2) if _is_terminal_or_pipe(fd)]  # stdout, stderr
         if threading.current_thread() is threading.main_thread():
             for signum in EXIT_CODES:
                 if signal.getsignal(signum) is signal.SIG_IGN:
@@ -49,8 +60,27 @@ class StopRequest:
         if self.signum is not None:
             raise KeyboardInterrupt  # second signal: give up now
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after the current step and saving "
-              "(send it again to abort)", file=sys.stderr, flush=True)
+        if signum == getattr(signal, "SIGHUP", None):
+            _leave_the_terminal(self._hangup_fds)
+        if self.announce:
+            print(f"\n{signal.Signals(signum).name}: stopping after the current step and saving "
+                  "(send it again to abort)", file=sys.stderr, flush=True)
+
+
+def _is_terminal_or_pipe(fd: int) -> bool:
+    try:
+        return os.isatty(fd) or stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:  # closed
+        return False
+
+
+def _leave_the_terminal(fds: list[int]) -> None:
+    """Point these descriptors (found at the start: a hung-up terminal no longer says it is one) at
+    /dev/null, since every write to a hung-up terminal, or to a pipe whose reader it took, fails."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in fds:
+        os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _exit_at_once(signum: int, frame: FrameType | None) -> None:

@@ -512,7 +512,7 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
     window_tokens, window_start, window_sums = 0, time.perf_counter(), [0.0, 0.0, 0.0, 0.0]  # loss, nll, pad, n
     stop_reason = ""
     batches = train_data.batches(tc.max_tokens, seed=tc.seed + progress.epoch)
-    with StopRequest() as stop:
+    with StopRequest(announce=out.active) as stop:
         try:
             while not stop_reason:
                 # The next accum_steps x world.size batches of the (global) epoch order, rolling over
@@ -604,8 +604,9 @@ def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: Wo
                     checkpoint(None, progress)
                     out.close_bar()
                     signum = stop.signum or signal.SIGTERM
-                    raise Interrupted(f"{signal.Signals(signum).name}: saved step {progress.step} to {last_path} "
-                                      "(continue with --resume)", EXIT_CODES[signum])
+                    saved = (f"{signal.Signals(signum).name}: saved step {progress.step} to {last_path} "
+                             "(continue with --resume)")
+                    raise Interrupted(saved if out.active else "", EXIT_CODES[signum])
                 if progress.step >= tc.max_steps:
                     stop_reason = f"max_steps={tc.max_steps}"
                 elif request == 1:
