@@ -24,7 +24,7 @@ from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import load_config
 from transformer_cli.errors import Diverged
 from transformer_cli.runtime import split_on_out_of_memory
-from transformer_cli.signals import StopRequest
+from transformer_cli.signals import StopRequest, Terminated, _exit_at_once, terminate_like_ctrl_c
 from transformer_cli.train import train
 
 
@@ -134,6 +134,29 @@ def test_a_signal_the_process_started_with_ignored_stays_ignored(ignored):
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def test_sigterm_outside_the_training_loop_raises_and_a_stops_repeat_handler_survives_it():
+    """Commands take SIGTERM like Ctrl-C (an exception, so `finally` clauses run); training's own
+    handler nests inside, and once a training stop has begun, leaving the outer block must not bring
+    the default handler back (a repeat would then kill the process by the signal, not its code)."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(Terminated) as raised, terminate_like_ctrl_c():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # interrupted by the exception
+        assert raised.value.exit_code == 143
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # undone
+
+        with terminate_like_ctrl_c():
+            with StopRequest() as stop:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                assert stop.signum == signal.SIGTERM  # recorded, not raised: the loop saves first
+            assert signal.getsignal(signal.SIGTERM) is _exit_at_once
+        assert signal.getsignal(signal.SIGTERM) is _exit_at_once  # still: not SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_stale_temp_files_are_removed_at_start(tiny_prepared, tmp_path):

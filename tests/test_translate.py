@@ -447,6 +447,35 @@ def test_cli_with_workers_streams_in_order_and_stops_cleanly_on_ctrl_c(reverse_m
         os.killpg(endless.pid, 0)  # nobody left in its process group
 
 
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_sigterm_or_hangup_while_writing_output_leaves_no_file_and_no_worker(reverse_model, test_set, tmp_path,
+                                                                              signum, code):
+    """`tfm translate -o out.txt` stopped by a scheduler (SIGTERM to tfm alone) or a hang-up: exit
+    143/129 with one line and no traceback, no `out.txt` (it was never complete) and no temporary
+    file next to it, and no decoding worker left running (they would print tracebacks later)."""
+    _, summary = reverse_model
+    src, _ = test_set
+    out = tmp_path / "out" / "out.txt"
+    args = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--set", "decode.precision=fp32",
+            "--batch-size", "8", "--workers", "2", "--output", str(out)]
+    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
+    threading.Thread(target=lambda: feed_forever(proc.stdin, src), daemon=True).start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(f.stat().st_size for f in out.parent.glob(".out.txt.*")):
+        time.sleep(0.05)  # the first chunk is written: the next ones' batches go to the workers
+    time.sleep(1.0)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code and "Traceback" not in stderr, stderr
+    if signum == signal.SIGTERM:  # (after a hang-up stderr, a pipe here, goes to /dev/null)
+        assert stderr.strip().splitlines()[-1] == "SIGTERM: stopped", stderr
+    assert list(out.parent.iterdir()) == []
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nobody left in its process group
+
+
 def feed_forever(stream, lines: list[str]) -> None:
     try:
         while True:

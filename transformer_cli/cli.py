@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -15,6 +16,7 @@ import typer
 
 from . import __version__
 from .errors import Diverged, Interrupted, TfmError
+from .signals import Terminated, terminate_like_ctrl_c
 
 app = typer.Typer(
     help="tfm: train and run Transformer translation models.\n\n"
@@ -35,7 +37,8 @@ def user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with terminate_like_ctrl_c():
+                return fn(*args, **kwargs)
         except TfmError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(2) from None
@@ -49,6 +52,10 @@ def user_errors(fn):
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130) from None
+        except Terminated as stop:
+            with contextlib.suppress(OSError):  # stderr may be gone with the terminal
+                typer.echo(f"{stop}: stopped", err=True)
+            raise typer.Exit(stop.exit_code) from None
         except BrokenPipeError:
             # Downstream closed the pipe (`tfm translate | head`): stop quietly.
             devnull = os.open(os.devnull, os.O_WRONLY)

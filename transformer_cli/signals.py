@@ -14,16 +14,22 @@ After a hang-up the terminal is gone and every write to it fails (EIO), as do wr
 whose reader (`| tee log`, in the same terminal) got the hang-up too (EPIPE); either would turn the
 save into a crash. So output that went to a terminal or a pipe goes to /dev/null from then on;
 output into files keeps going there (metrics.jsonl in the run directory has the record anyway).
+
+Every other command (and training before and after its loop) takes SIGTERM and SIGHUP the way
+Python takes Ctrl-C: as an exception (`Terminated`), so that `finally` clauses still run: the
+temporary file of an unfinished `--output` is removed, decoding workers are stopped.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import stat
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -85,8 +91,47 @@ def _leave_the_terminal(fds: list[int]) -> None:
 
 def _exit_at_once(signum: int, frame: FrameType | None) -> None:
     """A repeat after the training block: everything is saved, so leave now with the signal's code."""
-    os.write(sys.stderr.fileno(), f"{signal.Signals(signum).name} again: exiting\n".encode())
+    with contextlib.suppress(OSError):
+        os.write(sys.stderr.fileno(), f"{signal.Signals(signum).name} again: exiting\n".encode())
     os._exit(EXIT_CODES[signum])
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised like KeyboardInterrupt (a BaseException: `except Exception` in
+    library code does not swallow it); the CLI exits with `exit_code`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = EXIT_CODES[signum]
+
+
+@contextlib.contextmanager
+def terminate_like_ctrl_c() -> Iterator[None]:
+    """Within this block SIGTERM and SIGHUP raise `Terminated` (signals the process started with
+    ignored stay ignored; outside the main thread nothing changes)."""
+    signums = [s for s in EXIT_CODES if s != signal.SIGINT]
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    hangup_fds = [fd for fd in (1, 2) if _is_terminal_or_pipe(fd)]
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        if signum == getattr(signal, "SIGHUP", None):
+            _leave_the_terminal(hangup_fds)
+        raise Terminated(signum)
+
+    previous = {s: signal.getsignal(s) for s in signums}
+    for s, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, terminate)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            # Only undo our own: after a training stop, StopRequest left `_exit_at_once` in place for
+            # repeats, and the default handler must not come back before the process has exited.
+            if signal.getsignal(s) is terminate:
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 def _ignore_repeats() -> None:

@@ -37,6 +37,11 @@ def _start_worker() -> None:
     torch.set_num_threads(1)
     # Ctrl-C reaches the whole process group: the parent stops the workers and reports it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The fork inherited the parent's SIGTERM/SIGHUP handlers, which raise (signals.py); the
+    # parent stops its workers with SIGTERM, and a worker should then simply end.
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
 def _run_task(args: tuple) -> Any:
