@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TFM, tfm, tiny_run
+from tests.conftest import TFM, get_corpus_slice, multi30k_config, tfm, tiny_run
 from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import load_config
 from transformer_cli.errors import Diverged
@@ -254,6 +254,32 @@ def test_failed_checkpoint_write_is_one_line_and_keeps_the_previous_one(tiny_pre
     assert last.read_bytes() == before and temp_files(tmp_path / "run") == []
     train(load_config(config, ["train.max_steps=20"]), resume=True, progress_bar=False)
     assert load_checkpoint(last)["progress"]["step"] == 20
+
+
+@pytest.fixture(scope="module")
+def multi30k_8k(tmp_path_factory) -> Path:
+    return get_corpus_slice(tmp_path_factory.mktemp("multi30k_8k"), 8000)
+
+
+@pytest.mark.parametrize("max_bytes, fails_on", [(100_000, "spm.model"), (300_000, "data/train.src.tokens.npy")])
+def test_failed_prepare_write_is_one_line_and_leaves_nothing_half_written(multi30k_8k, tmp_path, max_bytes, fails_on):
+    """A full disk (a file-size limit here) while `tfm prepare` writes the vocabulary (~254 kB) or the
+    encoded training data (~348 kB a side): exit 2 naming that file, nothing truncated left behind,
+    and the next prepare works. (sentencepiece's own writer ignored the failed write and left a
+    truncated spm.model, which a later load turned into a traceback.)"""
+    raw = multi30k_config(multi30k_8k, tmp_path / "run")
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(raw))
+    proc = subprocess.run([*TFM, "prepare", "--config", str(config)], capture_output=True, text=True,
+                          preexec_fn=limit_file_size(max_bytes))
+    assert proc.returncode == 2, proc.stderr
+    assert one_line_error(proc) == f"error: {tmp_path / 'run' / fails_on}: File too large (EFBIG)"
+    run = tmp_path / "run"
+    assert not (run / fails_on).exists() and not (run / "prepare.json").exists()
+    assert [p for p in run.rglob("*") if p.name.endswith(".tmp")] == []
+    done = subprocess.run([*TFM, "prepare", "--config", str(config)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (run / fails_on).stat().st_size > max_bytes  # it did need more than the limit
 
 
 def without_permission_override():

@@ -22,7 +22,7 @@ import numpy as np
 import sentencepiece as spm
 
 from .errors import TfmError
-from .io_utils import atomic_path, decode_line, iter_raw_lines
+from .io_utils import atomic_path, decode_line, iter_raw_lines, named_after
 
 UNK_ID = 1  # as data.UNK_ID (kept here so workers import nothing heavy)
 
@@ -225,15 +225,24 @@ class NpyAppender:
         return self._file.tell()
 
     def append(self, array: np.ndarray) -> None:
-        self._file.write(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
+        try:
+            self._file.write(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
+        except OSError as exc:  # a full disk: name the file the user knows, not its temporary stand-in
+            raise named_after(exc, self.target) from None
         self.count += len(array)
 
     def close(self) -> None:
-        if self._write_header(self.count) != self._header_size:
-            raise RuntimeError("npy header size changed")  # cannot happen for 1-D arrays
-        self._file.close()
+        try:
+            if self._write_header(self.count) != self._header_size:
+                raise RuntimeError("npy header size changed")  # cannot happen for 1-D arrays
+            self._file.close()
+        except OSError as exc:
+            raise named_after(exc, self.target) from None
         self._atomic.__exit__(None, None, None)
 
     def abort(self) -> None:
-        self._file.close()
-        self._atomic.__exit__(TfmError, TfmError("aborted"), None)
+        try:
+            self._file.close()  # flushes what is buffered: fails again on a full disk
+        except OSError:
+            pass
+        self._atomic.__exit__(TfmError, TfmError("aborted"), None)  # removes the temporary file

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import re
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,35 +71,39 @@ def vocab_paths(run_dir: Path, joint: bool) -> dict[str, Path]:
 
 
 def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentConfig) -> None:
-    """Train a sentencepiece model on `sentences` and write it atomically to `target`."""
+    """Train a sentencepiece model on `sentences` and write it atomically to `target`.
+
+    The trainer hands the model over in memory (`model_writer`) and Python writes it: sentencepiece's
+    own file writer does not check its writes, so a full disk or a file-size limit left a truncated
+    model that only failed later, when loaded.
+    """
     vocab = config.vocab
-    with tempfile.TemporaryDirectory() as tmp:
-        prefix = Path(tmp) / "spm"
-        try:
-            spm.SentencePieceTrainer.train(
-                sentence_iterator=iter(s for s in sentences if s.strip()),
-                model_prefix=str(prefix),
-                vocab_size=vocab.size,
-                model_type=vocab.model_type,
-                character_coverage=vocab.character_coverage,
-                input_sentence_size=0,  # `prepare` already sampled (vocab.input_sentence_size)
-                pad_id=PAD_ID,
-                unk_id=UNK_ID,
-                bos_id=BOS_ID,
-                eos_id=EOS_ID,
-                # prepare.workers is the number of cores prepare may use, in every stage.
-                num_threads=config.prepare.workers or default_workers(),
-                minloglevel=2,
-            )
-        except RuntimeError as exc:  # e.g. vocab size too large for the corpus
-            too_high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(exc))
-            if too_high:
-                raise TfmError(f"key 'vocab.size': {vocab.size} pieces is more than this training data supports "
-                               f"(at most {too_high[2]}); lower vocab.size") from None
-            detail = re.sub(r"^.*?\) \[?", "", str(exc).strip().splitlines()[0])  # drop "INTERNAL: file.cc(123)"
-            raise TfmError(f"sentencepiece training failed (vocab.size={vocab.size}): {detail}") from None
-        with atomic_path(target) as tmp_target:
-            shutil.copyfile(f"{prefix}.model", tmp_target)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(s for s in sentences if s.strip()),
+            model_writer=model,
+            vocab_size=vocab.size,
+            model_type=vocab.model_type,
+            character_coverage=vocab.character_coverage,
+            input_sentence_size=0,  # `prepare` already sampled (vocab.input_sentence_size)
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            # prepare.workers is the number of cores prepare may use, in every stage.
+            num_threads=config.prepare.workers or default_workers(),
+            minloglevel=2,
+        )
+    except RuntimeError as exc:  # e.g. vocab size too large for the corpus
+        too_high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(exc))
+        if too_high:
+            raise TfmError(f"key 'vocab.size': {vocab.size} pieces is more than this training data supports "
+                           f"(at most {too_high[2]}); lower vocab.size") from None
+        detail = re.sub(r"^.*?\) \[?", "", str(exc).strip().splitlines()[0])  # drop "INTERNAL: file.cc(123)"
+        raise TfmError(f"sentencepiece training failed (vocab.size={vocab.size}): {detail}") from None
+    with atomic_path(target) as tmp_target:
+        tmp_target.write_bytes(model.getvalue())
 
 
 def load_sentencepiece(path: Path) -> spm.SentencePieceProcessor:

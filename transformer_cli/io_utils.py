@@ -91,7 +91,7 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=target.parent)
     except OSError as exc:
-        raise _naming(exc, target) from None
+        raise named_after(exc, target) from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -102,13 +102,13 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
         os.replace(tmp_path, target)
         _fsync_directory(target.parent)
     except OSError as exc:
-        raise _naming(exc, target) from None
+        raise named_after(exc, target) from None
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
 
 
-def _naming(exc: OSError, target: Path) -> OSError:
+def named_after(exc: OSError, target: Path) -> OSError:
     """The same error, naming the file the user knows rather than its temporary stand-in."""
     if exc.filename is None or TEMP_SUFFIX in str(exc.filename) or Path(exc.filename) == target.parent:
         return type(exc)(exc.errno, exc.strerror, str(target))
