@@ -2,6 +2,7 @@ import gzip
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -121,6 +122,11 @@ def _prepared_arrays(run_dir) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((run_dir / "data").glob("*.npy"))}
 
 
+def _pieces(model: Path) -> list[tuple[str, float]]:
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    return [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.vocab_size())]
+
+
 def test_parallel_workers_write_the_same_files_as_one_process(multi30k_2k, tmp_path):
     """Chunked encoding in 2 worker processes (small chunks, so many tasks) = in-process encoding."""
     outputs = []
@@ -131,6 +137,12 @@ def test_parallel_workers_write_the_same_files_as_one_process(multi30k_2k, tmp_p
         outputs.append((_prepared_arrays(tmp_path / f"w{workers}"), result.manifest["stats"],
                         result.manifest["train_pairs_dropped"]))
     assert outputs[0] == outputs[1]
+    assert _pieces(tmp_path / "w1/spm.model") == _pieces(tmp_path / "w2/spm.model")
+    # The same settings again: the same vocabulary file, byte for byte (it records the thread count,
+    # but no temporary path).
+    raw = multi30k_config(multi30k_2k, tmp_path / "again", prepare={"workers": 2, "chunk_lines": 150})
+    prepare(config_from_dict(raw), progress=False)
+    assert (tmp_path / "again/spm.model").read_bytes() == (tmp_path / "w2/spm.model").read_bytes()
     assert len(outputs[0][0]) == 12  # 3 splits x 2 sides x (tokens, offsets)
     # The streamed .npy files are ordinary numpy arrays (memory-mapped by training).
     data = ParallelData(tmp_path / "w2", "train")
