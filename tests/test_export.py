@@ -4,6 +4,7 @@ tfm and CTranslate2 are compared with each other, never with fixed strings, so t
 depend on the CPU that trained the fixtures.
 """
 
+import resource
 import subprocess
 import sys
 
@@ -123,6 +124,15 @@ def test_cli_export_and_translate_stream(reverse_model, tmp_path):
     assert {"model.bin", "source.spm.model", "target.spm.model"} <= {p.name for p in out.iterdir()}
     again = tfm_in_process("export", "--checkpoint", summary.best_checkpoint, "-o", out)
     assert again.exit_code == 2 and "--force" in again.stderr
+    # --force on a full disk (a file-size limit here): one line naming the directory; the export that
+    # was there stays whole and no staging directory is left.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    full = subprocess.run([*TFM, "export", "--checkpoint", str(summary.best_checkpoint), "-o", str(out), "--force"],
+                          capture_output=True, text=True, preexec_fn=lambda: resource.setrlimit(
+                              resource.RLIMIT_FSIZE, (20_000, 20_000)))
+    assert full.returncode == 2 and full.stderr.strip().splitlines()[-1] == f"error: {out}: File too large (EFBIG)"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
     src = read_lines(f"{config.data.test}.src.gz")[:30]
     text = "\n".join(src[:20] + ["", "   "] + src[20:]) + "\n"

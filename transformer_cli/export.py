@@ -189,6 +189,8 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
         if output.exists():
             shutil.rmtree(output)
         staging.rename(output)
+    except OSError as exc:  # a full disk: name the directory the user asked for, not the staging one
+        raise OSError(exc.errno, exc.strerror, str(output)) from None
     finally:
         if staging.exists():
             shutil.rmtree(staging)
