@@ -1,5 +1,6 @@
 import gc
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -474,6 +475,36 @@ def test_sigterm_or_hangup_while_writing_output_leaves_no_file_and_no_worker(rev
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # nobody left in its process group
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_a_full_disk_under_stdout_or_output_is_one_line_exit_2(reverse_model, test_set, tmp_path, unbuffered):
+    """A file-size limit 5 bytes short of the translation (a disk that fills up during the last
+    write) under `tfm translate > file` and under `--output`: exit 2 and one line naming standard
+    output / the file. Before: "error: File too large" naming nothing, a second error from Python
+    retrying the write at exit (status 120), and with PYTHONUNBUFFERED=1 (set in many container
+    images), whose text stream drops the rest of a short write silently, exit 0 with the last
+    line cut short."""
+    _, summary = reverse_model
+    src, _ = test_set
+    text = ("\n".join(src) + "\n").encode()
+    env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
+    args = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "1", "--workers", "1",
+            "--set", "decode.precision=fp32"]
+    full = subprocess.run(args, input=text, capture_output=True, env=env)
+    assert full.returncode == 0, full.stderr.decode()
+    limit = len(full.stdout) - 5
+    assert limit > 1000
+    limited = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # noqa: E731
+    with open(tmp_path / "stdout.txt", "w") as stdout:
+        proc = subprocess.run(args, input=text, stdout=stdout, stderr=subprocess.PIPE, env=env, preexec_fn=limited)
+    assert (proc.returncode, proc.stderr.decode()) == (2, "error: standard output: File too large (EFBIG)\n")
+    assert (tmp_path / "stdout.txt").read_bytes() == full.stdout[:limit]
+    out = tmp_path / "out" / "out.txt"
+    proc = subprocess.run([*args, "--output", str(out)], input=text, capture_output=True, env=env,
+                          preexec_fn=limited)
+    assert (proc.returncode, proc.stderr.decode()) == (2, f"error: {out}: File too large (EFBIG)\n")
+    assert list(out.parent.iterdir()) == []
 
 
 def feed_forever(stream, lines: list[str]) -> None:

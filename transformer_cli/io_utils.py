@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import os
@@ -62,6 +63,39 @@ def read_lines(path: str | Path) -> list[str]:
 
 
 TEMP_SUFFIX = ".tmp"
+
+
+def write_fully(stream: IO[str], text: str) -> None:
+    """Write `text` and flush it: all of it, or an OSError that names the file.
+
+    An unbuffered text stream (`python -u`, PYTHONUNBUFFERED=1 as many container images set)
+    ignores a short write, which a filling disk makes: the rest of the text was lost without an
+    error. Its bytes go to the file here until all are written, so the next write says ENOSPC/EFBIG.
+    After such an error the file takes nothing more; what is still buffered for it is dropped
+    (the descriptor now points at /dev/null), or Python would retry it at exit and fail there with
+    status 120. A closed pipe (BrokenPipeError) is left to the caller.
+    """
+    raw = getattr(stream, "buffer", None)
+    try:
+        if isinstance(raw, io.RawIOBase):
+            stream.flush()
+            data = memoryview(text.encode(stream.encoding, stream.errors or "strict"))
+            while data:
+                data = data[raw.write(data) or 0:]  # None: a non-blocking file that is full for now
+        else:
+            stream.write(text)
+            stream.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        name = getattr(stream, "name", None)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        if exc.filename is not None or not isinstance(name, str):
+            raise
+        raise OSError(exc.errno, exc.strerror, "standard output" if name == "<stdout>" else name) from None
 
 
 def _fsync_directory(directory: Path) -> None:

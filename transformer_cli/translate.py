@@ -22,6 +22,7 @@ from .config import DecodeConfig, ExperimentConfig, apply_override, config_from_
 from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search, greedy_search_continuous
 from .errors import TfmError
+from .io_utils import write_fully
 from .model import MultiHeadAttention, PositionwiseFeedForward, Transformer
 from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, is_out_of_memory,
                       keep_freed_memory, resolve_device, split_on_out_of_memory)
@@ -377,13 +378,14 @@ def translate_stream(
     first = min(chunk_lines, translator.decode.batch_size)
     for chunk in chunks(lines, first, chunk_lines):
         results = translator.translate(chunk, beam=beam, nbest=nbest, first_line=stats.sentences + 1)
+        texts = []
         for offset, translations in enumerate(results):
             if nbest > 1:
-                output.write("\n".join(format_nbest(stats.sentences + offset, translations)) + "\n")
+                texts.extend(format_nbest(stats.sentences + offset, translations))
             else:
-                output.write(translations[0].text + "\n")
+                texts.append(translations[0].text)
             stats.tokens += translations[0].n_tokens
-        output.flush()
+        write_fully(output, "\n".join(texts) + "\n")  # a full disk: an OSError naming the file
         stats.sentences += len(chunk)
         bar.update(len(chunk))
     bar.close()
