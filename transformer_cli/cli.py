@@ -6,7 +6,6 @@ import contextlib
 import errno
 import functools
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import typer
 
 from . import __version__
 from .errors import Diverged, Interrupted, TfmError
+from .io_utils import discard_writes
 from .signals import Terminated, terminate_like_ctrl_c
 
 app = typer.Typer(
@@ -58,8 +58,7 @@ def user_errors(fn):
             raise typer.Exit(stop.exit_code) from None
         except BrokenPipeError:
             # Downstream closed the pipe (`tfm translate | head`): stop quietly.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
+            discard_writes([sys.stdout.fileno()])  # Python's flush at exit would fail again
             raise typer.Exit(0) from None
         except OSError as exc:
             # Disk full, read-only or unwritable directories, file-size limits: name the path and cause.

@@ -65,6 +65,15 @@ def read_lines(path: str | Path) -> list[str]:
 TEMP_SUFFIX = ".tmp"
 
 
+def discard_writes(fds: list[int]) -> None:
+    """Point these file descriptors at /dev/null: what is still written to them (buffered output
+    flushed at exit, a progress bar) goes nowhere instead of failing where nothing can take it."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in fds:
+        os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def write_fully(stream: IO[str], text: str) -> None:
     """Write `text` and flush it: all of it, or an OSError that names the file.
 
@@ -90,9 +99,7 @@ def write_fully(stream: IO[str], text: str) -> None:
     except OSError as exc:
         name = getattr(stream, "name", None)
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, stream.fileno())
-            os.close(devnull)
+            discard_writes([stream.fileno()])
         if exc.filename is not None or not isinstance(name, str):
             raise
         raise OSError(exc.errno, exc.strerror, "standard output" if name == "<stdout>" else name) from None

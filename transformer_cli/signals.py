@@ -32,6 +32,8 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
+from .io_utils import discard_writes
+
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 if hasattr(signal, "SIGHUP"):  # not on Windows
     EXIT_CODES[signal.SIGHUP] = 129
@@ -45,7 +47,7 @@ class StopRequest:
         self._hangup_fds: list[int] = []
 
     def __enter__(self) -> StopRequest:
-        self._hangup_fds = [fd for fd in (1, 2) if _is_terminal_or_pipe(fd)]  # stdout, stderr
+        self._hangup_fds = _outputs_a_hangup_takes()
         if threading.current_thread() is threading.main_thread():
             for signum in EXIT_CODES:
                 if signal.getsignal(signum) is signal.SIG_IGN:
@@ -67,7 +69,7 @@ class StopRequest:
             raise KeyboardInterrupt  # second signal: give up now
         self.signum = signum
         if signum == getattr(signal, "SIGHUP", None):
-            _leave_the_terminal(self._hangup_fds)
+            discard_writes(self._hangup_fds)
         if self.announce:
             print(f"\n{signal.Signals(signum).name}: stopping after the current step and saving "
                   "(send it again to abort)", file=sys.stderr, flush=True)
@@ -80,13 +82,10 @@ def _is_terminal_or_pipe(fd: int) -> bool:
         return False
 
 
-def _leave_the_terminal(fds: list[int]) -> None:
-    """Point these descriptors (found at the start: a hung-up terminal no longer says it is one) at
-    /dev/null, since every write to a hung-up terminal, or to a pipe whose reader it took, fails."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    for fd in fds:
-        os.dup2(devnull, fd)
-    os.close(devnull)
+def _outputs_a_hangup_takes() -> list[int]:
+    """stdout/stderr where they are a terminal or a pipe; looked at before any hang-up, since a
+    hung-up terminal no longer says it is one. Every later write to them fails (EIO, EPIPE)."""
+    return [fd for fd in (1, 2) if _is_terminal_or_pipe(fd)]
 
 
 def _exit_at_once(signum: int, frame: FrameType | None) -> None:
@@ -113,11 +112,11 @@ def terminate_like_ctrl_c() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    hangup_fds = [fd for fd in (1, 2) if _is_terminal_or_pipe(fd)]
+    hangup_fds = _outputs_a_hangup_takes()
 
     def terminate(signum: int, frame: FrameType | None) -> None:
         if signum == getattr(signal, "SIGHUP", None):
-            _leave_the_terminal(hangup_fds)
+            discard_writes(hangup_fds)
         raise Terminated(signum)
 
     previous = {s: signal.getsignal(s) for s in signums}
