@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,16 @@ def tiny_run(tiny_prepared, dest: Path, **train_overrides) -> Path:
     config = dest / "tiny.yaml"
     config.write_text(json.dumps(tiny_reverse_config(data, dest / "run", **train_overrides)))
     return config
+
+
+def wait_until_training(run_dir: Path, records: int = 5, meanwhile=lambda: time.sleep(0.05),
+                        timeout: float = 120.0) -> None:
+    """Return once a `tfm train` subprocess has logged `records` lines to <run_dir>/metrics.jsonl
+    (it is past start-up and training), or after `timeout`; `meanwhile` runs between looks."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < records):
+        meanwhile()
 
 
 def assert_same_final_weights(a_path: Path, b_path: Path, step: int) -> None:

@@ -25,7 +25,7 @@ from transformer_cli.config import config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.train import train
 
-from .conftest import assert_same_final_weights, multi30k_config
+from .conftest import assert_same_final_weights, multi30k_config, wait_until_training
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +148,6 @@ def test_a_signal_to_torchrun_stops_every_rank_after_the_same_step_and_saves(mul
     saves it and says so, once. (torchrun itself then ends with its own SignalException traceback and
     exit 1.) After a hang-up the message goes nowhere: stderr here is a pipe, which tfm then leaves."""
     import signal
-    import time
 
     raw = ddp_config(multi30k_2k, tmp_path / "run", steps=200, log_every=1)
     path = tmp_path / "run.yaml"
@@ -157,10 +156,7 @@ def test_a_signal_to_torchrun_stops_every_rank_after_the_same_step_and_saves(mul
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "-m", "transformer_cli", "train", "--config", str(path)], stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
-        time.sleep(0.05)
+    wait_until_training(tmp_path / "run")
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     saved = load_checkpoint(tmp_path / "run/checkpoints/checkpoint_last.pt")["progress"]["step"]

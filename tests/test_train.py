@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from transformer_cli.errors import TfmError
 from transformer_cli.runtime import choose_precision, cpu_has_fast_bf16, measure_bf16_speedup
 from transformer_cli.train import autocast_dtype, budget_used, label_smoothed_loss, learning_rate, train, warmup_steps
 
-from .conftest import ROOT, assert_same_final_weights, multi30k_config
+from .conftest import ROOT, assert_same_final_weights, multi30k_config, wait_until_training
 
 
 def test_noam_schedule_values():
@@ -285,10 +284,7 @@ def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straig
     # (`pytest &` from a script): tfm keeps an ignored signal ignored.
     proc = subprocess.Popen([*tfm, str(stopped)], stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
-    metrics = tmp_path / "stopped" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
-        time.sleep(0.05)
+    wait_until_training(tmp_path / "stopped")
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == code, stderr
@@ -326,12 +322,13 @@ def test_hangup_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straig
                             stderr=terminal if output == "terminal" else writer, preexec_fn=own_the_terminal)
     os.close(terminal)
     os.close(writer)
-    shown = b""
-    metrics = tmp_path / "stopped" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
-        for ready in select.select([master, reader], [], [], 0.05)[0]:  # keep reading, as a terminal does
-            shown += os.read(ready, 65536)
+    shown = []
+
+    def keep_reading() -> None:  # as a terminal does
+        shown.extend(os.read(ready, 65536) for ready in select.select([master, reader], [], [], 0.05)[0])
+
+    wait_until_training(tmp_path / "stopped", meanwhile=keep_reading)
+    shown = b"".join(shown)
     os.close(reader)  # `tee` got the hang-up too (or nobody read it at all)
     os.close(master)  # the terminal goes away: the kernel hangs it up and sends SIGHUP
     assert proc.wait(timeout=120) == 129, shown.decode(errors="replace")[-2000:]
