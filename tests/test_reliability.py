@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TFM, get_corpus_slice, multi30k_config, tfm, tiny_run
+from tests.conftest import TFM, get_corpus_slice, multi30k_config, tfm, tiny_run, wait_until_training
 from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import load_config
 from transformer_cli.errors import Diverged
@@ -254,6 +254,46 @@ def test_failed_checkpoint_write_is_one_line_and_keeps_the_previous_one(tiny_pre
     assert last.read_bytes() == before and temp_files(tmp_path / "run") == []
     train(load_config(config, ["train.max_steps=20"]), resume=True, progress_bar=False)
     assert load_checkpoint(last)["progress"]["step"] == 20
+
+
+@pytest.mark.parametrize("console", ["/dev/full", "closed pipe"])
+def test_a_console_that_takes_no_more_output_does_not_stop_training(tiny_prepared, tmp_path, console):
+    """`tfm train 2> train.log` on a disk that fills up (/dev/full: every write fails, ENOSPC), or
+    into a pipe whose reader quit (`2>&1 | head`: EPIPE). The console is only a view of the run:
+    training goes on, metrics.jsonl says why the console went quiet, SIGTERM still stops it with a
+    save (143), and a resumed run ends normally (0). Before: the first line that could not be
+    written ended the run with nothing saved (exit 1 with a traceback nobody could see; exit 0 for
+    the pipe)."""
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=100_000, eval_every=10_000, log_every=1)
+    run = tmp_path / "run"
+    args = [*TFM, "train", "--config", str(config)]
+
+    def start(extra: list[str] = []) -> subprocess.Popen:  # noqa: B006
+        if console == "/dev/full":
+            with open("/dev/full", "w") as full:
+                return subprocess.Popen([*args, *extra], stdout=subprocess.DEVNULL, stderr=full)
+        proc = subprocess.Popen([*args, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert proc.stderr.readline()  # it wrote to the pipe while it could; then the reader quits
+        proc.stderr.close()
+        return proc
+
+    def records() -> list[dict]:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    proc = start()
+    wait_until_training(run, records=40)
+    lost = [i for i, r in enumerate(records()) if r["kind"] == "console_lost"]
+    assert len(lost) == 1, records()[:3]
+    expected = "stderr: No space left on device (ENOSPC)" if console == "/dev/full" else "stderr: Broken pipe (EPIPE)"
+    assert records()[lost[0]]["error"] == expected
+    assert sum(r["kind"] == "train" for r in records()[lost[0]:]) >= 20  # it went on training
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    step = load_checkpoint(run / "checkpoints/checkpoint_last.pt")["progress"]["step"]
+    assert step >= 40
+    resumed = start(["--resume", "--set", f"train.max_steps={step + 5}"])
+    assert resumed.wait(timeout=120) == 0
+    assert load_checkpoint(run / "checkpoints/checkpoint_last.pt")["progress"]["step"] == step + 5
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
 import signal
@@ -14,7 +13,7 @@ from typing import Optional
 import typer
 
 from . import __version__
-from .errors import Diverged, Interrupted, TfmError
+from .errors import Diverged, Interrupted, TfmError, describe_os_error
 from .io_utils import discard_writes
 from .signals import Terminated, terminate_like_ctrl_c
 
@@ -40,21 +39,17 @@ def user_errors(fn):
             with terminate_like_ctrl_c():
                 return fn(*args, **kwargs)
         except TfmError as err:
-            typer.echo(f"error: {err}", err=True)
+            _tell(f"error: {err}")
             raise typer.Exit(2) from None
-        except Diverged as stop:
-            typer.echo(f"error: {stop}", err=True)
-            raise typer.Exit(stop.exit_code) from None
-        except Interrupted as stop:
+        except Interrupted as stop:  # Diverged too
             if str(stop):  # torchrun's other ranks stop silently: rank 0 has said it
-                typer.echo(str(stop), err=True)
+                _tell(f"error: {stop}" if isinstance(stop, Diverged) else str(stop))
             raise typer.Exit(stop.exit_code) from None
         except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
+            _tell("interrupted")
             raise typer.Exit(130) from None
         except Terminated as stop:
-            with contextlib.suppress(OSError):  # stderr may be gone with the terminal
-                typer.echo(f"{stop}: stopped", err=True)
+            _tell(f"{stop}: stopped")
             raise typer.Exit(stop.exit_code) from None
         except BrokenPipeError:
             # Downstream closed the pipe (`tfm translate | head`): stop quietly.
@@ -62,21 +57,23 @@ def user_errors(fn):
             raise typer.Exit(0) from None
         except OSError as exc:
             # Disk full, read-only or unwritable directories, file-size limits: name the path and cause.
-            typer.echo(f"error: {describe_os_error(exc)}", err=True)
+            _tell(f"error: {describe_os_error(exc)}")
             raise typer.Exit(2) from None
         except MemoryError:
-            typer.echo("error: out of memory (use smaller batches: train.max_tokens / decode.batch_size)", err=True)
+            _tell("error: out of memory (use smaller batches: train.max_tokens / decode.batch_size)")
             raise typer.Exit(2) from None
 
     return wrapper
 
 
-def describe_os_error(exc: OSError) -> str:
-    """`<path>: <reason> (<ERRNO>)`, e.g. `runs/x/checkpoints: No space left on device (ENOSPC)`."""
-    code = errno.errorcode.get(exc.errno, "") if exc.errno is not None else ""
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    where = f"{exc.filename}: " if exc.filename else ""
-    return f"{where}{reason}{f' ({code})' if code else ''}"
+def _tell(message: str) -> None:
+    """One line on stderr, if stderr can still take it (gone with a terminal, a full disk under
+    `2> log`): the exit status says what happened either way."""
+    try:
+        typer.echo(message, err=True)
+    except OSError:
+        with contextlib.suppress(OSError, ValueError):
+            discard_writes([sys.stderr.fileno()])  # Python's flush at exit would fail again (status 120)
 
 
 def _load(config: Optional[Path], overrides: Optional[list[str]]):

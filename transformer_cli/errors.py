@@ -1,5 +1,7 @@
 """User-facing errors: the CLI prints them as one line and exits with status 2."""
 
+import errno
+
 
 class TfmError(Exception):
     """Bad input (config, files, arguments) that the user can fix; never a bug.
@@ -24,3 +26,11 @@ class Diverged(Interrupted):
 
     def __init__(self, message: str):
         super().__init__(message, exit_code=3)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """`<path>: <reason> (<ERRNO>)`, e.g. `runs/x/checkpoints: No space left on device (ENOSPC)`."""
+    code = errno.errorcode.get(exc.errno, "") if exc.errno is not None else ""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    where = f"{exc.filename}: " if exc.filename else ""
+    return f"{where}{reason}{f' ({code})' if code else ''}"

@@ -71,8 +71,9 @@ class StopRequest:
         if signum == getattr(signal, "SIGHUP", None):
             discard_writes(self._hangup_fds)
         if self.announce:
-            print(f"\n{signal.Signals(signum).name}: stopping after the current step and saving "
-                  "(send it again to abort)", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):  # raised here, it would strike the loop mid-step
+                print(f"\n{signal.Signals(signum).name}: stopping after the current step and saving "
+                      "(send it again to abort)", file=sys.stderr, flush=True)
 
 
 def _is_terminal_or_pipe(fd: int) -> bool:

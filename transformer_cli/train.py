@@ -25,8 +25,8 @@ from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duratio
 from .data import PAD_ID, Batch, ParallelData, load_manifest, padding_ratio
 from .distributed import World, all_max, all_rng_states, all_sum, join, leave, world_from_environment
 from .ema import WeightAverage
-from .errors import Diverged, Interrupted, TfmError
-from .io_utils import atomic_write_text, read_lines, remove_stale_temps
+from .errors import Diverged, Interrupted, TfmError, describe_os_error
+from .io_utils import atomic_write_text, discard_writes, read_lines, remove_stale_temps
 from .model import Transformer, TransformerConfig
 from .runlock import RunLock
 from .runtime import choose_precision, is_out_of_memory, keep_freed_memory, resolve_device
@@ -179,6 +179,10 @@ class RunOutput:
     """The single place that prints, appends metrics and writes checkpoints.
 
     Only rank 0 acts, so a distributed (torchrun) loop can call it from every process.
+    The console (stderr) is only a view of the run: when writing to it fails (`2> train.log` on a
+    disk that filled up, a pipe whose reader quit), training goes on without it. stderr points at
+    /dev/null from then on, and metrics.jsonl, the run's record, says when and why the console
+    stopped. Checkpoints and metrics.jsonl are another matter: their errors stop the run (exit 2).
     """
 
     def __init__(self, run_dir: Path, rank: int = 0, progress: bool = True):
@@ -198,18 +202,27 @@ class RunOutput:
 
     def advance(self, postfix: dict | None = None) -> None:
         if self.bar is not None:
-            self.bar.update(1)
-            if postfix:
-                self.bar.set_postfix(postfix, refresh=False)
+            bar = self.bar
+            self._console(lambda: (bar.update(1), postfix and bar.set_postfix(postfix, refresh=False)))
 
     def close_bar(self) -> None:
         if self.bar is not None:
-            self.bar.close()
+            self._console(self.bar.close)
             self.bar = None
 
     def print(self, message: str) -> None:
         if self.active:
-            tqdm.write(message, file=sys.stderr)
+            self._console(lambda: tqdm.write(message, file=sys.stderr))
+
+    def _console(self, write: Callable[[], object]) -> None:
+        try:
+            write()
+            sys.stderr.flush()  # here, not at some later write or at exit
+        except OSError as exc:  # the console is gone (BrokenPipeError included): carry on without it
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                discard_writes([sys.stderr.fileno()])
+            self.log({"kind": "console_lost", "time": time.time(),
+                      "error": describe_os_error(exc if exc.filename else OSError(exc.errno, exc.strerror, "stderr"))})
 
     def log(self, record: dict) -> None:
         if self.active:
