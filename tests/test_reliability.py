@@ -296,6 +296,25 @@ def test_a_console_that_takes_no_more_output_does_not_stop_training(tiny_prepare
     assert load_checkpoint(run / "checkpoints/checkpoint_last.pt")["progress"]["step"] == step + 5
 
 
+def test_output_into_a_full_disk_is_one_line_and_a_dead_stderr_keeps_the_exit_status(tmp_path):
+    """stdout on a full disk (/dev/full: every write fails with ENOSPC) for a command's result, for
+    --version and for --help: one line naming standard output, exit 2. Before: `error: No space left on
+    device (ENOSPC)` naming nothing (evaluate), a traceback and exit 1 (--version, --help). And a BLEU
+    gate whose stderr is on a full disk still exits 1 (fail) or 0 (pass): before, 2 with a traceback."""
+    hyp, ref = tmp_path / "hyp.txt", tmp_path / "ref.txt"
+    hyp.write_text("a small dog runs\nthe cat sleeps on the sofa\n")
+    ref.write_text("a small dog runs\nthe cat sleeps on a sofa\n")
+    score = ["evaluate", "--hyp", str(hyp), "--ref", str(ref)]
+    for args in (score, [*score, "--json"], ["--version"], ["--help"], ["evaluate", "--help"]):
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([*TFM, *args], stdout=full, stderr=subprocess.PIPE, text=True)
+        assert (proc.returncode, proc.stderr) == (2, "error: standard output: No space left on device (ENOSPC)\n"), args
+    for gate, status in (("99", 1), ("10", 0)):
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([*TFM, *score, "--min-bleu", gate], stdout=subprocess.PIPE, stderr=full, text=True)
+        assert proc.returncode == status and proc.stdout.startswith("BLEU = "), (gate, proc.stdout)
+
+
 @pytest.fixture(scope="module")
 def multi30k_8k(tmp_path_factory) -> Path:
     return get_corpus_slice(tmp_path_factory.mktemp("multi30k_8k"), 8000)

@@ -14,7 +14,7 @@ import typer
 
 from . import __version__
 from .errors import Diverged, Interrupted, TfmError, describe_os_error
-from .io_utils import discard_writes
+from .io_utils import discard_writes, write_fully
 from .signals import Terminated, terminate_like_ctrl_c
 
 app = typer.Typer(
@@ -76,6 +76,12 @@ def _tell(message: str) -> None:
             discard_writes([sys.stderr.fileno()])  # Python's flush at exit would fail again (status 120)
 
 
+def _say(text: str) -> None:
+    """One line on stdout, flushed now: a full disk under `tfm … > file` is then an OSError naming
+    standard output (one line, exit 2), not an unnamed error or Python's failed flush at exit."""
+    write_fully(sys.stdout, text + "\n")
+
+
 def _load(config: Optional[Path], overrides: Optional[list[str]]):
     from .config import load_config
 
@@ -86,7 +92,7 @@ def _load(config: Optional[Path], overrides: Optional[list[str]]):
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"tfm {__version__}")
+        _say(f"tfm {__version__}")
         raise typer.Exit()
 
 
@@ -111,18 +117,18 @@ def prepare(
     result = run_prepare(cfg, force=force, progress=sys.stderr.isatty())
     m = result.manifest
     if result.reused:
-        typer.echo(f"{result.run_dir}: up to date, reused existing vocab and data (--force to rebuild)")
+        _say(f"{result.run_dir}: up to date, reused existing vocab and data (--force to rebuild)")
     else:
         dropped = m["train_pairs_dropped"]
-        typer.echo(f"prepared {result.run_dir} in {m['seconds']:.1f}s; vocab {m['vocab_size']['src']} "
+        _say(f"prepared {result.run_dir} in {m['seconds']:.1f}s; vocab {m['vocab_size']['src']} "
                    f"({'joint' if cfg.vocab.joint else 'separate'}); dropped {sum(dropped.values())} of "
                    f"{m['train_pairs_read']} training pairs "
                    f"({', '.join(f'{k}: {v}' for k, v in dropped.items())})")
     for split, cut in m.get("truncated", {}).items():
-        typer.echo(f"warning: data.{split}: {cut['count']} pair(s) longer than {cut['max_tokens']} tokens "
+        _tell(f"warning: data.{split}: {cut['count']} pair(s) longer than {cut['max_tokens']} tokens "
                    f"(model.max_positions - 2) kept but truncated; line(s) {', '.join(map(str, cut['lines']))}"
-                   f"{' …' if cut['count'] > len(cut['lines']) else ''}", err=True)
-    typer.echo(result.summary)
+                   f"{' …' if cut['count'] > len(cut['lines']) else ''}")
+    _say(result.summary)
 
 
 @app.command()
@@ -222,11 +228,10 @@ def translate(
     rate = stats.sentences / stats.seconds if stats.seconds else 0.0
     precision = getattr(translator, "precision", None)
     processes = translator.decoding_processes
-    typer.echo(f"translated {stats.sentences} sentences in {stats.seconds:.1f}s: {rate:.1f} sentences/s, "
+    _tell(f"translated {stats.sentences} sentences in {stats.seconds:.1f}s: {rate:.1f} sentences/s, "
                f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s"
                f"{f'; {precision.describe()}' if precision is not None else ''}"
-               f"{f'; {processes} decoding processes' if processes > 1 else ''}",
-               err=True)
+               f"{f'; {processes} decoding processes' if processes > 1 else ''}")
 
 
 @app.command()
@@ -265,15 +270,15 @@ def evaluate(
                 systems[str(path)] = read_lines(path)
                 check_aligned(systems[str(path)], refs, str(path), str(ref))
             report = paired_comparison(systems, refs, names, confidence)
-            typer.echo(json.dumps(report) if as_json else format_paired(report))
+            _say(json.dumps(report) if as_json else format_paired(report))
             if min_bleu is not None:  # the gate applies to every system compared
                 failed = []
                 for name, scores in report["systems"].items():
                     bleu = scores["bleu"]["score"]
                     passed = bleu >= min_bleu
                     failed += [] if passed else [name]
-                    typer.echo(f"{'PASS' if passed else 'FAIL'}: {name} BLEU {bleu:.2f} "
-                               f"{'>=' if passed else '<'} {min_bleu}", err=True)
+                    _tell(f"{'PASS' if passed else 'FAIL'}: {name} BLEU {bleu:.2f} "
+                               f"{'>=' if passed else '<'} {min_bleu}")
                 if failed:
                     raise typer.Exit(1)
             return
@@ -289,20 +294,20 @@ def evaluate(
         raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")
 
     if as_json:
-        typer.echo(json.dumps(result.to_json()))
+        _say(json.dumps(result.to_json()))
     else:
         for s in result.scores.values():
             ci = f" (95% CI ± {s.ci:.2f})" if s.ci is not None else ""
-            typer.echo(f"{s.text}{ci}\n  {s.signature}")
+            _say(f"{s.text}{ci}\n  {s.signature}")
         if result.extra:
-            typer.echo(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
+            _say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
                        f"{result.extra['sentences_per_s']} sentences/s; hypotheses: {result.extra['hyp_file']}")
     if min_bleu is not None:
         bleu = result.scores["bleu"].score
         if bleu < min_bleu:
-            typer.echo(f"FAIL: BLEU {bleu:.2f} is below --min-bleu {min_bleu}", err=True)
+            _tell(f"FAIL: BLEU {bleu:.2f} is below --min-bleu {min_bleu}")
             raise typer.Exit(1)
-        typer.echo(f"PASS: BLEU {bleu:.2f} >= {min_bleu}", err=True)
+        _tell(f"PASS: BLEU {bleu:.2f} >= {min_bleu}")
 
 
 @app.command()
@@ -315,7 +320,7 @@ def average(
     from .checkpoint import average_checkpoints, save_checkpoint
 
     save_checkpoint(output, average_checkpoints(list(checkpoints)))
-    typer.echo(f"averaged {len(checkpoints)} checkpoints → {output}")
+    _say(f"averaged {len(checkpoints)} checkpoints → {output}")
 
 
 @app.command()
@@ -333,7 +338,7 @@ def plot(
     from .plot import plot_runs
 
     plot_runs(list(runs), output, width, height)
-    typer.echo(f"wrote {output} ({width}x{height}, {len(runs)} run{'s' if len(runs) > 1 else ''})")
+    _say(f"wrote {output} ({width}x{height}, {len(runs)} run{'s' if len(runs) > 1 else ''})")
 
 
 @app.command()
@@ -360,8 +365,8 @@ def attention(
     maps = model.maps(src, tgt, encoder_self=self_)
     plot_attention(maps, layer, output)
     if maps.translation:
-        typer.echo(f"target: {maps.translation}")
-    typer.echo(f"wrote {output}")
+        _say(f"target: {maps.translation}")
+    _say(f"wrote {output}")
 
 
 @app.command()
@@ -381,7 +386,7 @@ def export(
     if format_ != "ctranslate2":
         raise TfmError(f"--format {format_}: only ctranslate2 is supported")
     export_ctranslate2(checkpoint, output, force=force)
-    typer.echo(f"exported {checkpoint} → {output} (CTranslate2; translate with: tfm translate --engine "
+    _say(f"exported {checkpoint} → {output} (CTranslate2; translate with: tfm translate --engine "
                f"ctranslate2 --model {output})")
 
 
@@ -390,7 +395,11 @@ def main() -> None:
         # A file-size limit (ulimit -f) then fails the write with EFBIG, reported like a full
         # disk, instead of killing the process in the middle of it.
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    app()
+    try:
+        app()
+    except OSError as exc:  # --help or --version into a full disk (the commands report their own)
+        _tell(f"error: {describe_os_error(exc if exc.filename else OSError(exc.errno, exc.strerror, 'standard output'))}")
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
