@@ -507,6 +507,23 @@ def test_a_full_disk_under_stdout_or_output_is_one_line_exit_2(reverse_model, te
     assert list(out.parent.iterdir()) == []
 
 
+def test_warnings_into_a_full_disk_do_not_stop_translation(reverse_model, test_set):
+    """`tfm translate … 2> log` with the log's disk full (/dev/full) and an input line that needs a
+    warning (invalid UTF-8): the translation is still complete, exit 0. Before: exit 2 and no output,
+    since the warning that could not be written ended the run."""
+    _, summary = reverse_model
+    src, _ = test_set
+    text = ("\n".join(src[:40]) + "\n").encode() + b"wa \xff wb\n"
+    args = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "1", "--workers", "1",
+            "--set", "decode.precision=fp32"]
+    shown = subprocess.run(args, input=text, capture_output=True)
+    assert shown.returncode == 0 and b"line 41 is not valid UTF-8" in shown.stderr, shown.stderr
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(args, input=text, stdout=subprocess.PIPE, stderr=full)
+    assert proc.returncode == 0
+    assert proc.stdout == shown.stdout and len(proc.stdout.splitlines()) == 41
+
+
 def feed_forever(stream, lines: list[str]) -> None:
     try:
         while True:

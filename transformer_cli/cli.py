@@ -14,7 +14,7 @@ import typer
 
 from . import __version__
 from .errors import Diverged, Interrupted, TfmError, describe_os_error
-from .io_utils import discard_writes, write_fully
+from .io_utils import discard_writes, warn, write_fully
 from .signals import Terminated, terminate_like_ctrl_c
 
 app = typer.Typer(
@@ -67,13 +67,8 @@ def user_errors(fn):
 
 
 def _tell(message: str) -> None:
-    """One line on stderr, if stderr can still take it (gone with a terminal, a full disk under
-    `2> log`): the exit status says what happened either way."""
-    try:
-        typer.echo(message, err=True)
-    except OSError:
-        with contextlib.suppress(OSError, ValueError):
-            discard_writes([sys.stderr.fileno()])  # Python's flush at exit would fail again (status 120)
+    """One line on stderr, if stderr can still take it: the exit status says what happened either way."""
+    warn(message)
 
 
 def _say(text: str) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import gzip
 import io
 import os
+import sys
 import tempfile
 import zlib
 from collections.abc import Iterator
@@ -72,6 +73,18 @@ def discard_writes(fds: list[int]) -> None:
     for fd in fds:
         os.dup2(devnull, fd)
     os.close(devnull)
+
+
+def warn(message: str, stream: IO[str] | None = None) -> None:
+    """One line on stderr (or `stream`) that never stops the work: if it cannot be written (a full
+    disk under `2> log`, a pipe whose reader quit, a hung-up terminal), the stream gets nothing more
+    (it now points at /dev/null) and the caller carries on; its exit status says the rest."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        print(message, file=stream, flush=True)
+    except OSError:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            discard_writes([stream.fileno()])  # or Python's flush at exit fails again (status 120)
 
 
 def write_fully(stream: IO[str], text: str) -> None:

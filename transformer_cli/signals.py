@@ -32,7 +32,7 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-from .io_utils import discard_writes
+from .io_utils import discard_writes, warn
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 if hasattr(signal, "SIGHUP"):  # not on Windows
@@ -71,9 +71,8 @@ class StopRequest:
         if signum == getattr(signal, "SIGHUP", None):
             discard_writes(self._hangup_fds)
         if self.announce:
-            with contextlib.suppress(OSError):  # raised here, it would strike the loop mid-step
-                print(f"\n{signal.Signals(signum).name}: stopping after the current step and saving "
-                      "(send it again to abort)", file=sys.stderr, flush=True)
+            warn(f"\n{signal.Signals(signum).name}: stopping after the current step and saving "
+                 "(send it again to abort)")  # (an OSError raised here would strike the loop mid-step)
 
 
 def _is_terminal_or_pipe(fd: int) -> bool:

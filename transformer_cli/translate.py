@@ -22,7 +22,7 @@ from .config import DecodeConfig, ExperimentConfig, apply_override, config_from_
 from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search, greedy_search_continuous
 from .errors import TfmError
-from .io_utils import write_fully
+from .io_utils import warn, write_fully
 from .model import MultiHeadAttention, PositionwiseFeedForward, Transformer
 from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, is_out_of_memory,
                       keep_freed_memory, resolve_device, split_on_out_of_memory)
@@ -119,8 +119,8 @@ def decode_batches(model: Transformer, device: torch.device, batches: list[list[
         return beam_search(model, src, BOS_ID, EOS_ID, beam, alpha, max_len_a, b, nbest, min_len)
 
     def halved(size: int) -> None:
-        print(f"warning: out of memory translating a batch of {size} sentences: retrying it in halves "
-              "(lower decode.batch_size to avoid this)", file=sys.stderr)
+        warn(f"warning: out of memory translating a batch of {size} sentences: retrying it in halves "
+             "(lower decode.batch_size to avoid this)")
 
     def one_by_one() -> list[list[list[Hypothesis]]]:
         return [split_on_out_of_memory(partial(search, b), list(range(len(b))), halved) for b in batches]
@@ -321,22 +321,22 @@ def warn_long_lines(numbers: list[int], encoded: list[list], limit: int, first_l
     """A warning for each input line with more than `limit` tokens (decoding keeps the first `limit`)."""
     for i, tokens in zip(numbers, encoded):
         if len(tokens) > limit:
-            print(f"warning: input line {first_line + i} has {len(tokens)} tokens, more than the model's "
-                  f"{limit}: only the first {limit} are translated", file=sys.stderr)
+            warn(f"warning: input line {first_line + i} has {len(tokens)} tokens, more than the model's "
+                 f"{limit}: only the first {limit} are translated")
 
 
 # --------------------------------------------------------------------------- streaming
 
 
-def read_decoded_lines(stream: IO[bytes], warn: IO[str]) -> Iterator[str]:
+def read_decoded_lines(stream: IO[bytes], warnings: IO[str]) -> Iterator[str]:
     """Lines of a byte stream as text; invalid UTF-8 is replaced (U+FFFD) with a warning, never a crash."""
     for number, raw in enumerate(stream, start=1):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             text = raw.decode("utf-8", errors="replace")
-            print(f"warning: input line {number} is not valid UTF-8 ({exc.reason}); "
-                  "invalid bytes replaced with U+FFFD", file=warn)
+            warn(f"warning: input line {number} is not valid UTF-8 ({exc.reason}); "
+                 "invalid bytes replaced with U+FFFD", warnings)
         if number == 1 and text.startswith("\ufeff"):
             text = text[1:]  # a UTF-8 byte-order mark (Windows editors) is not part of the text
         yield text.rstrip("\r\n")
