@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import signal
@@ -39,17 +38,17 @@ def user_errors(fn):
             with terminate_like_ctrl_c():
                 return fn(*args, **kwargs)
         except TfmError as err:
-            _tell(f"error: {err}")
+            warn(f"error: {err}")
             raise typer.Exit(2) from None
         except Interrupted as stop:  # Diverged too
             if str(stop):  # torchrun's other ranks stop silently: rank 0 has said it
-                _tell(f"error: {stop}" if isinstance(stop, Diverged) else str(stop))
+                warn(f"error: {stop}" if isinstance(stop, Diverged) else str(stop))
             raise typer.Exit(stop.exit_code) from None
         except KeyboardInterrupt:
-            _tell("interrupted")
+            warn("interrupted")
             raise typer.Exit(130) from None
         except Terminated as stop:
-            _tell(f"{stop}: stopped")
+            warn(f"{stop}: stopped")
             raise typer.Exit(stop.exit_code) from None
         except BrokenPipeError:
             # Downstream closed the pipe (`tfm translate | head`): stop quietly.
@@ -57,18 +56,13 @@ def user_errors(fn):
             raise typer.Exit(0) from None
         except OSError as exc:
             # Disk full, read-only or unwritable directories, file-size limits: name the path and cause.
-            _tell(f"error: {describe_os_error(exc)}")
+            warn(f"error: {describe_os_error(exc)}")
             raise typer.Exit(2) from None
         except MemoryError:
-            _tell("error: out of memory (use smaller batches: train.max_tokens / decode.batch_size)")
+            warn("error: out of memory (use smaller batches: train.max_tokens / decode.batch_size)")
             raise typer.Exit(2) from None
 
     return wrapper
-
-
-def _tell(message: str) -> None:
-    """One line on stderr, if stderr can still take it: the exit status says what happened either way."""
-    warn(message)
 
 
 def _say(text: str) -> None:
@@ -116,13 +110,13 @@ def prepare(
     else:
         dropped = m["train_pairs_dropped"]
         _say(f"prepared {result.run_dir} in {m['seconds']:.1f}s; vocab {m['vocab_size']['src']} "
-                   f"({'joint' if cfg.vocab.joint else 'separate'}); dropped {sum(dropped.values())} of "
-                   f"{m['train_pairs_read']} training pairs "
-                   f"({', '.join(f'{k}: {v}' for k, v in dropped.items())})")
+             f"({'joint' if cfg.vocab.joint else 'separate'}); dropped {sum(dropped.values())} of "
+             f"{m['train_pairs_read']} training pairs "
+             f"({', '.join(f'{k}: {v}' for k, v in dropped.items())})")
     for split, cut in m.get("truncated", {}).items():
-        _tell(f"warning: data.{split}: {cut['count']} pair(s) longer than {cut['max_tokens']} tokens "
-                   f"(model.max_positions - 2) kept but truncated; line(s) {', '.join(map(str, cut['lines']))}"
-                   f"{' …' if cut['count'] > len(cut['lines']) else ''}")
+        warn(f"warning: data.{split}: {cut['count']} pair(s) longer than {cut['max_tokens']} tokens "
+             f"(model.max_positions - 2) kept but truncated; line(s) {', '.join(map(str, cut['lines']))}"
+             f"{' …' if cut['count'] > len(cut['lines']) else ''}")
     _say(result.summary)
 
 
@@ -223,10 +217,10 @@ def translate(
     rate = stats.sentences / stats.seconds if stats.seconds else 0.0
     precision = getattr(translator, "precision", None)
     processes = translator.decoding_processes
-    _tell(f"translated {stats.sentences} sentences in {stats.seconds:.1f}s: {rate:.1f} sentences/s, "
-               f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s"
-               f"{f'; {precision.describe()}' if precision is not None else ''}"
-               f"{f'; {processes} decoding processes' if processes > 1 else ''}")
+    warn(f"translated {stats.sentences} sentences in {stats.seconds:.1f}s: {rate:.1f} sentences/s, "
+         f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s"
+         f"{f'; {precision.describe()}' if precision is not None else ''}"
+         f"{f'; {processes} decoding processes' if processes > 1 else ''}")
 
 
 @app.command()
@@ -272,8 +266,8 @@ def evaluate(
                     bleu = scores["bleu"]["score"]
                     passed = bleu >= min_bleu
                     failed += [] if passed else [name]
-                    _tell(f"{'PASS' if passed else 'FAIL'}: {name} BLEU {bleu:.2f} "
-                               f"{'>=' if passed else '<'} {min_bleu}")
+                    warn(f"{'PASS' if passed else 'FAIL'}: {name} BLEU {bleu:.2f} "
+                         f"{'>=' if passed else '<'} {min_bleu}")
                 if failed:
                     raise typer.Exit(1)
             return
@@ -296,13 +290,13 @@ def evaluate(
             _say(f"{s.text}{ci}\n  {s.signature}")
         if result.extra:
             _say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
-                       f"{result.extra['sentences_per_s']} sentences/s; hypotheses: {result.extra['hyp_file']}")
+                 f"{result.extra['sentences_per_s']} sentences/s; hypotheses: {result.extra['hyp_file']}")
     if min_bleu is not None:
         bleu = result.scores["bleu"].score
         if bleu < min_bleu:
-            _tell(f"FAIL: BLEU {bleu:.2f} is below --min-bleu {min_bleu}")
+            warn(f"FAIL: BLEU {bleu:.2f} is below --min-bleu {min_bleu}")
             raise typer.Exit(1)
-        _tell(f"PASS: BLEU {bleu:.2f} >= {min_bleu}")
+        warn(f"PASS: BLEU {bleu:.2f} >= {min_bleu}")
 
 
 @app.command()
@@ -382,7 +376,7 @@ def export(
         raise TfmError(f"--format {format_}: only ctranslate2 is supported")
     export_ctranslate2(checkpoint, output, force=force)
     _say(f"exported {checkpoint} → {output} (CTranslate2; translate with: tfm translate --engine "
-               f"ctranslate2 --model {output})")
+         f"ctranslate2 --model {output})")
 
 
 def main() -> None:
@@ -393,7 +387,8 @@ def main() -> None:
     try:
         app()
     except OSError as exc:  # --help or --version into a full disk (the commands report their own)
-        _tell(f"error: {describe_os_error(exc if exc.filename else OSError(exc.errno, exc.strerror, 'standard output'))}")
+        named = exc if exc.filename else OSError(exc.errno, exc.strerror, "standard output")
+        warn(f"error: {describe_os_error(named)}")
         raise SystemExit(2) from None
 
 
