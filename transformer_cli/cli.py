@@ -387,8 +387,7 @@ def main() -> None:
     try:
         app()
     except OSError as exc:  # --help or --version into a full disk (the commands report their own)
-        named = exc if exc.filename else OSError(exc.errno, exc.strerror, "standard output")
-        warn(f"error: {describe_os_error(named)}")
+        warn(f"error: {describe_os_error(exc, unnamed='standard output')}")
         raise SystemExit(2) from None
 
 

@@ -1,5 +1,7 @@
 """User-facing errors: the CLI prints them as one line and exits with status 2."""
 
+from __future__ import annotations
+
 import errno
 
 
@@ -28,9 +30,11 @@ class Diverged(Interrupted):
         super().__init__(message, exit_code=3)
 
 
-def describe_os_error(exc: OSError) -> str:
-    """`<path>: <reason> (<ERRNO>)`, e.g. `runs/x/checkpoints: No space left on device (ENOSPC)`."""
+def describe_os_error(exc: OSError, unnamed: str | None = None) -> str:
+    """`<path>: <reason> (<ERRNO>)`, e.g. `runs/x/checkpoints: No space left on device (ENOSPC)`;
+    `unnamed` stands for the path where the error names none (e.g. "standard output")."""
     code = errno.errorcode.get(exc.errno, "") if exc.errno is not None else ""
     reason = exc.strerror or str(exc) or type(exc).__name__
-    where = f"{exc.filename}: " if exc.filename else ""
+    name = exc.filename or unnamed
+    where = f"{name}: " if name else ""
     return f"{where}{reason}{f' ({code})' if code else ''}"

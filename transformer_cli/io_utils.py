@@ -75,6 +75,13 @@ def discard_writes(fds: list[int]) -> None:
     os.close(devnull)
 
 
+def discard_stream(stream: IO) -> None:
+    """`discard_writes` for a stream whose file failed a write: from now on it takes everything and
+    keeps nothing (a stream without a descriptor is left as it is)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        discard_writes([stream.fileno()])
+
+
 def warn(message: str, stream: IO[str] | None = None) -> None:
     """One line on stderr (or `stream`) that never stops the work: if it cannot be written (a full
     disk under `2> log`, a pipe whose reader quit, a hung-up terminal), the stream gets nothing more
@@ -83,8 +90,7 @@ def warn(message: str, stream: IO[str] | None = None) -> None:
     try:
         print(message, file=stream, flush=True)
     except OSError:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            discard_writes([stream.fileno()])  # or Python's flush at exit fails again (status 120)
+        discard_stream(stream)  # or Python's flush at exit fails again (status 120)
 
 
 def write_fully(stream: IO[str], text: str) -> None:
@@ -111,8 +117,7 @@ def write_fully(stream: IO[str], text: str) -> None:
         raise
     except OSError as exc:
         name = getattr(stream, "name", None)
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            discard_writes([stream.fileno()])
+        discard_stream(stream)
         if exc.filename is not None or not isinstance(name, str):
             raise
         raise OSError(exc.errno, exc.strerror, "standard output" if name == "<stdout>" else name) from None

@@ -26,7 +26,7 @@ from .data import PAD_ID, Batch, ParallelData, load_manifest, padding_ratio
 from .distributed import World, all_max, all_rng_states, all_sum, join, leave, world_from_environment
 from .ema import WeightAverage
 from .errors import Diverged, Interrupted, TfmError, describe_os_error
-from .io_utils import atomic_write_text, discard_writes, read_lines, remove_stale_temps
+from .io_utils import atomic_write_text, discard_stream, read_lines, remove_stale_temps
 from .model import Transformer, TransformerConfig
 from .runlock import RunLock
 from .runtime import choose_precision, is_out_of_memory, keep_freed_memory, resolve_device
@@ -203,7 +203,13 @@ class RunOutput:
     def advance(self, postfix: dict | None = None) -> None:
         if self.bar is not None:
             bar = self.bar
-            self._console(lambda: (bar.update(1), postfix and bar.set_postfix(postfix, refresh=False)))
+
+            def update() -> None:
+                bar.update(1)
+                if postfix:
+                    bar.set_postfix(postfix, refresh=False)
+
+            self._console(update)
 
     def close_bar(self) -> None:
         if self.bar is not None:
@@ -219,10 +225,8 @@ class RunOutput:
             write()
             sys.stderr.flush()  # here, not at some later write or at exit
         except OSError as exc:  # the console is gone (BrokenPipeError included): carry on without it
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                discard_writes([sys.stderr.fileno()])
-            self.log({"kind": "console_lost", "time": time.time(),
-                      "error": describe_os_error(exc if exc.filename else OSError(exc.errno, exc.strerror, "stderr"))})
+            discard_stream(sys.stderr)
+            self.log({"kind": "console_lost", "time": time.time(), "error": describe_os_error(exc, unnamed="stderr")})
 
     def log(self, record: dict) -> None:
         if self.active:
