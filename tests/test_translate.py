@@ -133,6 +133,22 @@ def test_batch_invariance_and_order(translator, test_set, beam):
 IN_DOMAIN = ["wa wb wc", "wc wd we wf", "wp wo wn wm wl", "wb wb wa wh"]
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_long_line_does_not_shorten_the_other_translations_in_its_batch(translator, beam):
+    """Each row's length limit is its own a · src_len + b (capped by the position table): a
+    700-token line beside short ones once cut their translations short (the limit of the widest
+    row was taken for every row of the batch)."""
+    long_line = " ".join(["wa"] * 700)  # one piece per word: 700 tokens, under max_positions
+    translator.decode.max_len_a, translator.decode.max_len_b = 1.5, 5
+    try:
+        alone = [t[0].text for t in translator.translate(IN_DOMAIN, beam=beam)]
+        together = [t[0].text for t in translator.translate([long_line, *IN_DOMAIN], beam=beam)]
+    finally:
+        translator.decode.max_len_a, translator.decode.max_len_b = 1.0, 5
+    assert together[1:] == alone
+    assert all(len(text.split()) >= 3 for text in alone)
+
+
 def own_translation(translator, line: str, beam: int) -> str:
     """The fixture model's translation of one line alone (fp32), the reference for plumbing tests."""
     return translator.translate([line], beam=beam)[0][0].text

@@ -101,7 +101,7 @@ class AttentionModel:
             # The model's own translation: greedy, as the weights then show what it attended to
             # while choosing each token.
             hyp = greedy_search(self.model, src_batch, BOS_ID, EOS_ID, self.decode.max_len_a,
-                                min(self.decode.max_len_b, limit - int(self.decode.max_len_a * len(src_ids))))[0]
+                                self.decode.max_len_b)[0]
             tgt_ids = hyp.tokens[: limit - 1]
         else:
             tgt_ids = self.tgt_sp.encode(tgt, out_type=int)[: limit - 1]

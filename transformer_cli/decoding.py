@@ -121,10 +121,13 @@ def logits_buffer(rows: int, logits: torch.Tensor) -> torch.Tensor | None:
     return None if logits.dtype == torch.float32 else logits.new_empty(rows * logits.size(-1), dtype=torch.float32)
 
 
-def max_output_lengths(src: torch.Tensor, pad_id: int, a: float, b: int) -> torch.Tensor:
-    """Per sentence: a · src_len + b target tokens (src_len counts the source's <eos>)."""
+def max_output_lengths(src: torch.Tensor, pad_id: int, a: float, b: int, min_len: int,
+                       max_positions: int) -> torch.Tensor:
+    """Per sentence its own limit: a · src_len + b target tokens (src_len counts the source's <eos>),
+    at least `min_len` and at most what the position table holds. Each row's limit depends on its
+    own length only, never on the other rows of its batch."""
     src_len = (src != pad_id).sum(dim=1)
-    return (a * src_len.float()).long() + b
+    return ((a * src_len.float()).long() + b).clamp(min=min_len).clamp(min=1, max=max_positions - 1)
 
 
 def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | float:
@@ -144,12 +147,11 @@ def greedy_search(
 @torch.inference_mode()
 def greedy_search_continuous(
     model: Transformer, batches: list[torch.Tensor], bos: int, eos: int,
-    max_len_a: float = 1.5, max_len_b: int | list[int] = 10, min_len: int = 0,
+    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
 ) -> list[list[Hypothesis]]:
     """greedy_search over several (B_i, S_i) source batches with continuous batching: up to B_0 rows
     decode at once, and a row whose sentence is done takes the next waiting sentence at the next
-    step instead of leaving the batch → per batch, its sentences' hypotheses. `max_len_b`: one for
-    all batches, or one per batch.
+    step instead of leaving the batch → per batch, its sentences' hypotheses.
 
     Within one batch, output lengths vary, so a batch decoded alone runs its last steps on a few
     rows, which cost nearly as much as full ones on CPU (each step's fixed cost: ~3.3 ms of ops,
@@ -163,8 +165,8 @@ def greedy_search_continuous(
     pad = model.cfg.pad_id
     device = batches[0].device
     counts = [b.size(0) for b in batches]
-    extra = max_len_b if isinstance(max_len_b, list) else [max_len_b] * len(batches)  # per batch
-    limits_all = torch.cat([max_output_lengths(b, pad, max_len_a, e).clamp(min=min_len) for b, e in zip(batches, extra)])
+    limits_all = torch.cat([max_output_lengths(b, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions)
+                            for b in batches])
     total, steps = len(limits_all), int(limits_all.max())
     outputs = torch.full((total, steps), eos, dtype=torch.long, device=device)  # (all sentences, steps)
     scores = torch.zeros(total, device=device)
@@ -253,7 +255,7 @@ def beam_search(
     k = beam
     memory, src_mask = model.encode(src)
     # Decoding rows: row = sent * K + beam; the K beams of a sentence share its cross-attention K/V.
-    limits = max_output_lengths(src, pad, max_len_a, max_len_b).clamp(min=min_len).tolist()
+    limits = max_output_lengths(src, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions).tolist()
     state = model.init_state(memory, src_mask, beams=k, max_len=max(limits))
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     best_finished = [float("-inf")] * n_sent  # best finished score per sentence

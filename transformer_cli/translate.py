@@ -108,15 +108,11 @@ def decode_batches(model: Transformer, device: torch.device, batches: list[list[
             src[row, : len(s)] = torch.tensor(s)
         return src.to(device)
 
-    def length_limit(width: int) -> int:
-        return min(max_len_b, model.cfg.max_positions - 1 - int(max_len_a * width))  # inside the position table
-
     def search(sources: list[list[int]], rows: list[int]) -> list[list[Hypothesis]]:
         src = padded([sources[i] for i in rows])
-        b = length_limit(src.size(1))
         if beam <= 1:
-            return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, max_len_a, b, min_len)]
-        return beam_search(model, src, BOS_ID, EOS_ID, beam, alpha, max_len_a, b, nbest, min_len)
+            return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, max_len_a, max_len_b, min_len)]
+        return beam_search(model, src, BOS_ID, EOS_ID, beam, alpha, max_len_a, max_len_b, nbest, min_len)
 
     def halved(size: int) -> None:
         warn(f"warning: out of memory translating a batch of {size} sentences: retrying it in halves "
@@ -130,8 +126,7 @@ def decode_batches(model: Transformer, device: torch.device, batches: list[list[
             return one_by_one()
         srcs = [padded(b) for b in batches]
         try:
-            found = greedy_search_continuous(model, srcs, BOS_ID, EOS_ID, max_len_a,
-                                             [length_limit(s.size(1)) for s in srcs], min_len)
+            found = greedy_search_continuous(model, srcs, BOS_ID, EOS_ID, max_len_a, max_len_b, min_len)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
