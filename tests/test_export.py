@@ -152,3 +152,37 @@ def test_cli_export_and_translate_stream(reverse_model, tmp_path):
                           ([], "needs --model")):
         result = tfm_in_process("translate", "--engine", "ctranslate2", *args, input="wa\n")
         assert result.exit_code == 2 and message in result.stderr
+
+
+def test_force_replaces_only_a_previous_export_and_never_deletes_anything_else(reverse_model, tmp_path,
+                                                                              monkeypatch):
+    """`--force` once deleted the working directory (`-o .`), a whole run (`-o RUN`) or its
+    checkpoints (`-o RUN/checkpoints`). It may replace only a directory that tfm export wrote."""
+    _, summary = reverse_model
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    checkpoint = run / "checkpoints" / "checkpoint_best.pt"
+    checkpoint.write_bytes(summary.best_checkpoint.read_bytes())
+    (run / "metrics.jsonl").write_text("{}\n")
+    work = tmp_path / "work"
+    (work / "notes").mkdir(parents=True)
+    (work / "notes" / "todo.txt").write_text("keep me\n")
+    (work / "a_file").write_text("not a directory\n")
+    monkeypatch.chdir(work)
+
+    def files() -> dict:
+        return {str(p.relative_to(tmp_path)): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    before = files()
+    for output, message in ((".", "working directory"), ("..", "working directory"), (run, "holds the checkpoint"),
+                            (run / "checkpoints", "holds the checkpoint"), ("notes", "not a previous tfm export"),
+                            ("a_file", "is not a directory")):
+        result = tfm_in_process("export", "--checkpoint", checkpoint, "-o", output, "--force")
+        assert result.exit_code == 2 and message in result.stderr, (output, result.stderr)
+        assert files() == before, output
+    assert tfm_in_process("export", "--checkpoint", checkpoint, "-o", "ct2").exit_code == 0
+    first = (work / "ct2" / "model.bin").stat().st_ino
+    replaced = tfm_in_process("export", "--checkpoint", checkpoint, "-o", "ct2", "--force")
+    assert replaced.exit_code == 0, replaced.stderr
+    assert (work / "ct2" / "model.bin").stat().st_ino != first  # a new export took the old one's place
+    assert sorted(p.name for p in work.iterdir()) == ["a_file", "ct2", "notes"]  # no staging left

@@ -156,12 +156,47 @@ def _pieces(sp: spm.SentencePieceProcessor) -> list[str]:
     return [sp.id_to_piece(i) for i in range(sp.vocab_size())]
 
 
+# What `tfm export` writes, and nothing else: a directory holding exactly these (model.bin and
+# tfm_decode.json among them) is recognisably a previous export, the only kind --force replaces.
+EXPORT_FILES = frozenset({"model.bin", "config.json", "shared_vocabulary.json", "source_vocabulary.json",
+                          "target_vocabulary.json", SRC_SPM, TGT_SPM, TFM_JSON})
+
+
+def is_previous_export(directory: Path) -> bool:
+    names = {p.name for p in directory.iterdir()}
+    return {"model.bin", TFM_JSON} <= names <= EXPORT_FILES and all((directory / n).is_file() for n in names)
+
+
+def check_output_directory(output: Path, checkpoint: Path, force: bool) -> None:
+    """The export may be written to `output`: a new or empty directory, or, with `force`, a previous
+    export. Never a file, the working directory or one of its parents, a directory that holds the
+    checkpoint (a run directory, its checkpoints/), or any other directory with files in it."""
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise TfmError(f"{output} exists and is not a directory: choose a new directory for the export")
+    target, cwd = output.resolve(), Path.cwd().resolve()
+    if target == cwd or target in cwd.parents:
+        raise TfmError(f"{output} is the working directory or one of its parents: export into a new directory")
+    if target in checkpoint.resolve().parents:
+        raise TfmError(f"{output} holds the checkpoint {checkpoint}: export into a new directory")
+    if not any(output.iterdir()):
+        return
+    if not is_previous_export(output):
+        raise TfmError(f"{output} is not empty and is not a previous tfm export (--force replaces only an "
+                       "export directory): choose a new directory")
+    if not force:
+        raise TfmError(f"{output} already holds an export (--force to replace it)")
+
+
 def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool = False) -> Path:
     """Write a CTranslate2 model directory: model.bin, the vocabularies, both sentencepiece
-    models and tfm's decode settings (beam, length limits) for `tfm translate --engine ctranslate2`."""
-    output = Path(output)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
-        raise TfmError(f"{output} already exists and is not empty (--force to replace it)")
+    models and tfm's decode settings (beam, length limits) for `tfm translate --engine ctranslate2`.
+
+    The export is built in a staging directory beside `output` and moved into place only once it
+    is complete; a previous export that `force` replaces is removed after that."""
+    output, checkpoint = Path(output), Path(checkpoint)
+    check_output_directory(output, checkpoint, force)
     import_ctranslate2()
     payload = load_checkpoint(checkpoint)
     model, config = model_from_checkpoint(payload)
@@ -176,9 +211,9 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
         raise RuntimeError(f"CTranslate2 spec validation failed: {exc}") from exc
     spec.optimize(quantization=None)  # weights stay fp32; `--compute-type` picks int8 etc. at load time
 
-    # Build next to the target and swap it in at the end: a failed export leaves nothing half-written.
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    replaced = staging.with_name(staging.name + ".old")
     try:
         spec.save(str(staging))
         (staging / SRC_SPM).write_bytes(src_bytes)
@@ -186,14 +221,20 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
         (staging / TFM_JSON).write_text(json.dumps({"decode": config.decode.model_dump(mode="json"),
                                                     "max_positions": model.cfg.max_positions,
                                                     "checkpoint": str(checkpoint)}, indent=2) + "\n")
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
+        if output.exists():  # an empty directory, or a previous export (checked above)
+            output.rename(replaced)
+        try:
+            staging.rename(output)
+        except OSError:
+            if replaced.exists():
+                replaced.rename(output)
+            raise
     except OSError as exc:  # a full disk: name the directory the user asked for, not the staging one
         raise OSError(exc.errno, exc.strerror, str(output)) from None
     finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        for leftover in (staging, replaced):
+            if leftover.exists():
+                shutil.rmtree(leftover)
     return output
 
 
