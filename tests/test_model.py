@@ -5,9 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.model import (CAUSAL, BeamKVCache, KVCache, MultiHeadAttention, PositionalEncoding, Transformer,
-                                   TransformerConfig, attention_softmax, causal_mask, decoder_self_attention_mask, matmul_attention,
-                                   padding_mask, single_query_attention, sinusoidal_table)
+from transformer_cli.checkpoint import load_checkpoint, save_checkpoint
+from transformer_cli.cpu_inference import fold_query_scale
+from transformer_cli.decoder_state import BeamKVCache, KVCache
+from transformer_cli.kernels import attention_softmax, causal_mask, matmul_attention, single_query_attention
+from transformer_cli.model import (CAUSAL, MultiHeadAttention, PositionalEncoding, Transformer, TransformerConfig,
+                                   decoder_self_attention_mask, padding_mask, sinusoidal_table)
 
 
 def tiny_config(**overrides) -> TransformerConfig:
@@ -116,15 +119,15 @@ def test_bf16_training_attention_on_cpu_takes_the_matmul_path_and_matches_fp32()
     x = torch.randn(3, 7, 32)
     reference, _ = mha(x, x, CAUSAL)
     calls = []
-    import transformer_cli.model as model_module
+    import transformer_cli.kernels as kernels
 
-    original = model_module.matmul_attention
-    model_module.matmul_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    original = kernels.matmul_attention
+    kernels.matmul_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out, _ = mha(x, x, CAUSAL)
     finally:
-        model_module.matmul_attention = original
+        kernels.matmul_attention = original
     assert calls and out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), reference, atol=3e-2, rtol=3e-2)
 
@@ -337,8 +340,8 @@ def test_folding_the_query_scale_changes_no_output():
         if isinstance(module, torch.nn.Linear) and module.bias is not None:
             torch.nn.init.normal_(module.bias, std=0.5)
     folded = copy.deepcopy(model)
-    assert all(m.fold_query_scale() for m in folded.modules() if isinstance(m, MultiHeadAttention))
-    assert not any(m.fold_query_scale() for m in folded.modules() if isinstance(m, MultiHeadAttention))  # once
+    assert all(fold_query_scale(m) for m in folded.modules() if isinstance(m, MultiHeadAttention))
+    assert not any(fold_query_scale(m) for m in folded.modules() if isinstance(m, MultiHeadAttention))  # once
     src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
     tgt_in = torch.tensor([[2, 11, 12, 13], [2, 16, 17, 18]])
     with torch.no_grad():
@@ -355,7 +358,7 @@ def test_folding_the_query_scale_changes_no_output():
             assert torch.allclose(got, expected, atol=1e-6, rtol=0)
     odd = MultiHeadAttention(32, 4)  # Dh = 8: 1/√8 is not a power of two, so nothing is folded
     weight = odd.q_proj.weight.detach().clone()
-    assert not odd.fold_query_scale() and torch.equal(odd.q_proj.weight, weight)
+    assert not fold_query_scale(odd) and torch.equal(odd.q_proj.weight, weight)
 
 
 def test_beam_cache_refuses_a_parent_from_another_sentence():
@@ -374,9 +377,9 @@ def test_bf16_beam_state_on_cpu_uses_the_beam_cache():
         assert isinstance(model.float().init_state(memory.float(), src_mask, beams=4).layers[0].self_attn, KVCache)
 
 
-def test_checkpoints_from_before_fused_qkv_load_with_identical_outputs():
+def test_checkpoints_from_before_fused_qkv_load_with_identical_outputs(tmp_path):
     """Self-attention's Q and K|V projections were two Linear layers (q_proj, kv_proj) before they
-    were fused into qkv_proj: such state dicts still load, strictly, and compute the same."""
+    were fused into qkv_proj: such checkpoints still load, strictly, and compute the same."""
     torch.manual_seed(0)
     model = Transformer(tiny_config()).eval()
     d = model.cfg.d_model
@@ -388,9 +391,11 @@ def test_checkpoints_from_before_fused_qkv_load_with_identical_outputs():
         else:
             old_format[name] = tensor
     assert any(".self_attn.q_proj." in name for name in old_format)
+    path = tmp_path / "old.pt"
+    save_checkpoint(path, {"model": old_format})
     torch.manual_seed(1)
     loaded = Transformer(tiny_config()).eval()
-    loaded.load_state_dict(old_format)  # strict: no missing or unexpected keys
+    loaded.load_state_dict(load_checkpoint(path)["model"])  # strict: no missing or unexpected keys
     src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, 0, 0]])
     tgt_in = torch.tensor([[2, 11, 12], [2, 16, 17]])
     with torch.no_grad():

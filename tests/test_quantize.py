@@ -6,7 +6,8 @@ import sacrebleu
 import torch
 
 from transformer_cli.io_utils import read_lines
-from transformer_cli.translate import PackedLinear, Translator
+from transformer_cli.cpu_inference import PackedLinear
+from transformer_cli.translate import Translator
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 

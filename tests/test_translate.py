@@ -17,7 +17,8 @@ from transformer_cli.errors import TfmError
 from transformer_cli.io_utils import read_lines
 from transformer_cli.model import MultiHeadAttention, TransformerConfig
 from transformer_cli.runtime import denormals_flushed_to_zero
-from transformer_cli.translate import PackedLinear, Translator, format_nbest, length_sorted_batches
+from transformer_cli.cpu_inference import PackedLinear
+from transformer_cli.translate import Translator, format_nbest, length_sorted_batches
 from transformer_cli.corpus import default_workers
 from transformer_cli.workers import resolve_workers
 

@@ -39,6 +39,17 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     atomic_write_bytes(path, buffer.getbuffer())
 
 
+def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Model weights of any tfm version → today's names, in place. Checkpoints written before
+    self-attention's Q, K, V projections were fused hold `…self_attn.q_proj` + `…self_attn.kv_proj`
+    (cross-attention keeps its separate Q and K|V projections)."""
+    for key in [k for k in state if ".self_attn.q_proj." in k]:
+        prefix, kind = key.split(".self_attn.q_proj.")
+        q, kv = state.pop(key), state.pop(f"{prefix}.self_attn.kv_proj.{kind}")
+        state[f"{prefix}.self_attn.qkv_proj.{kind}"] = torch.cat([q, kv])
+    return state
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
@@ -64,6 +75,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
                        f"({type(exc).__name__}{': ' + first if first else ''})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise TfmError(f"{path}: not a tfm checkpoint (missing format marker {FORMAT!r})")
+    if isinstance(payload.get("model"), dict):
+        upgrade_state_dict(payload["model"])
     return payload
 
 

@@ -10,7 +10,8 @@ from typing import TypeVar
 
 import torch
 
-from .model import DecoderState, Transformer
+from .decoder_state import DecoderState
+from .model import Transformer
 
 
 @dataclass

@@ -13,8 +13,6 @@ from typing import IO
 
 import sentencepiece as spm
 import torch
-from torch import nn
-from torch.nn import functional as F
 from tqdm import tqdm
 
 from .checkpoint import load_checkpoint, model_from_checkpoint, tensor_to_bytes
@@ -23,7 +21,8 @@ from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search, greedy_search_continuous
 from .errors import TfmError
 from .io_utils import warn, write_fully
-from .model import MultiHeadAttention, PositionwiseFeedForward, Transformer
+from .cpu_inference import pack_linear_layers, quantize_int8
+from .model import Transformer
 from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, is_out_of_memory,
                       keep_freed_memory, resolve_device, split_on_out_of_memory)
 from .workers import DecodingWorkers, resolve_workers
@@ -132,94 +131,6 @@ def decode_batches(model: Transformer, device: torch.device, batches: list[list[
                 raise
             return one_by_one()  # the batches alone, halved where they still do not fit
         return [[[h] for h in hyps] for hyps in found]
-
-
-def quantize_int8(model: Transformer) -> Transformer:
-    """Dynamic int8 quantization, in place: every nn.Linear keeps its weight as int8 (per tensor)
-    and quantizes its input on the fly; embeddings, LayerNorms and the attention core stay fp32.
-
-    The tied output projection becomes an int8 copy; the embedding it was tied to stays fp32.
-    """
-    import warnings
-
-    from torch.ao.quantization import quantize_dynamic
-
-    with warnings.catch_warnings():
-        # torch ≥ 2.10 marks torch.ao.quantization as deprecated in favour of torchao, which is
-        # not a dependency; the eager dynamic path still works and is what we test.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
-
-
-class PackedLinear(nn.Module):
-    """An nn.Linear for CPU inference whose weight is laid out once, ahead of time, for oneDNN.
-
-    F.linear hands the plain (out, in) weight to the BLAS on every call; decoding multiplies a few
-    rows (batch × beam, one position) by each weight, so re-laying out the weight is a large part of
-    each call. Measured on AMD EPYC (2 threads, 32–160 rows × 256): bf16 1.2–1.4x faster, fp32
-    2–3x (MKL's fp32 kernels are slow on this CPU). The same op torch.compile's freezing uses.
-    """
-
-    def __init__(self, linear: nn.Linear, rows_hint: int = 64, activation: str = "none"):
-        super().__init__()
-        weight = linear.weight.detach()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)  # not a buffer: opaque layout
-        self.bias = None if linear.bias is None else linear.bias.detach()
-        # "relu" / "gelu": applied by oneDNN to the output as it is written (no second pass over it)
-        self.activation = activation
-        self._algorithm = "none" if activation == "gelu" else ""  # gelu: the exact (erf) form, as F.gelu
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, self.activation, [],
-                                                  self._algorithm)
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _packs_correctly(dtype: torch.dtype, activation: str = "none") -> bool:
-    """Whether this torch build and CPU run a PackedLinear (with `activation` fused: "none", "relu",
-    "gelu") and agree with nn.Linear (+ the activation) on a probe."""
-    probe = nn.Linear(16, 8).to(dtype)
-    x = torch.randn(3, 1, 16).to(dtype)
-    expected_fn = _identity if activation == "none" else getattr(F, activation)
-    try:
-        with torch.no_grad():
-            packed = PackedLinear(probe, activation=activation)(x).float()
-            return torch.allclose(packed, expected_fn(probe(x)).float(), atol=0.05, rtol=0.02)
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-
-
-def pack_linear_layers(model: Transformer) -> bool:
-    """Replace every nn.Linear of an inference-only CPU model by a PackedLinear, in place; an FFN's
-    activation moves into its first matmul where oneDNN computes it as torch does (probed), and
-    each attention's 1/√Dh moves into its query projection where that is exact (fold_query_scale).
-
-    Returns False (model untouched) where this torch build or CPU lacks the oneDNN ops or they
-    disagree with F.linear on a probe, e.g. bf16 on a CPU without bf16 support.
-    """
-    dtype = next(model.parameters()).dtype
-    if not _packs_correctly(dtype):
-        return False
-    fuses: dict[str, bool] = {}  # activation → probed once
-    with torch.no_grad():
-        for module in list(model.modules()):
-            if isinstance(module, PositionwiseFeedForward) and type(module.w1) is nn.Linear:
-                activation = {F.relu: "relu", F.gelu: "gelu"}.get(module.activation)
-                if activation and activation not in fuses:
-                    fuses[activation] = _packs_correctly(dtype, activation)
-                if activation and fuses[activation]:  # act(W1 x + b1) in one pass instead of two
-                    module.w1, module.activation = PackedLinear(module.w1, activation=activation), _identity
-            if isinstance(module, MultiHeadAttention):
-                module.fold_query_scale()  # before its projections are packed
-            for name, child in list(module.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(module, name, PackedLinear(child))
-    return True
 
 
 @dataclass
