@@ -29,10 +29,11 @@ import sacrebleu
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from transformer_cli.io_utils import read_lines  # noqa: E402
-from transformer_cli.runtime import choose_precision  # noqa: E402
-from transformer_cli.translate import Translator  # noqa: E402
 from bench_common import machine_line  # noqa: E402
+
+from transformer_cli.files import read_lines  # noqa: E402
+from transformer_cli.precision import choose_precision  # noqa: E402
+from transformer_cli.translate import Translator  # noqa: E402
 
 
 def main() -> None:

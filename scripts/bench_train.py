@@ -18,11 +18,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from bench_common import hf_model, machine_line, tfm_model
+
 from transformer_cli.config import TrainConfig, load_config
+from transformer_cli.cpu import keep_freed_memory
 from transformer_cli.data import PAD_ID, ParallelData, load_manifest
-from transformer_cli.runtime import keep_freed_memory
 from transformer_cli.train import autocast_dtype, batch_loss, learning_rate
 
 

@@ -24,13 +24,18 @@ from functools import partial
 
 import numpy as np
 import torch
-
 from bench_common import hf_model, machine_line, tfm_model
+
 from transformer_cli.config import load_config
-from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData, load_manifest
-from transformer_cli.runtime import choose_precision, keep_freed_memory
+from transformer_cli.cpu import keep_freed_memory
 from transformer_cli.cpu_inference import pack_linear_layers
-from transformer_cli.translate import decode_batches, decode_token_ids, length_sorted_batches
+from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData, load_manifest
+from transformer_cli.precision import choose_precision
+from transformer_cli.translate import (
+    decode_batches,
+    decode_token_ids,
+    length_sorted_batches,
+)
 from transformer_cli.workers import DecodingWorkers, resolve_workers
 
 

@@ -12,9 +12,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from transformer_cli.config import load_config
+from transformer_cli.cpu import keep_freed_memory
 from transformer_cli.data import BOS_ID, EOS_ID, ParallelData, load_manifest
 from transformer_cli.decoding import beam_search
-from transformer_cli.runtime import keep_freed_memory
 from transformer_cli.train import batch_loss, build_model
 
 

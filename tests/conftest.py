@@ -33,7 +33,7 @@ def _torch_threads():
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_measurement_cache(tmp_path_factory):
-    """The bf16 speed measurement (runtime.measure_bf16_speedup) is cached here, not in ~/.cache."""
+    """The bf16 speed measurement (precision.measure_bf16_speedup) is cached here, not in ~/.cache."""
     os.environ.setdefault("TFM_CACHE", str(tmp_path_factory.mktemp("tfm_cache")))
 
 

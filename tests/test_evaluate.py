@@ -6,7 +6,7 @@ import pytest
 import sacrebleu
 
 from transformer_cli.evaluate import score
-from transformer_cli.io_utils import read_lines
+from transformer_cli.files import read_lines
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 

@@ -18,7 +18,7 @@ from transformer_cli.config import config_from_dict  # noqa: E402
 from transformer_cli.data import BOS_ID, EOS_ID, prepare  # noqa: E402
 from transformer_cli.errors import TfmError  # noqa: E402
 from transformer_cli.export import CT2Translator, check_convertible, export_ctranslate2  # noqa: E402
-from transformer_cli.io_utils import read_lines  # noqa: E402
+from transformer_cli.files import read_lines  # noqa: E402
 from transformer_cli.model import Transformer, TransformerConfig  # noqa: E402
 from transformer_cli.train import train  # noqa: E402
 from transformer_cli.translate import Translator, decode_token_ids  # noqa: E402

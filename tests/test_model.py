@@ -8,9 +8,22 @@ import torch.nn.functional as F
 from transformer_cli.checkpoint import load_checkpoint, save_checkpoint
 from transformer_cli.cpu_inference import fold_query_scale
 from transformer_cli.decoder_state import BeamKVCache, KVCache
-from transformer_cli.kernels import attention_softmax, causal_mask, matmul_attention, single_query_attention
-from transformer_cli.model import (CAUSAL, MultiHeadAttention, PositionalEncoding, Transformer, TransformerConfig,
-                                   decoder_self_attention_mask, padding_mask, sinusoidal_table)
+from transformer_cli.kernels import (
+    attention_softmax,
+    causal_mask,
+    matmul_attention,
+    single_query_attention,
+)
+from transformer_cli.model import (
+    CAUSAL,
+    MultiHeadAttention,
+    PositionalEncoding,
+    Transformer,
+    TransformerConfig,
+    decoder_self_attention_mask,
+    padding_mask,
+    sinusoidal_table,
+)
 
 
 def tiny_config(**overrides) -> TransformerConfig:

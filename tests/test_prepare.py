@@ -9,10 +9,19 @@ import pytest
 import sentencepiece as spm
 
 from transformer_cli.config import config_from_dict
-from transformer_cli.data import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, ParallelData, TokenArray, binary_stem,
-                                  prepare, token_batches)
+from transformer_cli.data import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    ParallelData,
+    TokenArray,
+    binary_stem,
+    prepare,
+    token_batches,
+)
 from transformer_cli.errors import TfmError
-from transformer_cli.io_utils import read_lines
+from transformer_cli.files import read_lines
 
 from .conftest import multi30k_config
 

@@ -5,8 +5,8 @@ import pytest
 import sacrebleu
 import torch
 
-from transformer_cli.io_utils import read_lines
 from transformer_cli.cpu_inference import PackedLinear
+from transformer_cli.files import read_lines
 from transformer_cli.translate import Translator
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]

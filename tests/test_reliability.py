@@ -19,12 +19,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TFM, get_corpus_slice, multi30k_config, tfm, tiny_run, wait_until_training
+from tests.conftest import (
+    TFM,
+    get_corpus_slice,
+    multi30k_config,
+    tfm,
+    tiny_run,
+    wait_until_training,
+)
 from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import load_config
+from transformer_cli.devices import split_on_out_of_memory
 from transformer_cli.errors import Diverged
-from transformer_cli.runtime import split_on_out_of_memory
-from transformer_cli.signals import StopRequest, Terminated, _exit_at_once, terminate_like_ctrl_c
+from transformer_cli.signals import (
+    StopRequest,
+    Terminated,
+    _exit_at_once,
+    terminate_like_ctrl_c,
+)
 from transformer_cli.train import train
 
 

@@ -13,10 +13,26 @@ from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import TrainConfig, config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
-from transformer_cli.runtime import choose_precision, cpu_has_fast_bf16, measure_bf16_speedup
-from transformer_cli.train import autocast_dtype, budget_used, label_smoothed_loss, learning_rate, train, warmup_steps
+from transformer_cli.precision import (
+    choose_precision,
+    cpu_has_fast_bf16,
+    measure_bf16_speedup,
+)
+from transformer_cli.train import (
+    autocast_dtype,
+    budget_used,
+    label_smoothed_loss,
+    learning_rate,
+    train,
+    warmup_steps,
+)
 
-from .conftest import ROOT, assert_same_final_weights, multi30k_config, wait_until_training
+from .conftest import (
+    ROOT,
+    assert_same_final_weights,
+    multi30k_config,
+    wait_until_training,
+)
 
 
 def test_noam_schedule_values():
@@ -78,6 +94,7 @@ def test_warmup_ratio_ends_the_warmup_at_a_fraction_of_the_budget():
 
 def test_budget_schedule_in_a_real_run_ends_at_lr_min(tiny_prepared, tmp_path):
     from transformer_cli.config import load_config
+
     from .conftest import tiny_run
 
     config = load_config(tiny_run(tiny_prepared, tmp_path, lr_schedule="budget", lr=0.003, lr_min=1e-4,

@@ -11,15 +11,21 @@ import pytest
 import sacrebleu
 import torch
 
-from transformer_cli.data import BOS_ID, EOS_ID
-from transformer_cli.decoding import beam_search, beam_top_k, greedy_search, log_probs, logits_buffer, top_k
-from transformer_cli.errors import TfmError
-from transformer_cli.io_utils import read_lines
-from transformer_cli.model import MultiHeadAttention, TransformerConfig
-from transformer_cli.runtime import denormals_flushed_to_zero
+from transformer_cli.cpu import denormals_flushed_to_zero, usable_cores
 from transformer_cli.cpu_inference import PackedLinear
+from transformer_cli.data import BOS_ID, EOS_ID
+from transformer_cli.decoding import (
+    beam_search,
+    beam_top_k,
+    greedy_search,
+    log_probs,
+    logits_buffer,
+    top_k,
+)
+from transformer_cli.errors import TfmError
+from transformer_cli.files import read_lines
+from transformer_cli.model import MultiHeadAttention, TransformerConfig
 from transformer_cli.translate import Translator, format_nbest, length_sorted_batches
-from transformer_cli.corpus import default_workers
 from transformer_cli.workers import resolve_workers
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
@@ -231,7 +237,11 @@ def test_cli_bad_checkpoint_is_one_line_exit_2(tmp_path, reverse_model):
 
 
 def test_vocab_mismatch_is_detected(reverse_model, tmp_path):
-    from transformer_cli.checkpoint import bytes_to_tensor, load_checkpoint, save_checkpoint
+    from transformer_cli.checkpoint import (
+        bytes_to_tensor,
+        load_checkpoint,
+        save_checkpoint,
+    )
 
     _, summary = reverse_model
     payload = load_checkpoint(summary.best_checkpoint)
@@ -424,7 +434,7 @@ def test_decoding_workers_translate_exactly_like_one_process(reverse_model, test
 
 def test_workers_setting_resolves_per_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_workers("auto", cpu) == default_workers() >= 1
+    assert resolve_workers("auto", cpu) == usable_cores() >= 1
     assert resolve_workers(3, cpu) == 3
     assert resolve_workers("auto", cuda) == resolve_workers(4, cuda) == 1
 

@@ -13,7 +13,7 @@ import torch
 
 from .config import ExperimentConfig, config_from_dict
 from .errors import TfmError
-from .io_utils import atomic_write_bytes
+from .files import atomic_write_bytes
 from .model import Transformer, TransformerConfig
 
 FORMAT = "tfm-checkpoint-1"

@@ -12,8 +12,8 @@ from typing import Optional
 import typer
 
 from . import __version__
+from .console import discard_writes, say, warn
 from .errors import Diverged, Interrupted, TfmError, describe_os_error
-from .io_utils import discard_writes, warn, write_fully
 from .signals import Terminated, terminate_like_ctrl_c
 
 app = typer.Typer(
@@ -65,12 +65,6 @@ def user_errors(fn):
     return wrapper
 
 
-def _say(text: str) -> None:
-    """One line on stdout, flushed now: a full disk under `tfm … > file` is then an OSError naming
-    standard output (one line, exit 2), not an unnamed error or Python's failed flush at exit."""
-    write_fully(sys.stdout, text + "\n")
-
-
 def _load(config: Optional[Path], overrides: Optional[list[str]]):
     from .config import load_config
 
@@ -81,7 +75,7 @@ def _load(config: Optional[Path], overrides: Optional[list[str]]):
 
 def _version(value: bool) -> None:
     if value:
-        _say(f"tfm {__version__}")
+        say(f"tfm {__version__}")
         raise typer.Exit()
 
 
@@ -106,10 +100,10 @@ def prepare(
     result = run_prepare(cfg, force=force, progress=sys.stderr.isatty())
     m = result.manifest
     if result.reused:
-        _say(f"{result.run_dir}: up to date, reused existing vocab and data (--force to rebuild)")
+        say(f"{result.run_dir}: up to date, reused existing vocab and data (--force to rebuild)")
     else:
         dropped = m["train_pairs_dropped"]
-        _say(f"prepared {result.run_dir} in {m['seconds']:.1f}s; vocab {m['vocab_size']['src']} "
+        say(f"prepared {result.run_dir} in {m['seconds']:.1f}s; vocab {m['vocab_size']['src']} "
              f"({'joint' if cfg.vocab.joint else 'separate'}); dropped {sum(dropped.values())} of "
              f"{m['train_pairs_read']} training pairs "
              f"({', '.join(f'{k}: {v}' for k, v in dropped.items())})")
@@ -117,7 +111,7 @@ def prepare(
         warn(f"warning: data.{split}: {cut['count']} pair(s) longer than {cut['max_tokens']} tokens "
              f"(model.max_positions - 2) kept but truncated; line(s) {', '.join(map(str, cut['lines']))}"
              f"{' …' if cut['count'] > len(cut['lines']) else ''}")
-    _say(result.summary)
+    say(result.summary)
 
 
 @app.command()
@@ -167,7 +161,12 @@ def translate(
     if quantize not in (None, "int8"):
         raise TfmError(f"--quantize {quantize}: only int8 is supported")
     # Imports torch (seconds on a slow CPU): only after the checks above.
-    from .translate import Translator, default_checkpoint, read_decoded_lines, translate_stream
+    from .translate import (
+        Translator,
+        default_checkpoint,
+        read_decoded_lines,
+        translate_stream,
+    )
     if engine == "ctranslate2":
         from .export import CT2Translator
 
@@ -203,7 +202,7 @@ def translate(
     if input_ is not None and not input_.is_file():
         raise TfmError(f"input file not found: {input_}")
     source = open(input_, "rb") if input_ is not None else sys.stdin.buffer
-    from .io_utils import atomic_path
+    from .files import atomic_path
 
     def run(out_stream):
         return translate_stream(translator, read_decoded_lines(source, sys.stderr), out_stream, beam=beam,
@@ -241,7 +240,12 @@ def evaluate(
     confidence: bool = typer.Option(False, "--confidence", help="Bootstrap 95% confidence intervals."),
 ) -> None:
     """Score translations with sacreBLEU: files (--hyp/--ref) or a model on a split (--config)."""
-    from .evaluate import evaluate_files, evaluate_model, paired_comparison, parse_metrics
+    from .evaluate import (
+        evaluate_files,
+        evaluate_model,
+        paired_comparison,
+        parse_metrics,
+    )
 
     names = parse_metrics(metrics)
     if min_bleu is not None and "bleu" not in names:
@@ -251,7 +255,7 @@ def evaluate(
             raise TfmError("--hyp needs --ref")
         if len(hyp) > 1:
             from .evaluate import check_aligned, format_paired
-            from .io_utils import read_lines
+            from .files import read_lines
 
             refs = read_lines(ref)
             systems = {}
@@ -259,7 +263,7 @@ def evaluate(
                 systems[str(path)] = read_lines(path)
                 check_aligned(systems[str(path)], refs, str(path), str(ref))
             report = paired_comparison(systems, refs, names, confidence)
-            _say(json.dumps(report) if as_json else format_paired(report))
+            say(json.dumps(report) if as_json else format_paired(report))
             if min_bleu is not None:  # the gate applies to every system compared
                 failed = []
                 for name, scores in report["systems"].items():
@@ -283,13 +287,13 @@ def evaluate(
         raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")
 
     if as_json:
-        _say(json.dumps(result.to_json()))
+        say(json.dumps(result.to_json()))
     else:
         for s in result.scores.values():
             ci = f" (95% CI ± {s.ci:.2f})" if s.ci is not None else ""
-            _say(f"{s.text}{ci}\n  {s.signature}")
+            say(f"{s.text}{ci}\n  {s.signature}")
         if result.extra:
-            _say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
+            say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
                  f"{result.extra['sentences_per_s']} sentences/s; hypotheses: {result.extra['hyp_file']}")
     if min_bleu is not None:
         bleu = result.scores["bleu"].score
@@ -309,7 +313,7 @@ def average(
     from .checkpoint import average_checkpoints, save_checkpoint
 
     save_checkpoint(output, average_checkpoints(list(checkpoints)))
-    _say(f"averaged {len(checkpoints)} checkpoints → {output}")
+    say(f"averaged {len(checkpoints)} checkpoints → {output}")
 
 
 @app.command()
@@ -327,7 +331,7 @@ def plot(
     from .plot import plot_runs
 
     plot_runs(list(runs), output, width, height)
-    _say(f"wrote {output} ({width}x{height}, {len(runs)} run{'s' if len(runs) > 1 else ''})")
+    say(f"wrote {output} ({width}x{height}, {len(runs)} run{'s' if len(runs) > 1 else ''})")
 
 
 @app.command()
@@ -354,8 +358,8 @@ def attention(
     maps = model.maps(src, tgt, encoder_self=self_)
     plot_attention(maps, layer, output)
     if maps.translation:
-        _say(f"target: {maps.translation}")
-    _say(f"wrote {output}")
+        say(f"target: {maps.translation}")
+    say(f"wrote {output}")
 
 
 @app.command()
@@ -375,7 +379,7 @@ def export(
     if format_ != "ctranslate2":
         raise TfmError(f"--format {format_}: only ctranslate2 is supported")
     export_ctranslate2(checkpoint, output, force=force)
-    _say(f"exported {checkpoint} → {output} (CTranslate2; translate with: tfm translate --engine "
+    say(f"exported {checkpoint} → {output} (CTranslate2; translate with: tfm translate --engine "
          f"ctranslate2 --model {output})")
 
 

@@ -3,8 +3,8 @@
 - `parallel_chunks` reads a source and a target file in lock-step, `chunk_lines` pairs at a time,
   as raw bytes (decoding happens in the encoding workers, in parallel).
 - `sample_pairs` draws a uniform random sample in one pass (reservoir sampling) for sentencepiece.
-- `encode_chunks` encodes chunks in `workers` processes, yielding results in input order with a
-  bounded number of chunks in flight, and `NpyAppender` writes a growing `.npy` array to disk.
+- `ordered_map` runs `encode_chunk` over the chunks in `workers` processes, yielding results in input
+  order with a bounded number of chunks in flight, and `NpyAppender` writes a growing `.npy` array to disk.
 No torch here: worker processes start quickly and never touch torch's thread pools.
 """
 
@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import os
 import random
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
 import numpy as np
 import sentencepiece as spm
 
 from .errors import TfmError
-from .io_utils import atomic_path, decode_line, iter_raw_lines, named_after
+from .files import atomic_path, decode_line, iter_raw_lines, named_after
 
 UNK_ID = 1  # as data.UNK_ID (kept here so workers import nothing heavy)
 
@@ -168,14 +168,6 @@ def encode_chunk(task: EncodeTask) -> EncodedChunk:
         keep, dropped = training_filter(src_len, tgt_len, task.max_len, task.max_len_ratio or float("inf"))
     return EncodedChunk(_flatten(src_ids, keep, task.token_dtype), _flatten(tgt_ids, keep, task.token_dtype),
                         len(src_ids), dropped, truncated)
-
-
-def default_workers() -> int:
-    """Cores this process may use (affinity-aware where the OS tells)."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except AttributeError:  # not on Linux
-        return max(os.cpu_count() or 1, 1)
 
 
 def ordered_map(fn: Callable, tasks: Iterator, workers: int, initializer: Callable, initargs: tuple

@@ -26,10 +26,18 @@ import torch
 from tqdm import tqdm
 
 from .config import ExperimentConfig, config_to_yaml
-from .corpus import (EncodeTask, NpyAppender, default_workers, encode_chunk, init_encoder, ordered_map,
-                     parallel_chunks, sample_pairs)
+from .corpus import (
+    EncodeTask,
+    NpyAppender,
+    encode_chunk,
+    init_encoder,
+    ordered_map,
+    parallel_chunks,
+    sample_pairs,
+)
+from .cpu import usable_cores
 from .errors import TfmError
-from .io_utils import atomic_path, atomic_write_text, iter_raw_lines, remove_stale_temps
+from .files import atomic_path, atomic_write_text, iter_raw_lines, remove_stale_temps
 from .runlock import RunLock
 
 # Fixed special ids, the same in every tfm vocabulary.
@@ -92,7 +100,7 @@ def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentCo
             bos_id=BOS_ID,
             eos_id=EOS_ID,
             # prepare.workers is the number of cores prepare may use, in every stage.
-            num_threads=config.prepare.workers or default_workers(),
+            num_threads=config.prepare.workers or usable_cores(),
             minloglevel=2,
         )
     except RuntimeError as exc:  # e.g. vocab size too large for the corpus
@@ -303,7 +311,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareRe
     dtype = "uint16" if max(vocab_sizes.values()) <= np.iinfo(np.uint16).max else "int32"
     workers = config.prepare.workers
     if workers is None:  # all cores, unless starting processes costs more than it saves
-        workers = default_workers() if train_read >= 50_000 else 1
+        workers = usable_cores() if train_read >= 50_000 else 1
 
     stats: dict = {}
     dropped: dict[str, int] = {}

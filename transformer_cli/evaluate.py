@@ -11,7 +11,7 @@ from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.significance import PairedTest
 
 from .errors import TfmError
-from .io_utils import atomic_write_text, read_lines
+from .files import atomic_write_text, read_lines
 
 METRICS = {"bleu": BLEU, "chrf": CHRF, "ter": TER}
 

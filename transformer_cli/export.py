@@ -35,7 +35,7 @@ from .checkpoint import load_checkpoint, model_from_checkpoint, tensor_to_bytes
 from .config import DecodeConfig, apply_override, config_from_dict
 from .data import BOS_ID, EOS_ID, UNK_ID
 from .errors import TfmError
-from .model import TransformerConfig, Transformer
+from .model import Transformer, TransformerConfig
 from .workers import resolve_workers
 
 INSTALL_HINT = "ctranslate2 is not installed: pip install -e '.[ct2]' (or pip install ctranslate2)"

@@ -18,7 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decoder_state import AttentionCache, BeamKVCache, DecoderState, KVCache, LayerState, initial_decoder_state
+from .decoder_state import (
+    AttentionCache,
+    BeamKVCache,
+    DecoderState,
+    KVCache,
+    LayerState,
+    initial_decoder_state,
+)
 from .kernels import Dropout, attend, causal_mask
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import TfmError
-from .io_utils import atomic_path
+from .files import atomic_path
 
 INSTALL_HINT = "matplotlib is not installed: pip install -e '.[plot]' (or pip install matplotlib)"
 

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-from .io_utils import discard_writes, warn
+from .console import discard_writes, warn
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 if hasattr(signal, "SIGHUP"):  # not on Windows

@@ -20,22 +20,38 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .checkpoint import (average_state_dicts, bytes_to_tensor, load_checkpoint, save_checkpoint)
+from .checkpoint import (
+    average_state_dicts,
+    bytes_to_tensor,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
+from .console import discard_stream
+from .cpu import keep_freed_memory
 from .data import PAD_ID, Batch, ParallelData, load_manifest, padding_ratio
-from .distributed import World, all_max, all_rng_states, all_sum, join, leave, world_from_environment
+from .devices import is_out_of_memory, resolve_device
+from .distributed import (
+    World,
+    all_max,
+    all_rng_states,
+    all_sum,
+    join,
+    leave,
+    world_from_environment,
+)
 from .ema import WeightAverage
 from .errors import Diverged, Interrupted, TfmError, describe_os_error
-from .io_utils import atomic_write_text, discard_stream, read_lines, remove_stale_temps
+from .files import atomic_write_text, read_lines, remove_stale_temps
 from .model import Transformer, TransformerConfig
+from .precision import choose_precision
 from .runlock import RunLock
-from .runtime import choose_precision, is_out_of_memory, keep_freed_memory, resolve_device
 from .signals import EXIT_CODES, StopRequest
 
 
 def autocast_dtype(config: TrainConfig, device: torch.device, shape: tuple[int, int] = (512, 2048)
                    ) -> torch.dtype | None:
-    """bf16 autocast or None (fp32): see `runtime.choose_precision` for what `auto` means."""
+    """bf16 autocast or None (fp32): see `precision.choose_precision` for what `auto` means."""
     return torch.bfloat16 if choose_precision(config.precision, device, shape).bf16 else None
 
 
@@ -302,7 +318,9 @@ def evaluate_loss(model: Transformer, data: ParallelData, config: ExperimentConf
 def validation_bleu(model: Transformer, data: ParallelData, references: list[str], tgt_sp,
                     config: ExperimentConfig, device: torch.device) -> float:
     """Greedy-decode the first N valid sentences and score them against the raw references."""
-    from .translate import decode_token_ids  # translate imports train's helpers; avoid a cycle
+    from .translate import (
+        decode_token_ids,  # translate imports train's helpers; avoid a cycle
+    )
 
     n = min(config.train.eval_bleu_sentences, len(data), len(references))
     if n == 0:

@@ -17,14 +17,15 @@ from tqdm import tqdm
 
 from .checkpoint import load_checkpoint, model_from_checkpoint, tensor_to_bytes
 from .config import DecodeConfig, ExperimentConfig, apply_override, config_from_dict
+from .console import warn, write_fully
+from .cpu import denormals_flushed_to_zero, keep_freed_memory
+from .cpu_inference import pack_linear_layers, quantize_int8
 from .data import BOS_ID, EOS_ID
 from .decoding import Hypothesis, beam_search, greedy_search, greedy_search_continuous
+from .devices import is_out_of_memory, resolve_device, split_on_out_of_memory
 from .errors import TfmError
-from .io_utils import warn, write_fully
-from .cpu_inference import pack_linear_layers, quantize_int8
 from .model import Transformer
-from .runtime import (PrecisionChoice, choose_precision, denormals_flushed_to_zero, is_out_of_memory,
-                      keep_freed_memory, resolve_device, split_on_out_of_memory)
+from .precision import PrecisionChoice, choose_precision
 from .workers import DecodingWorkers, resolve_workers
 
 

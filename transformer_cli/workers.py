@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .corpus import default_workers  # the cores this process may use (its affinity mask)
+from .cpu import usable_cores
 
 _TASK: Callable[..., Any] | None = None  # set in the parent just before forking; inherited by the workers
 
@@ -30,7 +30,7 @@ def resolve_workers(setting: int | str, device: torch.device) -> int:
     processes cannot be forked (Windows)."""
     if device.type != "cpu" or "fork" not in multiprocessing.get_all_start_methods():
         return 1
-    return default_workers() if setting == "auto" else int(setting)
+    return usable_cores() if setting == "auto" else int(setting)
 
 
 def _start_worker() -> None:

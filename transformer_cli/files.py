@@ -1,12 +1,9 @@
-"""Small file helpers: gzip-aware UTF-8 reading and atomic writes."""
+"""Files: gzip-aware UTF-8 reading of corpora and inputs, and atomic writes of everything tfm writes."""
 
 from __future__ import annotations
 
-import contextlib
 import gzip
-import io
 import os
-import sys
 import tempfile
 import zlib
 from collections.abc import Iterator
@@ -15,15 +12,6 @@ from pathlib import Path
 from typing import IO
 
 from .errors import TfmError
-
-
-def open_text(path: str | Path) -> IO[str]:
-    path = Path(path)
-    if not path.is_file():
-        raise TfmError(f"file not found: {path}")
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="\n")
-    return open(path, encoding="utf-8", newline="\n")
 
 
 def _open_binary(path: Path) -> IO[bytes]:
@@ -64,63 +52,6 @@ def read_lines(path: str | Path) -> list[str]:
 
 
 TEMP_SUFFIX = ".tmp"
-
-
-def discard_writes(fds: list[int]) -> None:
-    """Point these file descriptors at /dev/null: what is still written to them (buffered output
-    flushed at exit, a progress bar) goes nowhere instead of failing where nothing can take it."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    for fd in fds:
-        os.dup2(devnull, fd)
-    os.close(devnull)
-
-
-def discard_stream(stream: IO) -> None:
-    """`discard_writes` for a stream whose file failed a write: from now on it takes everything and
-    keeps nothing (a stream without a descriptor is left as it is)."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        discard_writes([stream.fileno()])
-
-
-def warn(message: str, stream: IO[str] | None = None) -> None:
-    """One line on stderr (or `stream`) that never stops the work: if it cannot be written (a full
-    disk under `2> log`, a pipe whose reader quit, a hung-up terminal), the stream gets nothing more
-    (it now points at /dev/null) and the caller carries on; its exit status says the rest."""
-    stream = sys.stderr if stream is None else stream
-    try:
-        print(message, file=stream, flush=True)
-    except OSError:
-        discard_stream(stream)  # or Python's flush at exit fails again (status 120)
-
-
-def write_fully(stream: IO[str], text: str) -> None:
-    """Write `text` and flush it: all of it, or an OSError that names the file.
-
-    An unbuffered text stream (`python -u`, PYTHONUNBUFFERED=1 as many container images set)
-    ignores a short write, which a filling disk makes: the rest of the text was lost without an
-    error. Its bytes go to the file here until all are written, so the next write says ENOSPC/EFBIG.
-    After such an error the file takes nothing more; what is still buffered for it is dropped
-    (the descriptor now points at /dev/null), or Python would retry it at exit and fail there with
-    status 120. A closed pipe (BrokenPipeError) is left to the caller.
-    """
-    raw = getattr(stream, "buffer", None)
-    try:
-        if isinstance(raw, io.RawIOBase):
-            stream.flush()
-            data = memoryview(text.encode(stream.encoding, stream.errors or "strict"))
-            while data:
-                data = data[raw.write(data) or 0:]  # None: a non-blocking file that is full for now
-        else:
-            stream.write(text)
-            stream.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as exc:
-        name = getattr(stream, "name", None)
-        discard_stream(stream)
-        if exc.filename is not None or not isinstance(name, str):
-            raise
-        raise OSError(exc.errno, exc.strerror, "standard output" if name == "<stdout>" else name) from None
 
 
 def _fsync_directory(directory: Path) -> None:
