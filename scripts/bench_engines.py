@@ -64,7 +64,7 @@ def main() -> None:
     try:
         import ctranslate2
 
-        from transformer_cli.export import CT2Translator, export_ctranslate2
+        from transformer_cli.ct2 import CT2Translator, export_ctranslate2
 
         folder = Path(tempfile.mkdtemp()) / "ct2"
         export_ctranslate2(args.checkpoint, folder)

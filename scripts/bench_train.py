@@ -20,10 +20,13 @@ import torch
 import torch.nn.functional as F
 from bench_common import hf_model, machine_line, tfm_model
 
-from transformer_cli.config import TrainConfig, load_config
+from transformer_cli.config import load_config
 from transformer_cli.cpu import keep_freed_memory
-from transformer_cli.data import PAD_ID, ParallelData, load_manifest
-from transformer_cli.train import autocast_dtype, batch_loss, learning_rate
+from transformer_cli.data import PAD_ID, ParallelData
+from transformer_cli.loss import batch_loss
+from transformer_cli.precision import autocast_dtype, choose_precision
+from transformer_cli.rundir import RunDirectory
+from transformer_cli.schedule import learning_rate
 
 
 def main() -> None:
@@ -52,14 +55,14 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
-    amp_dtype = autocast_dtype(TrainConfig(precision=args.precision), device)
+    amp_dtype = autocast_dtype(choose_precision(args.precision, device))
     if not args.system_malloc and device.type == "cpu":
         keep_freed_memory()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = load_config(args.config)
-    manifest = load_manifest(config.run_path)
+    manifest = RunDirectory(config.run_path).load_manifest()
     vocab = manifest["vocab_size"]["tgt"]
     data = ParallelData(config.run_path, "train")
     needed = args.warmup + args.steps

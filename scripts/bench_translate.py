@@ -29,11 +29,12 @@ from bench_common import hf_model, machine_line, tfm_model
 from transformer_cli.config import load_config
 from transformer_cli.cpu import keep_freed_memory
 from transformer_cli.cpu_inference import pack_linear_layers
-from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData, load_manifest
+from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData
 from transformer_cli.precision import choose_precision
+from transformer_cli.rundir import RunDirectory
 from transformer_cli.translate import (
     decode_batches,
-    decode_token_ids,
+    decode_in_batches,
     length_sorted_batches,
 )
 from transformer_cli.workers import DecodingWorkers, resolve_workers
@@ -75,7 +76,7 @@ def main() -> None:
         keep_freed_memory()
     torch.manual_seed(0)
     config = load_config(args.config)
-    manifest = load_manifest(config.run_path)
+    manifest = RunDirectory(config.run_path).load_manifest()
     vocab = manifest["vocab_size"]["tgt"]
     test = ParallelData(config.run_path, "test")
     n = len(test) if not args.limit else min(args.limit, len(test))
@@ -121,7 +122,7 @@ def main() -> None:
     single = DecodingWorkers(partial(decode_batches, tfm, device), 1)
 
     def run_tfm(beam: int, workers: DecodingWorkers) -> None:
-        decode_token_ids(tfm, sources, decode, device, beam=beam, min_len=args.length, max_len=args.length,
+        decode_in_batches(tfm, sources, decode, device, beam=beam, min_len=args.length, max_len=args.length,
                          workers=workers)
 
     hf.to(dtype)
@@ -129,7 +130,7 @@ def main() -> None:
     # Warm-up (first calls allocate and pick kernels; the pool's processes start).
     small = sources[: 2 * args.batch_size]
     for workers in (pool, single):
-        decode_token_ids(tfm, small, decode, device, beam=2, min_len=3, max_len=3, workers=workers)
+        decode_in_batches(tfm, small, decode, device, beam=2, min_len=3, max_len=3, workers=workers)
     hf.generate(input_ids=hf_batches[0][:4], attention_mask=(hf_batches[0][:4] != PAD_ID).long(),
                 num_beams=2, max_new_tokens=3)
 

@@ -13,9 +13,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from transformer_cli.config import load_config
 from transformer_cli.cpu import keep_freed_memory
-from transformer_cli.data import BOS_ID, EOS_ID, ParallelData, load_manifest
+from transformer_cli.data import BOS_ID, EOS_ID, ParallelData
 from transformer_cli.decoding import beam_search
-from transformer_cli.train import batch_loss, build_model
+from transformer_cli.loss import batch_loss
+from transformer_cli.rundir import RunDirectory
+from transformer_cli.train import build_model
 
 
 def main() -> None:
@@ -29,7 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     keep_freed_memory()  # as tfm train and translate do: no fresh pages per large tensor
     config = load_config(args.config)
-    manifest = load_manifest(config.run_path)
+    manifest = RunDirectory(config.run_path).load_manifest()
     data = ParallelData(config.run_path, "train")
     model = build_model(config, manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"])
     batches = [data.collate(b) for b in data.batches(config.train.max_tokens, seed=0)[: args.steps + 1]]

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from tests.conftest import tfm_in_process
-from transformer_cli.attention import AttentionModel, attention_weights, pad_batch
-from transformer_cli.data import EOS_ID
+from transformer_cli.attention_maps import attention_maps, attention_weights
+from transformer_cli.checkpoint import load_trained_model
+from transformer_cli.data import EOS_ID, pad_batch
 from transformer_cli.errors import TfmError
 from transformer_cli.translate import Translator
 
@@ -16,7 +17,7 @@ TFM = [sys.executable, "-m", "transformer_cli.cli"]
 @pytest.fixture(scope="module")
 def attn_model(reverse_model):
     _, summary = reverse_model
-    return AttentionModel(summary.best_checkpoint)
+    return load_trained_model(summary.best_checkpoint)
 
 
 def test_rows_sum_to_one_and_padding_gets_no_weight(attn_model):
@@ -24,7 +25,7 @@ def test_rows_sum_to_one_and_padding_gets_no_weight(attn_model):
     # Two sentences of different length in one batch: the shorter one is padded.
     src_ids = [sp.encode("wa wb wc wd we wf wg", out_type=int) + [EOS_ID], sp.encode("wa wb", out_type=int) + [EOS_ID]]
     tgt_ids = [sp.encode("wg wf we wd wc wb wa", out_type=int) + [EOS_ID], sp.encode("wb wa", out_type=int) + [EOS_ID]]
-    src, tgt = pad_batch(src_ids, 0), pad_batch(tgt_ids, 0)
+    src, tgt = pad_batch(src_ids), pad_batch(tgt_ids)
     cross = attention_weights(model, src, tgt)  # (L, B, H, T, S)
     assert cross.shape == (2, 2, 4, tgt.size(1), src.size(1))
     short = len(src_ids[1])
@@ -41,7 +42,7 @@ def test_rows_sum_to_one_and_padding_gets_no_weight(attn_model):
 
 def test_maps_of_the_models_own_translation(attn_model, reverse_model):
     _, summary = reverse_model
-    maps = attn_model.maps("wa wb wc wd")
+    maps = attention_maps(attn_model, "wa wb wc wd")
     # The plotted target is the model's own greedy translation (compared with tfm's translator,
     # not a fixed string: the fixture's exact outputs depend on the CPU that trained it).
     greedy = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=fp32"])
@@ -51,10 +52,10 @@ def test_maps_of_the_models_own_translation(attn_model, reverse_model):
     assert maps.src_tokens[-1] == "</s>" and maps.row_tokens[-1] == "</s>"
     assert abs(maps.weights.sum(-1) - 1).max() < 1e-5
     assert abs(maps.layer_average().sum(-1) - 1).max() < 1e-5
-    forced = attn_model.maps("wa wb wc wd", tgt="wa wa")
+    forced = attention_maps(attn_model, "wa wb wc wd", tgt="wa wa")
     assert forced.weights.shape[2] == 3 and forced.translation == "wa wa"
     with pytest.raises(TfmError, match="--src is empty"):
-        attn_model.maps("   ")
+        attention_maps(attn_model, "   ")
 
 
 def test_cli_writes_png_and_refuses_bad_input(reverse_model, tmp_path):

@@ -9,7 +9,7 @@ import torch
 from tests.conftest import tfm, tiny_run
 from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import load_config
-from transformer_cli.translate import default_checkpoint
+from transformer_cli.rundir import RunDirectory
 
 
 def mean_of(*paths):
@@ -52,7 +52,7 @@ def test_average_last_writes_the_mean_of_the_final_evaluations(tiny_prepared, tm
     for avg_score, chosen in ((scores["checkpoint_best.pt"] - 1, "checkpoint_best.pt"),
                               (scores["checkpoint_best.pt"], "checkpoint_avg.pt")):
         (ckpts / "scores.json").write_text(json.dumps({**scores, "checkpoint_avg.pt": avg_score}))
-        assert default_checkpoint(cfg).name == chosen
+        assert RunDirectory(cfg.run_path).default_checkpoint().name == chosen
 
 
 def test_no_average_of_early_checkpoints(tiny_prepared, tmp_path):
@@ -61,4 +61,4 @@ def test_no_average_of_early_checkpoints(tiny_prepared, tmp_path):
     proc = tfm("train", "--config", config)
     assert proc.returncode == 0 and "no checkpoint_avg.pt: 1 evaluated checkpoint(s) in the last 20%" in proc.stderr
     assert not (tmp_path / "run/checkpoints/checkpoint_avg.pt").exists()
-    assert default_checkpoint(load_config(config)).name == "checkpoint_best.pt"
+    assert RunDirectory(load_config(config).run_path).default_checkpoint().name == "checkpoint_best.pt"

@@ -13,8 +13,8 @@ from transformer_cli.config import load_config
 from transformer_cli.ema import WeightAverage
 from transformer_cli.errors import TfmError
 from transformer_cli.model import Transformer, TransformerConfig
+from transformer_cli.rundir import RunDirectory
 from transformer_cli.train import train
-from transformer_cli.translate import default_checkpoint
 
 
 def test_update_is_the_warmed_up_exponential_average():
@@ -59,10 +59,9 @@ def test_applied_swaps_in_the_average_and_restores_exactly_with_tied_weights():
 
 def initial_parameters(config) -> list[torch.Tensor]:
     """The weights `train()` starts from: the same seed builds the same model."""
-    from transformer_cli.data import load_manifest
     from transformer_cli.train import build_model
 
-    manifest = load_manifest(config.run_path)
+    manifest = RunDirectory(config.run_path).load_manifest()
     torch.manual_seed(config.train.seed)
     model = build_model(config, manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"])
     return [p.detach().double() for p in model.parameters()]
@@ -118,7 +117,7 @@ def test_default_checkpoint_takes_the_best_validated_of_avg_ema_best(tiny_prepar
                                    (0, 1, 1, "checkpoint_ema.pt")):
         (ckpts / "scores.json").write_text(json.dumps({"metric": "bleu", "checkpoint_avg.pt": avg,
                                                        "checkpoint_ema.pt": ema, "checkpoint_best.pt": best}))
-        assert default_checkpoint(cfg).name == chosen
+        assert RunDirectory(cfg.run_path).default_checkpoint().name == chosen
 
 
 @pytest.mark.parametrize("value", ["1", "0", "-0.5", "1.5", "soon"])

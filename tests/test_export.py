@@ -15,13 +15,13 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 
 from transformer_cli.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from transformer_cli.config import config_from_dict  # noqa: E402
+from transformer_cli.ct2 import CT2Translator, check_convertible, export_ctranslate2  # noqa: E402
 from transformer_cli.data import BOS_ID, EOS_ID, prepare  # noqa: E402
 from transformer_cli.errors import TfmError  # noqa: E402
-from transformer_cli.export import CT2Translator, check_convertible, export_ctranslate2  # noqa: E402
 from transformer_cli.files import read_lines  # noqa: E402
 from transformer_cli.model import Transformer, TransformerConfig  # noqa: E402
 from transformer_cli.train import train  # noqa: E402
-from transformer_cli.translate import Translator, decode_token_ids  # noqa: E402
+from transformer_cli.translate import Translator, decode_in_batches  # noqa: E402
 
 from .conftest import multi30k_config, tfm_in_process  # noqa: E402
 
@@ -39,9 +39,9 @@ def compare(checkpoint, sources, tmp_path, beam):
     tfm = Translator.from_checkpoint(checkpoint, device="cpu", overrides=SAME_SEARCH)
     ct2 = CT2Translator(out, decode=tfm.decode, compute_type="float32")
     ids = tfm.src_sp.encode(sources, out_type=int)
-    ours = [h[0].tokens for h in decode_token_ids(tfm.model, ids, tfm.decode, tfm.device, beam)]
+    ours = [h[0].tokens for h in decode_in_batches(tfm.model, ids, tfm.decode, tfm.device, beam)]
     pieces = [[tfm.src_sp.id_to_piece(i) for i in s] for s in ids]
-    theirs = [[tfm.tgt_sp.piece_to_id(p) for p in h[0][0]] for h in ct2.translate_pieces(pieces, beam)]
+    theirs = [[tfm.tgt_sp.piece_to_id(p) for p in h[0].tokens] for h in ct2.search(pieces, beam)]
     return ours, theirs
 
 

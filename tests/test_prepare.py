@@ -16,12 +16,12 @@ from transformer_cli.data import (
     UNK_ID,
     ParallelData,
     TokenArray,
-    binary_stem,
     prepare,
     token_batches,
 )
 from transformer_cli.errors import TfmError
 from transformer_cli.files import read_lines
+from transformer_cli.rundir import RunDirectory
 
 from .conftest import multi30k_config
 
@@ -42,7 +42,7 @@ def test_vocab_has_fixed_special_ids(prepared):
 def test_binary_round_trip_decodes_to_the_original(prepared):
     config, _ = prepared
     sp = spm.SentencePieceProcessor(model_file=str(config.run_path / "spm.model"))
-    test = TokenArray.load(binary_stem(config.run_path, "test", "tgt"))
+    test = TokenArray.load(RunDirectory(config.run_path).binary_stem("test", "tgt"))
     raw = read_lines(f"{config.data.test}.en.gz")
     assert len(test) == len(raw)
     for i in range(0, len(raw), 97):

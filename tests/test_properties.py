@@ -13,6 +13,7 @@ from tests.conftest import multi30k_config, tiny_run
 from transformer_cli.config import ExperimentConfig, config_from_dict, load_config
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
+from transformer_cli.rundir import RunDirectory
 from transformer_cli.train import train
 from transformer_cli.translate import Translator, read_decoded_lines, translate_stream
 
@@ -57,7 +58,7 @@ def multi30k_spm(multi30k_2k, tmp_path_factory) -> spm.SentencePieceProcessor:
     """The sentencepiece model `prepare` trains on 2,000 Multi30k pairs (joint de+en, 1000 pieces)."""
     run = tmp_path_factory.mktemp("spm_run")
     result = prepare(config_from_dict(multi30k_config(multi30k_2k, run)), progress=False)
-    return spm.SentencePieceProcessor(model_file=result.manifest["vocab"]["src"])
+    return spm.SentencePieceProcessor(model_file=str(RunDirectory(run).vocab_file(result.manifest, "src")))
 
 
 def known_characters(sp: spm.SentencePieceProcessor) -> str:

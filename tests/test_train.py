@@ -13,19 +13,15 @@ from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import TrainConfig, config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
+from transformer_cli.loss import label_smoothed_loss
 from transformer_cli.precision import (
+    autocast_dtype,
     choose_precision,
     cpu_has_fast_bf16,
     measure_bf16_speedup,
 )
-from transformer_cli.train import (
-    autocast_dtype,
-    budget_used,
-    label_smoothed_loss,
-    learning_rate,
-    train,
-    warmup_steps,
-)
+from transformer_cli.schedule import budget_used, learning_rate, warmup_steps
+from transformer_cli.train import train
 
 from .conftest import (
     ROOT,
@@ -203,8 +199,8 @@ def test_label_smoothed_loss_gradient_matches_autograd_reference():
 
 
 def test_logits_for_target_rows_equal_the_full_projection():
+    from transformer_cli.loss import target_rows
     from transformer_cli.model import Transformer, TransformerConfig
-    from transformer_cli.train import target_rows
 
     torch.manual_seed(0)
     model = Transformer(TransformerConfig(30, 30, d_model=16, n_heads=2, enc_layers=1, dec_layers=1, d_ff=32)).eval()
@@ -220,9 +216,9 @@ def test_precision_auto_follows_the_device_and_the_measured_cpu_speedup(monkeypa
     monkeypatch.delenv("TFM_PRECISION", raising=False)
     monkeypatch.setenv("TFM_CACHE", str(tmp_path))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert autocast_dtype(TrainConfig(precision="auto"), cuda) is torch.bfloat16
-    assert autocast_dtype(TrainConfig(precision="fp32"), cuda) is None
-    assert autocast_dtype(TrainConfig(precision="bf16"), cpu) is torch.bfloat16
+    assert autocast_dtype(choose_precision("auto", cuda)) is torch.bfloat16
+    assert autocast_dtype(choose_precision("fp32", cuda)) is None
+    assert autocast_dtype(choose_precision("bf16", cpu)) is torch.bfloat16
     choice = choose_precision("auto", cpu, (64, 128))
     cache = json.loads((tmp_path / "bf16_speedup.json").read_text()) if not cpu_has_fast_bf16() else {}
     if cpu_has_fast_bf16():
@@ -251,13 +247,13 @@ def test_tfm_precision_env_decides_auto_only(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for forced, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("BF16", torch.bfloat16)):
         monkeypatch.setenv("TFM_PRECISION", forced)
-        assert autocast_dtype(TrainConfig(precision="auto"), cpu) is dtype
-        assert autocast_dtype(TrainConfig(precision="auto"), cuda) is dtype
+        assert autocast_dtype(choose_precision("auto", cpu)) is dtype
+        assert autocast_dtype(choose_precision("auto", cuda)) is dtype
     monkeypatch.setenv("TFM_PRECISION", "bf16")
-    assert autocast_dtype(TrainConfig(precision="fp32"), cpu) is None  # explicit settings win
+    assert autocast_dtype(choose_precision("fp32", cpu)) is None  # explicit settings win
     monkeypatch.setenv("TFM_PRECISION", "fp16")
     with pytest.raises(TfmError, match="TFM_PRECISION='fp16': expected fp32, bf16 or auto"):
-        autocast_dtype(TrainConfig(precision="auto"), cpu)
+        autocast_dtype(choose_precision("auto", cpu))
 
 
 def test_tfm_precision_env_error_is_one_line_exit_2(multi30k_2k, tmp_path):

@@ -561,7 +561,7 @@ def feed_forever(stream, lines: list[str]) -> None:
 
 
 def padded_batches(translator, lines: list[str], size: int) -> list[torch.Tensor]:
-    """Source id batches of `size` sentences, longest first, as decode_token_ids makes them."""
+    """Source id batches of `size` sentences, longest first, as decode_in_batches makes them."""
     ids = [translator.src_sp.encode(line) + [EOS_ID] for line in lines]
     batches = []
     for batch in length_sorted_batches([len(s) for s in ids], size, None):

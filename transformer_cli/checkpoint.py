@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import io
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import sentencepiece as spm
 import torch
 
 from .config import ExperimentConfig, config_from_dict
@@ -88,6 +90,32 @@ def model_from_checkpoint(payload: dict[str, Any]) -> tuple[Transformer, Experim
     except RuntimeError as exc:
         raise TfmError(f"checkpoint weights do not fit its model config: {str(exc).splitlines()[0]}") from None
     return model, config
+
+
+@dataclass
+class TrainedModel:
+    """A checkpoint's model (fp32, CPU, eval mode), the config it was trained with and its two
+    sentencepiece models: everything translating, exporting or inspecting a model needs."""
+
+    path: Path
+    model: Transformer
+    config: ExperimentConfig
+    src_sp: spm.SentencePieceProcessor
+    tgt_sp: spm.SentencePieceProcessor
+    spm_files: dict[str, bytes]  # "src"/"tgt" → the sentencepiece model file as prepare wrote it
+
+
+def load_trained_model(path: str | Path) -> TrainedModel:
+    """Load a checkpoint with its sentencepiece models; a vocabulary that does not fit the model
+    is a one-line error."""
+    payload = load_checkpoint(path)
+    model, config = model_from_checkpoint(payload)
+    files = {side: tensor_to_bytes(payload[f"spm_{side}"]) for side in ("src", "tgt")}
+    src_sp, tgt_sp = (spm.SentencePieceProcessor(model_proto=files[side]) for side in ("src", "tgt"))
+    for side, sp, size in (("source", src_sp, model.cfg.src_vocab_size), ("target", tgt_sp, model.cfg.tgt_vocab_size)):
+        if sp.vocab_size() != size:
+            raise TfmError(f"{path}: {side} vocabulary has {sp.vocab_size()} pieces but the model expects {size}")
+    return TrainedModel(Path(path), model.eval(), config, src_sp, tgt_sp, files)
 
 
 def average_state_dicts(paths: list[Path]) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import signal
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import typer
 from . import __version__
 from .console import discard_writes, say, warn
 from .errors import Diverged, Interrupted, TfmError, describe_os_error
+from .rundir import RunDirectory
 from .signals import Terminated, terminate_like_ctrl_c
 
 app = typer.Typer(
@@ -71,6 +73,25 @@ def _load(config: Optional[Path], overrides: Optional[list[str]]):
     if config is None:
         raise TfmError("--config is required (e.g. --config configs/de-en.yaml)")
     return load_config(config, overrides or [])
+
+
+def _load_for_inference(config: Path, overrides: Optional[list[str]]):
+    """A config for translating/evaluating a trained model: `--set model.*`/`vocab.*` cannot apply."""
+    from .config import check_inference_overrides
+
+    check_inference_overrides(overrides or [])
+    return _load(config, overrides)
+
+
+def open_input(path: Optional[Path]):
+    """The bytes of `--input` (a file, a FIFO, `<(…)`), or standard input."""
+    if path is None:
+        return sys.stdin.buffer
+    if not path.exists():
+        raise TfmError(f"input file not found: {path}")
+    if path.is_dir():
+        raise TfmError(f"{path} is a directory, not an input file")
+    return open(path, "rb")
 
 
 def _version(value: bool) -> None:
@@ -155,20 +176,16 @@ def translate(
                                           "thread each (auto = one per core; 1 = this process, all threads)."),
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
-    cfg = _load(config, set_) if config is not None else None
+    cfg = _load_for_inference(config, set_) if config is not None else None
     if engine not in ("torch", "ctranslate2"):
         raise TfmError(f"--engine {engine}: choose torch or ctranslate2")
     if quantize not in (None, "int8"):
         raise TfmError(f"--quantize {quantize}: only int8 is supported")
     # Imports torch (seconds on a slow CPU): only after the checks above.
-    from .translate import (
-        Translator,
-        default_checkpoint,
-        read_decoded_lines,
-        translate_stream,
-    )
+    from .translate import Translator, read_decoded_lines, translate_stream
+
     if engine == "ctranslate2":
-        from .export import CT2Translator
+        from .ct2 import CT2Translator
 
         if model_dir is None:
             raise TfmError("--engine ctranslate2 needs --model DIR (from tfm export --format ctranslate2)")
@@ -184,7 +201,7 @@ def translate(
         if checkpoint is None:
             if cfg is None:
                 raise TfmError("give --checkpoint, or --config to use the run's best checkpoint")
-            checkpoint = default_checkpoint(cfg)
+            checkpoint = RunDirectory(cfg.run_path).default_checkpoint()
         # Without --config, --set edits the settings the checkpoint carries.
         translator = Translator.from_checkpoint(checkpoint, decode=cfg.decode if cfg else None, device=device,
                                                 overrides=None if cfg else set_, precision=quantize)
@@ -199,14 +216,12 @@ def translate(
         raise TfmError("--beam and --nbest must be at least 1")
     if nbest > max(beam or translator.decode.beam, 1):
         raise TfmError(f"--nbest {nbest} needs a beam at least as large (--beam {nbest})")
-    if input_ is not None and not input_.is_file():
-        raise TfmError(f"input file not found: {input_}")
-    source = open(input_, "rb") if input_ is not None else sys.stdin.buffer
+    source = open_input(input_)
     from .files import atomic_path
 
     def run(out_stream):
-        return translate_stream(translator, read_decoded_lines(source, sys.stderr), out_stream, beam=beam,
-                                nbest=nbest, progress=sys.stderr.isatty())
+        lines = read_decoded_lines(source, sys.stderr, str(input_) if input_ is not None else "standard input")
+        return translate_stream(translator, lines, out_stream, beam=beam, nbest=nbest, progress=sys.stderr.isatty())
 
     if output is not None:
         with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -247,6 +262,8 @@ def evaluate(
         parse_metrics,
     )
 
+    if min_bleu is not None and not math.isfinite(min_bleu):
+        raise TfmError(f"--min-bleu {min_bleu}: give a finite score (a gate against {min_bleu} can never fail)")
     names = parse_metrics(metrics)
     if min_bleu is not None and "bleu" not in names:
         names.insert(0, "bleu")
@@ -277,12 +294,11 @@ def evaluate(
             return
         result = evaluate_files(hyp[0], ref, names, confidence)
     elif config is not None:
-        from .translate import default_checkpoint
-
         if split not in ("valid", "test"):
             raise TfmError(f"--split {split!r}: choose valid or test")
-        cfg = _load(config, set_)
-        result = evaluate_model(cfg, checkpoint or default_checkpoint(cfg), split, names, beam, confidence)
+        cfg = _load_for_inference(config, set_)
+        checkpoint = checkpoint or RunDirectory(cfg.run_path).default_checkpoint()
+        result = evaluate_model(cfg, checkpoint, split, names, beam, confidence)
     else:
         raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")
 
@@ -320,11 +336,12 @@ def average(
 @user_errors
 def plot(
     runs: list[Path] = typer.Argument(..., help="Run directories (or their metrics.jsonl); several are overlaid."),
-    output: Path = typer.Option(Path("curves.png"), "--output", "-o", help="PNG to write."),
+    output: Path = typer.Option(Path("curves.png"), "--output", "-o",
+                                help="Picture to write: .png, .svg, .pdf, … (the suffix names the format)."),
     width: int = typer.Option(1200, "--width", help="Image width in pixels."),
     height: int = typer.Option(800, "--height", help="Image height in pixels."),
 ) -> None:
-    """Learning curves (train/valid loss, valid BLEU against step and minutes, LR) as a PNG.
+    """Learning curves (train/valid loss, valid BLEU against step and minutes, LR) as a picture.
 
     Needs matplotlib: pip install -e '.\\[plot]'.
     """
@@ -343,19 +360,23 @@ def attention(
                                       "greedy translation)."),
     layer: Optional[int] = typer.Option(None, "--layer", help="Layer whose heads are drawn, 1-based (default: last)."),
     self_: bool = typer.Option(False, "--self", help="Encoder self-attention instead of encoder–decoder."),
-    output: Path = typer.Option(Path("attention.png"), "--output", "-o", help="PNG to write."),
+    output: Path = typer.Option(Path("attention.png"), "--output", "-o",
+                                help="Picture to write: .png, .svg, .pdf, … (the suffix names the format)."),
 ) -> None:
     """Attention heatmaps: one per head of a layer, plus every layer's head average.
 
     Source subwords on the x axis, target subwords on the y axis (source on both with --self).
     Needs matplotlib: pip install -e '.\\[plot]'.
     """
-    from .attention import AttentionModel, check_layer, plot_attention
+    from .attention_maps import attention_maps, check_layer, plot_attention
+    from .checkpoint import load_trained_model
+    from .plot import figure_format
 
-    model = AttentionModel(checkpoint)
-    n_layers = model.model.cfg.enc_layers if self_ else model.model.cfg.dec_layers
+    figure_format(output)  # before any work
+    trained = load_trained_model(checkpoint)
+    n_layers = trained.model.cfg.enc_layers if self_ else trained.model.cfg.dec_layers
     check_layer(layer, n_layers, "encoder" if self_ else "decoder")  # before decoding anything
-    maps = model.maps(src, tgt, encoder_self=self_)
+    maps = attention_maps(trained, src, tgt, encoder_self=self_)
     plot_attention(maps, layer, output)
     if maps.translation:
         say(f"target: {maps.translation}")
@@ -374,7 +395,7 @@ def export(
 
     Translate with it: tfm translate --engine ctranslate2 --model DIR. Needs pip install -e '.\\[ct2]'.
     """
-    from .export import export_ctranslate2
+    from .ct2 import export_ctranslate2
 
     if format_ != "ctranslate2":
         raise TfmError(f"--format {format_}: only ctranslate2 is supported")

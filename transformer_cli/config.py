@@ -250,6 +250,17 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = value
 
 
+def check_inference_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+    """A trained model's architecture and vocabulary are those of its checkpoint: `--set model.*` or
+    `vocab.*` while translating would be silently ignored, so it is an error naming the key."""
+    for assignment in overrides:
+        key = assignment.partition("=")[0].strip()
+        section = key.split(".")[0]
+        if section in ("model", "vocab"):
+            raise TfmError(f"--set {key}: a trained model's {section}.* settings are fixed by its checkpoint "
+                           "(translating and evaluating take decode.* settings)")
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Read a YAML config (or defaults when `path` is None) and apply dotted overrides."""
     raw: dict[str, Any] = {}

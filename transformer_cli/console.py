@@ -12,7 +12,12 @@ import contextlib
 import io
 import os
 import sys
+from collections.abc import Callable
 from typing import IO
+
+from tqdm import tqdm
+
+from .errors import describe_os_error
 
 
 def discard_writes(fds: list[int]) -> None:
@@ -76,3 +81,48 @@ def say(text: str) -> None:
     """One result line on stdout, flushed now: a full disk under `tfm … > file` is then an OSError
     naming standard output (one line, exit 2), not an unnamed error or Python's failed flush at exit."""
     write_fully(sys.stdout, text + "\n")
+
+
+class TrainingConsole:
+    """What a training run shows while it runs: a progress bar (or, without a terminal, a line per
+    log interval) and messages. Only one process shows it (torchrun's rank 0: `active`).
+
+    When writing fails (`2> train.log` on a disk that filled up, a pipe whose reader quit),
+    training goes on without a console: stderr points at /dev/null from then on, and `on_lost` is
+    told why, once (the run's metrics.jsonl records it)."""
+
+    def __init__(self, active: bool, progress_bar: bool, on_lost: Callable[[str], None]):
+        self.active, self.progress_bar, self.on_lost = active, progress_bar, on_lost
+        self.bar: tqdm | None = None
+
+    def start_bar(self, total: int, initial: int) -> None:
+        if self.active:
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
+                            disable=not self.progress_bar, dynamic_ncols=True)
+
+    def advance(self, postfix: dict | None = None) -> None:
+        if self.bar is not None:
+            self._write(_bar_update, self.bar, postfix)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self._write(self.bar.close)
+            self.bar = None
+
+    def print(self, message: str) -> None:
+        if self.active:
+            self._write(tqdm.write, message, file=sys.stderr)
+
+    def _write(self, write: Callable[..., object], *args, **kwargs) -> None:
+        try:
+            write(*args, **kwargs)
+            sys.stderr.flush()  # here, not at some later write or at exit
+        except OSError as exc:  # the console is gone (BrokenPipeError included): carry on without it
+            discard_stream(sys.stderr)
+            self.on_lost(describe_os_error(exc, unnamed="stderr"))
+
+
+def _bar_update(bar: tqdm, postfix: dict | None) -> None:
+    bar.update(1)
+    if postfix:
+        bar.set_postfix(postfix, refresh=False)

@@ -38,12 +38,11 @@ from .corpus import (
 from .cpu import usable_cores
 from .errors import TfmError
 from .files import atomic_path, atomic_write_text, iter_raw_lines, remove_stale_temps
+from .rundir import SIDES, SPLITS, RunDirectory
 from .runlock import RunLock
 
 # Fixed special ids, the same in every tfm vocabulary.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-SPLITS = ("train", "valid", "test")
-SIDES = ("src", "tgt")
 
 
 def corpus_file(prefix: str, lang: str) -> Path:
@@ -70,12 +69,6 @@ def split_files(config: ExperimentConfig, split: str) -> tuple[Path, Path]:
 
 
 # --------------------------------------------------------------------------- vocabulary
-
-
-def vocab_paths(run_dir: Path, joint: bool) -> dict[str, Path]:
-    if joint:
-        return {"src": run_dir / "spm.model", "tgt": run_dir / "spm.model"}
-    return {"src": run_dir / "spm.src.model", "tgt": run_dir / "spm.tgt.model"}
 
 
 def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentConfig) -> None:
@@ -148,10 +141,6 @@ class TokenArray:
             if not p.is_file():
                 raise TfmError(f"binarised data not found: {p} (run `tfm prepare` first)")
         return cls(np.load(paths[0], mmap_mode="r"), np.load(paths[1]))
-
-
-def binary_stem(run_dir: Path, split: str, side: str) -> Path:
-    return run_dir / "data" / f"{split}.{side}"
 
 
 # --------------------------------------------------------------------------- prepare
@@ -231,7 +220,7 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
                         config.data.max_len if is_train else None, config.data.max_len_ratio if is_train else None,
                         None if is_train else config.model.max_positions - 2)
              for chunk in parallel_chunks(src_path, tgt_path, config.prepare.chunk_lines, limit))
-    writers = {side: NpyAppender(_array_path(binary_stem(config.run_path, split, side), "tokens"), np.dtype(dtype))
+    writers = {side: NpyAppender(_array_path(RunDirectory(config.run_path).binary_stem(split, side), "tokens"), np.dtype(dtype))
                for side in SIDES}
     lengths: dict[str, list[np.ndarray]] = {side: [] for side in SIDES}
     unk = {side: 0 for side in SIDES}
@@ -260,7 +249,7 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
         side_lengths = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, dtype=np.int32)
         offsets = np.zeros(len(side_lengths) + 1, dtype=np.int64)
         np.cumsum(side_lengths, out=offsets[1:])
-        with atomic_path(_array_path(binary_stem(config.run_path, split, side), "offsets")) as tmp:
+        with atomic_path(_array_path(RunDirectory(config.run_path).binary_stem(split, side), "offsets")) as tmp:
             with open(tmp, "wb") as f:
                 np.save(f, offsets)
         stats[side] = _side_stats(side_lengths, unk[side])
@@ -284,19 +273,20 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
         for directory in (config.run_path, config.run_path / "data"):
             remove_stale_temps(directory)  # left by an interrupted write
         result = _prepare(config, force, progress)
-        atomic_write_text(config.run_path / "config.yaml", config_to_yaml(config))
+        atomic_write_text(RunDirectory(config.run_path).config_file, config_to_yaml(config))
     return result
 
 
 def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareResult:
     run_dir = config.run_path
-    manifest_path = run_dir / "prepare.json"
+    run = RunDirectory(run_dir)
+    manifest_path = run.manifest_file
     fingerprint = _fingerprint(config)
     if manifest_path.is_file() and not force:
         manifest = json.loads(manifest_path.read_text())
-        expected = [binary_stem(run_dir, sp, si) for sp in SPLITS for si in SIDES]
+        expected = [run.binary_stem(sp, si) for sp in SPLITS for si in SIDES]
         files_ok = all(_array_path(p, n).is_file() for p in expected for n in ("tokens", "offsets")) and all(
-            p.is_file() for p in vocab_paths(run_dir, config.vocab.joint).values())
+            p.is_file() for p in run.vocab_files(config.vocab.joint).values())
         if manifest.get("fingerprint") == fingerprint and files_ok:
             return PrepareResult(run_dir, True, _summary_table(manifest["stats"]), manifest)
 
@@ -304,7 +294,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareRe
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # Vocabulary: trained on (a sample of) the training data only.
-    paths = vocab_paths(run_dir, config.vocab.joint)
+    paths = run.vocab_files(config.vocab.joint)
     train_read, sampled = _train_vocab(config, paths, seed=config.train.seed)
     vocab_seconds = time.perf_counter() - started
     vocab_sizes = {side: load_sentencepiece(paths[side]).vocab_size() for side in SIDES}
@@ -329,7 +319,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareRe
         "fingerprint": fingerprint,
         "src_lang": config.data.src_lang,
         "tgt_lang": config.data.tgt_lang,
-        "vocab": {side: str(paths[side]) for side in SIDES},
+        "vocab": {side: paths[side].name for side in SIDES},  # files of this run, by name
         "vocab_size": vocab_sizes,
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         "files": {split: [str(p) for p in split_files(config, split)] for split in SPLITS},
@@ -344,13 +334,6 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareRe
     }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2))
     return PrepareResult(run_dir, False, _summary_table(stats), manifest)
-
-
-def load_manifest(run_dir: Path) -> dict:
-    path = run_dir / "prepare.json"
-    if not path.is_file():
-        raise TfmError(f"{path} not found: run `tfm prepare --config ...` first")
-    return json.loads(path.read_text())
 
 
 # --------------------------------------------------------------------------- batching
@@ -368,8 +351,10 @@ class Batch:
                      self.tgt_out.to(device, non_blocking=True), self.n_tgt_tokens)
 
 
-def pad_sequences(seqs: list[np.ndarray], prefix: int | None = None, suffix: int | None = None) -> torch.Tensor:
-    """Right-pad id sequences into a (B, max_len) LongTensor, optionally adding a first/last token."""
+def pad_batch(seqs: list[np.ndarray] | list[list[int]], prefix: int | None = None,
+              suffix: int | None = None) -> torch.Tensor:
+    """Right-pad id sequences with PAD_ID into a (B, max_len) LongTensor, optionally adding a
+    first/last token to each: the one padding of batches for training, decoding and attention maps."""
     extra = (prefix is not None) + (suffix is not None)
     width = max(len(s) for s in seqs) + extra
     out = np.full((len(seqs), width), PAD_ID, dtype=np.int64)
@@ -385,9 +370,9 @@ def pad_sequences(seqs: list[np.ndarray], prefix: int | None = None, suffix: int
 
 
 def collate(src: list[np.ndarray], tgt: list[np.ndarray]) -> Batch:
-    src_t = pad_sequences(src, suffix=EOS_ID)
-    tgt_in = pad_sequences(tgt, prefix=BOS_ID)
-    tgt_out = pad_sequences(tgt, suffix=EOS_ID)
+    src_t = pad_batch(src, suffix=EOS_ID)
+    tgt_in = pad_batch(tgt, prefix=BOS_ID)
+    tgt_out = pad_batch(tgt, suffix=EOS_ID)
     return Batch(src_t, tgt_in, tgt_out, int(sum(len(t) + 1 for t in tgt)))
 
 
@@ -431,8 +416,9 @@ class ParallelData:
     """One binarised split (source + target), memory-mapped."""
 
     def __init__(self, run_dir: Path, split: str):
-        self.src = TokenArray.load(binary_stem(run_dir, split, "src"))
-        self.tgt = TokenArray.load(binary_stem(run_dir, split, "tgt"))
+        run = RunDirectory(run_dir)
+        self.src = TokenArray.load(run.binary_stem(split, "src"))
+        self.tgt = TokenArray.load(run.binary_stem(split, "tgt"))
         self.split = split
 
     def __len__(self) -> int:

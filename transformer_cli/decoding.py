@@ -232,6 +232,40 @@ def greedy_search_continuous(
     return [hyps[first : first + count] for first, count in zip(firsts, counts)]
 
 
+def finish_eos_choices(eos_in_top_k: torch.Tensor, top_scores: torch.Tensor, top_beams: torch.Tensor,
+                       history: torch.Tensor, alive: list[int], k: int, lp: float,
+                       finished: list[list[Hypothesis]], best_finished: list[float]) -> None:
+    """Beam search: the candidates among each sentence's top K that chose <eos> (N, K) become finished
+    hypotheses (score / lp), in place. An -inf <eos> (barred by min_len) can rank there only when
+    fewer than 2K candidates are finite: it is skipped."""
+    rows, cols = eos_in_top_k.nonzero(as_tuple=True)
+    for r, c in zip(rows.tolist(), cols.tolist()):
+        score = float(top_scores[r, c])
+        if score == float("-inf"):
+            continue
+        sent = alive[r]
+        finished[sent].append(Hypothesis(history[r * k + int(top_beams[r, c])].tolist(), score / lp))
+        best_finished[sent] = max(best_finished[sent], finished[sent][-1].score)
+
+
+def done_sentences(beam_scores: torch.Tensor, history: torch.Tensor, alive: list[int], at_limit: list[bool],
+                   k: int, lp: float, finished: list[list[Hypothesis]], best_finished: list[float],
+                   min_finished: int) -> list[bool]:
+    """Beam search: per live sentence, whether it is done. At its length limit its live beams
+    (sorted best first in `beam_scores` (N, K)) finish too; otherwise it is done once `min_finished`
+    hypotheses have finished and the best of them beats its best live beam ended now."""
+    best_alive = [score / lp for score in beam_scores[:, 0].tolist()]
+    done = []
+    for r, sent in enumerate(alive):
+        if at_limit[r]:
+            for b in range(k):
+                score = float(beam_scores[r, b])
+                if score != float("-inf"):
+                    finished[sent].append(Hypothesis(history[r * k + b].tolist(), score / lp))
+        done.append(at_limit[r] or (len(finished[sent]) >= min_finished and best_finished[sent] >= best_alive[r]))
+    return done
+
+
 @without_cyclic_gc
 @torch.inference_mode()
 def beam_search(
@@ -295,18 +329,8 @@ def beam_search(
         at_limit = [step + 1 >= limits[s] for s in alive_list]
 
         # 1) Finish hypotheses that chose <eos> within the top K (rare: handled in Python).
-        #    An -inf <eos> (barred by min_len) can rank there only when fewer than 2K candidates are finite.
-        eos_rows, eos_cols = is_eos[:, :k].nonzero(as_tuple=True)
-        if eos_rows.numel():
-            lp = length_penalty(step + 1, alpha)
-            for r, c in zip(eos_rows.tolist(), eos_cols.tolist()):
-                score = float(top_scores[r, c])
-                if score == float("-inf"):
-                    continue
-                sent = alive_list[r]
-                row = r * k + int(top_beams[r, c])
-                finished[sent].append(Hypothesis(history[row].tolist(), score / lp))
-                best_finished[sent] = max(best_finished[sent], finished[sent][-1].score)
+        finish_eos_choices(is_eos[:, :k], top_scores, top_beams, history, alive_list, k,
+                           length_penalty(step + 1, alpha), finished, best_finished)
 
         # 2) The K best non-<eos> candidates stay alive: a stable sort of the <eos> flags puts the
         #    others first, in score order.
@@ -321,16 +345,8 @@ def beam_search(
 
         # 3) Sentences at their length limit finish their live beams; a sentence whose best finished
         #    hypothesis beats its best live beam ended now is done.
-        lp = length_penalty(step + 1, alpha)
-        best_alive = [score / lp for score in beam_scores[:, 0].tolist()]  # beams stay sorted best first
-        done = []
-        for r, sent in enumerate(alive_list):
-            if at_limit[r]:
-                for b in range(k):
-                    score = float(beam_scores[r, b])
-                    if score != float("-inf"):
-                        finished[sent].append(Hypothesis(history[r * k + b].tolist(), score / lp))
-            done.append(at_limit[r] or (len(finished[sent]) >= min_finished and best_finished[sent] >= best_alive[r]))
+        done = done_sentences(beam_scores, history, alive_list, at_limit, k, length_penalty(step + 1, alpha),
+                              finished, best_finished, min_finished)
         if all(done):
             break
         if any(done):

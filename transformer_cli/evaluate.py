@@ -110,21 +110,25 @@ def evaluate_model(config, checkpoint: Path, split: str, metrics: list[str], bea
                    confidence: bool = False) -> EvalResult:
     """Translate the configured split's raw source with the model and score it against the raw reference."""
     from .data import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
-    from .translate import Translator
+    from .rundir import RunDirectory
+    from .translate import Translator, translate_texts
 
     src_path, ref_path = split_files(config, split)
     src, refs = read_lines(src_path), read_lines(ref_path)
     check_aligned(src, refs, str(src_path), str(ref_path))
     translator = Translator.from_checkpoint(checkpoint, decode=config.decode, device=config.train.device)
     started = time.perf_counter()
-    hyps = [t[0].text for t in translator.translate(src, beam=beam)]
+    try:
+        hyps = translate_texts(translator, src, beam)  # as `tfm translate` would: the same chunks and batches
+    finally:
+        translator.close()
     seconds = time.perf_counter() - started
     result = score(hyps, refs, metrics, confidence)
     beam_used = config.decode.beam if beam is None else beam
     result.extra = {"split": split, "checkpoint": str(checkpoint), "beam": beam_used, "source": str(src_path),
                     "reference": str(ref_path), "decode_seconds": round(seconds, 2),
                     "sentences_per_s": round(len(src) / seconds, 2)}
-    out_dir = config.run_path / "eval"
+    out_dir = RunDirectory(config.run_path).eval_dir
     stem = f"{split}.{Path(checkpoint).stem}.beam{beam_used}"
     atomic_write_text(out_dir / f"{stem}.hyp", "\n".join(hyps) + "\n")
     atomic_write_text(out_dir / f"{stem}.json", json.dumps(result.to_json(), indent=2))

@@ -89,11 +89,13 @@ def unique_names(runs: list[Path]) -> list[str]:
 
 def plot_runs(runs: list[Path], output: Path, width: int = 1200, height: int = 800, dpi: int = 100) -> Path:
     """Draw train/valid loss, valid BLEU (against step and minutes) and the learning rate of
-    every run (overlaid, one colour per run) into a `width`×`height` pixel PNG."""
+    every run (overlaid, one colour per run) into a `width`×`height` pixel picture (PNG, or the
+    format `output`'s suffix names)."""
     if not runs:
         raise TfmError("give at least one run directory")
     if width < 200 or height < 150:
         raise TfmError(f"--width/--height {width}x{height}: too small to draw (at least 200x150)")
+    figure_format(output)  # before any work
     data = [read_metrics(run, name) for run, name in zip(runs, unique_names(runs))]
     plt = import_pyplot()
 
@@ -132,12 +134,27 @@ def plot_runs(runs: list[Path], output: Path, width: int = 1200, height: int = 8
     ax_loss.legend(fontsize="small")
     if len(data) > 1:
         ax_bleu.legend(fontsize="small")
-    save_png(fig, output, dpi)
+    save_figure(fig, output, dpi)
     plt.close(fig)
     return output
 
 
-def save_png(fig: Any, output: Path, dpi: int) -> None:
-    """Write atomically; no bbox_inches="tight", so the PNG keeps exactly the figure's pixel size."""
+def figure_format(output: Path) -> str:
+    """The file format `output`'s suffix names (png, svg, pdf, …: whatever matplotlib writes), or a
+    TfmError: a picture is never written in a format its name does not say."""
+    plt = import_pyplot()
+    supported = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    suffix = output.suffix.lower().lstrip(".")
+    if suffix not in supported:
+        raise TfmError(f"{output}: cannot tell the picture format from {output.suffix or 'a name without a suffix'!r}; "
+                       f"end the name in one of {', '.join('.' + s for s in sorted(supported))}")
+    return suffix
+
+
+def save_figure(fig: Any, output: Path, dpi: int) -> None:
+    """Write atomically, in the format the suffix names; no bbox_inches="tight", so a PNG keeps
+    exactly the figure's pixel size."""
+    fmt = figure_format(output)
     with atomic_path(output) as tmp:
-        fig.savefig(tmp, dpi=dpi, format="png")
+        fig.savefig(tmp, dpi=dpi, format=fmt)

@@ -1,35 +1,37 @@
-"""Stage 3, training: teacher forcing, label smoothing, warm-up schedules, checkpoints, validation."""
+"""Stage 3, training: teacher forcing, label smoothing, warm-up schedules, checkpoints, validation.
+
+`train()` runs one `Trainer`, whose loop reads top to bottom:
+
+    batches → learning rate → loss step (forward + backward) → update (clip, skip a non-finite
+    step, optimizer, moving average) → log → stop? → evaluate and save?
+
+Under torchrun every process runs this same code (distributed.py); rank 0 alone prints, logs and
+writes checkpoints. Schedules are in schedule.py, the loss in loss.py, where a run keeps its
+files in rundir.py.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import signal
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import sacrebleu
+import sentencepiece as spm
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
-from .checkpoint import (
-    average_state_dicts,
-    bytes_to_tensor,
-    load_checkpoint,
-    save_checkpoint,
-)
+from .checkpoint import average_state_dicts, bytes_to_tensor, load_checkpoint
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
-from .console import discard_stream
+from .console import TrainingConsole
 from .cpu import keep_freed_memory
-from .data import PAD_ID, Batch, ParallelData, load_manifest, padding_ratio
+from .data import PAD_ID, ParallelData, padding_ratio
 from .devices import is_out_of_memory, resolve_device
 from .distributed import (
     World,
@@ -41,18 +43,16 @@ from .distributed import (
     world_from_environment,
 )
 from .ema import WeightAverage
-from .errors import Diverged, Interrupted, TfmError, describe_os_error
+from .errors import Diverged, Interrupted, TfmError
 from .files import atomic_write_text, read_lines, remove_stale_temps
+from .loss import batch_loss
 from .model import Transformer, TransformerConfig
-from .precision import choose_precision
+from .precision import autocast_dtype, choose_precision
+from .rundir import AVERAGE, BEST, EMA, LAST, MetricsLog, RunDirectory, step_of
 from .runlock import RunLock
+from .schedule import budget_used, learning_rate
 from .signals import EXIT_CODES, StopRequest
-
-
-def autocast_dtype(config: TrainConfig, device: torch.device, shape: tuple[int, int] = (512, 2048)
-                   ) -> torch.dtype | None:
-    """bf16 autocast or None (fp32): see `precision.choose_precision` for what `auto` means."""
-    return torch.bfloat16 if choose_precision(config.precision, device, shape).bf16 else None
+from .translate import decode_in_batches
 
 
 def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: int) -> Transformer:
@@ -62,118 +62,6 @@ def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: i
         **{**config.model.model_dump(), "share_embeddings": share}, pad_id=PAD_ID,
     )
     return Transformer(model_cfg)
-
-
-# --------------------------------------------------------------------------- schedule and loss
-
-
-def budget_used(step: int, elapsed: float, config: TrainConfig) -> float:
-    """Fraction of the run's budget spent: training seconds of `max_time` or steps of `max_steps`,
-    whichever is further along (both are kept in checkpoints, so this survives --resume)."""
-    used = step / config.max_steps
-    if config.max_time is not None:
-        used = max(used, elapsed / parse_duration(config.max_time))
-    return min(max(used, 0.0), 1.0)
-
-
-def warmup_steps(step: int, config: TrainConfig, budget: float = 0.0) -> float:
-    """Length of the linear warm-up: `warmup` steps, or fewer when `warmup_ratio` of the budget comes
-    first. The budget's length in steps is projected from the pace so far (step / budget), which is
-    exact for max_steps and follows the CPU's speed for max_time; step and elapsed time are both in
-    checkpoints, so it survives --resume."""
-    if config.warmup_ratio is None or budget <= 0.0:
-        return float(config.warmup)
-    return min(float(config.warmup), config.warmup_ratio * step / budget)
-
-
-def learning_rate(step: int, config: TrainConfig, d_model: int, budget: float = 0.0) -> float:
-    """Learning rate at optimizer step `step` (1-based); `budget` = `budget_used()` (budget schedule,
-    `warmup_ratio`)."""
-    step = max(step, 1)
-    warmup = max(warmup_steps(step, config, budget), 1.0)
-    if config.lr_schedule == "budget":
-        # warm-up x cosine decay over the whole budget: at the end, exactly lr_min.
-        warm = min(1.0, step / warmup) if config.warmup else 1.0
-        return config.lr_min + (config.lr * warm - config.lr_min) * 0.5 * (1.0 + math.cos(math.pi * budget))
-    if config.lr_schedule == "noam":
-        # Vaswani et al. eq. (3): linear warm-up, then inverse square-root decay.
-        return config.lr_factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
-    if config.lr_schedule == "inverse_sqrt":
-        # Same shape, parameterised by its peak: lr(warmup) = config.lr.
-        return config.lr * min(step / warmup, math.sqrt(warmup / step))
-    return config.lr * min(1.0, step / warmup) if config.warmup else config.lr
-
-
-class _LabelSmoothedCrossEntropy(torch.autograd.Function):
-    """Per-row label-smoothed cross-entropy with a hand-written backward.
-
-    Autograd through log_softmax → gather/mean → mask makes about eight passes over the
-    (tokens × vocab) logits; the closed-form gradient, softmax − (1 − ε)·onehot − ε/V, needs
-    four. On CPU that is ~10% of a training step for an 8k vocabulary.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, smoothing: float):  # (N, V), (N,)
-        log_probs = F.log_softmax(logits, dim=-1)  # (N, V): one fused pass, unlike logsumexp's several
-        nll = -log_probs.gather(1, target[:, None]).squeeze(1)
-        loss = (1.0 - smoothing) * nll - smoothing * log_probs.mean(dim=-1)
-        ctx.save_for_backward(log_probs, target)
-        ctx.smoothing = smoothing
-        ctx.mark_non_differentiable(nll)
-        return loss, nll
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _grad_nll: torch.Tensor | None):
-        log_probs, target = ctx.saved_tensors
-        eps, vocab = ctx.smoothing, log_probs.size(-1)
-        grad = log_probs.exp_()  # softmax (N, V), in place: the saved tensor is not needed again
-        grad.mul_(grad_loss[:, None]).sub_(grad_loss[:, None] * (eps / vocab))
-        grad.scatter_add_(1, target[:, None], (-(1.0 - eps) * grad_loss)[:, None])
-        return grad, None, None
-
-
-def label_smoothed_loss(
-    logits: torch.Tensor, target: torch.Tensor, smoothing: float, pad_id: int = PAD_ID
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed label-smoothed cross-entropy and summed NLL over non-pad targets.
-
-    The smoothed target puts (1 - ε) on the gold token and ε spread uniformly over the whole
-    vocabulary: loss = (1 - ε)·(-log p_gold) + ε·mean_v(-log p_v), as torch's cross_entropy.
-    Padding rows are dropped before the vocabulary-sized work.
-    """
-    target = target.reshape(-1)
-    rows = logits.reshape(-1, logits.size(-1))
-    keep = (target != pad_id).nonzero().squeeze(1)
-    if keep.numel() != target.numel():
-        rows, target = rows.index_select(0, keep), target.index_select(0, keep)
-    if rows.dtype in (torch.bfloat16, torch.float16):
-        rows = rows.float()  # the softmax over the vocabulary in fp32
-    loss, nll = _LabelSmoothedCrossEntropy.apply(rows, target, smoothing)  # (N_real,) each
-    return loss.sum(), nll.sum()
-
-
-def target_rows(tgt_out: torch.Tensor, pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat positions of real (non-pad) target tokens and those tokens: (N,), (N,)."""
-    flat = tgt_out.reshape(-1)
-    rows = (flat != pad_id).nonzero().squeeze(1)
-    return rows, flat.index_select(0, rows)
-
-
-def gradient_norm(model: torch.nn.Module, clip_norm: float) -> float:
-    """Total L2 norm of the gradients (before clipping); clips to `clip_norm` when it is > 0."""
-    if clip_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-
-
-def batch_loss(model: torch.nn.Module, batch: Batch, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced summed loss and NLL of a batch; logits only where there is a target."""
-    rows, targets = target_rows(batch.tgt_out)
-    logits = model(batch.src, batch.tgt_in, rows)  # (N, V)
-    return label_smoothed_loss(logits, targets, smoothing)
 
 
 def check_vocab_matches(config: ExperimentConfig, manifest: dict) -> None:
@@ -188,97 +76,22 @@ def check_vocab_matches(config: ExperimentConfig, manifest: dict) -> None:
                        f"with joint={joint}; re-run `tfm prepare --force`")
 
 
-# --------------------------------------------------------------------------- side effects
+def gradient_norm(model: torch.nn.Module, clip_norm: float) -> float:
+    """Total L2 norm of the gradients (before clipping); clips to `clip_norm` when it is > 0."""
+    if clip_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
-class RunOutput:
-    """The single place that prints, appends metrics and writes checkpoints.
-
-    Only rank 0 acts, so a distributed (torchrun) loop can call it from every process.
-    The console (stderr) is only a view of the run: when writing to it fails (`2> train.log` on a
-    disk that filled up, a pipe whose reader quit), training goes on without it. stderr points at
-    /dev/null from then on, and metrics.jsonl, the run's record, says when and why the console
-    stopped. Checkpoints and metrics.jsonl are another matter: their errors stop the run (exit 2).
-    """
-
-    def __init__(self, run_dir: Path, rank: int = 0, progress: bool = True):
-        self.run_dir, self.rank, self.progress = run_dir, rank, progress
-        self.ckpt_dir = run_dir / "checkpoints"
-        self.metrics_path = run_dir / "metrics.jsonl"
-        self.bar: tqdm | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.rank == 0
-
-    def start_bar(self, total: int, initial: int) -> None:
-        if self.active:
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
-                            disable=not self.progress, dynamic_ncols=True)
-
-    def advance(self, postfix: dict | None = None) -> None:
-        if self.bar is not None:
-            bar = self.bar
-
-            def update() -> None:
-                bar.update(1)
-                if postfix:
-                    bar.set_postfix(postfix, refresh=False)
-
-            self._console(update)
-
-    def close_bar(self) -> None:
-        if self.bar is not None:
-            self._console(self.bar.close)
-            self.bar = None
-
-    def print(self, message: str) -> None:
-        if self.active:
-            self._console(lambda: tqdm.write(message, file=sys.stderr))
-
-    def _console(self, write: Callable[[], object]) -> None:
-        try:
-            write()
-            sys.stderr.flush()  # here, not at some later write or at exit
-        except OSError as exc:  # the console is gone (BrokenPipeError included): carry on without it
-            discard_stream(sys.stderr)
-            self.log({"kind": "console_lost", "time": time.time(), "error": describe_os_error(exc, unnamed="stderr")})
-
-    def log(self, record: dict) -> None:
-        if self.active:
-            with open(self.metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def end_torn_line(self) -> None:
-        """A kill during an append can leave a half line in metrics.jsonl: end it, so the next record
-        starts on a line of its own (readers skip the broken one)."""
-        if self.active and self.metrics_path.is_file() and self.metrics_path.stat().st_size:
-            with open(self.metrics_path, "rb+") as f:
-                f.seek(-1, 2)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
-
-    def save(self, name: str, payload: dict) -> Path | None:
-        if not self.active:
-            return None
-        path = self.ckpt_dir / name
-        save_checkpoint(path, payload)
-        return path
-
-    def prune(self, keep_last: int) -> None:
-        if not self.active:
-            return
-        steps = sorted(self.ckpt_dir.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-        for old in steps[: max(len(steps) - keep_last, 0)]:
-            old.unlink()
-
-
-# --------------------------------------------------------------------------- training
+# --------------------------------------------------------------------------- what a run keeps
 
 
 @dataclass
 class TrainProgress:
-    """Everything besides weights/optimizer needed to resume exactly."""
+    """Everything besides weights/optimizer needed to resume exactly (saved in checkpoints)."""
 
     step: int = 0  # optimizer steps done
     epoch: int = 0
@@ -290,6 +103,8 @@ class TrainProgress:
     bad_evals: int = 0
     bad_steps: int = 0  # consecutive skipped (non-finite) updates
     skipped_steps: int = 0  # all skipped updates of the run
+    evaluated_step: int = 0  # the step of the last evaluation
+    finished: str = ""  # why the run ended ("max_steps=…"); empty while it can go on
 
 
 @dataclass
@@ -301,6 +116,73 @@ class TrainSummary:
     best_checkpoint: Path | None
     last_checkpoint: Path | None
     stop_reason: str
+
+
+@dataclass
+class StepResult:
+    """One update's loss sums over this process's micro-batches, and the update's target tokens."""
+
+    loss: float = 0.0
+    nll: float = 0.0
+    padding: float = 0.0  # summed padding ratios of the micro-batches
+    batches: int = 0
+    tokens: int = 0  # target tokens of the whole update (all processes), the loss normaliser
+
+
+@dataclass
+class LogWindow:
+    """Sums over the updates since the last log line (skipped updates excluded)."""
+
+    loss: float = 0.0
+    nll: float = 0.0
+    padding: float = 0.0
+    batches: int = 0
+    tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, step: StepResult) -> None:
+        self.loss, self.nll = self.loss + step.loss, self.nll + step.nll
+        self.padding, self.batches = self.padding + step.padding, self.batches + step.batches
+        self.tokens += step.tokens
+
+
+class BatchStream:
+    """The training batches in order, epoch after epoch, resumable: the epoch and the position in
+    it live in TrainProgress. Each epoch's batches are shuffled by seed + epoch."""
+
+    def __init__(self, data: ParallelData, train_cfg: TrainConfig, progress: TrainProgress):
+        self.data, self.train_cfg, self.progress = data, train_cfg, progress
+        self.batches = data.batches(train_cfg.max_tokens, seed=train_cfg.seed + progress.epoch)
+
+    def next_update(self, count: int) -> list[np.ndarray] | None:
+        """The next `count` batches (rolling over into the next epoch), or None once max_epochs ends."""
+        progress, taken = self.progress, []
+        while len(taken) < count:
+            if progress.batch_in_epoch >= len(self.batches):
+                progress.epoch += 1
+                progress.batch_in_epoch = 0
+                if self.train_cfg.max_epochs is not None and progress.epoch >= self.train_cfg.max_epochs:
+                    return None
+                self.batches = self.data.batches(self.train_cfg.max_tokens, seed=self.train_cfg.seed + progress.epoch)
+            taken.append(self.batches[progress.batch_in_epoch])
+            progress.batch_in_epoch += 1
+        return taken
+
+
+def budget_spent(train_cfg: TrainConfig, progress: TrainProgress) -> str:
+    """Why a run with this progress cannot go on under these settings ("" if it can)."""
+    if progress.step >= train_cfg.max_steps:
+        return f"max_steps={train_cfg.max_steps}"
+    if train_cfg.max_time is not None and progress.elapsed >= parse_duration(train_cfg.max_time):
+        return f"max_time={train_cfg.max_time}"
+    if train_cfg.max_epochs is not None and progress.epoch >= train_cfg.max_epochs:
+        return f"max_epochs={train_cfg.max_epochs}"
+    if train_cfg.patience is not None and progress.bad_evals >= train_cfg.patience:
+        return f"no improvement in {train_cfg.patience} evaluations"
+    return ""
+
+
+# --------------------------------------------------------------------------- validation
 
 
 @torch.no_grad()
@@ -315,108 +197,437 @@ def evaluate_loss(model: Transformer, data: ParallelData, config: ExperimentConf
     return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "ppl": math.exp(min(nll_sum / tokens, 50))}
 
 
-def validation_bleu(model: Transformer, data: ParallelData, references: list[str], tgt_sp,
+def validation_bleu(model: Transformer, data: ParallelData, references: list[str], tgt_sp: spm.SentencePieceProcessor,
                     config: ExperimentConfig, device: torch.device) -> float:
     """Greedy-decode the first N valid sentences and score them against the raw references."""
-    from .translate import (
-        decode_token_ids,  # translate imports train's helpers; avoid a cycle
-    )
-
     n = min(config.train.eval_bleu_sentences, len(data), len(references))
-    if n == 0:
-        return 0.0
     src = [np.asarray(data.src[i]).tolist() for i in range(n)]
-    hyps = decode_token_ids(model, src, config.decode, device, beam=1)
+    hyps = decode_in_batches(model, src, config.decode, device, beam=1)
     texts = [tgt_sp.decode(h[0].tokens) for h in hyps]
     return sacrebleu.corpus_bleu(texts, [references[:n]]).score
 
 
-def _checkpoint_payload(model: Transformer, config: ExperimentConfig, manifest: dict, progress: TrainProgress,
-                        optimizer: torch.optim.Optimizer | None = None,
-                        rng_states: list[torch.Tensor] | None = None, ema: WeightAverage | None = None) -> dict:
-    vocab = manifest["vocab"]
-    payload = {
-        "model": model.state_dict(),
-        "model_config": asdict(model.cfg),
-        "config": config.model_dump(mode="json"),
-        "progress": asdict(progress),
-        "spm_src": bytes_to_tensor(Path(vocab["src"]).read_bytes()),
-        "spm_tgt": bytes_to_tensor(Path(vocab["tgt"]).read_bytes()),
-    }
-    if optimizer is not None:
-        payload["optimizer"] = optimizer.state_dict()
+# --------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """One training run: everything is set up in __init__, `run()` trains."""
+
+    def __init__(self, config: ExperimentConfig, world: World, device: torch.device, resume: bool,
+                 progress_bar: bool, on_step: Callable[[int, Transformer], None] | None):
+        self.config, self.train_cfg, self.world, self.device = config, config.train, world, device
+        self.on_step, self.progress_bar = on_step, progress_bar
+        self.run = RunDirectory(config.run_path)
+        self.writer = world.rank == 0  # prints, logs and writes checkpoints
+        self.metrics = MetricsLog(self.run.metrics)
+        self.console = TrainingConsole(self.writer, progress_bar, self._console_lost)
+        self.manifest = self.run.load_manifest()
+        self._check_run_directory(resume)
+        torch.manual_seed(self.train_cfg.seed)
+        if self.train_cfg.threads:
+            torch.set_num_threads(self.train_cfg.threads)
+        self.precision = choose_precision(self.train_cfg.precision, device, (config.model.d_model, config.model.d_ff))
+        if device.type == "cpu":
+            keep_freed_memory()
+        self._load_data()
+        self.model = build_model(config, self.manifest["vocab_size"]["src"], self.manifest["vocab_size"]["tgt"]).to(device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=tuple(self.train_cfg.adam_betas),
+                                          eps=self.train_cfg.adam_eps, fused=True,
+                                          weight_decay=self.train_cfg.weight_decay)
+        self.progress = TrainProgress()
+        saved_ema = self._restore() if resume else None
+        # A run that ended and whose limits still hold is complete: --resume changes nothing.
+        self.complete = budget_spent(self.train_cfg, self.progress) if self.progress.finished else ""
+        self.progress.finished = ""  # resumed with a larger budget: the run goes on
+        if resume and not self.complete:
+            self.console.print(f"resuming from {self.run.checkpoints / LAST} at step {self.progress.step}")
+        if not resume and world.rank > 0:  # same initial weights (DDP syncs them), own dropout
+            torch.manual_seed(self.train_cfg.seed + 7919 * world.rank)
+        self.ema = self._weight_average(saved_ema, resume)
+        if self.writer and not self.complete:
+            self.run.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.run.config_file, config_to_yaml(config))
+        # DDP all-reduces (averages) gradients during backward; the model itself stays unwrapped for
+        # validation, checkpoints and decoding.
+        self.ddp = (DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+                    if world.enabled else None)
+        forward_model = self.ddp or self.model
+        self.forward_model = torch.compile(forward_model) if self.train_cfg.compile else forward_model
+        self.stream = BatchStream(self.train_data, self.train_cfg, self.progress)
+        self.batches_per_update = self.train_cfg.accum_steps * world.size
+
+    # -- set-up
+
+    def _check_run_directory(self, resume: bool) -> None:
+        last = self.run.checkpoints / LAST
+        if last.exists() and not resume:
+            raise TfmError(f"{self.run.root} already holds a training run ({last}); "
+                           "continue it with --resume or choose another run_dir")
+        if resume and not last.exists():
+            raise TfmError(f"--resume: no checkpoint to resume from at {last}")
+        check_vocab_matches(self.config, self.manifest)
+        if self.writer:
+            # Temporary files of writes that a kill -9 interrupted (we hold the lock: nobody is writing).
+            for stale in remove_stale_temps(self.run.root) + remove_stale_temps(self.run.checkpoints):
+                self.console.print(f"removed {stale.name}, left by an interrupted write")
+            self.metrics.end_torn_line()
+
+    def _load_data(self) -> None:
+        self.train_data = ParallelData(self.run.root, "train")
+        self.valid_data = ParallelData(self.run.root, "valid")
+        if len(self.train_data) == 0:
+            raise TfmError(f"{self.run.root}: the training split is empty after filtering")
+        self.references = read_lines(self.manifest["files"]["valid"][1])
+        self.tgt_sp = spm.SentencePieceProcessor(model_file=str(self.run.vocab_file(self.manifest, "tgt")))
+
+    def _restore(self) -> dict | None:
+        """Weights, optimizer, RNG states and progress of checkpoint_last.pt; returns its weight average."""
+        path = self.run.checkpoints / LAST
+        ckpt = load_checkpoint(path, map_location=self.device)
+        if ckpt["model_config"] != asdict(self.model.cfg):
+            raise TfmError(f"--resume: the model section of the config differs from {path}'s")
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["torch_rng"].cpu())
+        rank_states = ckpt.get("torch_rng_ranks")
+        if self.world.enabled:
+            if rank_states is not None and len(rank_states) == self.world.size:
+                torch.set_rng_state(rank_states[self.world.rank].cpu())
+            elif self.world.rank > 0:  # a different number of processes: fresh, distinct dropout streams
+                torch.manual_seed(self.train_cfg.seed + 7919 * self.world.rank + ckpt["progress"]["step"])
+        if "cuda_rng" in ckpt and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["cuda_rng"]])
+        self.progress = TrainProgress(**ckpt["progress"])
+        return ckpt.get("ema")
+
+    def _weight_average(self, saved: dict | None, resume: bool) -> WeightAverage | None:
+        if not self.train_cfg.ema_decay:
+            return None
+        ema = WeightAverage(self.model, self.train_cfg.ema_decay)  # from the (resumed) weights
+        if saved is not None:
+            ema.load_state_dict(saved)
+        elif resume:
+            self.console.print(f"train.ema_decay: {self.run.checkpoints / LAST} has no weight average; it starts "
+                               "from the resumed weights")
+        return ema
+
+    def _console_lost(self, error: str) -> None:
+        self._log({"kind": "console_lost", "time": time.time(), "error": error})
+
+    def _log(self, record: dict) -> None:
+        if self.writer:
+            self.metrics.append(record)
+
+    # -- the loop
+
+    def run_training(self) -> TrainSummary:
+        if self.complete:
+            self.console.print(f"{self.run.root} is complete ({self.complete}): nothing to do; raise the limit "
+                               "(e.g. --set train.max_steps=…) to train further")
+            return self.summary(self.complete)
+        self._announce()
+        self.model.train()
+        self.started = time.perf_counter() - self.progress.elapsed
+        self.window = LogWindow()
+        stop_reason = budget_spent(self.train_cfg, self.progress)  # a run stopped at its very last step
+        with StopRequest(announce=self.writer) as stop:
+            try:
+                while not stop_reason:
+                    batches = self.stream.next_update(self.batches_per_update)
+                    if batches is None:
+                        stop_reason = f"max_epochs={self.train_cfg.max_epochs}"
+                        break
+                    lr = self.set_learning_rate()
+                    step = self.loss_step(batches)
+                    if not self.update(step):
+                        continue
+                    self.log(step, lr)
+                    stop_reason = self.stop_decision(stop)
+                    evaluating = self.progress.step % self.train_cfg.eval_every == 0 or bool(stop_reason)
+                    if evaluating:
+                        stop_reason = self.evaluate_and_save(stop_reason)
+                    elif self.train_cfg.save_every and self.progress.step % self.train_cfg.save_every == 0:
+                        self.save_checkpoints(None)
+            finally:
+                self.console.close_bar()
+        return self.finish(stop_reason)
+
+    def _announce(self) -> None:
+        train_cfg = self.train_cfg
+        self.console.print(f"model: {self.model.num_parameters():,} parameters on {self.device}, "
+                           f"{self.precision.describe()}; {len(self.train_data):,} training pairs")
+        self.console.print(f"effective batch: {self.world.size} process(es) x {train_cfg.accum_steps} accumulation "
+                           f"step(s) x {train_cfg.max_tokens:,} tokens = "
+                           f"{self.batches_per_update * train_cfg.max_tokens:,} tokens per update (padding included)")
+        if train_cfg.warmup_ratio is not None and train_cfg.warmup:
+            self.console.print(f"learning rate: {train_cfg.lr_schedule}, warm-up {train_cfg.warmup} steps or "
+                               f"{train_cfg.warmup_ratio:.0%} of the budget, whichever ends first")
+        self.console.start_bar(train_cfg.max_steps, self.progress.step)
+
+    def set_learning_rate(self) -> float:
+        progress = self.progress
+        lr = learning_rate(progress.step + 1, self.train_cfg, self.config.model.d_model,
+                           budget_used(progress.step, progress.elapsed, self.train_cfg))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def loss_step(self, batches: list[np.ndarray]) -> StepResult:
+        """Forward and backward over this process's share of the update's batches (rank r takes
+        r, r + N, …); gradients accumulate, normalised by the target tokens of the whole update."""
+        lengths = self.train_data.tgt.lengths
+        result = StepResult(tokens=sum(int(lengths[idx].sum()) + len(idx) for idx in batches))
+        mine = batches[self.world.rank::self.world.size]
+        amp_dtype = autocast_dtype(self.precision)
+        for i, indices in enumerate(mine):
+            batch = self.train_data.collate(indices).to(self.device)
+            # Gradients are all-reduced once per update: on the last micro-batch only.
+            sync = self.ddp is None or i == len(mine) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    loss, nll = batch_loss(self.forward_model, batch, self.train_cfg.label_smoothing)
+                # x world.size: DDP averages the processes' gradients, the loss wants their sum.
+                (loss * (self.world.size / result.tokens)).backward()
+            result.loss += float(loss.detach())
+            result.nll += float(nll.detach())
+            result.padding += padding_ratio(batch)
+            result.batches += 1
+        return result
+
+    def update(self, step: StepResult) -> bool:
+        """Clip, then step the optimizer and the moving average; a non-finite gradient skips the
+        update (weights, optimizer state and step count stay as they were). Returns whether it stepped."""
+        progress = self.progress
+        grad_norm = gradient_norm(self.model, self.train_cfg.clip_norm)  # the same on every process
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            progress.bad_steps += 1
+            progress.skipped_steps += 1
+            self.console.print(f"warning: non-finite loss/gradient at step {progress.step + 1} (norm {grad_norm}); "
+                               f"update skipped ({progress.bad_steps}/{self.train_cfg.max_bad_steps} in a row)")
+            if progress.bad_steps >= self.train_cfg.max_bad_steps:
+                self.console.close_bar()
+                raise Diverged(f"training diverged: {progress.bad_steps} consecutive steps with a NaN/Inf loss or "
+                               f"gradient after step {progress.step}; the last good checkpoint is "
+                               f"{self.run.checkpoints / LAST} (lower train.lr, or set train.clip_norm)")
+            return False
+        progress.bad_steps = 0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.model)
+        progress.step += 1
+        progress.target_tokens += step.tokens
+        self.window.add(step)
+        progress.elapsed = time.perf_counter() - self.started
+        if self.on_step is not None:
+            self.on_step(progress.step, self.model)
+        return True
+
+    def log(self, step: StepResult, lr: float) -> None:
+        """Every log_every updates: a metrics.jsonl record and a progress line."""
+        progress, window = self.progress, self.window
+        if progress.step % self.train_cfg.log_every:
+            self.console.advance()
+            return
+        seconds = time.perf_counter() - window.started
+        loss, nll, padding, batches = all_sum([window.loss, window.nll, window.padding, window.batches],
+                                              self.world, self.device)
+        record = {"kind": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr,
+                  "loss": loss / window.tokens, "ppl": math.exp(min(nll / window.tokens, 50)),
+                  "tokens_per_s": window.tokens / seconds, "padding": padding / max(batches, 1),
+                  "tokens_per_update": window.tokens / self.train_cfg.log_every,
+                  "elapsed": round(progress.elapsed, 1)}
+        self._log(record)
+        self.console.advance({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}",
+                              "tok/s": f"{record['tokens_per_s']:.0f}"})
+        if not self.progress_bar:  # no live bar (a log file, CI): one line per log interval instead
+            self.console.print(f"step {progress.step}: loss {record['loss']:.3f} ppl {record['ppl']:.1f} "
+                               f"lr {lr:.2e} {record['tokens_per_s']:.0f} tok/s "
+                               f"padding {100 * record['padding']:.1f}% {record['elapsed'] / 60:.1f} min")
+        self.window = LogWindow()
+
+    def stop_decision(self, stop: StopRequest) -> str:
+        """Why training stops after this step ("" to go on). A signal saves and raises Interrupted.
+        Decisions that can differ between processes (clock, signals) are agreed on: the largest
+        request wins, so every process stops after the same step."""
+        max_time = parse_duration(self.train_cfg.max_time) if self.train_cfg.max_time is not None else math.inf
+        request = 2 if stop.signum is not None else int(self.progress.elapsed >= max_time)
+        request = all_max(request, self.world, self.device)
+        if request == 2:
+            self.save_checkpoints(None)
+            self.console.close_bar()
+            signum = stop.signum or signal.SIGTERM
+            saved = (f"{signal.Signals(signum).name}: saved step {self.progress.step} to {self.run.checkpoints / LAST} "
+                     "(continue with --resume)")
+            raise Interrupted(saved if self.writer else "", EXIT_CODES[signum])
+        if self.progress.step >= self.train_cfg.max_steps:
+            return f"max_steps={self.train_cfg.max_steps}"
+        return f"max_time={self.train_cfg.max_time}" if request == 1 else ""
+
+    # -- evaluation and checkpoints
+
+    def evaluate_and_save(self, stop_reason: str) -> str:
+        """Validate (rank 0; the others wait in the checkpoint's collective), log, save the step,
+        last and (if best) best checkpoints; returns why training stops ("" to go on), patience included."""
+        progress, train_cfg = self.progress, self.train_cfg
+        metrics = self.validate(self.model) if self.writer else {}
+        if self.writer:
+            score = self.score(metrics)
+            if progress.best_score is None or score > progress.best_score:
+                progress.best_score, progress.best_step, progress.bad_evals = score, progress.step, 0
+            else:
+                progress.bad_evals += 1
+            self._log({"kind": "valid", "step": progress.step, "epoch": progress.epoch,
+                       "elapsed": round(time.perf_counter() - self.started, 1), **metrics})
+            self.console.print(f"step {progress.step}: valid loss {metrics['loss']:.3f} ppl {metrics['ppl']:.2f} "
+                               f"BLEU {metrics['bleu']:.2f} (greedy, {train_cfg.eval_bleu_sentences} sentences)")
+        patience_over = train_cfg.patience is not None and progress.bad_evals >= train_cfg.patience
+        if all_max(int(patience_over), self.world, self.device) and not stop_reason:
+            stop_reason = f"no improvement in {train_cfg.patience} evaluations"
+        progress.elapsed = time.perf_counter() - self.started
+        progress.evaluated_step, progress.finished = progress.step, stop_reason
+        self.save_checkpoints(metrics)
+        self.window.started = time.perf_counter()  # validation time is not training throughput
+        return stop_reason
+
+    def validate(self, model: Transformer) -> dict[str, float]:
+        metrics = evaluate_loss(model, self.valid_data, self.config, self.device)
+        metrics["bleu"] = validation_bleu(model, self.valid_data, self.references, self.tgt_sp, self.config,
+                                          self.device)
+        self.model.train()
+        return metrics
+
+    def score(self, metrics: dict[str, float]) -> float:
+        """Higher is better, whichever train.best_metric."""
+        return metrics["bleu"] if self.train_cfg.best_metric == "bleu" else -metrics["loss"]
+
+    def save_checkpoints(self, metrics: dict | None) -> None:
+        """checkpoint_last.pt (everything to resume), and after an evaluation (`metrics`) the step's
+        weights and, if it is the best so far, checkpoint_best.pt; then prune. Every process calls
+        it (it gathers their RNG states)."""
+        rng_states = all_rng_states(self.world)
+        if not self.writer:
+            return
+        progress = self.progress
+        if metrics is not None:
+            weights = self.weights_payload(self.model)
+            self.run.save(f"step_{progress.step}.pt", weights)
+            if progress.best_step == progress.step:
+                self.run.save(BEST, weights)
+        self.run.save(LAST, self.training_state(rng_states))
+        self.run.prune_step_checkpoints(self.train_cfg.keep_last)
+
+    def weights_payload(self, model: Transformer) -> dict:
+        """A checkpoint to translate with: weights, configs, progress, both sentencepiece models."""
+        return {
+            "model": model.state_dict(),
+            "model_config": asdict(model.cfg),
+            "config": self.config.model_dump(mode="json"),
+            "progress": asdict(self.progress),
+            "spm_src": bytes_to_tensor(self.run.vocab_file(self.manifest, "src").read_bytes()),
+            "spm_tgt": bytes_to_tensor(self.run.vocab_file(self.manifest, "tgt").read_bytes()),
+        }
+
+    def training_state(self, rng_states: list[torch.Tensor]) -> dict:
+        """checkpoint_last.pt: the weights payload plus optimizer, RNG states and moving average."""
+        payload = self.weights_payload(self.model)
+        payload["optimizer"] = self.optimizer.state_dict()
         payload["torch_rng"] = torch.get_rng_state()
-        if rng_states is not None and len(rng_states) > 1:
-            payload["torch_rng_ranks"] = rng_states  # one per torchrun rank
+        if len(rng_states) > 1:
+            payload["torch_rng_ranks"] = rng_states  # one per torchrun process
         if torch.cuda.is_available():
             payload["cuda_rng"] = torch.cuda.get_rng_state_all()
-        if ema is not None:
-            payload["ema"] = ema.state_dict()
-    return payload
+        if self.ema is not None:
+            payload["ema"] = self.ema.state_dict()
+        return payload
+
+    # -- the end
+
+    def finish(self, stop_reason: str) -> TrainSummary:
+        """The final evaluation if the last step had none, the averaged and moving-average
+        checkpoints, scores.json, and the summary."""
+        progress = self.progress
+        if progress.evaluated_step != progress.step:
+            self.evaluate_and_save(stop_reason)
+        elif progress.finished != stop_reason:  # stopped between evaluations (max_epochs): record why
+            progress.finished = stop_reason
+            self.save_checkpoints(None)
+        if self.writer:
+            scores = {BEST: progress.best_score}
+            if self.train_cfg.average_last > 1:
+                scores[AVERAGE] = self.save_average()
+            if self.ema is not None:
+                scores[EMA] = self.save_moving_average()
+            self.run.write_scores(self.train_cfg.best_metric, scores)
+        summary = self.summary(stop_reason)
+        best = "n/a" if summary.best_score is None else (
+            f"{summary.best_score:.2f}" if self.train_cfg.best_metric == "bleu" else f"{-summary.best_score:.3f}")
+        self.console.print(f"done ({stop_reason}): {progress.step} steps in {progress.elapsed / 60:.1f} min, "
+                           f"best valid {self.train_cfg.best_metric} {best} at step {progress.best_step} → "
+                           f"{summary.best_checkpoint}")
+        return summary
+
+    def summary(self, stop_reason: str) -> TrainSummary:
+        best = self.run.checkpoints / BEST
+        return TrainSummary(self.progress.step, self.progress.elapsed, self.progress.best_score,
+                            self.train_cfg.best_metric, best if best.exists() else None,
+                            self.run.checkpoints / LAST, stop_reason)
+
+    def save_average(self) -> float | None:
+        """checkpoint_avg.pt: the mean of the last `average_last` step checkpoints of the run's final
+        `average_window`, validated like the others; returns its score."""
+        train_cfg, progress = self.train_cfg, self.progress
+        path = self.run.checkpoints / AVERAGE
+        first_step = (1.0 - train_cfg.average_window) * progress.step
+        chosen = [p for p in self.run.step_checkpoints() if step_of(p) > first_step][-train_cfg.average_last:]
+        if len(chosen) < 2:
+            path.unlink(missing_ok=True)  # an older run's average would no longer be its final one
+            self.console.print(f"no checkpoint_avg.pt: {len(chosen)} evaluated checkpoint(s) in the last "
+                               f"{100 * train_cfg.average_window:.0f}% of the run (evaluate more often: "
+                               "train.eval_every)")
+            return None
+        averaged = copy.deepcopy(self.model)
+        averaged.load_state_dict(average_state_dicts(chosen))
+        names = [p.name for p in chosen]
+        metrics = self.record_final_model(averaged, AVERAGE, {"averaged": names}, "valid_avg",
+                                          f"mean of {', '.join(names)}")
+        return self.score(metrics)
+
+    def save_moving_average(self) -> float:
+        """checkpoint_ema.pt: the moving average of the weights, validated like the others; returns its score."""
+        with self.ema.applied(self.model):
+            metrics = self.record_final_model(self.model, EMA, {"ema_decay": self.ema.decay}, "valid_ema",
+                                              f"moving average of the weights (decay {self.ema.decay})")
+        return self.score(metrics)
+
+    def record_final_model(self, model: Transformer, name: str, extra: dict, kind: str, what: str) -> dict:
+        """Validate a model made at the end of the run, save it as `name` and log it."""
+        metrics = self.validate(model)
+        self.run.save(name, {**self.weights_payload(model), **extra})
+        self._log({"kind": kind, "step": self.progress.step, **extra, "elapsed": round(self.progress.elapsed, 1),
+                   **metrics})
+        self.console.print(f"{name} = {what}: valid loss {metrics['loss']:.3f} BLEU {metrics['bleu']:.2f} "
+                           f"(greedy, {self.train_cfg.eval_bleu_sentences} sentences)")
+        return metrics
 
 
-def average_final_checkpoints(model: Transformer, config: ExperimentConfig, manifest: dict, progress: TrainProgress,
-                              out: RunOutput, valid_data: ParallelData, references: list[str], tgt_sp,
-                              device: torch.device) -> float | None:
-    """checkpoint_avg.pt: the mean of the last `average_last` step checkpoints of the run's final
-    `average_window`, validated like the others; returns its score (for scores.json)."""
-    tc = config.train
-    avg_path = out.ckpt_dir / "checkpoint_avg.pt"
-    first_step = (1.0 - tc.average_window) * progress.step
-    steps = sorted(out.ckpt_dir.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-    chosen = [p for p in steps if int(p.stem.split("_")[1]) > first_step][-tc.average_last:]
-    if len(chosen) < 2:
-        avg_path.unlink(missing_ok=True)  # an older run's average would no longer be its final one
-        out.print(f"no checkpoint_avg.pt: {len(chosen)} evaluated checkpoint(s) in the last "
-                  f"{100 * tc.average_window:.0f}% of the run (evaluate more often: train.eval_every)")
-        return None
-    averaged = copy.deepcopy(model)
-    averaged.load_state_dict(average_state_dicts(chosen))
-    metrics = evaluate_loss(averaged, valid_data, config, device)
-    metrics["bleu"] = validation_bleu(averaged, valid_data, references, tgt_sp, config, device)
-    score = metrics["bleu"] if tc.best_metric == "bleu" else -metrics["loss"]
-    payload = _checkpoint_payload(averaged, config, manifest, progress)
-    payload["averaged"] = [p.name for p in chosen]
-    out.save(avg_path.name, payload)
-    out.log({"kind": "valid_avg", "step": progress.step, "averaged": payload["averaged"],
-             "elapsed": round(progress.elapsed, 1), **metrics})
-    out.print(f"checkpoint_avg.pt = mean of {', '.join(payload['averaged'])}: valid loss {metrics['loss']:.3f} "
-              f"BLEU {metrics['bleu']:.2f} (greedy, {tc.eval_bleu_sentences} sentences)")
-    return score
-
-
-def save_weight_average(model: Transformer, ema: WeightAverage, config: ExperimentConfig, manifest: dict,
-                        progress: TrainProgress, out: RunOutput, valid_data: ParallelData, references: list[str],
-                        tgt_sp, device: torch.device) -> float:
-    """checkpoint_ema.pt: the moving average of the weights, validated like the others; returns its score."""
-    tc = config.train
-    with ema.applied(model):
-        metrics = evaluate_loss(model, valid_data, config, device)
-        metrics["bleu"] = validation_bleu(model, valid_data, references, tgt_sp, config, device)
-        payload = _checkpoint_payload(model, config, manifest, progress)
-        payload["ema_decay"] = ema.decay
-        out.save("checkpoint_ema.pt", payload)  # inside: the payload holds the model's own tensors
-    out.log({"kind": "valid_ema", "step": progress.step, "ema_decay": ema.decay,
-             "elapsed": round(progress.elapsed, 1), **metrics})
-    out.print(f"checkpoint_ema.pt = moving average of the weights (decay {ema.decay}): valid loss "
-              f"{metrics['loss']:.3f} BLEU {metrics['bleu']:.2f} (greedy, {tc.eval_bleu_sentences} sentences)")
-    return metrics["bleu"] if tc.best_metric == "bleu" else -metrics["loss"]
+# --------------------------------------------------------------------------- entry point
 
 
 def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = True,
           on_step: Callable[[int, Transformer], None] | None = None) -> TrainSummary:
-    """Train; under torchrun every rank runs this same function (see distributed.py).
+    """Train; under torchrun every process runs this same function (see distributed.py).
 
-    `on_step(step, model)` is called on every rank after each optimizer step (tests, tooling).
+    `on_step(step, model)` is called on every process after each optimizer step (tests, tooling).
     """
     world = world_from_environment()
-    load_manifest(config.run_path)  # a clear error for an unprepared run_dir before anything is created
+    RunDirectory(config.run_path).load_manifest()  # a clear error for an unprepared run_dir before anything
     finished = False
-    # Rank 0 is the only writer, so it alone holds the run directory's lock.
-    lock = RunLock(config.run_path, "tfm train") if world.rank == 0 else contextlib.nullcontext()
     try:
-        with lock:
-            summary = _train(config, resume, progress_bar, world, on_step)
+        device = join(world, resolve_device(config.train.device))
+        with run_lock(world, device, config.run_path):
+            summary = Trainer(config, world, device, resume, progress_bar, on_step).run_training()
         finished = True
         return summary
     except Exception as exc:
@@ -429,268 +640,20 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
         leave(world, finished)
 
 
-def _train(config: ExperimentConfig, resume: bool, progress_bar: bool, world: World,
-           on_step: Callable[[int, Transformer], None] | None) -> TrainSummary:
-    tc = config.train
-    run_dir = config.run_path
-    manifest = load_manifest(run_dir)
-    out = RunOutput(run_dir, rank=world.rank, progress=progress_bar)
-    last_path = out.ckpt_dir / "checkpoint_last.pt"
-    if last_path.exists() and not resume:
-        raise TfmError(f"{run_dir} already holds a training run ({last_path}); "
-                       "continue it with --resume or choose another run_dir")
-    if resume and not last_path.exists():
-        raise TfmError(f"--resume: no checkpoint to resume from at {last_path}")
-    check_vocab_matches(config, manifest)
-    if out.active:
-        # Temporary files of writes that a kill -9 interrupted (we hold the lock: nobody is writing).
-        for stale in remove_stale_temps(run_dir) + remove_stale_temps(out.ckpt_dir):
-            out.print(f"removed {stale.name}, left by an interrupted write")
-        out.end_torn_line()
-
-    torch.manual_seed(tc.seed)
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
-    device = join(world, resolve_device(tc.device))
-    precision = choose_precision(tc.precision, device, (config.model.d_model, config.model.d_ff))
-    amp_dtype = torch.bfloat16 if precision.bf16 else None
-    if device.type == "cpu":
-        keep_freed_memory()
-
-    train_data = ParallelData(run_dir, "train")
-    valid_data = ParallelData(run_dir, "valid")
-    if len(train_data) == 0:
-        raise TfmError(f"{run_dir}: the training split is empty after filtering")
-    references = read_lines(manifest["files"]["valid"][1])
-    import sentencepiece as spm  # noqa: PLC0415 (only needed here for validation BLEU)
-
-    tgt_sp = spm.SentencePieceProcessor(model_file=manifest["vocab"]["tgt"])
-    model = build_model(config, manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"]).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=tuple(tc.adam_betas), eps=tc.adam_eps, fused=True,
-                                 weight_decay=tc.weight_decay)
-    progress = TrainProgress()
-    saved_ema = None
-    if resume:
-        ckpt = load_checkpoint(last_path, map_location=device)
-        if ckpt["model_config"] != asdict(model.cfg):
-            raise TfmError(f"--resume: the model section of the config differs from {last_path}'s")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["torch_rng"].cpu())
-        rank_states = ckpt.get("torch_rng_ranks")
-        if world.enabled:
-            if rank_states is not None and len(rank_states) == world.size:
-                torch.set_rng_state(rank_states[world.rank].cpu())
-            elif world.rank > 0:  # a different number of processes: fresh, distinct dropout streams
-                torch.manual_seed(tc.seed + 7919 * world.rank + ckpt["progress"]["step"])
-        if "cuda_rng" in ckpt and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["cuda_rng"]])
-        progress = TrainProgress(**ckpt["progress"])
-        saved_ema = ckpt.get("ema")
-        out.print(f"resuming from {last_path} at step {progress.step}")
-    elif world.rank > 0:
-        torch.manual_seed(tc.seed + 7919 * world.rank)  # same initial weights (DDP syncs them), own dropout
-    ema = WeightAverage(model, tc.ema_decay) if tc.ema_decay else None  # from the (resumed) weights
-    if ema is not None and saved_ema is not None:
-        ema.load_state_dict(saved_ema)
-    elif ema is not None and resume:
-        out.print(f"train.ema_decay: {last_path} has no weight average; it starts from the resumed weights")
-    if out.active:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "config.yaml", config_to_yaml(config))
-
-    # DDP all-reduces (averages) gradients during backward; the model itself stays unwrapped for
-    # validation, checkpoints and decoding.
-    ddp = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-           if world.enabled else None)
-    step_model = ddp or model
-    step_model = torch.compile(step_model) if tc.compile else step_model
-    max_time = parse_duration(tc.max_time) if tc.max_time is not None else math.inf
-    d_model = config.model.d_model
-    out.print(f"model: {model.num_parameters():,} parameters on {device}, {precision.describe()}; "
-              f"{len(train_data):,} training pairs")
-    batches_per_step = tc.accum_steps * world.size
-    out.print(f"effective batch: {world.size} process(es) x {tc.accum_steps} accumulation step(s) x "
-              f"{tc.max_tokens:,} tokens = {batches_per_step * tc.max_tokens:,} tokens per update (padding included)")
-    if tc.warmup_ratio is not None and tc.warmup:
-        out.print(f"learning rate: {tc.lr_schedule}, warm-up {tc.warmup} steps or {tc.warmup_ratio:.0%} of the "
-                  f"budget, whichever ends first")
-    tgt_lengths = train_data.tgt.lengths
-    out.start_bar(tc.max_steps, progress.step)
-
-    def checkpoint(metrics: dict | None, at: TrainProgress) -> None:
-        """Evaluate-time bookkeeping: step checkpoint, last, best, pruning (all ranks call it)."""
-        rng_states = all_rng_states(world)
-        if not out.active:
-            return
-        weights_only = _checkpoint_payload(model, config, manifest, at)
-        if metrics is not None:
-            out.save(f"step_{at.step}.pt", weights_only)
-            if at.best_step == at.step:
-                out.save("checkpoint_best.pt", weights_only)
-        out.save("checkpoint_last.pt", _checkpoint_payload(model, config, manifest, at, optimizer, rng_states, ema))
-        out.prune(tc.keep_last)
-
-    def validate() -> dict:
-        metrics = evaluate_loss(model, valid_data, config, device)
-        metrics["bleu"] = validation_bleu(model, valid_data, references, tgt_sp, config, device)
-        model.train()
-        score = metrics["bleu"] if tc.best_metric == "bleu" else -metrics["loss"]
-        if progress.best_score is None or score > progress.best_score:
-            progress.best_score, progress.best_step, progress.bad_evals = score, progress.step, 0
-        else:
-            progress.bad_evals += 1
-        return metrics
-
-    model.train()
-    started = time.perf_counter() - progress.elapsed
-    window_tokens, window_start, window_sums = 0, time.perf_counter(), [0.0, 0.0, 0.0, 0.0]  # loss, nll, pad, n
-    stop_reason = ""
-    batches = train_data.batches(tc.max_tokens, seed=tc.seed + progress.epoch)
-    with StopRequest(announce=out.active) as stop:
+@contextlib.contextmanager
+def run_lock(world: World, device: torch.device, run_dir: Path) -> Iterator[None]:
+    """The run directory's lock, held by rank 0 (the only writer). Every process learns at once
+    whether rank 0 got it: rank 0 reports a busy directory, the others stop quietly with it."""
+    lock, refused = RunLock(run_dir, "tfm train") if world.rank == 0 else None, None
+    if lock is not None:
         try:
-            while not stop_reason:
-                # The next accum_steps x world.size batches of the (global) epoch order, rolling over
-                # epochs; every rank computes the same list and takes its share: rank r gets r, r+N, …
-                pending: list[np.ndarray] = []
-                while len(pending) < batches_per_step:
-                    if progress.batch_in_epoch >= len(batches):
-                        progress.epoch += 1
-                        progress.batch_in_epoch = 0
-                        if tc.max_epochs is not None and progress.epoch >= tc.max_epochs:
-                            stop_reason = f"max_epochs={tc.max_epochs}"
-                            break
-                        batches = train_data.batches(tc.max_tokens, seed=tc.seed + progress.epoch)
-                    pending.append(batches[progress.batch_in_epoch])
-                    progress.batch_in_epoch += 1
-                if stop_reason:
-                    break
-                lr = learning_rate(progress.step + 1, tc, d_model, budget_used(progress.step, progress.elapsed, tc))
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                # The loss is normalised by the target tokens of the whole update (all ranks).
-                n_tokens = sum(int(tgt_lengths[idx].sum()) + len(idx) for idx in pending)
-                mine = pending[world.rank::world.size]
-                step_sums = [0.0, 0.0, 0.0, 0.0]  # loss, nll, padding, batches (into the log window if kept)
-                for i, indices in enumerate(mine):
-                    batch = train_data.collate(indices).to(device)
-                    # Gradients are all-reduced once per update: on the last micro-batch only.
-                    sync = ddp is None or i == len(mine) - 1
-                    with contextlib.nullcontext() if sync else ddp.no_sync():
-                        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                            loss, nll = batch_loss(step_model, batch, tc.label_smoothing)
-                        # x world.size: DDP averages the ranks' gradients, the loss wants their sum.
-                        (loss * (world.size / n_tokens)).backward()
-                    step_sums[0] += float(loss.detach())
-                    step_sums[1] += float(nll.detach())
-                    step_sums[2] += padding_ratio(batch)
-                    step_sums[3] += 1
-                grad_norm = gradient_norm(model, tc.clip_norm)  # the same on every rank (synced grads)
-                if not math.isfinite(grad_norm):
-                    # Skip the update: weights, optimizer state and the step count stay as they were.
-                    optimizer.zero_grad(set_to_none=True)
-                    progress.bad_steps += 1
-                    progress.skipped_steps += 1
-                    out.print(f"warning: non-finite loss/gradient at step {progress.step + 1} (norm {grad_norm}); "
-                              f"update skipped ({progress.bad_steps}/{tc.max_bad_steps} in a row)")
-                    if progress.bad_steps >= tc.max_bad_steps:
-                        out.close_bar()
-                        raise Diverged(f"training diverged: {progress.bad_steps} consecutive steps with a NaN/Inf "
-                                       f"loss or gradient after step {progress.step}; the last good checkpoint is "
-                                       f"{last_path} (lower train.lr, or set train.clip_norm)")
-                    continue
-                progress.bad_steps = 0
-                window_sums = [a + b for a, b in zip(window_sums, step_sums)]
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if ema is not None:
-                    ema.update(model)
-                progress.step += 1
-                progress.target_tokens += n_tokens
-                window_tokens += n_tokens
-                progress.elapsed = time.perf_counter() - started
-                if on_step is not None:
-                    on_step(progress.step, model)
-
-                if progress.step % tc.log_every == 0:
-                    seconds = time.perf_counter() - window_start
-                    loss_sum, nll_sum, pad_sum, n_batches = all_sum(window_sums, world, device)
-                    record = {"kind": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr,
-                              "loss": loss_sum / window_tokens, "ppl": math.exp(min(nll_sum / window_tokens, 50)),
-                              "tokens_per_s": window_tokens / seconds, "padding": pad_sum / max(n_batches, 1),
-                              "tokens_per_update": window_tokens / tc.log_every,
-                              "elapsed": round(progress.elapsed, 1)}
-                    out.log(record)
-                    out.advance({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}",
-                                 "tok/s": f"{record['tokens_per_s']:.0f}"})
-                    if not progress_bar:  # no live bar (a log file, CI): one line per log interval instead
-                        out.print(f"step {progress.step}: loss {record['loss']:.3f} ppl {record['ppl']:.1f} "
-                                  f"lr {lr:.2e} {record['tokens_per_s']:.0f} tok/s "
-                                  f"padding {100 * record['padding']:.1f}% {record['elapsed'] / 60:.1f} min")
-                    window_tokens, window_start, window_sums = 0, time.perf_counter(), [0.0, 0.0, 0.0, 0.0]
-                else:
-                    out.advance()
-
-                # Stop decisions that can differ between ranks (clock, signals) are agreed on: the
-                # largest request wins, so all ranks stop after the same step.
-                request = 2 if stop.signum is not None else int(progress.elapsed >= max_time)
-                request = all_max(request, world, device)
-                if request == 2:
-                    checkpoint(None, progress)
-                    out.close_bar()
-                    signum = stop.signum or signal.SIGTERM
-                    saved = (f"{signal.Signals(signum).name}: saved step {progress.step} to {last_path} "
-                             "(continue with --resume)")
-                    raise Interrupted(saved if out.active else "", EXIT_CODES[signum])
-                if progress.step >= tc.max_steps:
-                    stop_reason = f"max_steps={tc.max_steps}"
-                elif request == 1:
-                    stop_reason = f"max_time={tc.max_time}"
-                evaluating = progress.step % tc.eval_every == 0 or bool(stop_reason)
-                if tc.save_every and progress.step % tc.save_every == 0 and not evaluating:
-                    checkpoint(None, progress)
-                if evaluating:
-                    # Rank 0 validates; the others wait for it inside checkpoint()'s collective.
-                    metrics = validate() if out.active else {}
-                    if out.active:
-                        record = {"kind": "valid", "step": progress.step, "epoch": progress.epoch,
-                                  "elapsed": round(time.perf_counter() - started, 1), **metrics}
-                        out.log(record)
-                        out.print(f"step {progress.step}: valid loss {metrics['loss']:.3f} ppl {metrics['ppl']:.2f} "
-                                  f"BLEU {metrics['bleu']:.2f} (greedy, {tc.eval_bleu_sentences} sentences)")
-                    progress.elapsed = time.perf_counter() - started
-                    checkpoint(metrics, progress)
-                    window_start = time.perf_counter()  # validation time is not training throughput
-                    patience_over = tc.patience is not None and progress.bad_evals >= tc.patience
-                    if all_max(int(patience_over), world, device) and not stop_reason:
-                        stop_reason = f"no improvement in {tc.patience} evaluations"
-        finally:
-            out.close_bar()
-
-    if progress.step % tc.eval_every != 0 and stop_reason.startswith("max_epochs"):
-        metrics = validate() if out.active else {}
-        out.log({"kind": "valid", "step": progress.step, "epoch": progress.epoch, **metrics})
-        checkpoint(metrics, progress)
-    if out.active:
-        # scores.json: the valid scores `tfm translate/evaluate --config` choose the default model by
-        scores = {"metric": tc.best_metric, "checkpoint_best.pt": progress.best_score}
-        if tc.average_last > 1:
-            scores["checkpoint_avg.pt"] = average_final_checkpoints(model, config, manifest, progress, out, valid_data,
-                                                                    references, tgt_sp, device)
-        if ema is not None:
-            scores["checkpoint_ema.pt"] = save_weight_average(model, ema, config, manifest, progress, out, valid_data,
-                                                              references, tgt_sp, device)
-        scores = {name: score for name, score in scores.items() if score is not None}
-        if len(scores) > 2:
-            atomic_write_text(out.ckpt_dir / "scores.json", json.dumps(scores, indent=1))
-        else:
-            (out.ckpt_dir / "scores.json").unlink(missing_ok=True)  # an earlier run's would mislead
-    best = out.ckpt_dir / "checkpoint_best.pt"
-    summary = TrainSummary(progress.step, progress.elapsed, progress.best_score, tc.best_metric,
-                           best if best.exists() else None, last_path, stop_reason)
-    shown = "n/a" if summary.best_score is None else (
-        f"{summary.best_score:.2f}" if tc.best_metric == "bleu" else f"{-summary.best_score:.3f}")
-    out.print(f"done ({stop_reason}): {progress.step} steps in {progress.elapsed / 60:.1f} min, "
-              f"best valid {tc.best_metric} {shown} at step {progress.best_step} → {summary.best_checkpoint}")
-    return summary
-
+            lock.__enter__()
+        except TfmError as exc:
+            lock, refused = None, exc
+    if all_max(int(refused is not None), world, device):
+        raise refused if refused is not None else Interrupted("", 2)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)

@@ -1,8 +1,12 @@
-"""Stage 4, prediction: checkpoint → Translator; batched, order-preserving, streaming translation."""
+"""Stage 4, prediction: a trained model → translations; batched, order-preserving, streaming.
+
+Two engines translate: tfm's own (`Translator`, torch) and CTranslate2 (ct2.py). Both are a
+`TranslationEngine`: they tokenize, search and detokenize in their own way, and share everything
+around that here: empty lines, over-long lines, the n-best record, chunked streaming.
+"""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -11,22 +15,153 @@ from functools import partial
 from pathlib import Path
 from typing import IO
 
-import sentencepiece as spm
 import torch
 from tqdm import tqdm
 
-from .checkpoint import load_checkpoint, model_from_checkpoint, tensor_to_bytes
-from .config import DecodeConfig, ExperimentConfig, apply_override, config_from_dict
+from .checkpoint import load_trained_model
+from .config import (
+    DecodeConfig,
+    apply_override,
+    check_inference_overrides,
+    config_from_dict,
+)
 from .console import warn, write_fully
 from .cpu import denormals_flushed_to_zero, keep_freed_memory
 from .cpu_inference import pack_linear_layers, quantize_int8
-from .data import BOS_ID, EOS_ID
+from .data import BOS_ID, EOS_ID, pad_batch
 from .decoding import Hypothesis, beam_search, greedy_search, greedy_search_continuous
 from .devices import is_out_of_memory, resolve_device, split_on_out_of_memory
 from .errors import TfmError
 from .model import Transformer
 from .precision import PrecisionChoice, choose_precision
 from .workers import DecodingWorkers, resolve_workers
+
+
+@dataclass
+class Translation:
+    text: str
+    score: float  # the search's score: length-normalised log-probability (greedy: the plain sum)
+    n_tokens: int
+
+
+class TranslationEngine:
+    """Raw text in, detokenized text out. An engine provides `tokenize`, `search` and `detokenize`,
+    its `decode` settings and `max_source_tokens`; `translate` is the same for every engine."""
+
+    decode: DecodeConfig
+    max_source_tokens: int  # per line, </s> excluded: longer lines are cut, with a warning
+    decoding_processes: int = 1  # processes that have decoded so far
+
+    def tokenize(self, lines: list[str]) -> list[list]:
+        raise NotImplementedError
+
+    def search(self, sources: list[list], beam: int, nbest: int) -> list[list[Hypothesis]]:
+        """Tokenized sources → per sentence its n-best hypotheses (tokens as `tokenize` gives them)."""
+        raise NotImplementedError
+
+    def detokenize(self, tokens: list) -> str:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the engine started (worker processes, threads); it also ends at exit."""
+
+    def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
+                  first_line: int = 1) -> list[list[Translation]]:
+        """Per input line its n-best translations; empty (or blank) lines give empty output.
+
+        A line longer than the model's positions is cut with a warning naming it (`first_line` is
+        the number of `lines[0]` in the user's input).
+        """
+        beam = self.decode.beam if beam is None else beam
+        nonempty = [i for i, line in enumerate(lines) if line.strip()]
+        sources = self.tokenize([lines[i] for i in nonempty]) if nonempty else []
+        warn_long_lines(nonempty, sources, self.max_source_tokens, first_line)
+        hyps = self.search(sources, max(beam, 1), nbest) if sources else []
+        out: list[list[Translation]] = [[Translation("", 0.0, 0)] * max(nbest, 1) for _ in lines]
+        for i, h in zip(nonempty, hyps):
+            out[i] = [Translation(self.detokenize(x.tokens), x.score, len(x.tokens)) for x in h]
+        return out
+
+
+def warn_long_lines(numbers: list[int], encoded: list[list], limit: int, first_line: int) -> None:
+    """A warning for each input line with more than `limit` tokens (decoding keeps the first `limit`)."""
+    for i, tokens in zip(numbers, encoded):
+        if len(tokens) > limit:
+            warn(f"warning: input line {first_line + i} has {len(tokens)} tokens, more than the model's "
+                 f"{limit}: only the first {limit} are translated")
+
+
+# --------------------------------------------------------------------------- tfm's own engine
+
+
+class Translator(TranslationEngine):
+    """A trained model plus its sentencepiece models, decoding with tfm's own search.
+
+    The model is moved to `device` and prepared for inference in place (bf16 cast, packed or int8
+    linear layers): pass a model of its own, not one still being trained.
+    """
+
+    def __init__(self, model: Transformer, src_sp, tgt_sp, decode: DecodeConfig, device: torch.device):
+        self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
+        self.max_source_tokens = model.cfg.max_positions - 2  # room for </s>
+        self.precision = PrecisionChoice(False, "int8 dynamic quantization")
+        model.to(device).eval()
+        if decode.precision == "int8":
+            if device.type != "cpu":
+                raise TfmError("int8 decoding (--quantize int8 / decode.precision=int8) runs on CPU only: "
+                               "add --device cpu")
+            self.model = quantize_int8(model)
+        else:
+            self.precision = choose_precision(decode.precision, device, (model.cfg.d_model, model.cfg.d_ff))
+            if self.precision.bf16:
+                model.to(torch.bfloat16)  # scores are still accumulated in fp32 (decoding.py)
+            if device.type == "cpu":
+                pack_linear_layers(model)
+        if device.type == "cpu":
+            keep_freed_memory()
+        self.workers: DecodingWorkers | None = None  # started by the first search
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, decode: DecodeConfig | None = None,
+                        device: str = "auto", overrides: list[str] | None = None,
+                        precision: str | None = None) -> Translator:
+        """`decode` replaces the checkpoint's decode settings; `overrides` (`decode.beam=4`…) edit them;
+        `precision` (fp32, bf16, int8, auto), when given, replaces the resulting decode.precision."""
+        dev = resolve_device(device)
+        trained = load_trained_model(path)
+        config = trained.config
+        if overrides:
+            check_inference_overrides(overrides)
+            raw = config.model_dump(mode="json")
+            for assignment in overrides:
+                apply_override(raw, assignment)
+            config = config_from_dict(raw, f"{path} (with --set)")
+        decode = decode or config.decode
+        if precision is not None:
+            decode = DecodeConfig.model_validate({**decode.model_dump(), "precision": precision})
+        return cls(trained.model, trained.src_sp, trained.tgt_sp, decode, dev)
+
+    @property
+    def decoding_processes(self) -> int:
+        """Processes that have decoded so far: 1 until the workers start (a chunk of ≥ 2 batches)."""
+        return self.workers.processes if self.workers is not None and self.workers.started else 1
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+    def tokenize(self, lines: list[str]) -> list[list[int]]:
+        return self.src_sp.encode(lines, out_type=int)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.tgt_sp.decode(tokens)
+
+    def search(self, sources: list[list[int]], beam: int, nbest: int) -> list[list[Hypothesis]]:
+        if self.workers is None:  # decode.workers is read here: the CLI edits decode after loading
+            processes = resolve_workers(self.decode.workers, self.device)
+            self.workers = DecodingWorkers(partial(decode_batches, self.model, self.device), processes)
+        return decode_in_batches(self.model, sources, self.decode, self.device, beam, nbest, workers=self.workers)
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
@@ -46,15 +181,16 @@ def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int
     return batches
 
 
-def decode_token_ids(
+def decode_in_batches(
     model: Transformer, sources: list[list[int]], decode: DecodeConfig, device: torch.device,
     beam: int | None = None, nbest: int = 1, min_len: int = 0, max_len: int | None = None,
     workers: DecodingWorkers | None = None,
 ) -> list[list[Hypothesis]]:
-    """Translate id sequences (no <eos>) → per sentence its n-best hypotheses, in input order.
-
-    `min_len`/`max_len` force the output length (benchmarks with untrained weights). `workers`
-    (CPU) decodes the batches in parallel processes; they must have been made for this `model`.
+    """Translate id sequences (no <eos>) → per sentence its n-best hypotheses, in input order:
+    sources longer than the model's positions are cut, the rest grouped into length-sorted batches
+    (`decode.batch_size`, `decode.batch_tokens`) and decoded by `workers` (CPU processes made for this
+    `model`; None: this process). `min_len`/`max_len` force the output length (benchmarks with
+    untrained weights).
     """
     beam = decode.beam if beam is None else beam
     limit_positions = model.cfg.max_positions - 1
@@ -102,11 +238,7 @@ def decode_batches(model: Transformer, device: torch.device, batches: list[list[
     beam search one batch after the other; a batch that runs out of memory is retried in halves."""
 
     def padded(rows: list[list[int]]) -> torch.Tensor:
-        width = max(len(s) for s in rows)
-        src = torch.full((len(rows), width), model.cfg.pad_id, dtype=torch.long)
-        for row, s in enumerate(rows):
-            src[row, : len(s)] = torch.tensor(s)
-        return src.to(device)
+        return pad_batch(rows).to(device)
 
     def search(sources: list[list[int]], rows: list[int]) -> list[list[Hypothesis]]:
         src = padded([sources[i] for i in rows])
@@ -134,110 +266,16 @@ def decode_batches(model: Transformer, device: torch.device, batches: list[list[
         return [[[h] for h in hyps] for hyps in found]
 
 
-@dataclass
-class Translation:
-    text: str
-    score: float
-    n_tokens: int
-
-
-class Translator:
-    """A trained model plus its sentencepiece models: raw text in, detokenized text out.
-
-    The model is moved to `device` and, when `decode.precision` resolves to bf16, cast in place:
-    pass a model of its own, not one still being trained.
-    """
-
-    def __init__(self, model: Transformer, src_sp: spm.SentencePieceProcessor, tgt_sp: spm.SentencePieceProcessor,
-                 decode: DecodeConfig, device: torch.device):
-        self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
-        self.precision = PrecisionChoice(False, "int8 dynamic quantization")
-        model.to(device).eval()
-        if decode.precision == "int8":
-            if device.type != "cpu":
-                raise TfmError("int8 decoding (--quantize int8 / decode.precision=int8) runs on CPU only: "
-                               "add --device cpu")
-            self.model = quantize_int8(model)
-        else:
-            self.precision = choose_precision(decode.precision, device, (model.cfg.d_model, model.cfg.d_ff))
-            if self.precision.bf16:
-                model.to(torch.bfloat16)  # scores are still accumulated in fp32 (decoding.py)
-            if device.type == "cpu":
-                pack_linear_layers(model)
-        if device.type == "cpu":
-            keep_freed_memory()
-        self.workers: DecodingWorkers | None = None  # started by the first translate()
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, decode: DecodeConfig | None = None,
-                        device: str = "auto", overrides: list[str] | None = None,
-                        precision: str | None = None) -> Translator:
-        """`decode` replaces the checkpoint's decode settings; `overrides` (`decode.beam=4`…) edit them;
-        `precision` (fp32, bf16, int8, auto), when given, replaces the resulting decode.precision."""
-        dev = resolve_device(device)
-        payload = load_checkpoint(path)
-        model, config = model_from_checkpoint(payload)
-        src_sp, tgt_sp = (spm.SentencePieceProcessor(model_proto=tensor_to_bytes(payload[key]))
-                          for key in ("spm_src", "spm_tgt"))
-        for side, sp, size in (("source", src_sp, model.cfg.src_vocab_size), ("target", tgt_sp, model.cfg.tgt_vocab_size)):
-            if sp.vocab_size() != size:
-                raise TfmError(f"{path}: {side} vocabulary has {sp.vocab_size()} pieces but the model expects {size}")
-        if overrides:
-            raw = config.model_dump(mode="json")
-            for assignment in overrides:
-                apply_override(raw, assignment)
-            config = config_from_dict(raw, f"{path} (with --set)")
-        decode = decode or config.decode
-        if precision is not None:
-            decode = DecodeConfig.model_validate({**decode.model_dump(), "precision": precision})
-        return cls(model, src_sp, tgt_sp, decode, dev)
-
-    @property
-    def decoding_processes(self) -> int:
-        """Processes that have decoded so far: 1 until the workers start (a chunk of ≥ 2 batches)."""
-        return self.workers.processes if self.workers is not None and self.workers.started else 1
-
-    def close(self) -> None:
-        """Stop the decoding worker processes, if any were started (they also stop at exit)."""
-        if self.workers is not None:
-            self.workers.close()
-            self.workers = None
-
-    def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
-                  min_len: int = 0, max_len: int | None = None, first_line: int = 1) -> list[list[Translation]]:
-        """Per input line its n-best translations; empty (or blank) lines give empty output.
-
-        A line longer than the model's positions is truncated with a warning naming it
-        (`first_line` is the number of `lines[0]` in the user's input).
-        """
-        nonempty = [i for i, line in enumerate(lines) if line.strip()]
-        ids = self.src_sp.encode([lines[i] for i in nonempty], out_type=int) if nonempty else []
-        warn_long_lines(nonempty, ids, self.model.cfg.max_positions - 2, first_line)  # room for </s>
-        if self.workers is None:  # decode.workers is read here: the CLI edits decode after loading
-            processes = resolve_workers(self.decode.workers, self.device)
-            self.workers = DecodingWorkers(partial(decode_batches, self.model, self.device), processes)
-        hyps = decode_token_ids(self.model, ids, self.decode, self.device, beam, nbest, min_len, max_len,
-                                self.workers)
-        out: list[list[Translation]] = [[Translation("", 0.0, 0)] * max(nbest, 1) for _ in lines]
-        for i, h in zip(nonempty, hyps):
-            out[i] = [Translation(self.tgt_sp.decode(x.tokens), x.score, len(x.tokens)) for x in h]
-        return out
-
-
-def warn_long_lines(numbers: list[int], encoded: list[list], limit: int, first_line: int) -> None:
-    """A warning for each input line with more than `limit` tokens (decoding keeps the first `limit`)."""
-    for i, tokens in zip(numbers, encoded):
-        if len(tokens) > limit:
-            warn(f"warning: input line {first_line + i} has {len(tokens)} tokens, more than the model's "
-                 f"{limit}: only the first {limit} are translated")
-
-
 # --------------------------------------------------------------------------- streaming
 
 
-def read_decoded_lines(stream: IO[bytes], warnings: IO[str]) -> Iterator[str]:
-    """Lines of a byte stream as text; invalid UTF-8 is replaced (U+FFFD) with a warning, never a crash."""
+def read_decoded_lines(stream: IO[bytes], warnings: IO[str], name: str = "standard input") -> Iterator[str]:
+    """Lines of a byte stream as text; invalid UTF-8 is replaced (U+FFFD) with a warning, never a
+    crash. UTF-16 (a byte-order mark at the start) is refused: read as UTF-8 it would be garbage."""
     for number, raw in enumerate(stream, start=1):
+        if number == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+            raise TfmError(f"{name} is UTF-16 text (it starts with a UTF-16 byte-order mark): tfm reads UTF-8; "
+                           f"convert it first, e.g. iconv -f UTF-16 -t UTF-8")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -274,17 +312,24 @@ def format_nbest(index: int, translations: list[Translation]) -> list[str]:
     return [f"{index}\t{rank}\t{t.score:.4f}\t{t.text}" for rank, t in enumerate(translations, start=1)]
 
 
-def translate_stream(
-    translator: Translator, lines: Iterable[str], output: IO[str], beam: int | None = None, nbest: int = 1,
-    chunk_lines: int = 1000, progress: bool = False,
-) -> StreamStats:
+CHUNK_LINES = 1000  # lines translated together (length-sorted into batches) after the first batch
+
+
+def input_chunks(engine: TranslationEngine, lines: Iterable[str]) -> Iterator[list[str]]:
+    """The chunks every command translates a text in: the first one batch (output starts early),
+    then CHUNK_LINES lines. Batching depends on this, and bf16 results on batching: `translate` and
+    `evaluate` take the same chunks, so they give the same translations."""
+    return chunks(lines, min(CHUNK_LINES, engine.decode.batch_size), CHUNK_LINES)
+
+
+def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO[str], beam: int | None = None,
+                     nbest: int = 1, progress: bool = False) -> StreamStats:
     """Translate an (endless) stream of lines chunk by chunk, writing and flushing after each."""
     stats = StreamStats()
     started = time.perf_counter()
     bar = tqdm(desc="translate", unit="sent", file=sys.stderr, disable=not progress)
-    first = min(chunk_lines, translator.decode.batch_size)
-    for chunk in chunks(lines, first, chunk_lines):
-        results = translator.translate(chunk, beam=beam, nbest=nbest, first_line=stats.sentences + 1)
+    for chunk in input_chunks(engine, lines):
+        results = engine.translate(chunk, beam=beam, nbest=nbest, first_line=stats.sentences + 1)
         texts = []
         for offset, translations in enumerate(results):
             if nbest > 1:
@@ -300,20 +345,9 @@ def translate_stream(
     return stats
 
 
-def default_checkpoint(config: ExperimentConfig) -> Path:
-    """Of the run's checkpoint_avg.pt, checkpoint_ema.pt and checkpoint_best.pt, the one that validated
-    best (scores.json, written at the end of training; ties in that order); without scores, the
-    average, then the best, then checkpoint_last.pt."""
-    ckpt_dir = config.run_path / "checkpoints"
-    order = ["checkpoint_avg.pt", "checkpoint_ema.pt", "checkpoint_best.pt"]
-    try:
-        scores = json.loads((ckpt_dir / "scores.json").read_text(encoding="utf-8"))
-        scored = [name for name in order if isinstance(scores.get(name), (int, float)) and (ckpt_dir / name).is_file()]
-        if scored:
-            return ckpt_dir / max(scored, key=lambda name: (scores[name], -order.index(name)))
-    except (OSError, ValueError, AttributeError):
-        pass
-    for name in ["checkpoint_avg.pt", "checkpoint_best.pt", "checkpoint_last.pt"]:
-        if (ckpt_dir / name).is_file():
-            return ckpt_dir / name
-    raise TfmError(f"no checkpoint in {ckpt_dir}: train first or pass --checkpoint")
+def translate_texts(engine: TranslationEngine, lines: list[str], beam: int | None = None) -> list[str]:
+    """The best translation of each line, in the chunks `translate_stream` takes."""
+    texts: list[str] = []
+    for chunk in input_chunks(engine, lines):
+        texts += [t[0].text for t in engine.translate(chunk, beam=beam, first_line=len(texts) + 1)]
+    return texts

@@ -1,5 +1,5 @@
-"""`tfm export --format ctranslate2`: a tfm checkpoint → a CTranslate2 model directory, and
-`tfm translate --engine ctranslate2`: that directory behind the same interface as `Translator`.
+"""CTranslate2: `tfm export --format ctranslate2` (a tfm checkpoint → a CTranslate2 model directory)
+and `tfm translate --engine ctranslate2` (that directory as a TranslationEngine, like tfm's own).
 
 The conversion fills ctranslate2's own specification objects (`ctranslate2.specs.TransformerSpec`
 and its layer specs) with our weights, as its OpenNMT-py and fairseq converters do; CTranslate2
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,18 @@ import numpy as np
 import sentencepiece as spm
 import torch
 
-from .checkpoint import load_checkpoint, model_from_checkpoint, tensor_to_bytes
-from .config import DecodeConfig, apply_override, config_from_dict
+from .checkpoint import load_trained_model
+from .config import (
+    DecodeConfig,
+    apply_override,
+    check_inference_overrides,
+    config_from_dict,
+)
 from .data import BOS_ID, EOS_ID, UNK_ID
+from .decoding import Hypothesis
 from .errors import TfmError
 from .model import Transformer, TransformerConfig
+from .translate import TranslationEngine
 from .workers import resolve_workers
 
 INSTALL_HINT = "ctranslate2 is not installed: pip install -e '.[ct2]' (or pip install ctranslate2)"
@@ -105,7 +111,7 @@ def _inputs(spec: Any, embedding_spec: Any, embed: Any, positions: Any) -> None:
 
 def build_spec(model: Transformer, src_vocab: list[str], tgt_vocab: list[str]) -> Any:
     """A filled `ctranslate2.specs.TransformerSpec` for `model` (fp32 weights)."""
-    ctranslate2 = import_ctranslate2()
+    import_ctranslate2()  # a one-line error naming the extra when it is missing
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.cfg
@@ -148,7 +154,6 @@ def build_spec(model: Transformer, src_vocab: list[str], tgt_vocab: list[str]) -
     spec.config.add_source_eos = True
     spec.register_source_vocabulary(src_vocab)
     spec.register_target_vocabulary(tgt_vocab)
-    del ctranslate2
     return spec
 
 
@@ -198,11 +203,9 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
     output, checkpoint = Path(output), Path(checkpoint)
     check_output_directory(output, checkpoint, force)
     import_ctranslate2()
-    payload = load_checkpoint(checkpoint)
-    model, config = model_from_checkpoint(payload)
-    model.float().eval()
-    src_bytes, tgt_bytes = (tensor_to_bytes(payload[key]) for key in ("spm_src", "spm_tgt"))
-    src_sp, tgt_sp = (spm.SentencePieceProcessor(model_proto=b) for b in (src_bytes, tgt_bytes))
+    trained = load_trained_model(checkpoint)
+    model, config, src_sp, tgt_sp = trained.model.float(), trained.config, trained.src_sp, trained.tgt_sp
+    src_bytes, tgt_bytes = trained.spm_files["src"], trained.spm_files["tgt"]
     check_convertible(model.cfg, src_sp, tgt_sp)
     spec = build_spec(model, _pieces(src_sp), _pieces(tgt_sp))
     try:
@@ -241,16 +244,9 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
 # --------------------------------------------------------------------------- translating
 
 
-@dataclass
-class _Translation:
-    text: str
-    score: float
-    n_tokens: int
-
-
-class CT2Translator:
-    """An exported directory behind `Translator`'s interface (`decode`, `translate`), so
-    `translate_stream` gives the same streaming, order and empty-line behaviour.
+class CT2Translator(TranslationEngine):
+    """An exported directory as a TranslationEngine, so `translate_stream` gives the same
+    streaming, order, empty-line and long-line behaviour as tfm's own engine.
 
     Differences from tfm's own search, by design of CTranslate2:
     - length penalty: CTranslate2 divides the score by len**alpha, tfm by ((5 + len) / 6)**alpha
@@ -277,11 +273,10 @@ class CT2Translator:
         if compute_type != "default" and compute_type not in supported:
             raise TfmError(f"--compute-type {compute_type} is not supported on this {device} "
                            f"(supported: {', '.join(sorted(supported))})")
-        settings = {}
-        if (model_dir / TFM_JSON).is_file():
-            settings = json.loads((model_dir / TFM_JSON).read_text()).get("decode", {})
+        exported = json.loads((model_dir / TFM_JSON).read_text()) if (model_dir / TFM_JSON).is_file() else {}
         if decode is None:
-            raw = {"decode": settings}
+            raw = {"decode": exported.get("decode", {})}
+            check_inference_overrides(overrides or [])
             for assignment in overrides or []:
                 apply_override(raw, assignment)
             decode = config_from_dict(raw, f"{model_dir / TFM_JSON} (with --set)").decode
@@ -291,20 +286,26 @@ class CT2Translator:
         self._translator = None  # opened by the first translation, with the decode.workers set by then
         self.src_sp = spm.SentencePieceProcessor(model_file=str(model_dir / SRC_SPM))
         self.tgt_sp = spm.SentencePieceProcessor(model_file=str(model_dir / TGT_SPM))
-        # tfm keeps at most max_positions - 1 source tokens, </s> included (decode_token_ids).
-        self.max_input_length = int(json.loads((model_dir / TFM_JSON).read_text()).get("max_positions", 1024)) - 1 \
-            if (model_dir / TFM_JSON).is_file() else 1024
+        # tfm keeps at most max_positions - 1 source tokens, </s> included (decode_in_batches).
+        max_positions = int(exported.get("max_positions", 1025))
+        self.max_input_length, self.max_source_tokens = max_positions - 1, max_positions - 2
 
-    def translate_pieces(self, pieces: list[list[str]], beam: int, nbest: int = 1,
-                         max_len: int | None = None) -> list[list[tuple[list[str], float]]]:
-        """Sentencepiece pieces (no </s>) → per sentence its n-best (pieces, score), in input order."""
+    def tokenize(self, lines: list[str]) -> list[list[str]]:
+        return self.src_sp.encode(lines, out_type=str)
+
+    def detokenize(self, tokens: list[str]) -> str:
+        return self.tgt_sp.decode_pieces(tokens)
+
+    def search(self, pieces: list[list[str]], beam: int, nbest: int = 1,
+               max_len: int | None = None) -> list[list[Hypothesis]]:
+        """Sentencepiece pieces (no </s>) → per sentence its n-best hypotheses (pieces, score), in input order."""
         if self._translator is None:
             # decode.workers → CTranslate2's inter_threads (batches decoded at once), one thread each.
             workers = resolve_workers(self.decode.workers, torch.device(self._settings["device"]))
             self._translator = import_ctranslate2().Translator(
                 **self._settings, inter_threads=workers, intra_threads=1 if workers > 1 else self.threads)
             self.decoding_processes = workers
-        results: list[list[tuple[list[str], float]]] = [[] for _ in pieces]
+        results: list[list[Hypothesis]] = [[] for _ in pieces]
         order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))  # similar lengths together
         step = self.decode.batch_size
         submitted = []
@@ -321,20 +322,5 @@ class CT2Translator:
         for batch, out in submitted:
             for i, pending in zip(batch, out):
                 result = pending.result()
-                results[i] = list(zip(result.hypotheses, result.scores))
+                results[i] = [Hypothesis(tokens, score) for tokens, score in zip(result.hypotheses, result.scores)]
         return results
-
-    def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
-                  first_line: int = 1) -> list[list[_Translation]]:
-        """Per input line its n-best translations; empty (or blank) lines give empty output."""
-        from .translate import warn_long_lines
-
-        beam = self.decode.beam if beam is None else beam
-        nonempty = [i for i, line in enumerate(lines) if line.strip()]
-        pieces = self.src_sp.encode([lines[i] for i in nonempty], out_type=str) if nonempty else []
-        warn_long_lines(nonempty, pieces, self.max_input_length - 1, first_line)  # room for </s>
-        hyps = self.translate_pieces(pieces, max(beam, 1), nbest) if pieces else []
-        out: list[list[_Translation]] = [[_Translation("", 0.0, 0)] * max(nbest, 1) for _ in lines]
-        for i, h in zip(nonempty, hyps):
-            out[i] = [_Translation(self.tgt_sp.decode_pieces(toks), score, len(toks)) for toks, score in h]
-        return out

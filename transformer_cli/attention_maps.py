@@ -6,26 +6,19 @@ model's own greedy translation or a target the user gives. `--self` shows encode
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import sentencepiece as spm
 import torch
 
-from .checkpoint import load_checkpoint, model_from_checkpoint, tensor_to_bytes
-from .data import BOS_ID, EOS_ID
+from .checkpoint import TrainedModel
+from .data import BOS_ID, EOS_ID, pad_batch
 from .decoding import greedy_search
 from .errors import TfmError
 from .model import Transformer
-
-
-def pad_batch(sequences: list[list[int]], pad_id: int) -> torch.Tensor:
-    """Right-padded (B, L) id tensor."""
-    out = torch.full((len(sequences), max(map(len, sequences))), pad_id, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-    return out
+from .translate import warn_long_lines
 
 
 @torch.inference_mode()
@@ -71,45 +64,38 @@ class AttentionMaps:
         return self.weights.mean(axis=1)
 
 
-class AttentionModel:
-    """A checkpoint's model (fp32, CPU) with its sentencepiece models."""
-
-    def __init__(self, checkpoint: str | Path):
-        payload = load_checkpoint(checkpoint)
-        self.model, config = model_from_checkpoint(payload)
-        self.decode = config.decode
-        self.model.float().eval()
-        self.src_sp, self.tgt_sp = (spm.SentencePieceProcessor(model_proto=tensor_to_bytes(payload[key]))
-                                    for key in ("spm_src", "spm_tgt"))
-
-    def maps(self, src: str, tgt: str | None = None, encoder_self: bool = False) -> AttentionMaps:
-        if not src.strip():
-            raise TfmError("--src is empty: give a sentence to translate")
-        if tgt is not None and encoder_self:
-            raise TfmError("--tgt has no effect with --self (encoder self-attention sees only the source): "
-                           "leave one of them out")
-        if tgt is not None and not tgt.strip():
-            raise TfmError("--tgt is empty: leave it out to use the model's own translation")
-        limit = self.model.cfg.max_positions - 1
-        src_ids = self.src_sp.encode(src, out_type=int)[: limit - 1] + [EOS_ID]
-        src_tokens = [self.src_sp.id_to_piece(i) for i in src_ids[:-1]] + ["</s>"]
-        src_batch = pad_batch([src_ids], self.model.cfg.pad_id)
-        if encoder_self:
-            weights = attention_weights(self.model, src_batch, encoder_self=True)
-            return AttentionMaps(weights[:, 0].numpy(), src_tokens, src_tokens, True, "")
-        if tgt is None:
-            # The model's own translation: greedy, as the weights then show what it attended to
-            # while choosing each token.
-            hyp = greedy_search(self.model, src_batch, BOS_ID, EOS_ID, self.decode.max_len_a,
-                                self.decode.max_len_b)[0]
-            tgt_ids = hyp.tokens[: limit - 1]
-        else:
-            tgt_ids = self.tgt_sp.encode(tgt, out_type=int)[: limit - 1]
-        tgt_ids = tgt_ids + [EOS_ID]
-        row_tokens = [self.tgt_sp.id_to_piece(i) for i in tgt_ids[:-1]] + ["</s>"]
-        weights = attention_weights(self.model, src_batch, pad_batch([tgt_ids], self.model.cfg.pad_id))
-        return AttentionMaps(weights[:, 0].numpy(), src_tokens, row_tokens, False,
-                             self.tgt_sp.decode(tgt_ids[:-1]))
+def attention_maps(trained: TrainedModel, src: str, tgt: str | None = None,
+                   encoder_self: bool = False) -> AttentionMaps:
+    """The maps `tfm attention` draws for one sentence: encoder–decoder attention while the model
+    translates it (its own greedy translation, or `tgt` teacher-forced), or encoder self-attention.
+    A source longer than the model's positions is cut, with a warning."""
+    if not src.strip():
+        raise TfmError("--src is empty: give a sentence to translate")
+    if tgt is not None and encoder_self:
+        raise TfmError("--tgt has no effect with --self (encoder self-attention sees only the source): "
+                       "leave one of them out")
+    if tgt is not None and not tgt.strip():
+        raise TfmError("--tgt is empty: leave it out to use the model's own translation")
+    model, decode = trained.model.float().eval(), trained.config.decode
+    limit = model.cfg.max_positions - 1
+    src_ids = trained.src_sp.encode(src, out_type=int)
+    warn_long_lines([0], [src_ids], limit - 1, 1)
+    src_ids = src_ids[: limit - 1] + [EOS_ID]
+    src_tokens = [trained.src_sp.id_to_piece(i) for i in src_ids[:-1]] + ["</s>"]
+    src_batch = pad_batch([src_ids])
+    if encoder_self:
+        weights = attention_weights(model, src_batch, encoder_self=True)
+        return AttentionMaps(weights[:, 0].numpy(), src_tokens, src_tokens, True, "")
+    if tgt is None:
+        # The model's own translation: greedy, as the weights then show what it attended to
+        # while choosing each token.
+        tgt_ids = greedy_search(model, src_batch, BOS_ID, EOS_ID, decode.max_len_a, decode.max_len_b)[0].tokens
+    else:
+        tgt_ids = trained.tgt_sp.encode(tgt, out_type=int)
+    tgt_ids = tgt_ids[: limit - 1] + [EOS_ID]
+    row_tokens = [trained.tgt_sp.id_to_piece(i) for i in tgt_ids[:-1]] + ["</s>"]
+    weights = attention_weights(model, src_batch, pad_batch([tgt_ids]))
+    return AttentionMaps(weights[:, 0].numpy(), src_tokens, row_tokens, False, trained.tgt_sp.decode(tgt_ids[:-1]))
 
 
 def check_layer(layer: int | None, n_layers: int, what: str) -> int:
@@ -121,19 +107,27 @@ def check_layer(layer: int | None, n_layers: int, what: str) -> int:
     return layer - 1
 
 
+MAX_PIXELS = 16_000  # per side of the picture: a long sentence gets smaller cells and fewer labels
+
+
 def plot_attention(maps: AttentionMaps, layer: int | None, output: Path, dpi: int = 100) -> Path:
     """One heatmap per head of `layer` (1-based, default last) on the first row, the head average
-    of every layer on the second; columns = source subwords, rows = target subwords."""
-    from .plot import import_pyplot, save_png
+    of every layer on the second; columns = source subwords, rows = target subwords. The format is
+    the one `output`'s suffix names (PNG, SVG, PDF, …)."""
+    from .plot import figure_format, import_pyplot, save_figure
 
+    figure_format(output)  # before drawing
     n_layers, n_heads = maps.weights.shape[:2]
     index = check_layer(layer, n_layers, "encoder" if maps.encoder_self else "decoder")
     plt = import_pyplot()
     n_cols = max(n_heads, n_layers)
     n_rows_tok, n_src = len(maps.row_tokens), len(maps.src_tokens)
-    # Cell size grows with the sentence so that every subword label stays readable.
-    cell_w = max(2.2, 0.28 * n_src + 1.0)
-    cell_h = max(2.0, 0.28 * n_rows_tok + 1.0)
+    # Cell size grows with the sentence so that every subword label stays readable, up to a bound
+    # on the picture's size; past it, cells shrink and only every k-th subword is labelled.
+    cell_w = min(max(2.2, 0.28 * n_src + 1.0), MAX_PIXELS / dpi / n_cols)
+    cell_h = min(max(2.0, 0.28 * n_rows_tok + 1.0), (MAX_PIXELS / dpi - 0.6) / 2)
+    x_every = max(1, math.ceil(0.28 * n_src / max(cell_w - 1.0, 0.28)))
+    y_every = max(1, math.ceil(0.28 * n_rows_tok / max(cell_h - 1.0, 0.28)))
     fig, axes = plt.subplots(2, n_cols, figsize=(cell_w * n_cols, cell_h * 2 + 0.6), dpi=dpi,
                              layout="constrained", squeeze=False)
     panels = [(axes[0, h], maps.weights[index, h], f"layer {index + 1}, head {h + 1}") for h in range(n_heads)]
@@ -146,12 +140,13 @@ def plot_attention(maps: AttentionMaps, layer: int | None, output: Path, dpi: in
     for ax, grid, title in panels:
         image = ax.imshow(grid, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
         ax.set_title(title, fontsize="small")
-        ax.set_xticks(range(n_src), maps.src_tokens, rotation=90, fontsize="x-small")
-        ax.set_yticks(range(n_rows_tok), maps.row_tokens, fontsize="x-small")
+        ax.set_xticks(range(0, n_src, x_every), maps.src_tokens[::x_every], rotation=90, fontsize="x-small")
+        ax.set_yticks(range(0, n_rows_tok, y_every), maps.row_tokens[::y_every], fontsize="x-small")
     kind = "encoder self-attention" if maps.encoder_self else "encoder–decoder attention"
-    fig.suptitle(f"{kind}: {''.join(maps.src_tokens[:-1]).replace('▁', ' ').strip()}"
-                 + (f" → {maps.translation}" if maps.translation else ""), fontsize="small")
+    title = "".join(maps.src_tokens[:-1]).replace("▁", " ").strip()
+    title = title if len(title) <= 200 else title[:200] + " …"
+    fig.suptitle(f"{kind}: {title}" + (f" → {maps.translation[:200]}" if maps.translation else ""), fontsize="small")
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
-    save_png(fig, output, dpi)
+    save_figure(fig, output, dpi)
     plt.close(fig)
     return output
