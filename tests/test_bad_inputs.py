@@ -1,7 +1,10 @@
 """Every bad input of docs/reliability.md, fed to the real command line: exit code, message, no traceback.
 
 One row per case. A row's `setup(case_dir, data, run)` writes whatever the case needs and returns
-the arguments of `tfm` (and optionally its stdin); `check` looks at the finished process.
+the arguments of `tfm` (and optionally its stdin); `check` looks at the finished command. The
+command runs in this process (Typer's runner: the same parsing, error handling and exit codes as
+the `tfm` script, without a new Python and torch import per row); the faults that need a real
+process (signals, resource limits, pipes) are in test_reliability.py.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from tests.conftest import TFM, tiny_reverse_config, tiny_run, write_reverse_task
+from tests.conftest import tiny_reverse_config, tiny_run, write_reverse_task
+from transformer_cli.config import load_config
+from transformer_cli.data import prepare
+from transformer_cli.train import train
 
 # --------------------------------------------------------------------------- corpus helpers
 
@@ -138,7 +144,7 @@ def average_different_shapes(case: Path, data, run, checkpoint: Path):
     raw = json.loads(config.read_text())
     raw["model"]["d_ff"] = 48
     config.write_text(json.dumps(raw))
-    assert subprocess.run([*TFM, "train", "--config", str(config)], capture_output=True).returncode == 0
+    train(load_config(config), progress_bar=False)
     return ["average", checkpoint, small / "run/checkpoints/checkpoint_last.pt", "-o", case / "avg.pt"], None
 
 
@@ -148,6 +154,104 @@ def evaluate_files(hyp: str, ref: str, *extra: str):
         (case / "ref.txt").write_text(ref)
         return ["evaluate", "--hyp", case / "hyp.txt", "--ref", case / "ref.txt", *extra], None
     return setup
+
+
+# --------------------------------------------------------------------------- rows of a fresh sweep
+
+
+def trained(case: Path, data, run, **settings) -> Path:
+    """A finished tiny run in case/run; returns its config."""
+    config = tiny_run((data, run), case, **settings)
+    train(load_config(config), progress_bar=False)
+    return config
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def resume_complete_run(case: Path, data, run):
+    config = trained(case, data, run, max_steps=6, eval_every=3)
+    (case / "before.json").write_text(json.dumps(sorted(snapshot(case / "run/checkpoints"))))
+    (case / "last.bin").write_bytes((case / "run/checkpoints/checkpoint_last.pt").read_bytes())
+    return ["train", "--config", config, "--resume"], None
+
+
+def nothing_changed(case: Path, proc) -> None:
+    assert sorted(snapshot(case / "run/checkpoints")) == json.loads((case / "before.json").read_text())
+    assert (case / "run/checkpoints/checkpoint_last.pt").read_bytes() == (case / "last.bin").read_bytes()
+
+
+def resume_moved_run(case: Path, data, run):
+    config = corpus(case)  # prepared here, so that nothing outside the run names its files
+    raw = json.loads(config.read_text())
+    raw["train"]["max_steps"] = 3
+    config.write_text(json.dumps(raw))
+    prepare(load_config(config), progress=False)
+    train(load_config(config), progress_bar=False)
+    (case / "run").rename(case / "moved")
+    raw = json.loads(config.read_text())
+    raw["run_dir"], raw["train"]["max_steps"] = str(case / "moved"), 5
+    config.write_text(json.dumps(raw))
+    return ["train", "--config", config, "--resume"], None
+
+
+def picture(suffix: str, command: str = "plot"):
+    def setup(case: Path, data, run, checkpoint: Path):
+        if command == "plot":
+            return ["plot", checkpoint.parent.parent, "-o", case / f"c{suffix}"], None
+        return ["attention", "--checkpoint", checkpoint, "--src", "wa wb wc", "-o", case / f"a{suffix}"], None
+    return setup
+
+
+def starts_with(name: str, prefix: bytes):
+    def check(case: Path, proc) -> None:
+        assert (case / name).read_bytes().startswith(prefix), (case / name).read_bytes()[:20]
+    return check
+
+
+def bounded_picture(case: Path, proc) -> None:
+    from PIL import Image
+
+    with Image.open(case / "a.png") as image:
+        assert max(image.size) <= 6_000, image.size
+
+
+def from_a_pipe(case: Path, data, run, checkpoint: Path):
+    """`-i <(printf …)`: the input is a pipe, /dev/fd/N."""
+    read, write = os.pipe()
+    os.write(write, b"wa wb\nwc wd\n")
+    os.close(write)
+    return ["translate", "--checkpoint", checkpoint, "-i", f"/dev/fd/{read}"], None
+
+
+def export_into(output: str):
+    def setup(case: Path, data, run, checkpoint: Path):
+        (case / "a_file").write_text("keep me\n")
+        (case / "notes").mkdir()
+        (case / "notes" / "todo.txt").write_text("keep me too\n")
+        (case / "before.json").write_text(json.dumps(sorted(snapshot(case))))
+        return ["export", "--checkpoint", checkpoint, "-o", output, "--force"], None
+    return setup
+
+
+def nothing_deleted(case: Path, proc) -> None:
+    assert set(json.loads((case / "before.json").read_text())) <= set(snapshot(case))
+
+
+def average_two(case: Path, data, run, checkpoint: Path):
+    return ["average", checkpoint, checkpoint, "-o", case / "avg.pt"], None
+
+
+def shared_weights_stored_once(case: Path, proc) -> None:
+    weights = torch.load(case / "avg.pt", weights_only=True)["model"]
+    tied = ("src_embed.embedding.weight", "tgt_embed.embedding.weight", "output_proj.weight")
+    assert len({weights[name].untyped_storage().data_ptr() for name in tied}) == 1
+
+
+def stdout_lines(n: int):
+    return lambda case, proc: assert_stdout_lines(proc, n)
+
 
 
 # --------------------------------------------------------------------------- the table
@@ -244,6 +348,62 @@ CASES = [
     Case("evaluate: missing --ref", lambda case, d, r: (["evaluate", "--hyp", case / "h.txt"], None), 2,
          "--hyp needs --ref"),
     Case("evaluate: --beam 0", lambda case, d, r: (["evaluate", "--beam", "0", "--config", "x.yaml"], None), 2, ""),
+    # a fresh sweep: values that make no sense are refused when the config is read, naming the key
+    *[Case(f"config: {' '.join(settings)}", with_settings(*settings), 2, f"key '{key}'") for settings, key in (
+        (("train.keep_last=-1",), "train.keep_last"),
+        (("train.keep_last=0", "train.average_last=3"), "train.keep_last"),
+        (("train.keep_last=1", "train.average_last=3"), "train.keep_last"),
+        (("train.average_last=-2",), "train.average_last"),
+        (("train.eval_bleu_sentences=-5",), "train.eval_bleu_sentences"),
+        (("train.eval_bleu_sentences=0",), "train.eval_bleu_sentences"),
+        (("train.threads=-2",), "train.threads"),
+        (("train.adam_eps=-1",), "train.adam_eps"),
+        (("train.adam_betas=[1.5,0.98]",), "train.adam_betas"),
+        (("train.weight_decay=-1",), "train.weight_decay"),
+        (("train.max_time=0",), "train.max_time"),
+        (("train.seed=-1",), "train.seed"),
+        (("train.lr=-0.001",), "train.lr"),
+        (("train.lr=0",), "train.lr"),
+        (("train.lr=.nan",), "train.lr"),
+        (("train.lr_schedule=budget", "train.lr=0.001", "train.lr_min=0.01"), "train.lr_min"),
+        (("train.patience=0",), "train.patience"),
+        (("train.max_epochs=0",), "train.max_epochs"),
+        (("train.max_epochs=-1",), "train.max_epochs"),
+        (("data.train_limit=0",), "data.train_limit"),
+        (("data.train_limit=-1",), "data.train_limit"),
+        (("decode.max_len_a=0", "decode.max_len_b=-100"), "decode.max_len_b"),
+    )],
+    Case("translate: decode.max_len_a=0 max_len_b=0", translate_input(
+        b"wa\n", "--set", "decode.max_len_a=0", "--set", "decode.max_len_b=0"), 2, "key 'decode.max_len_b'",
+         needs_checkpoint=True),
+    Case("translate: --set model.d_model on a trained model", translate_input(b"wa\n", "--set", "model.d_model=128"),
+         2, "--set model.d_model: a trained model's model.* settings are fixed by its checkpoint",
+         needs_checkpoint=True),
+    Case("translate: UTF-16 input", translate_input(b"\xff\xfe" + "wa wb\n".encode("utf-16-le")), 2,
+         "standard input is UTF-16 text", needs_checkpoint=True),
+    Case("translate: -i <(…), a pipe", from_a_pipe, 0, "translated 2 sentences", stdout_lines(2),
+         needs_checkpoint=True),
+    Case("evaluate: --min-bleu nan", evaluate_files("a b\n", "a b\n", "--min-bleu", "nan"), 2, "--min-bleu nan"),
+    Case("resume: a complete run", resume_complete_run, 0, "is complete (max_steps=6): nothing to do",
+         nothing_changed),
+    Case("resume: a moved run directory", resume_moved_run, 0, "done (max_steps=5)"),
+    Case("vocab: too few sampled sentences", lambda case, d, r: (
+        ["prepare", "--config", corpus(case), "--set", "vocab.input_sentence_size=4"], None), 2,
+         "key 'vocab.input_sentence_size'"),
+    Case("plot: -o c.svg", picture(".svg"), 0, "", starts_with("c.svg", b"<?xml"), needs_checkpoint=True),
+    Case("plot: -o c.pdf", picture(".pdf"), 0, "", starts_with("c.pdf", b"%PDF"), needs_checkpoint=True),
+    Case("plot: -o c.txt", picture(".txt"), 2, "cannot tell the picture format from '.txt'", needs_checkpoint=True),
+    Case("attention: -o a.txt", picture(".txt", "attention"), 2, "cannot tell the picture format",
+         needs_checkpoint=True),
+    Case("attention: a 3,500-token source", lambda case, d, r, ck: (
+        ["attention", "--checkpoint", ck, "--src", "wa " * 3500, "-o", case / "a.png", "--self"], None), 0,
+         "warning: input line 1 has 3500 tokens", bounded_picture, needs_checkpoint=True),
+    Case("export: -o . --force", export_into("."), 2, "the working directory", nothing_deleted,
+         needs_checkpoint=True),
+    Case("export: -o an existing file --force", export_into("a_file"), 2, "a_file exists and is not a directory",
+         nothing_deleted, needs_checkpoint=True),
+    Case("average: shared weights stored once", average_two, 0, "", shared_weights_stored_once,
+         needs_checkpoint=True),
 ]
 
 
@@ -262,10 +422,25 @@ def assert_stdout_lines(proc, n: int) -> None:
 @pytest.fixture(scope="module")
 def good_checkpoint(tiny_prepared, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("good")
-    config = tiny_run(tiny_prepared, root, max_steps=5)
-    proc = subprocess.run([*TFM, "train", "--config", str(config)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    train(load_config(tiny_run(tiny_prepared, root, max_steps=5)), progress_bar=False)
     return root / "run/checkpoints/checkpoint_last.pt"
+
+
+def run_tfm(args: list, stdin: bytes | None, cwd: Path) -> subprocess.CompletedProcess:
+    """`tfm ARGS` in this process, in `cwd`: exit code, stdout and stderr as the script gives them.
+    Anything but the CLI's own exit (a traceback) fails the test."""
+    from typer.testing import CliRunner
+
+    from transformer_cli.cli import app
+
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, [str(a) for a in args], input=stdin if stdin is not None else b"")
+    finally:
+        os.chdir(here)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -273,10 +448,7 @@ def test_bad_input(case: Case, tiny_prepared, tmp_path, request):
     data, run = tiny_prepared
     extra = (request.getfixturevalue("good_checkpoint"),) if case.needs_checkpoint else ()
     args, stdin = case.setup(tmp_path, data, run, *extra)
-    proc = subprocess.run([*TFM, *map(str, args)], capture_output=True, input=stdin if stdin is not None else b"",
-                          cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    proc = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode("utf-8", "replace"),
-                                       proc.stderr.decode("utf-8", "replace"))
+    proc = run_tfm(args, stdin, tmp_path)
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == case.code, proc.stderr
     assert case.message in proc.stderr, proc.stderr

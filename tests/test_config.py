@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,51 @@ def test_shipped_configs_build_their_model(name):
     if name == "de-en-gpu.yaml":  # the paper's base shape, trained in bf16 on CUDA by default
         assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.enc_layers, cfg.model.d_ff) == (512, 8, 6, 2048)
         assert cfg.train.precision == "auto" and cfg.train.device in ("auto", "cuda")
+
+
+# Every key with a valid range: a value just inside it is accepted, one just outside is refused
+# when the config is read, in one line naming the key.
+BOUNDS = [
+    # (key, accepted, refused)
+    ("data.max_len", 1, 0), ("data.max_len_ratio", 1.0, 0.5), ("data.train_limit", 1, 0),
+    ("data.src_lang", "x", ""),
+    ("vocab.size", 8, 7), ("vocab.character_coverage", 1.0, 0.0), ("vocab.input_sentence_size", 0, -1),
+    ("prepare.workers", 1, 0), ("prepare.chunk_lines", 1, 0),
+    ("model.d_model", 8, 0), ("model.n_heads", 1, 0), ("model.enc_layers", 1, 0), ("model.dec_layers", 1, 0),
+    ("model.d_ff", 1, 0), ("model.dropout", 0.0, 1.0), ("model.attention_dropout", 0.99, -0.1),
+    ("model.max_positions", 4, 3),
+    ("train.seed", 0, -1), ("train.threads", 1, 0), ("train.max_tokens", 1, 0), ("train.accum_steps", 1, 0),
+    ("train.max_steps", 1, 0), ("train.max_epochs", 1, 0), ("train.max_time", "1s", 0), ("train.lr_min", 0.0, -1e-9),
+    ("train.lr_factor", 1e-9, 0.0), ("train.lr", 1e-9, 0.0), ("train.warmup", 0, -1), ("train.warmup_ratio", 1.0, 0.0),
+    ("train.adam_betas", [0.0, 0.999], [0.9, 1.0]), ("train.adam_eps", 1e-12, 0.0), ("train.weight_decay", 0.0, -0.1),
+    ("train.label_smoothing", 0.0, 1.0), ("train.clip_norm", 0.0, -1.0), ("train.log_every", 1, 0),
+    ("train.eval_every", 1, 0), ("train.eval_bleu_sentences", 1, 0), ("train.patience", 1, 0),
+    ("train.keep_last", 1, 0), ("train.save_every", 1, 0), ("train.max_bad_steps", 1, 0),
+    ("train.average_last", 0, -1), ("train.average_window", 1.0, 0.0), ("train.ema_decay", 0.5, 1.0),
+    ("decode.beam", 1, 0), ("decode.length_penalty", 0.0, -0.1), ("decode.max_len_a", 0.0, -0.5),
+    ("decode.max_len_b", 0, -1), ("decode.batch_size", 1, 0), ("decode.batch_tokens", 1, 0), ("decode.nbest", 1, 0),
+]
+
+
+@pytest.mark.parametrize("key,accepted,refused", BOUNDS, ids=[b[0] for b in BOUNDS])
+def test_every_bounded_key_is_checked_when_the_config_is_read(key, accepted, refused):
+    dump = lambda value: f"{key}={json.dumps(value)}"  # noqa: E731 (JSON is YAML)
+    load_config(None, [dump(accepted)])
+    with pytest.raises(TfmError) as err:
+        load_config(None, [dump(refused)])
+    assert f"key '{key}'" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("settings,key", [
+    (["train.keep_last=2", "train.average_last=3"], "train.keep_last"),
+    (["train.lr_schedule=budget", "train.lr=0.001", "train.lr_min=0.002"], "train.lr_min"),
+    (["decode.max_len_a=0", "decode.max_len_b=0"], "decode.max_len_b"),
+    (["decode.beam=2", "decode.nbest=3"], "decode.nbest"),
+    (["train.lr=.inf"], "train.lr"), (["decode.length_penalty=.nan"], "decode.length_penalty"),
+])
+def test_rules_across_keys_and_non_finite_values_name_the_key(settings, key):
+    with pytest.raises(TfmError, match=f"key '{key}'"):
+        load_config(None, settings)
+    # the same keys within the rules are fine
+    load_config(None, ["train.keep_last=3", "train.average_last=3", "train.lr_schedule=budget", "train.lr_min=0.0005",
+                       "decode.max_len_a=0", "decode.max_len_b=1", "decode.beam=3", "decode.nbest=3"])

@@ -197,3 +197,25 @@ def test_cuda_ddp_two_processes_one_gpu_each_or_shared(multi30k_2k, tmp_path):
     proc = torchrun(["--standalone", "--nproc-per-node", str(n)], raw, tmp_path, "cuda")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run/checkpoints/checkpoint_last.pt").is_file()
+
+
+def test_torchrun_on_a_locked_run_directory_stops_every_rank_at_once(multi30k_2k, tmp_path):
+    """A run directory held by another `tfm train`: rank 0 says so, and every rank leaves at once
+    (rank 1 once waited for rank 0's process group until torchrun killed it, ~30 s later)."""
+    import time
+
+    from transformer_cli.runlock import RunLock
+
+    raw = ddp_config(multi30k_2k, tmp_path / "run", steps=4)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with RunLock(tmp_path / "run", "tfm train"):  # as a running training holds it
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "transformer_cli", "train", "--config", str(path)],
+                              capture_output=True, text=True, timeout=120)
+        seconds = time.monotonic() - started
+    assert proc.returncode != 0
+    assert proc.stderr.count("is in use by PID") == 1, proc.stderr  # rank 0's one line
+    assert "SIGKILL" not in proc.stderr and seconds < 25, (seconds, proc.stderr)
+    assert not (tmp_path / "run/checkpoints").exists()

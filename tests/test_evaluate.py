@@ -76,3 +76,22 @@ def test_evaluate_model_on_a_split(reverse_model):
     saved = json.loads(
         (config.run_path / "eval" / f"test.{summary.best_checkpoint.stem}.beam2.json").read_text())
     assert saved["scores"]["bleu"]["score"] == result.scores["bleu"].score
+
+
+def test_evaluate_config_decodes_exactly_as_translate_config(reverse_model, tmp_path):
+    """Both take the same chunks and batches, so even bf16 (whose results depend on batch
+    composition) gives the same translations; evaluate once translated a split in one piece."""
+    from tests.conftest import tfm_in_process
+
+    config, _ = reverse_model
+    raw = json.loads(json.dumps(config.model_dump(mode="json")))
+    raw["decode"].update(precision="bf16", batch_size=16, workers=1)
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(raw))
+    source = "\n".join(read_lines(f"{config.data.test}.src.gz")) + "\n"
+    translated = tfm_in_process("translate", "--config", path, "--beam", "3", input=source)
+    assert translated.exit_code == 0, translated.stderr
+    evaluated = tfm_in_process("evaluate", "--config", path, "--split", "test", "--beam", "3", "--json")
+    assert evaluated.exit_code == 0, evaluated.stderr
+    hyp_file = json.loads(evaluated.stdout)["hyp_file"]
+    assert open(hyp_file, encoding="utf-8").read() == translated.stdout

@@ -107,7 +107,7 @@ def check_layer(layer: int | None, n_layers: int, what: str) -> int:
     return layer - 1
 
 
-MAX_PIXELS = 16_000  # per side of the picture: a long sentence gets smaller cells and fewer labels
+MAX_PIXELS = 6_000  # per side of the picture: a long sentence gets smaller cells and fewer labels
 
 
 def plot_attention(maps: AttentionMaps, layer: int | None, output: Path, dpi: int = 100) -> Path:

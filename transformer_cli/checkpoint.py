@@ -126,8 +126,12 @@ def average_state_dicts(paths: list[Path]) -> dict[str, torch.Tensor]:
     if not paths:
         raise TfmError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}
+    shared: dict[str, str] = {}  # name → the first name of the tensor it shares storage with (tied weights)
     for path in paths:
         weights = load_checkpoint(path)["model"]
+        if not shared:
+            first_of: dict[int, str] = {}
+            shared = {name: first_of.setdefault(t.untyped_storage().data_ptr(), name) for name, t in weights.items()}
         if total and weights.keys() != total.keys():
             differ = sorted(weights.keys() ^ total.keys())[0]
             raise TfmError(f"cannot average {path} with {paths[0]}: different models ({differ!r} is only in one)")
@@ -139,7 +143,8 @@ def average_state_dicts(paths: list[Path]) -> dict[str, torch.Tensor]:
                                f"there but {tuple(total[name].shape)} in the first (different model configs)")
             else:
                 total[name] += tensor.double()
-    return {name: (tensor / len(paths)).to(torch.float32) for name, tensor in total.items()}
+    averaged = {name: (total[name] / len(paths)).to(torch.float32) for name in total if shared[name] == name}
+    return {name: averaged[shared[name]] for name in total}  # tied weights stay one tensor (saved once)
 
 
 def average_checkpoints(paths: list[Path]) -> dict[str, Any]:

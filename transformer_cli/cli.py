@@ -160,7 +160,8 @@ def translate(
     input_: Optional[Path] = typer.Option(None, "--input", "-i", help="Source text (default: stdin)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Translations (default: stdout)."),
     beam: Optional[int] = typer.Option(None, "--beam", min=1, help="Beam size (1 = greedy; default decode.beam)."),
-    nbest: int = typer.Option(1, "--nbest", help="Print the K best: 'line<TAB>rank<TAB>score<TAB>text'."),
+    nbest: Optional[int] = typer.Option(None, "--nbest", help="Print the K best: 'line<TAB>rank<TAB>score<TAB>text' "
+                                        "(default decode.nbest, 1)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentences per batch."),
     batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Source tokens per batch."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
@@ -212,6 +213,7 @@ def translate(
 
         translator.decode = config_from_dict({"decode": {**translator.decode.model_dump(), **updates}},
                                              "command line").decode
+    nbest = translator.decode.nbest if nbest is None else nbest
     if nbest < 1 or (beam is not None and beam < 1):
         raise TfmError("--beam and --nbest must be at least 1")
     if nbest > max(beam or translator.decode.beam, 1):

@@ -26,30 +26,37 @@ from .errors import TfmError
 
 
 class _Section(BaseModel):
-    # Unknown keys are errors (typos must not be silently ignored); assignments are validated.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Unknown keys are errors (typos must not be silently ignored); assignments are validated; NaN
+    # and infinity are never a setting. Every number with a valid range says it here, so a bad
+    # value is one line naming its key when the config is read, not a failure minutes later.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _rule(key: str, message: str) -> ValueError:
+    """A rule across keys of one section, broken: the message names `key` (see _format_validation_error)."""
+    return ValueError(f"{key}: {message}")
 
 
 class DataConfig(_Section):
-    src_lang: str = "de"
-    tgt_lang: str = "en"
+    src_lang: str = Field("de", min_length=1)
+    tgt_lang: str = Field("en", min_length=1)
     # File prefixes: `<prefix>.<lang>` or `<prefix>.<lang>.gz`.
-    train: str = "data/multi30k/train"
-    valid: str = "data/multi30k/val"
-    test: str = "data/multi30k/test_2016_flickr"
-    max_len: int = Field(128, ge=1) # training pairs longer than this (in tokens, either side) are dropped
-    max_len_ratio: float = 3.0  # ... and pairs whose length ratio exceeds this
-    train_limit: int | None = None  # use only the first N training pairs (smoke runs)
+    train: str = Field("data/multi30k/train", min_length=1)
+    valid: str = Field("data/multi30k/val", min_length=1)
+    test: str = Field("data/multi30k/test_2016_flickr", min_length=1)
+    max_len: int = Field(128, ge=1)  # training pairs longer than this (in tokens, either side) are dropped
+    max_len_ratio: float = Field(3.0, ge=1.0)  # ... and pairs whose length ratio exceeds this
+    train_limit: int | None = Field(None, ge=1)  # use only the first N training pairs (smoke runs)
 
 
 class VocabConfig(_Section):
     joint: bool = True
     size: int = Field(8000, ge=8)
     model_type: Literal["bpe", "unigram"] = "bpe"
-    character_coverage: float = 1.0
+    character_coverage: float = Field(1.0, gt=0.0, le=1.0)
     # Sentences each sentencepiece model trains on: a uniform random sample of the training pairs
     # drawn in one streaming pass (a joint vocabulary takes half from each side); 0 = all of them.
-    input_sentence_size: int = 2_000_000
+    input_sentence_size: int = Field(2_000_000, ge=0)
 
 
 class PrepareConfig(_Section):
@@ -70,7 +77,7 @@ class ModelConfig(_Section):
     activation: Literal["relu", "gelu"] = "relu"
     norm_position: Literal["post", "pre"] = "post"
     positional: Literal["sinusoidal", "learned"] = "sinusoidal"
-    max_positions: int = Field(1024, ge=1)
+    max_positions: int = Field(1024, ge=4)  # <bos>/<eos> and at least one token each way
     share_embeddings: bool = True  # source/target embeddings shared (needs a joint vocab)
     tie_output: bool = True  # output projection tied to the target embedding
 
@@ -78,50 +85,51 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _heads_divide_d_model(self) -> ModelConfig:
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+            raise _rule("n_heads", f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         return self
 
 
 class TrainConfig(_Section):
-    seed: int = 1
+    seed: int = Field(1, ge=0, lt=2**63)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto = bf16 autocast on CUDA, AMX CPUs and CPUs whose bf16 matmuls measure >= 1.5x fp32; else fp32
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False
-    threads: int | None = None  # torch intra-op threads on CPU (None = torch default)
-    max_tokens: int = Field(4096, ge=1) # tokens per batch, padding included
+    threads: int | None = Field(None, ge=1)  # torch intra-op threads on CPU (None = torch default)
+    max_tokens: int = Field(4096, ge=1)  # tokens per batch, padding included
     accum_steps: int = Field(1, ge=1)
     max_steps: int = Field(100_000, ge=1)
-    max_epochs: int | None = None
+    max_epochs: int | None = Field(None, ge=1)
     max_time: float | str | None = None  # seconds, or "90s" / "30m" / "2h"
     # budget: linear warm-up to `lr`, then cosine decay that reaches `lr_min` exactly when the run's
     # budget ends (max_time, measured in training seconds, or max_steps; whichever ends first).
     lr_schedule: Literal["noam", "inverse_sqrt", "constant", "budget"] = "noam"
     lr_min: float = Field(0.0, ge=0.0)
-    lr_factor: float = 1.0  # noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
-    lr: float = 5e-4  # peak lr for inverse_sqrt / constant
+    lr_factor: float = Field(1.0, gt=0.0)  # noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    lr: float = Field(5e-4, gt=0.0)  # peak lr for inverse_sqrt / constant / budget
     warmup: int = Field(4000, ge=0)
     # Warm-up ends after `warmup` steps or after this fraction of the run's budget (max_time or
     # max_steps), whichever comes first: on a slow CPU a 400-step warm-up can be a whole 10-minute run.
     warmup_ratio: float | None = Field(None, gt=0.0, le=1.0)
-    adam_betas: tuple[float, float] = (0.9, 0.98)
-    adam_eps: float = 1e-9
-    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.98)  # each in [0, 1)
+    adam_eps: float = Field(1e-9, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
-    clip_norm: float = 0.0  # 0 disables gradient-norm clipping
+    clip_norm: float = Field(0.0, ge=0.0)  # 0 disables gradient-norm clipping
     log_every: int = Field(50, ge=1)
     eval_every: int = Field(1000, ge=1)
-    eval_bleu_sentences: int = 200  # valid sentences greedy-decoded for BLEU at each evaluation
+    eval_bleu_sentences: int = Field(200, ge=1)  # valid sentences greedy-decoded for BLEU at each evaluation
     best_metric: Literal["bleu", "loss"] = "bleu"
-    patience: int | None = None  # evaluations without improvement before stopping
-    keep_last: int = 3
+    patience: int | None = Field(None, ge=1)  # evaluations without improvement before stopping
+    keep_last: int = Field(3, ge=1)  # step checkpoints kept (of the last evaluations); ≥ average_last
     # checkpoint_last.pt is written at every evaluation and, if set, every save_every steps:
     # what a kill -9 or a lost machine can cost is at most this many steps.
     save_every: int | None = Field(None, ge=1)
     # A step whose loss or gradient is NaN/Inf is skipped (weights and optimizer untouched); this
     # many in a row stop training with exit status 3.
     max_bad_steps: int = Field(10, ge=1)
-    average_last: int = 0  # at the end, also write checkpoint_avg.pt averaging the last N evaluations
+    # At the end, also write checkpoint_avg.pt averaging the last N evaluations (0 or 1: none).
+    average_last: int = Field(0, ge=0)
     # ... taken only from the final part of the run (this fraction of its steps): averaging an
     # early, much worse checkpoint into the final ones makes the average worse than either.
     average_window: float = Field(0.2, gt=0.0, le=1.0)
@@ -132,19 +140,36 @@ class TrainConfig(_Section):
     @field_validator("max_time")
     @classmethod
     def _check_time(cls, value: float | str | None) -> float | str | None:
-        if value is not None:
-            parse_duration(value)
+        if value is not None and not parse_duration(value) > 0:
+            raise ValueError("must be a positive duration, e.g. 90 (seconds), '30m' or '2h'")
         return value
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _check_betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in value):
+            raise ValueError("each beta must be in [0, 1)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> TrainConfig:
+        if self.average_last > 1 and self.keep_last < self.average_last:
+            raise _rule("keep_last", f"{self.keep_last} step checkpoints cannot hold the average_last="
+                        f"{self.average_last} that checkpoint_avg.pt averages: raise keep_last to {self.average_last}")
+        if self.lr_schedule == "budget" and self.lr_min > self.lr:
+            raise _rule("lr_min", f"{self.lr_min} is above the peak lr {self.lr}: the budget schedule decays "
+                        "from lr to lr_min")
+        return self
 
 
 class DecodeConfig(_Section):
     beam: int = Field(5, ge=1)
-    length_penalty: float = 0.6  # GNMT alpha: score / ((5 + len) / 6) ** alpha
-    max_len_a: float = 1.5  # max output tokens = a * src_len + b
-    max_len_b: int = 10
-    batch_size: int = Field(64, ge=1) # sentences per batch
-    batch_tokens: int | None = None  # if set, also cap source tokens per batch
-    nbest: int = Field(1, ge=1)
+    length_penalty: float = Field(0.6, ge=0.0)  # GNMT alpha: score / ((5 + len) / 6) ** alpha
+    max_len_a: float = Field(1.5, ge=0.0)  # max output tokens = a * src_len + b (src_len counts </s>)
+    max_len_b: int = Field(10, ge=0)
+    batch_size: int = Field(64, ge=1)  # sentences per batch
+    batch_tokens: int | None = Field(None, ge=1)  # if set, also cap source tokens per batch
+    nbest: int = Field(1, ge=1)  # hypotheses printed per line (≤ beam): `tfm translate --nbest`'s default
     # Weights and activations while translating: auto = bf16 where train.precision's auto picks
     # it (CUDA, AMX, measured bf16 speed-up), else fp32. On an AMX CPU bf16 beam search ran 1.41x faster with equal
     # BLEU (Multi30k test: 39.26 vs 39.15 de-en, 36.72 vs 36.68 en-de).
@@ -154,6 +179,15 @@ class DecodeConfig(_Section):
     # 1.3x the sentences/s of one process with two threads on 2 cores. 1 = in this process, with
     # all threads (lowest latency for a single batch). GPU: always 1.
     workers: int | str = "auto"
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> DecodeConfig:
+        if self.max_len_a * 1 + self.max_len_b < 1:
+            raise _rule("max_len_b", f"max_len_a={self.max_len_a} and max_len_b={self.max_len_b} allow no output "
+                        "token: give max_len_b ≥ 1 or max_len_a > 0")
+        if self.nbest > self.beam:
+            raise _rule("nbest", f"{self.nbest} hypotheses need a beam at least as large (beam is {self.beam})")
+        return self
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -220,10 +254,13 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             close = difflib.get_close_matches(str(loc[-1]), candidates, n=1, cutoff=0.5)
             hint = f" (did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?)" if close else ""
             messages.append(f"unknown key '{key}'{hint}")
+        elif e["type"] == "value_error" and re.match(r"Value error, \w+: ", e["msg"]):  # a rule across keys
+            field, _, text = e["msg"].removeprefix("Value error, ").partition(": ")
+            messages.append(f"key '{'.'.join([*map(str, loc), field])}': {text}")
         else:
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"  # a whole section says nothing
-            messages.append(f"key '{key}': {e['msg']}{shown}")
+            messages.append(f"key '{key}': {e['msg'].removeprefix('Value error, ')}{shown}")
     return f"{source}: " + "; ".join(messages)
 
 

@@ -71,8 +71,9 @@ def split_files(config: ExperimentConfig, split: str) -> tuple[Path, Path]:
 # --------------------------------------------------------------------------- vocabulary
 
 
-def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentConfig) -> None:
-    """Train a sentencepiece model on `sentences` and write it atomically to `target`.
+def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentConfig, sampled: bool = False) -> None:
+    """Train a sentencepiece model on `sentences` (`sampled`: a sample of the training data,
+    vocab.input_sentence_size of them) and write it atomically to `target`.
 
     The trainer hands the model over in memory (`model_writer`) and Python writes it: sentencepiece's
     own file writer does not check its writes, so a full disk or a file-size limit left a truncated
@@ -98,6 +99,10 @@ def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentCo
         )
     except RuntimeError as exc:  # e.g. vocab size too large for the corpus
         too_high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", str(exc))
+        if too_high and sampled:
+            raise TfmError(f"key 'vocab.input_sentence_size': the {vocab.input_sentence_size:,} sentences sampled "
+                           f"for the vocabulary support at most {too_high[2]} pieces, not vocab.size={vocab.size}: "
+                           "raise vocab.input_sentence_size (0 = every sentence) or lower vocab.size") from None
         if too_high:
             raise TfmError(f"key 'vocab.size': {vocab.size} pieces is more than this training data supports "
                            f"(at most {too_high[2]}); lower vocab.size") from None
@@ -198,11 +203,12 @@ def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) ->
     # input_sentence_size counts sentences per sentencepiece model: a joint one sees both sides.
     pairs = (size + 1) // 2 if vocab.joint and size > 0 else size
     src, tgt, read = sample_pairs(src_path, tgt_path, pairs, seed, config.data.train_limit)
+    sampled = len(src) < read
     if vocab.joint:
-        train_sentencepiece(src + tgt, paths["src"], config)
+        train_sentencepiece(src + tgt, paths["src"], config, sampled)
     else:
-        train_sentencepiece(src, paths["src"], config)
-        train_sentencepiece(tgt, paths["tgt"], config)
+        train_sentencepiece(src, paths["src"], config, sampled)
+        train_sentencepiece(tgt, paths["tgt"], config, sampled)
     return read, len(src)
 
 

@@ -377,12 +377,12 @@ class Trainer:
         r, r + N, …); gradients accumulate, normalised by the target tokens of the whole update."""
         lengths = self.train_data.tgt.lengths
         result = StepResult(tokens=sum(int(lengths[idx].sum()) + len(idx) for idx in batches))
-        mine = batches[self.world.rank::self.world.size]
+        my_batches = batches[self.world.rank::self.world.size]
         amp_dtype = autocast_dtype(self.precision)
-        for i, indices in enumerate(mine):
+        for i, indices in enumerate(my_batches):
             batch = self.train_data.collate(indices).to(self.device)
             # Gradients are all-reduced once per update: on the last micro-batch only.
-            sync = self.ddp is None or i == len(mine) - 1
+            sync = self.ddp is None or i == len(my_batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                     loss, nll = batch_loss(self.forward_model, batch, self.train_cfg.label_smoothing)
