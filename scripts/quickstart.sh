@@ -22,3 +22,10 @@ fi
 gzip -dc data/multi30k/test_2016_flickr.de.gz | tfm translate --config "$CONFIG" "${RUN[@]}" --beam 5 > runs/quickstart/test_2016_flickr.hyp.en
 gzip -dc data/multi30k/test_2016_flickr.en.gz > runs/quickstart/test_2016_flickr.ref.en
 tfm evaluate --hyp runs/quickstart/test_2016_flickr.hyp.en --ref runs/quickstart/test_2016_flickr.ref.en --metrics bleu,chrf
+cat <<EOF
+
+Model:        runs/quickstart/checkpoints/ (--config picks the best-validated checkpoint)
+Translations: runs/quickstart/test_2016_flickr.hyp.en
+Translate more with the run's own config:
+  echo "Ein Hund rennt über eine Wiese." | tfm translate --config runs/quickstart/config.yaml
+EOF

@@ -58,6 +58,7 @@ def test_maps_of_the_models_own_translation(attn_model, reverse_model):
         attention_maps(attn_model, "   ")
 
 
+@pytest.mark.slow
 def test_cli_writes_png_and_refuses_bad_input(reverse_model, tmp_path):
     pytest.importorskip("matplotlib")
     from PIL import Image

@@ -265,6 +265,7 @@ class Case:
     message: str  # must appear in stderr ("" = no requirement)
     check: Callable[[Path, subprocess.CompletedProcess], None] | None = None
     needs_checkpoint: bool = False
+    slow: bool = False  # seconds of work: in the full suite only
 
 
 def no_marker(case: Path, proc) -> None:
@@ -397,7 +398,7 @@ CASES = [
          needs_checkpoint=True),
     Case("attention: a 3,500-token source", lambda case, d, r, ck: (
         ["attention", "--checkpoint", ck, "--src", "wa " * 3500, "-o", case / "a.png", "--self"], None), 0,
-         "warning: input line 1 has 3500 tokens", bounded_picture, needs_checkpoint=True),
+         "warning: input line 1 has 3500 tokens", bounded_picture, needs_checkpoint=True, slow=True),
     Case("export: -o . --force", export_into("."), 2, "the working directory", nothing_deleted,
          needs_checkpoint=True),
     Case("export: -o an existing file --force", export_into("a_file"), 2, "a_file exists and is not a directory",
@@ -443,7 +444,7 @@ def run_tfm(args: list, stdin: bytes | None, cwd: Path) -> subprocess.CompletedP
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else []) for c in CASES])
 def test_bad_input(case: Case, tiny_prepared, tmp_path, request):
     data, run = tiny_prepared
     extra = (request.getfixturevalue("good_checkpoint"),) if case.needs_checkpoint else ()
@@ -458,6 +459,7 @@ def test_bad_input(case: Case, tiny_prepared, tmp_path, request):
         case.check(tmp_path, proc)
 
 
+@pytest.mark.slow
 def test_closed_stdout_pipe_exits_quietly(good_checkpoint, tmp_path):
     lines = "\n".join("wa wb wc wd" for _ in range(3000)) + "\n"
     (tmp_path / "in.txt").write_text(lines)

@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from tests.conftest import tfm, tiny_run
+from tests.conftest import tfm_in_process as tfm
+from tests.conftest import tiny_run
 from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import load_config
 from transformer_cli.rundir import RunDirectory
@@ -19,11 +20,11 @@ def mean_of(*paths):
 
 def test_tfm_average_is_the_elementwise_mean_and_translates(tiny_prepared, tmp_path):
     config = tiny_run(tiny_prepared, tmp_path, max_steps=20, eval_every=5, keep_last=4)
-    assert tfm("train", "--config", config).returncode == 0
+    assert tfm("train", "--config", config).exit_code == 0
     ckpts = tmp_path / "run/checkpoints"
     a, b, c = ckpts / "step_10.pt", ckpts / "step_15.pt", ckpts / "step_20.pt"
     proc = tfm("average", a, b, c, "-o", tmp_path / "avg.pt")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.exit_code == 0, proc.stderr
     averaged = load_checkpoint(tmp_path / "avg.pt")
     expected = mean_of(a, b, c)
     assert all(torch.allclose(averaged["model"][k].double(), expected[k], atol=1e-7) for k in expected)
@@ -31,14 +32,14 @@ def test_tfm_average_is_the_elementwise_mean_and_translates(tiny_prepared, tmp_p
     assert any(not torch.equal(averaged["model"][k], last[k]) for k in expected)  # not just a copy
     assert "optimizer" not in averaged and averaged["averaged"] == [str(a), str(b), str(c)]
     translated = tfm("translate", "--checkpoint", tmp_path / "avg.pt", input="wa wb wc\nwd we\n")
-    assert translated.returncode == 0 and translated.stdout.count("\n") == 2, translated.stderr
+    assert translated.exit_code == 0 and translated.stdout.count("\n") == 2, translated.stderr
 
 
 def test_average_last_writes_the_mean_of_the_final_evaluations(tiny_prepared, tmp_path):
     config = tiny_run(tiny_prepared, tmp_path, max_steps=20, eval_every=4, keep_last=5, average_last=3,
                       average_window=0.5)
     proc = tfm("train", "--config", config)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.exit_code == 0, proc.stderr
     ckpts = tmp_path / "run/checkpoints"
     averaged = load_checkpoint(ckpts / "checkpoint_avg.pt")
     # the last 3 of the final half (steps > 10): step_12, 16, 20 — never an earlier one
@@ -59,6 +60,6 @@ def test_no_average_of_early_checkpoints(tiny_prepared, tmp_path):
     """With evaluations at 5, 10, 15, 20 only step_20 lies in the last 20%: nothing is averaged."""
     config = tiny_run(tiny_prepared, tmp_path, max_steps=20, eval_every=5, average_last=3)
     proc = tfm("train", "--config", config)
-    assert proc.returncode == 0 and "no checkpoint_avg.pt: 1 evaluated checkpoint(s) in the last 20%" in proc.stderr
+    assert proc.exit_code == 0 and "no checkpoint_avg.pt: 1 evaluated checkpoint(s) in the last 20%" in proc.stderr
     assert not (tmp_path / "run/checkpoints/checkpoint_avg.pt").exists()
     assert RunDirectory(load_config(config).run_path).default_checkpoint().name == "checkpoint_best.pt"

@@ -1,23 +1,33 @@
+"""The command line as a user meets it: help, version, usage and config errors, the evaluate gate.
+
+Run in this process (tfm_in_process: the same app, parsing and exit codes); one test starts the
+installed entry point for real."""
+
 import json
 import subprocess
 import sys
 
-TFM = [sys.executable, "-m", "transformer_cli.cli"]
+from tests.conftest import tfm_in_process
 
 
-def run(*args, **kw):
-    return subprocess.run([*TFM, *args], capture_output=True, text=True, **kw)
+def run(*args, input=None):
+    return tfm_in_process(*args, input=input)
+
+
+def test_the_tfm_entry_point_runs():
+    proc = subprocess.run([sys.executable, "-m", "transformer_cli", "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("tfm ") and not proc.stderr
 
 
 def test_help_and_version():
     top = run("--help")
-    assert top.returncode == 0
+    assert top.exit_code == 0
     for command in ("prepare", "train", "translate", "evaluate", "average"):
         assert command in top.stdout
         sub = run(command, "--help")
-        assert sub.returncode == 0 and "--" in sub.stdout
+        assert sub.exit_code == 0 and "--" in sub.stdout
     version = run("--version")
-    assert version.returncode == 0 and version.stdout.startswith("tfm ")
+    assert version.exit_code == 0 and version.stdout.startswith("tfm ")
 
 
 def test_config_errors_are_one_line_exit_2(tmp_path):
@@ -26,24 +36,24 @@ def test_config_errors_are_one_line_exit_2(tmp_path):
     for args in (["train", "--config", str(bad)], ["prepare", "--config", str(tmp_path / "missing.yaml")],
                  ["prepare", "--config", str(bad), "--set", "model.d_model"]):
         proc = run(*args)
-        assert proc.returncode == 2, args
+        assert proc.exit_code == 2, args
         assert proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "did you mean 'model.d_model'" in run("train", "--config", str(bad)).stderr
 
 
 def test_wrong_flag_is_a_usage_error():
     proc = run("train", "--no-such-flag")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.exit_code == 2 and "Traceback" not in proc.stderr
 
 
 def test_bad_device_and_missing_eval_files_are_one_line_errors(reverse_model, tmp_path):
     _, summary = reverse_model
     proc = run("translate", "--checkpoint", str(summary.best_checkpoint), "--device", "gpu", input="wa wb wc\n")
-    assert proc.returncode == 2 and "'gpu' is not a device" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.exit_code == 2 and "'gpu' is not a device" in proc.stderr and "Traceback" not in proc.stderr
     ref = tmp_path / "ref.txt"
     ref.write_text("a b c\n")
     proc = run("evaluate", "--hyp", str(tmp_path / "missing.txt"), "--ref", str(ref))
-    assert proc.returncode == 2 and "file not found" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.exit_code == 2 and "file not found" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_paired_mode_gates_every_system(tmp_path):
@@ -56,13 +66,13 @@ def test_paired_mode_gates_every_system(tmp_path):
     also_good.write_text("\n".join(lines) + "\n")
     bad.write_text("\n".join(line.replace("cat", "dog").replace("mat", "rug") for line in lines) + "\n")
     passing = run("evaluate", "--hyp", str(good), "--hyp", str(also_good), "--ref", str(ref), "--min-bleu", "90")
-    assert passing.returncode == 0 and passing.stderr.count("PASS") == 2, passing.stderr
+    assert passing.exit_code == 0 and passing.stderr.count("PASS") == 2, passing.stderr
     failing = run("evaluate", "--hyp", str(good), "--hyp", str(bad), "--ref", str(ref), "--min-bleu", "90")
-    assert failing.returncode == 1 and f"FAIL: {bad}" in failing.stderr, failing.stderr
+    assert failing.exit_code == 1 and f"FAIL: {bad}" in failing.stderr, failing.stderr
     as_json = run("evaluate", "--hyp", str(good), "--hyp", str(bad), "--ref", str(ref), "--json", "--min-bleu", "90")
-    assert as_json.returncode == 1, as_json.stderr  # --json does not switch the gate off
+    assert as_json.exit_code == 1, as_json.stderr  # --json does not switch the gate off
     report = json.loads(as_json.stdout)
     assert report["baseline"] == str(good) and round(report["systems"][str(good)]["bleu"]["score"], 6) == 100
     assert report["systems"][str(bad)]["bleu"]["p_value"] < 0.05
     with_ci = run("evaluate", "--hyp", str(good), "--hyp", str(bad), "--ref", str(ref), "--confidence")
-    assert with_ci.returncode == 0 and "95% CI" in with_ci.stdout and "paired bootstrap" in with_ci.stdout
+    assert with_ci.exit_code == 0 and "95% CI" in with_ci.stdout and "paired bootstrap" in with_ci.stdout

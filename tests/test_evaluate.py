@@ -1,14 +1,11 @@
 import json
-import subprocess
-import sys
 
 import pytest
 import sacrebleu
 
+from tests.conftest import tfm_in_process
 from transformer_cli.evaluate import score
 from transformer_cli.files import read_lines
-
-TFM = [sys.executable, "-m", "transformer_cli.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +32,23 @@ def test_scores_equal_sacrebleu(pair):
 def test_cli_json_and_gate(pair):
     folder, hyps, refs = pair
     expected = sacrebleu.corpus_bleu(hyps, [refs]).score
-    args = [*TFM, "evaluate", "--hyp", str(folder / "hyp.txt"), "--ref", str(folder / "ref.txt")]
-    proc = subprocess.run([*args, "--json", "--metrics", "bleu,chrf,ter"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    args = ["evaluate", "--hyp", folder / "hyp.txt", "--ref", folder / "ref.txt"]
+    proc = tfm_in_process(*args, "--json", "--metrics", "bleu,chrf,ter")
+    assert proc.exit_code == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["scores"]["bleu"]["score"] == pytest.approx(expected)
     assert set(data["scores"]) == {"bleu", "chrf", "ter"}
 
-    below = subprocess.run([*args, "--min-bleu", str(expected + 1)], capture_output=True, text=True)
-    assert below.returncode == 1 and "below --min-bleu" in below.stderr
-    above = subprocess.run([*args, "--min-bleu", str(expected - 1)], capture_output=True, text=True)
-    assert above.returncode == 0 and "BLEU = " in above.stdout and "PASS" in above.stderr
+    below = tfm_in_process(*args, "--min-bleu", str(expected + 1))
+    assert below.exit_code == 1 and "below --min-bleu" in below.stderr
+    above = tfm_in_process(*args, "--min-bleu", str(expected - 1))
+    assert above.exit_code == 0 and "BLEU = " in above.stdout and "PASS" in above.stderr
 
 
 def test_cli_line_count_mismatch(pair):
     folder, _, _ = pair
-    proc = subprocess.run([*TFM, "evaluate", "--hyp", str(folder / "short.txt"), "--ref", str(folder / "ref.txt")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
+    proc = tfm_in_process("evaluate", "--hyp", folder / "short.txt", "--ref", folder / "ref.txt")
+    assert proc.exit_code == 2
     assert "short.txt has 299 lines" in proc.stderr and "ref.txt has 300" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -61,9 +57,9 @@ def test_confidence_and_paired_comparison(pair):
     folder, hyps, refs = pair
     result = score(hyps, refs, ["bleu"], confidence=True)
     assert result.scores["bleu"].ci is not None and result.scores["bleu"].ci > 0
-    proc = subprocess.run([*TFM, "evaluate", "--hyp", str(folder / "ref.txt"), "--hyp", str(folder / "hyp.txt"),
-                           "--ref", str(folder / "ref.txt"), "--metrics", "bleu"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    proc = tfm_in_process("evaluate", "--hyp", folder / "ref.txt", "--hyp", folder / "hyp.txt",
+                          "--ref", folder / "ref.txt", "--metrics", "bleu")
+    assert proc.exit_code == 0, proc.stderr
     assert "p = " in proc.stdout
 
 
@@ -81,8 +77,6 @@ def test_evaluate_model_on_a_split(reverse_model):
 def test_evaluate_config_decodes_exactly_as_translate_config(reverse_model, tmp_path):
     """Both take the same chunks and batches, so even bf16 (whose results depend on batch
     composition) gives the same translations; evaluate once translated a split in one piece."""
-    from tests.conftest import tfm_in_process
-
     config, _ = reverse_model
     raw = json.loads(json.dumps(config.model_dump(mode="json")))
     raw["decode"].update(precision="bf16", batch_size=16, workers=1)

@@ -66,6 +66,7 @@ def test_reverse_model_greedy_and_beam_match_tfm(reverse_model, tmp_path):
     assert sum(a == b for a, b in zip(ours, theirs)) >= 0.9 * len(src)
 
 
+@pytest.mark.slow
 def test_multi30k_model_greedy_and_beam_match_tfm(multi30k_model, tmp_path):
     config, summary = multi30k_model
     src = read_lines(f"{config.data.test}.de.gz")[:60]
@@ -115,6 +116,7 @@ def test_unrepresentable_models_are_refused(reverse_model):
         check_convertible(cfg, tr.src_sp, tr.tgt_sp)
 
 
+@pytest.mark.slow
 def test_cli_export_and_translate_stream(reverse_model, tmp_path):
     config, summary = reverse_model
     out = tmp_path / "model"

@@ -49,6 +49,7 @@ def test_resumed_run_keeps_one_row_per_step(tmp_path):
     assert next(r for r in rows if r["step"] == 20)["loss"] == 9.0
 
 
+@pytest.mark.slow
 def test_cli_plots_and_reports_a_run_without_metrics(tmp_path):
     run = write_run(tmp_path / "run")
     proc = subprocess.run([*TFM, "plot", str(run), "-o", str(tmp_path / "x.png"), "--width", "800",

@@ -1,7 +1,5 @@
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,7 @@ from transformer_cli.errors import TfmError
 from transformer_cli.files import read_lines
 from transformer_cli.rundir import RunDirectory
 
-from .conftest import multi30k_config
+from .conftest import multi30k_config, tfm_in_process
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +96,13 @@ def test_mismatched_line_counts_is_a_clear_error(multi30k_2k, tmp_path):
     raw["data"]["train"] = str(data / "train")
     with pytest.raises(TfmError, match=r"train.de has 100 lines, .*train.en has 99"):
         prepare(config_from_dict(raw), progress=False)
-    # Through the real CLI: exit 2, one line, no traceback.
+    # Through the command line: exit 2, one line.
     config_path = tmp_path / "c.yaml"
     import yaml
 
     config_path.write_text(yaml.safe_dump(raw))
-    proc = subprocess.run([sys.executable, "-m", "transformer_cli.cli", "prepare", "--config", str(config_path)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
+    proc = tfm_in_process("prepare", "--config", config_path)
+    assert proc.exit_code == 2
     assert proc.stderr.strip().count("\n") == 0 and "100 lines" in proc.stderr
 
 

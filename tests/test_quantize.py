@@ -26,6 +26,7 @@ def test_int8_decoding_keeps_quality(reverse_model, beam):
     assert sacrebleu.corpus_bleu(hyps, [ref]).score >= 90
 
 
+@pytest.mark.slow
 def test_int8_is_off_by_default_and_reachable_from_the_cli(reverse_model):
     _, summary = reverse_model
     default = Translator.from_checkpoint(summary.best_checkpoint, device="cpu")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from transformer_cli.checkpoint import load_checkpoint
-from transformer_cli.config import TrainConfig, config_from_dict
+from transformer_cli.config import TrainConfig, config_from_dict, load_config
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
 from transformer_cli.loss import label_smoothed_loss
@@ -161,10 +161,11 @@ def test_same_seed_same_loss_curve(multi30k_2k, tmp_path):
     assert curves[0] == curves[1]
 
 
+@pytest.mark.slow
 def test_end_to_end_cli_tiny_config_valid_loss_falls(multi30k_2k, tmp_path):
     sets = [f"--set=run_dir={tmp_path / 'run'}", f"--set=data.train={multi30k_2k / 'train'}",
             f"--set=data.valid={multi30k_2k / 'val'}", f"--set=data.test={multi30k_2k / 'test_2016_flickr'}",
-            "--set=train.max_steps=300", "--set=train.eval_every=100", "--set=train.eval_bleu_sentences=20"]
+            "--set=train.max_steps=150", "--set=train.eval_every=50", "--set=train.eval_bleu_sentences=20"]
     tfm = [sys.executable, "-m", "transformer_cli.cli"]
     config = str(ROOT / "configs" / "tiny.yaml")
     prep = subprocess.run([*tfm, "prepare", "--config", config, *sets], capture_output=True, text=True)
@@ -174,7 +175,7 @@ def test_end_to_end_cli_tiny_config_valid_loss_falls(multi30k_2k, tmp_path):
     assert "reused" in again.stdout
     run = subprocess.run([*tfm, "train", "--config", config, *sets], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert "done (max_steps=300)" in run.stderr
+    assert "done (max_steps=150)" in run.stderr
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     valid = [r["loss"] for r in records if r["kind"] == "valid"]
     assert len(valid) == 3 and valid[-1] < valid[0] - 0.5
@@ -256,6 +257,7 @@ def test_tfm_precision_env_decides_auto_only(monkeypatch):
         autocast_dtype(choose_precision("auto", cpu))
 
 
+@pytest.mark.slow
 def test_tfm_precision_env_error_is_one_line_exit_2(multi30k_2k, tmp_path):
     raw = multi30k_config(multi30k_2k, tmp_path / "run")
     config = config_from_dict(raw)
@@ -281,9 +283,7 @@ def signal_test_config(data: Path, run_dir: Path) -> Path:
 def straight_30_steps(multi30k_2k, tmp_path_factory) -> Path:
     """checkpoint_last.pt of an uninterrupted 30-step `tfm train` process (shared by both signals)."""
     run_dir = tmp_path_factory.mktemp("signals") / "straight"
-    proc = subprocess.run([sys.executable, "-m", "transformer_cli.cli", "train", "--config",
-                           str(signal_test_config(multi30k_2k, run_dir))], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    train(load_config(signal_test_config(multi30k_2k, run_dir)), progress_bar=False)
     return run_dir / "checkpoints/checkpoint_last.pt"
 
 
@@ -304,8 +304,7 @@ def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straig
     assert "Traceback" not in stderr and "continue with --resume" in stderr
     saved = load_checkpoint(tmp_path / "stopped/checkpoints/checkpoint_last.pt")["progress"]["step"]
     assert 5 <= saved < 30, f"stopped at step {saved}"
-    resumed = subprocess.run([*tfm, str(stopped), "--resume"], capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
+    train(load_config(stopped), resume=True, progress_bar=False)  # the save is the process's; resuming it is not
     assert_same_final_weights(straight_30_steps, tmp_path / "stopped/checkpoints/checkpoint_last.pt", 30)
 
 
@@ -337,8 +336,12 @@ def test_hangup_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straig
     os.close(writer)
     shown = []
 
+    # What the terminal shows (and the pipe, where stderr goes there; otherwise that pipe is at its end
+    # at once, and selecting it would spin a core that the training process needs).
+    sources = [master, reader] if output == "pipe" else [master]
+
     def keep_reading() -> None:  # as a terminal does
-        shown.extend(os.read(ready, 65536) for ready in select.select([master, reader], [], [], 0.05)[0])
+        shown.extend(os.read(ready, 65536) for ready in select.select(sources, [], [], 0.05)[0])
 
     wait_until_training(tmp_path / "stopped", meanwhile=keep_reading)
     shown = b"".join(shown)
@@ -350,11 +353,11 @@ def test_hangup_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straig
     assert 5 <= saved < 30, f"stopped at step {saved}"
     if output == "pipe":
         return  # the same save as the terminal's; resuming it once is enough
-    resumed = subprocess.run([*tfm, str(stopped), "--resume"], capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
+    train(load_config(stopped), resume=True, progress_bar=False)  # the save is the process's; resuming it is not
     assert_same_final_weights(straight_30_steps, tmp_path / "stopped/checkpoints/checkpoint_last.pt", 30)
 
 
+@pytest.mark.slow
 def test_importing_tfm_enlarges_onednn_kernel_cache_unless_the_user_set_it():
     """oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY once, at its first matmul: importing tfm sets it
     (before any torch op of ours runs), and a value the user exported is kept."""

@@ -39,31 +39,31 @@ def translator(reverse_model):
 
 
 @pytest.fixture(scope="module")
-def test_set(reverse_model):
+def held_out_pairs(reverse_model):
     config, _ = reverse_model
     return read_lines(f"{config.data.test}.src.gz"), read_lines(f"{config.data.test}.tgt.gz")
 
 
 @pytest.mark.parametrize("beam", [1, 4])
-def test_reverse_model_translates_held_out_sentences(translator, test_set, beam):
-    src, ref = test_set
+def test_reverse_model_translates_held_out_sentences(translator, held_out_pairs, beam):
+    src, ref = held_out_pairs
     hyps = [t[0].text for t in translator.translate(src, beam=beam)]
     bleu = sacrebleu.corpus_bleu(hyps, [ref]).score
     assert bleu >= 90, f"beam {beam}: BLEU {bleu:.1f}"
 
 
 @pytest.mark.parametrize("beam", [1, 4])
-def test_bf16_decoding_keeps_quality(reverse_model, test_set, beam):
+def test_bf16_decoding_keeps_quality(reverse_model, held_out_pairs, beam):
     _, summary = reverse_model
     bf16 = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=bf16"])
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
-    src, ref = test_set
+    src, ref = held_out_pairs
     hyps = [t[0].text for t in bf16.translate(src, beam=beam)]
     assert sacrebleu.corpus_bleu(hyps, [ref]).score >= 90
 
 
-def test_beam_one_equals_greedy_token_for_token(translator, test_set):
-    src_lines, _ = test_set
+def test_beam_one_equals_greedy_token_for_token(translator, held_out_pairs):
+    src_lines, _ = held_out_pairs
     model = translator.model
     ids = [translator.src_sp.encode(line) + [EOS_ID] for line in src_lines[:48]]
     src = torch.zeros(len(ids), max(map(len, ids)), dtype=torch.long)
@@ -125,8 +125,8 @@ def test_beam_search_keeps_going_while_a_live_beam_can_win(alpha):
 
 
 @pytest.mark.parametrize("beam", [1, 4])
-def test_batch_invariance_and_order(translator, test_set, beam):
-    src, _ = test_set
+def test_batch_invariance_and_order(translator, held_out_pairs, beam):
+    src, _ = held_out_pairs
     lines = src[:40]
     together = [t[0].text for t in translator.translate(lines, beam=beam)]
     alone = [translator.translate([line], beam=beam)[0][0].text for line in lines[:12]]
@@ -192,9 +192,10 @@ def test_length_sorted_batches_cover_all():
     assert all(max(lengths[i] for i in b) * len(b) <= 10 or len(b) == 1 for b in capped)
 
 
-def test_cli_streams_stdin_to_stdout(reverse_model, test_set):
+@pytest.mark.slow
+def test_cli_streams_stdin_to_stdout(reverse_model, held_out_pairs):
     config, summary = reverse_model
-    src, ref = test_set
+    src, ref = held_out_pairs
     text = "\n".join(src[:30] + ["", src[30]]) + "\n"
     proc = subprocess.run([*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "2"],
                           input=text, capture_output=True, text=True)
@@ -205,6 +206,7 @@ def test_cli_streams_stdin_to_stdout(reverse_model, test_set):
     assert "sentences/s" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_nbest_output_and_invalid_utf8(reverse_model):
     _, summary = reverse_model
     data = b"wa wb wc\n\xff\xfe wc wd\nwd we wf\n"
@@ -216,6 +218,7 @@ def test_cli_nbest_output_and_invalid_utf8(reverse_model):
     assert b"line 2 is not valid UTF-8" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_set_without_config_edits_the_checkpoint_settings(reverse_model):
     _, summary = reverse_model
     base = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint)]
@@ -226,6 +229,7 @@ def test_cli_set_without_config_edits_the_checkpoint_settings(reverse_model):
     assert proc.returncode == 2 and "--nbest 2 needs a beam" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_bad_checkpoint_is_one_line_exit_2(tmp_path, reverse_model):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"this is not a checkpoint")
@@ -258,6 +262,7 @@ def test_vocab_mismatch_is_detected(reverse_model, tmp_path):
         Translator.from_checkpoint(tmp_path / "mismatch.pt")
 
 
+@pytest.mark.slow
 def test_streaming_writes_before_input_ends(reverse_model, translator):
     """The first batch is written while stdin is still open (an endless pipe works)."""
     _, summary = reverse_model
@@ -274,6 +279,7 @@ def test_streaming_writes_before_input_ends(reverse_model, translator):
         assert proc.returncode == 0
 
 
+@pytest.mark.slow
 def test_closed_pipe_downstream_exits_quietly(reverse_model, translator, tmp_path):
     """`cat big.txt | tfm translate | head -n 1`: no traceback, no error status."""
     _, summary = reverse_model
@@ -313,7 +319,7 @@ def test_log_probs_widen_bf16_logits_into_the_search_buffer():
     assert logits_buffer(8, logits.float()) is None  # fp32 logits are normalised in place
 
 
-def test_packed_linear_layers_decode_exactly_like_nn_linear(reverse_model, test_set, monkeypatch):
+def test_packed_linear_layers_decode_exactly_like_nn_linear(reverse_model, held_out_pairs, monkeypatch):
     """fp32 Translator on CPU packs its Linear layers for oneDNN: same numbers, same tokens."""
     _, summary = reverse_model
     packed = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=fp32"])
@@ -331,7 +337,7 @@ def test_packed_linear_layers_decode_exactly_like_nn_linear(reverse_model, test_
     # Dh = 16 here: 1/√Dh = 1/4 moves into every query projection, exactly.
     attentions = [m for m in packed.model.modules() if isinstance(m, MultiHeadAttention)]
     assert attentions and all(m.queries_prescaled for m in attentions)
-    src = test_set[0][:60]
+    src = held_out_pairs[0][:60]
     for beam in (1, 4):
         assert ([t[0].text for t in packed.translate(src, beam=beam)]
                 == [t[0].text for t in plain.translate(src, beam=beam)])
@@ -374,7 +380,7 @@ def test_denormals_are_flushed_only_inside_the_decoding_block():
 
 
 
-def test_searches_pause_the_cyclic_gc_and_restore_it(translator, test_set, monkeypatch):
+def test_searches_pause_the_cyclic_gc_and_restore_it(translator, held_out_pairs, monkeypatch):
     """Inside a search the collector is off (a decoding step sees gc disabled); afterwards it is
     back as it was, also when the search raised, and left off where the caller had turned it off."""
     model = translator.model
@@ -386,7 +392,7 @@ def test_searches_pause_the_cyclic_gc_and_restore_it(translator, test_set, monke
         return real_step(tokens, state)
 
     monkeypatch.setattr(model, "decode_step", step)
-    src = torch.tensor([translator.src_sp.encode(test_set[0][0]) + [EOS_ID]])
+    src = torch.tensor([translator.src_sp.encode(held_out_pairs[0][0]) + [EOS_ID]])
     assert gc.isenabled()
     greedy_search(model, src, BOS_ID, EOS_ID)
     beam_search(model, src, BOS_ID, EOS_ID, beam=3)
@@ -411,14 +417,14 @@ def test_searches_pause_the_cyclic_gc_and_restore_it(translator, test_set, monke
 # --------------------------------------------------------------------------- decoding workers
 
 
-def test_decoding_workers_translate_exactly_like_one_process(reverse_model, test_set):
+def test_decoding_workers_translate_exactly_like_one_process(reverse_model, held_out_pairs):
     """Batches decoded by two forked worker processes come back complete, in input order, and
     equal (text and score) to decoding in this process with the workers' one thread."""
     _, summary = reverse_model
     settings = ["decode.precision=fp32", "decode.batch_size=16"]
     one = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=[*settings, "decode.workers=1"])
     two = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=[*settings, "decode.workers=2"])
-    src, _ = test_set
+    src, _ = held_out_pairs
     torch.set_num_threads(1)  # what each worker runs: the same arithmetic
     try:
         for beam in (1, 4):
@@ -439,11 +445,12 @@ def test_workers_setting_resolves_per_device():
     assert resolve_workers("auto", cuda) == resolve_workers(4, cuda) == 1
 
 
-def test_cli_with_workers_streams_in_order_and_stops_cleanly_on_ctrl_c(reverse_model, test_set, translator):
+@pytest.mark.slow
+def test_cli_with_workers_streams_in_order_and_stops_cleanly_on_ctrl_c(reverse_model, held_out_pairs, translator):
     """`tfm translate --workers 2` writes what one process writes; Ctrl-C (SIGINT to the whole
     process group, as a terminal sends it) ends it with 130, no traceback and no worker left."""
     _, summary = reverse_model
-    src, _ = test_set
+    src, _ = held_out_pairs
     args = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--set", "decode.precision=fp32",
             "--batch-size", "8", "--workers", "2"]
     proc = subprocess.run(args, input="\n".join(src) + "\n", capture_output=True, text=True)
@@ -475,14 +482,15 @@ def test_cli_with_workers_streams_in_order_and_stops_cleanly_on_ctrl_c(reverse_m
         os.killpg(endless.pid, 0)  # nobody left in its process group
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
-def test_sigterm_or_hangup_while_writing_output_leaves_no_file_and_no_worker(reverse_model, test_set, tmp_path,
+def test_sigterm_or_hangup_while_writing_output_leaves_no_file_and_no_worker(reverse_model, held_out_pairs, tmp_path,
                                                                               signum, code):
     """`tfm translate -o out.txt` stopped by a scheduler (SIGTERM to tfm alone) or a hang-up: exit
     143/129 with one line and no traceback, no `out.txt` (it was never complete) and no temporary
     file next to it, and no decoding worker left running (they would print tracebacks later)."""
     _, summary = reverse_model
-    src, _ = test_set
+    src, _ = held_out_pairs
     out = tmp_path / "out" / "out.txt"
     args = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--set", "decode.precision=fp32",
             "--batch-size", "8", "--workers", "2", "--output", str(out)]
@@ -504,8 +512,9 @@ def test_sigterm_or_hangup_while_writing_output_leaves_no_file_and_no_worker(rev
         os.killpg(proc.pid, 0)  # nobody left in its process group
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unbuffered", ["", "1"])
-def test_a_full_disk_under_stdout_or_output_is_one_line_exit_2(reverse_model, test_set, tmp_path, unbuffered):
+def test_a_full_disk_under_stdout_or_output_is_one_line_exit_2(reverse_model, held_out_pairs, tmp_path, unbuffered):
     """A file-size limit 5 bytes short of the translation (a disk that fills up during the last
     write) under `tfm translate > file` and under `--output`: exit 2 and one line naming standard
     output / the file. Before: "error: File too large" naming nothing, a second error from Python
@@ -513,7 +522,7 @@ def test_a_full_disk_under_stdout_or_output_is_one_line_exit_2(reverse_model, te
     images), whose text stream drops the rest of a short write silently, exit 0 with the last
     line cut short."""
     _, summary = reverse_model
-    src, _ = test_set
+    src, _ = held_out_pairs
     text = ("\n".join(src) + "\n").encode()
     env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
     args = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "1", "--workers", "1",
@@ -534,12 +543,13 @@ def test_a_full_disk_under_stdout_or_output_is_one_line_exit_2(reverse_model, te
     assert list(out.parent.iterdir()) == []
 
 
-def test_warnings_into_a_full_disk_do_not_stop_translation(reverse_model, test_set):
+@pytest.mark.slow
+def test_warnings_into_a_full_disk_do_not_stop_translation(reverse_model, held_out_pairs):
     """`tfm translate … 2> log` with the log's disk full (/dev/full) and an input line that needs a
     warning (invalid UTF-8): the translation is still complete, exit 0. Before: exit 2 and no output,
     since the warning that could not be written ended the run."""
     _, summary = reverse_model
-    src, _ = test_set
+    src, _ = held_out_pairs
     text = ("\n".join(src[:40]) + "\n").encode() + b"wa \xff wb\n"
     args = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "1", "--workers", "1",
             "--set", "decode.precision=fp32"]
@@ -574,7 +584,7 @@ def padded_batches(translator, lines: list[str], size: int) -> list[torch.Tensor
 
 @pytest.mark.parametrize("limits", [dict(max_len_a=1.0, max_len_b=5), dict(max_len_a=0.0, max_len_b=4),
                                     dict(max_len_a=0.0, max_len_b=12, min_len=12)])
-def test_continuous_greedy_equals_greedy_batch_by_batch(translator, test_set, limits, monkeypatch):
+def test_continuous_greedy_equals_greedy_batch_by_batch(translator, held_out_pairs, limits, monkeypatch):
     """Rows refilled with the next batches' sentences decode what each batch decodes alone: the
     same tokens, scores up to rounding (joined rows attend over masked-out older cache slots). With
     12 batches of 4 the run outlives its first cache slots, which are dropped (counted)."""
@@ -584,7 +594,7 @@ def test_continuous_greedy_equals_greedy_batch_by_batch(translator, test_set, li
     dropped = []
     drop_front = DecoderState.drop_front
     monkeypatch.setattr(DecoderState, "drop_front", lambda self, n: (dropped.append(n), drop_front(self, n)))
-    src_lines, _ = test_set
+    src_lines, _ = held_out_pairs
     batches = padded_batches(translator, src_lines[:48], 4)
     model = translator.model
     alone = [greedy_search(model, b, BOS_ID, EOS_ID, **limits) for b in batches]
@@ -599,11 +609,11 @@ def test_continuous_greedy_equals_greedy_batch_by_batch(translator, test_set, li
         == [[h.tokens for h in greedy_search(model, b, BOS_ID, EOS_ID, **limits)] for b in shuffled]
 
 
-def test_joining_rows_attend_only_to_their_own_cache_slots(translator, test_set):
+def test_joining_rows_attend_only_to_their_own_cache_slots(translator, held_out_pairs):
     """DecoderState.admit: the joined rows start at position 0 with −inf over every slot written before
     them and 0 from their first slot on; other rows keep theirs; sources are padded with −inf."""
     model = translator.model
-    src_lines, _ = test_set
+    src_lines, _ = held_out_pairs
     long, short = padded_batches(translator, src_lines[:8], 4)[:2]
     with torch.inference_mode():
         state = model.init_state(*model.encode(long), max_len=4)
@@ -629,12 +639,12 @@ def test_joining_rows_attend_only_to_their_own_cache_slots(translator, test_set)
         torch.testing.assert_close(logits[[1, 3]], fresh[[2, 0]], atol=1e-4, rtol=1e-4)
 
 
-def test_continuous_greedy_out_of_memory_falls_back_to_batch_by_batch(translator, test_set, monkeypatch):
+def test_continuous_greedy_out_of_memory_falls_back_to_batch_by_batch(translator, held_out_pairs, monkeypatch):
     """A task of several batches that runs out of memory when decoded together is decoded one batch
     at a time instead (each batch still halved if need be): the same translations."""
     import transformer_cli.translate as translate_module
 
-    src, _ = test_set
+    src, _ = held_out_pairs
     lines = src[:40]
     before, translator.decode.batch_size = translator.decode.batch_size, 8
     try:

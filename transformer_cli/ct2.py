@@ -319,8 +319,8 @@ class CT2Translator(TranslationEngine):
                 length_penalty=self.decode.length_penalty if beam > 1 else 0.0,
                 max_decoding_length=max(limit, 1), max_input_length=self.max_input_length,
                 return_scores=True, asynchronous=True)))
-        for batch, out in submitted:
-            for i, pending in zip(batch, out):
-                result = pending.result()
+        for batch, futures in submitted:
+            for i, future in zip(batch, futures):
+                result = future.result()
                 results[i] = [Hypothesis(tokens, score) for tokens, score in zip(result.hypotheses, result.scores)]
         return results

@@ -231,9 +231,10 @@ class DecoderState:
             t = t.index_select(0, sentences)
             return t if t.size(-1) == width else F.pad(t, (0, width - t.size(-1)), value=value)
 
-        for mine, theirs in zip(self.layers, joining.layers):
+        for layer, joining_layer in zip(self.layers, joining.layers):
             # keys/values (B, H, S, Dh): pad the source dim (the one before last)
-            for have, new in ((mine.cross_attn.key, theirs.cross_attn.key), (mine.cross_attn.value, theirs.cross_attn.value)):
+            for have, new in ((layer.cross_attn.key, joining_layer.cross_attn.key),
+                              (layer.cross_attn.value, joining_layer.cross_attn.value)):
                 new = new.index_select(0, sentences)
                 if new.size(2) != width:
                     new = F.pad(new, (0, 0, 0, width - new.size(2)))

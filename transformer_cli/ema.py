@@ -49,5 +49,5 @@ class WeightAverage:
         if len(state["weights"]) != len(self.weights):
             raise ValueError(f"the saved weight average has {len(state['weights'])} tensors, the model {len(self.weights)}")
         self.updates = int(state["updates"])
-        for mine, saved in zip(self.weights, state["weights"]):
-            mine.copy_(saved)
+        for weight, saved in zip(self.weights, state["weights"]):
+            weight.copy_(saved)
