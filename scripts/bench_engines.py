@@ -8,9 +8,9 @@ Systems: tfm fp32, tfm bf16 (where precision: auto picks it, or with --bf16), tf
 (dynamic int8 Linear layers), CTranslate2 float32 and int8 (the checkpoint exported with
 `tfm export`). Greedy and beam 5, batches of --batch-size sentences, natural output lengths (each
 system stops at </s>). Each system's settings are the checkpoint's decode settings; CTranslate2's
-length penalty is len^alpha where tfm's is GNMT's ((5+len)/6)^alpha (see README), so beam-5 BLEU
+length penalty is len^alpha where tfm's is GNMT's ((5+len)/6)^alpha (docs/translation.md), so beam-5 BLEU
 may differ slightly between the two engines. Prints one markdown table row per system and beam
-(the fastest of --rounds), then the issue's targets as ratios: tfm at its default precision for this
+(the fastest of --rounds), then the ratios against their targets: tfm at its default precision for this
 CPU against each CTranslate2 compute type, both with decode.workers auto. This VM's speed drifts by
 ±10% from minute to minute, so every system runs once per round, in alternating order, and each
 ratio is the median of the per-round ratios (paired measurements), with their range.
@@ -110,7 +110,7 @@ def main() -> None:
             best = min(seconds[(name, workers, beam)])
             print(f"| {name} | {translator.decoding_processes} | {beam} | {len(src) / best:.1f} | "
                   f"{bleu[(name, workers, beam)]:.2f} |")
-    targets = {1: 1.0, 5: 1.3}  # issue 14: greedy ≥ CTranslate2, beam 5 ≥ 1.3x CTranslate2
+    targets = {1: 1.0, 5: 1.3}  # this benchmark's targets: greedy ≥ CTranslate2, beam 5 ≥ 1.3x CTranslate2
     for beam in beams:
         for other in (name for name in systems if name.startswith("CT2")):
             ratios = [theirs / ours for ours, theirs in zip(seconds[(default, "auto", beam)],

@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 # caches 1,024 of them. Token-bucketed batches have ~100 shapes (Multi30k), each with ~57 distinct
 # matmuls forward and backward, so with the default the cache thrashes: kernels are recompiled
 # and their code buffers mapped and unmapped at every step (strace: ~60 mmap/munmap pairs per step,
-# ~1,000 page faults). With room for 16,384 the second epoch compiles nothing (+3–6% tokens/s, AMD EPYC;
-# README, Training throughput). Read once, when oneDNN first runs, so it is set on import; a user's
+# ~1,000 page faults). With room for 16,384 the second epoch compiles nothing (faster training:
+# docs/performance.md). Read once, when oneDNN first runs, so it is set on import; a user's
 # own ONEDNN_PRIMITIVE_CACHE_CAPACITY wins.
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 16384
 _os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))

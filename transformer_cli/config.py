@@ -171,12 +171,11 @@ class DecodeConfig(_Section):
     batch_tokens: int | None = Field(None, ge=1)  # if set, also cap source tokens per batch
     nbest: int = Field(1, ge=1)  # hypotheses printed per line (≤ beam): `tfm translate --nbest`'s default
     # Weights and activations while translating: auto = bf16 where train.precision's auto picks
-    # it (CUDA, AMX, measured bf16 speed-up), else fp32. On an AMX CPU bf16 beam search ran 1.41x faster with equal
-    # BLEU (Multi30k test: 39.26 vs 39.15 de-en, 36.72 vs 36.68 en-de).
+    # it (CUDA, AMX, measured bf16 speed-up), else fp32: faster at equal BLEU there (docs/performance.md).
     # int8 = dynamic int8 quantization of the Linear layers (CPU only; never chosen by auto).
     precision: Literal["auto", "fp32", "bf16", "int8"] = "auto"
     # CPU: batches decoded at once by forked processes of one thread each (auto = one per core):
-    # 1.3x the sentences/s of one process with two threads on 2 cores. 1 = in this process, with
+    # faster than one process with all threads (docs/performance.md). 1 = in this process, with
     # all threads (lowest latency for a single batch). GPU: always 1.
     workers: int | str = "auto"
 

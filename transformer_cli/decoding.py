@@ -28,8 +28,7 @@ def without_cyclic_gc(search: Search) -> Search:
 
     A decoding step creates a few hundred tensor objects, so the collector's young generation fills
     and is scanned about once a step, finding nothing: a search makes no reference cycles, and
-    reference counting frees every tensor as before. perf put the collector at ~2% of a greedy
-    search (AMD EPYC Zen 3, 1 thread); paired runs: +1.4% (median of 10, noisy).
+    reference counting frees every tensor as before (docs/performance.md has the measurement).
     """
 
     @functools.wraps(search)
@@ -50,8 +49,7 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, 
     torch.topk's result (up to the order of equal values), computed faster on CPU for small k.
 
     torch.topk (and max with indices) walk each row with scalar code, while amax is vectorised:
-    per beam step, topk over 32 × 40,000 candidates cost ~0.8 ms here (AMD EPYC), as much as two
-    decoder layers. Every one of a row's k largest values lies in a chunk whose maximum is among
+    per beam step, topk over all candidates costs as much as decoder layers do. Every one of a row's k largest values lies in a chunk whose maximum is among
     the k largest chunk maxima, so only those k chunks need a real top-k.
     """
     rows, n = scores.shape
@@ -102,8 +100,7 @@ def beam_top_k(logprobs: torch.Tensor, beam_scores: torch.Tensor, k: int,
 def log_probs(logits: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 log-softmax of (R, V) logits, written over one fp32 buffer: at beam sizes each (R, V)
     tensor is megabytes, and every fresh one glibc hands out as new pages (mmap) whose page faults
-    cost more than the arithmetic (one step's log-softmax + beam add: 0.5 ms in place, 0.9–4 ms with
-    a new tensor per op, AMD EPYC).
+    cost more than the arithmetic.
 
     bf16 logits are widened into `buffer` (1-D fp32, at least R·V elements) when given: a search
     passes the same one every step, so the copy writes memory that is already mapped and cached
@@ -156,7 +153,7 @@ def greedy_search_continuous(
 
     Within one batch, output lengths vary, so a batch decoded alone runs its last steps on a few
     rows, which cost nearly as much as full ones on CPU (each step's fixed cost: ~3.3 ms of ops,
-    weights streamed through the caches, against ~0.18 ms per row at d_model 256, AMD EPYC Zen 3).
+    weights streamed through the caches, against a small cost per row).
     Here rows stay full until the last batch's sentences. The next batch is encoded when its first
     sentence is needed; batches should come longest first (`length_sorted_batches`), so a joining
     sentence's source fits the rows' (it is padded; a longer one widens them all).

@@ -1,11 +1,9 @@
 """Decoding on several CPU cores at once: forked worker processes, one thread each, whole batches.
 
 A decoding step multiplies a few rows by each weight matrix and attends with one query per row:
-ops too small for torch's intra-op threads to split well (two threads decode ~1.5x faster than one
-here), while two processes decoding different batches, one thread each, run close to 2x one: 1.31x
-(greedy) and 1.25x (beam 5) the sentences/s of one process with two threads at forced lengths,
-1.35x / 1.39x on a trained model (AMD EPYC, 2 cores; README, Decoding speed). CTranslate2 calls
-this `inter_threads`. The workers are forked once the model is loaded, so they share its weights (copy
+ops too small for torch's intra-op threads to split well, while two processes decoding different
+batches, one thread each, run close to twice as fast as one (docs/performance.md has the figures).
+CTranslate2 calls this `inter_threads`. The workers are forked once the model is loaded, so they share its weights (copy
 on write), and each runs exactly one torch thread: GNU OpenMP cannot start a thread team in a
 forked child of a process that used one (it hangs), and one thread per core is the measured best.
 """
