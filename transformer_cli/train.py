@@ -217,11 +217,11 @@ class Trainer:
                  progress_bar: bool, on_step: Callable[[int, Transformer], None] | None):
         self.config, self.train_cfg, self.world, self.device = config, config.train, world, device
         self.on_step, self.progress_bar = on_step, progress_bar
-        self.run = RunDirectory(config.run_path)
+        self.run_dir = RunDirectory(config.run_path)
         self.writer = world.rank == 0  # prints, logs and writes checkpoints
-        self.metrics = MetricsLog(self.run.metrics)
+        self.metrics = MetricsLog(self.run_dir.metrics)
         self.console = TrainingConsole(self.writer, progress_bar, self._console_lost)
-        self.manifest = self.run.load_manifest()
+        self.manifest = self.run_dir.load_manifest()
         self._check_run_directory(resume)
         torch.manual_seed(self.train_cfg.seed)
         if self.train_cfg.threads:
@@ -240,13 +240,13 @@ class Trainer:
         self.complete = budget_spent(self.train_cfg, self.progress) if self.progress.finished else ""
         self.progress.finished = ""  # resumed with a larger budget: the run goes on
         if resume and not self.complete:
-            self.console.print(f"resuming from {self.run.checkpoints / LAST} at step {self.progress.step}")
+            self.console.print(f"resuming from {self.run_dir.checkpoints / LAST} at step {self.progress.step}")
         if not resume and world.rank > 0:  # same initial weights (DDP syncs them), own dropout
             torch.manual_seed(self.train_cfg.seed + 7919 * world.rank)
         self.ema = self._weight_average(saved_ema, resume)
         if self.writer and not self.complete:
-            self.run.root.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.run.config_file, config_to_yaml(config))
+            self.run_dir.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.run_dir.config_file, config_to_yaml(config))
         # DDP all-reduces (averages) gradients during backward; the model itself stays unwrapped for
         # validation, checkpoints and decoding.
         self.ddp = (DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -259,30 +259,30 @@ class Trainer:
     # -- set-up
 
     def _check_run_directory(self, resume: bool) -> None:
-        last = self.run.checkpoints / LAST
+        last = self.run_dir.checkpoints / LAST
         if last.exists() and not resume:
-            raise TfmError(f"{self.run.root} already holds a training run ({last}); "
+            raise TfmError(f"{self.run_dir.root} already holds a training run ({last}); "
                            "continue it with --resume or choose another run_dir")
         if resume and not last.exists():
             raise TfmError(f"--resume: no checkpoint to resume from at {last}")
         check_vocab_matches(self.config, self.manifest)
         if self.writer:
             # Temporary files of writes that a kill -9 interrupted (we hold the lock: nobody is writing).
-            for stale in remove_stale_temps(self.run.root) + remove_stale_temps(self.run.checkpoints):
+            for stale in remove_stale_temps(self.run_dir.root) + remove_stale_temps(self.run_dir.checkpoints):
                 self.console.print(f"removed {stale.name}, left by an interrupted write")
             self.metrics.end_torn_line()
 
     def _load_data(self) -> None:
-        self.train_data = ParallelData(self.run.root, "train")
-        self.valid_data = ParallelData(self.run.root, "valid")
+        self.train_data = ParallelData(self.run_dir.root, "train")
+        self.valid_data = ParallelData(self.run_dir.root, "valid")
         if len(self.train_data) == 0:
-            raise TfmError(f"{self.run.root}: the training split is empty after filtering")
+            raise TfmError(f"{self.run_dir.root}: the training split is empty after filtering")
         self.references = read_lines(self.manifest["files"]["valid"][1])
-        self.tgt_sp = spm.SentencePieceProcessor(model_file=str(self.run.vocab_file(self.manifest, "tgt")))
+        self.tgt_sp = spm.SentencePieceProcessor(model_file=str(self.run_dir.vocab_file(self.manifest, "tgt")))
 
     def _restore(self) -> dict | None:
         """Weights, optimizer, RNG states and progress of checkpoint_last.pt; returns its weight average."""
-        path = self.run.checkpoints / LAST
+        path = self.run_dir.checkpoints / LAST
         ckpt = load_checkpoint(path, map_location=self.device)
         if ckpt["model_config"] != asdict(self.model.cfg):
             raise TfmError(f"--resume: the model section of the config differs from {path}'s")
@@ -307,7 +307,7 @@ class Trainer:
         if saved is not None:
             ema.load_state_dict(saved)
         elif resume:
-            self.console.print(f"train.ema_decay: {self.run.checkpoints / LAST} has no weight average; it starts "
+            self.console.print(f"train.ema_decay: {self.run_dir.checkpoints / LAST} has no weight average; it starts "
                                "from the resumed weights")
         return ema
 
@@ -320,9 +320,9 @@ class Trainer:
 
     # -- the loop
 
-    def run_training(self) -> TrainSummary:
+    def run(self) -> TrainSummary:
         if self.complete:
-            self.console.print(f"{self.run.root} is complete ({self.complete}): nothing to do; raise the limit "
+            self.console.print(f"{self.run_dir.root} is complete ({self.complete}): nothing to do; raise the limit "
                                "(e.g. --set train.max_steps=…) to train further")
             return self.summary(self.complete)
         self._announce()
@@ -409,7 +409,7 @@ class Trainer:
                 self.console.close_bar()
                 raise Diverged(f"training diverged: {progress.bad_steps} consecutive steps with a NaN/Inf loss or "
                                f"gradient after step {progress.step}; the last good checkpoint is "
-                               f"{self.run.checkpoints / LAST} (lower train.lr, or set train.clip_norm)")
+                               f"{self.run_dir.checkpoints / LAST} (lower train.lr, or set train.clip_norm)")
             return False
         progress.bad_steps = 0
         self.optimizer.step()
@@ -458,7 +458,7 @@ class Trainer:
             self.save_checkpoints(None)
             self.console.close_bar()
             signum = stop.signum or signal.SIGTERM
-            saved = (f"{signal.Signals(signum).name}: saved step {self.progress.step} to {self.run.checkpoints / LAST} "
+            saved = (f"{signal.Signals(signum).name}: saved step {self.progress.step} to {self.run_dir.checkpoints / LAST} "
                      "(continue with --resume)")
             raise Interrupted(saved if self.writer else "", EXIT_CODES[signum])
         if self.progress.step >= self.train_cfg.max_steps:
@@ -512,11 +512,11 @@ class Trainer:
         progress = self.progress
         if metrics is not None:
             weights = self.weights_payload(self.model)
-            self.run.save(f"step_{progress.step}.pt", weights)
+            self.run_dir.save(f"step_{progress.step}.pt", weights)
             if progress.best_step == progress.step:
-                self.run.save(BEST, weights)
-        self.run.save(LAST, self.training_state(rng_states))
-        self.run.prune_step_checkpoints(self.train_cfg.keep_last)
+                self.run_dir.save(BEST, weights)
+        self.run_dir.save(LAST, self.training_state(rng_states))
+        self.run_dir.prune_step_checkpoints(self.train_cfg.keep_last)
 
     def weights_payload(self, model: Transformer) -> dict:
         """A checkpoint to translate with: weights, configs, progress, both sentencepiece models."""
@@ -525,8 +525,8 @@ class Trainer:
             "model_config": asdict(model.cfg),
             "config": self.config.model_dump(mode="json"),
             "progress": asdict(self.progress),
-            "spm_src": bytes_to_tensor(self.run.vocab_file(self.manifest, "src").read_bytes()),
-            "spm_tgt": bytes_to_tensor(self.run.vocab_file(self.manifest, "tgt").read_bytes()),
+            "spm_src": bytes_to_tensor(self.run_dir.vocab_file(self.manifest, "src").read_bytes()),
+            "spm_tgt": bytes_to_tensor(self.run_dir.vocab_file(self.manifest, "tgt").read_bytes()),
         }
 
     def training_state(self, rng_states: list[torch.Tensor]) -> dict:
@@ -559,7 +559,7 @@ class Trainer:
                 scores[AVERAGE] = self.save_average()
             if self.ema is not None:
                 scores[EMA] = self.save_moving_average()
-            self.run.write_scores(self.train_cfg.best_metric, scores)
+            self.run_dir.write_scores(self.train_cfg.best_metric, scores)
         summary = self.summary(stop_reason)
         best = "n/a" if summary.best_score is None else (
             f"{summary.best_score:.2f}" if self.train_cfg.best_metric == "bleu" else f"{-summary.best_score:.3f}")
@@ -569,18 +569,18 @@ class Trainer:
         return summary
 
     def summary(self, stop_reason: str) -> TrainSummary:
-        best = self.run.checkpoints / BEST
+        best = self.run_dir.checkpoints / BEST
         return TrainSummary(self.progress.step, self.progress.elapsed, self.progress.best_score,
                             self.train_cfg.best_metric, best if best.exists() else None,
-                            self.run.checkpoints / LAST, stop_reason)
+                            self.run_dir.checkpoints / LAST, stop_reason)
 
     def save_average(self) -> float | None:
         """checkpoint_avg.pt: the mean of the last `average_last` step checkpoints of the run's final
         `average_window`, validated like the others; returns its score."""
         train_cfg, progress = self.train_cfg, self.progress
-        path = self.run.checkpoints / AVERAGE
+        path = self.run_dir.checkpoints / AVERAGE
         first_step = (1.0 - train_cfg.average_window) * progress.step
-        chosen = [p for p in self.run.step_checkpoints() if step_of(p) > first_step][-train_cfg.average_last:]
+        chosen = [p for p in self.run_dir.step_checkpoints() if step_of(p) > first_step][-train_cfg.average_last:]
         if len(chosen) < 2:
             path.unlink(missing_ok=True)  # an older run's average would no longer be its final one
             self.console.print(f"no checkpoint_avg.pt: {len(chosen)} evaluated checkpoint(s) in the last "
@@ -604,7 +604,7 @@ class Trainer:
     def record_final_model(self, model: Transformer, name: str, extra: dict, kind: str, what: str) -> dict:
         """Validate a model made at the end of the run, save it as `name` and log it."""
         metrics = self.validate(model)
-        self.run.save(name, {**self.weights_payload(model), **extra})
+        self.run_dir.save(name, {**self.weights_payload(model), **extra})
         self._log({"kind": kind, "step": self.progress.step, **extra, "elapsed": round(self.progress.elapsed, 1),
                    **metrics})
         self.console.print(f"{name} = {what}: valid loss {metrics['loss']:.3f} BLEU {metrics['bleu']:.2f} "
@@ -627,7 +627,7 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
     try:
         device = join(world, resolve_device(config.train.device))
         with run_lock(world, device, config.run_path):
-            summary = Trainer(config, world, device, resume, progress_bar, on_step).run_training()
+            summary = Trainer(config, world, device, resume, progress_bar, on_step).run()
         finished = True
         return summary
     except Exception as exc:
