@@ -268,6 +268,37 @@ class Case:
     slow: bool = False  # seconds of work: in the full suite only
 
 
+def child_of(parent: str, *settings: str, command: str = "prepare"):
+    """A new reverse-task corpus prepared (or trained) as the child of `parent`: "tiny" is the
+    prepared tiny run, "checkpoint" the trained one's checkpoint (train.init_from)."""
+    def setup(case: Path, data, run, checkpoint: Path):
+        config = corpus(case)
+        raw = json.loads(config.read_text())
+        raw["vocab"]["from_run"] = str(run)
+        config.write_text(json.dumps(raw))
+        if command == "train":
+            prepare(load_config(config), progress=False)
+        named = {"tiny": run, "checkpoint": checkpoint, "nowhere": case / "nowhere", "itself": case / "run"}
+        (case / "nowhere").mkdir()
+        return [command, "--config", config, *[a for s in settings for a in ("--set", s.format(**named))]], None
+    return setup
+
+
+def own_vocabulary_child(case: Path, data, run, checkpoint: Path):
+    """A run with a vocabulary of its own (38 pieces), told to start from the tiny run's checkpoint."""
+    config = corpus(case)
+    prepare(load_config(config, ["vocab.size=38"]), progress=False)
+    return ["train", "--config", config, "--set", "vocab.size=38", "--set", f"train.init_from={checkpoint}"], None
+
+
+def no_checkpoint_written(case: Path, proc) -> None:
+    assert not (case / "run/checkpoints").exists()
+
+
+def no_run_written(case: Path, proc) -> None:
+    assert not (case / "run").exists()
+
+
 def no_marker(case: Path, proc) -> None:
     assert not (case / "MARKER").exists(), "the crafted pickle ran code"
 
@@ -405,6 +436,26 @@ CASES = [
          nothing_deleted, needs_checkpoint=True),
     Case("average: shared weights stored once", average_two, 0, "", shared_weights_stored_once,
          needs_checkpoint=True),
+    # starting from a model
+    Case("vocab.from_run: not a run directory", child_of("tiny", "vocab.from_run={nowhere}"), 2,
+         "key 'vocab.from_run': ", no_run_written, needs_checkpoint=True),
+    Case("vocab.from_run: its own run directory", lambda case, d, r, ck: (
+        ["prepare", "--config", tiny_run((d, r), case), "--set", f"vocab.from_run={case / 'run'}"], None), 2,
+         "is this run's own directory", needs_checkpoint=True),
+    Case("vocab.from_run: vocab.size contradicts the parent", child_of("tiny", "vocab.size=50"), 2,
+         "key 'vocab.size': 50 in the config, but", no_run_written, needs_checkpoint=True),
+    Case("vocab.from_run: vocab.joint contradicts the parent", child_of("tiny", "vocab.joint=false"), 2,
+         "key 'vocab.joint': False in the config", no_run_written, needs_checkpoint=True),
+    Case("train.init_from: mismatching shapes", child_of("tiny", "train.init_from={checkpoint}", "model.d_ff=48",
+                                                         command="train"), 2,
+         "key 'train.init_from': tensor 'decoder_layers.0.ffn.w1.bias' has shape (64,)", no_checkpoint_written, needs_checkpoint=True),
+    Case("train.init_from: n_heads differs", child_of("tiny", "train.init_from={checkpoint}", "model.n_heads=1",
+                                                      command="train"), 2,
+         "model.n_heads=2, this config 1", no_checkpoint_written, needs_checkpoint=True),
+    Case("train.init_from: another vocabulary", own_vocabulary_child, 2,
+         "was trained with another source vocabulary than this run's", no_checkpoint_written, needs_checkpoint=True),
+    Case("train.init_from: missing checkpoint", child_of("tiny", "train.init_from={nowhere}/c.pt", command="train"),
+         2, "checkpoint not found", no_checkpoint_written, needs_checkpoint=True),
 ]
 
 

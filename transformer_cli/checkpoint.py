@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,39 @@ def model_from_checkpoint(payload: dict[str, Any]) -> tuple[Transformer, Experim
     except RuntimeError as exc:
         raise TfmError(f"checkpoint weights do not fit its model config: {str(exc).splitlines()[0]}") from None
     return model, config
+
+
+# Settings that change what the weights mean without changing their shapes.
+_SAME_SHAPE_SETTINGS = ("n_heads", "activation", "norm_position", "positional", "share_embeddings", "tie_output")
+
+
+def load_initial_weights(model: Transformer, path: Path, spm_files: dict[str, bytes]) -> dict[str, Any]:
+    """Copy a trained model's weights into `model` (fine-tuning), after checking that they fit: the
+    same sentencepiece models (`spm_files`: this run's, by side), tensor names and shapes, and the
+    settings that shapes do not show. Returns the checkpoint's payload. Dropout may differ."""
+    payload = load_checkpoint(path)
+    key = "key 'train.init_from'"
+    for side, name in (("src", "source"), ("tgt", "target")):
+        if tensor_to_bytes(payload[f"spm_{side}"]) != spm_files[side]:
+            raise TfmError(f"{key}: {path} was trained with another {name} vocabulary than this run's: prepare "
+                           "this run with vocab.from_run set to the checkpoint's run directory")
+    theirs, ours = asdict(TransformerConfig(**payload["model_config"])), asdict(model.cfg)
+    settings = ", ".join(f"model.{k} is {theirs[k]} there but {ours[k]} here"
+                         for k in ours if k not in ("dropout", "attention_dropout") and theirs[k] != ours[k])
+    state, expected = payload["model"], model.state_dict()
+    for name in sorted(expected.keys() | state.keys()):
+        if name not in state or name not in expected:
+            where = "this model" if name in expected else f"{path}"
+            raise TfmError(f"{key}: tensor '{name}' is only in {where}, so the model does not fit ({settings})")
+        if state[name].shape != expected[name].shape:
+            raise TfmError(f"{key}: tensor '{name}' has shape {tuple(state[name].shape)} in {path} but "
+                           f"{tuple(expected[name].shape)} in this model ({settings})")
+    for setting in _SAME_SHAPE_SETTINGS:
+        if theirs[setting] != ours[setting]:
+            raise TfmError(f"{key}: {path} has model.{setting}={theirs[setting]}, this config "
+                           f"{ours[setting]}: set model.{setting} to the checkpoint's")
+    model.load_state_dict(state)
+    return payload
 
 
 @dataclass

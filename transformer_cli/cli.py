@@ -406,6 +406,26 @@ def export(
          f"ctranslate2 --model {output})")
 
 
+@app.command("import")
+@user_errors
+def import_model(
+    source: Path = typer.Argument(..., help="The model directory (what save_pretrained wrote)."),
+    format_: str = typer.Option("marian", "--format", help="Model format: marian (Hugging Face MarianMTModel, OPUS-MT)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Run directory to create (new or empty)."),
+) -> None:
+    """Make a trained model from elsewhere a tfm run directory: translate, evaluate, export or
+    fine-tune it like one of tfm's own (tfm translate --config RUN_DIR/config.yaml)."""
+    if format_ != "marian":
+        raise TfmError(f"--format {format_}: only marian is supported")
+    from .marian import import_marian
+
+    result = import_marian(source, output)
+    for warning in result.warnings:
+        warn(f"warning: {warning}")
+    say(f"imported {source} → {output}: {result.parameters:,} parameters, {result.vocab_size:,} ids "
+        f"(translate with: tfm translate --config {output / 'config.yaml'})")
+
+
 def main() -> None:
     if hasattr(signal, "SIGXFSZ"):
         # A file-size limit (ulimit -f) then fails the write with EFBIG, reported like a full

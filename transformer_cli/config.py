@@ -57,6 +57,9 @@ class VocabConfig(_Section):
     # Sentences each sentencepiece model trains on: a uniform random sample of the training pairs
     # drawn in one streaming pass (a joint vocabulary takes half from each side); 0 = all of them.
     input_sentence_size: int = Field(2_000_000, ge=0)
+    # Fine-tuning: take the sentencepiece model(s) of this run directory as they are (no new
+    # vocabulary is trained; size and joint must be the parent's), so its checkpoints fit this run.
+    from_run: str | None = Field(None, min_length=1)
 
 
 class PrepareConfig(_Section):
@@ -74,12 +77,15 @@ class ModelConfig(_Section):
     d_ff: int = Field(2048, ge=1)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    activation: Literal["relu", "gelu"] = "relu"
+    activation: Literal["relu", "gelu", "swish"] = "relu"
     norm_position: Literal["post", "pre"] = "post"
-    positional: Literal["sinusoidal", "learned"] = "sinusoidal"
+    # sinusoidal: the paper's (sin and cos interleaved); sinusoidal_split: all sines, then all
+    # cosines (Marian/OPUS-MT models); learned: a trained table
+    positional: Literal["sinusoidal", "sinusoidal_split", "learned"] = "sinusoidal"
     max_positions: int = Field(1024, ge=4)  # <bos>/<eos> and at least one token each way
     share_embeddings: bool = True  # source/target embeddings shared (needs a joint vocab)
     tie_output: bool = True  # output projection tied to the target embedding
+    output_bias: bool = False  # a bias on the output projection (imported Marian models have one)
 
 
     @model_validator(mode="after")
@@ -91,6 +97,10 @@ class ModelConfig(_Section):
 
 class TrainConfig(_Section):
     seed: int = Field(1, ge=0, lt=2**63)
+    # Fine-tuning: start from this checkpoint's weights (a .pt file, or a run directory: the
+    # checkpoint its --config would pick) with a fresh optimizer, schedule, step count and data
+    # order; the run must share its vocabulary (vocab.from_run). --resume continues this run instead.
+    init_from: str | None = Field(None, min_length=1)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto = bf16 autocast on CUDA, AMX CPUs and CPUs whose bf16 matmuls measure >= 1.5x fp32; else fp32
     precision: Literal["auto", "fp32", "bf16"] = "auto"
@@ -133,6 +143,8 @@ class TrainConfig(_Section):
     # ... taken only from the final part of the run (this fraction of its steps): averaging an
     # early, much worse checkpoint into the final ones makes the average worse than either.
     average_window: float = Field(0.2, gt=0.0, le=1.0)
+    # TensorBoard event files under <run_dir>/tensorboard/ (needs the `tensorboard` extra).
+    tensorboard: bool = False
     # An exponential moving average of the weights, updated after every step (ema.py): at the end of
     # the run it is validated and written as checkpoint_ema.pt. None = off; 0.999 spans ~1,000 steps.
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)

@@ -61,12 +61,12 @@ def check_convertible(cfg: TransformerConfig, src_sp: spm.SentencePieceProcessor
                       tgt_sp: spm.SentencePieceProcessor) -> None:
     """Refuse, with the reason, what a CTranslate2 TransformerSpec cannot express."""
     problems = []
-    if cfg.activation not in ("relu", "gelu"):
-        problems.append(f"activation {cfg.activation!r} (CTranslate2 export supports relu and gelu)")
+    if cfg.activation not in ("relu", "gelu", "swish"):
+        problems.append(f"activation {cfg.activation!r} (CTranslate2 export supports relu, gelu and swish)")
     if cfg.norm_position not in ("pre", "post"):
         problems.append(f"norm_position {cfg.norm_position!r} (pre or post)")
-    if cfg.positional not in ("sinusoidal", "learned"):
-        problems.append(f"positional {cfg.positional!r} (sinusoidal or learned)")
+    if cfg.positional not in ("sinusoidal", "sinusoidal_split", "learned"):
+        problems.append(f"positional {cfg.positional!r} (sinusoidal, sinusoidal_split or learned)")
     if cfg.enc_layers < 1 or cfg.dec_layers < 1:
         problems.append("a stack without layers")
     if cfg.pad_id != 0:
@@ -116,7 +116,8 @@ def build_spec(model: Transformer, src_vocab: list[str], tgt_vocab: list[str]) -
 
     cfg = model.cfg
     pre = cfg.norm_position == "pre"
-    activation = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU}[cfg.activation]
+    activation = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU,
+                  "swish": common_spec.Activation.SWISH}[cfg.activation]
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg.enc_layers, cfg.dec_layers), cfg.n_heads, pre_norm=pre, activation=activation)
 
@@ -146,7 +147,7 @@ def build_spec(model: Transformer, src_vocab: list[str], tgt_vocab: list[str]) -
         _feed_forward(layer_spec.ffn, layer)
     if pre:
         _layer_norm(dec.layer_norm, model.decoder_norm)
-    _linear(dec.projection, model.output_proj)  # tied: a copy of the target embedding (no bias)
+    _linear(dec.projection, model.output_proj)  # tied: a copy of the target embedding (+ its bias, if any)
 
     spec.config.layer_norm_epsilon = 1e-5  # torch.nn.LayerNorm's default, which tfm uses
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = "<unk>", "<s>", "</s>"

@@ -37,7 +37,7 @@ from .corpus import (
 )
 from .cpu import usable_cores
 from .errors import TfmError
-from .files import atomic_path, atomic_write_text, iter_raw_lines, remove_stale_temps
+from .files import atomic_path, atomic_write_bytes, atomic_write_text, iter_raw_lines, remove_stale_temps
 from .rundir import SIDES, SPLITS, RunDirectory
 from .runlock import RunLock
 
@@ -166,8 +166,11 @@ def _fingerprint(config: ExperimentConfig) -> str:
         for path in split_files(config, split):
             stat = path.stat()
             inputs.append([str(path), stat.st_size, int(stat.st_mtime)])
+    vocab = config.vocab.model_dump(exclude={"from_run"} if config.vocab.from_run is None else set())
+    if config.vocab.from_run:  # a parent whose vocabulary changed is a new input
+        inputs += [hashlib.sha256(path.read_bytes()).hexdigest() for path in parent_vocab(config).values()]
     payload = json.dumps(
-        [config.data.model_dump(), config.vocab.model_dump(), config.model.max_positions, inputs], sort_keys=True
+        [config.data.model_dump(), vocab, config.model.max_positions, inputs], sort_keys=True
     ).encode()
     return hashlib.sha256(payload).hexdigest()[:16]
 
@@ -210,6 +213,40 @@ def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) ->
         train_sentencepiece(src, paths["src"], config, sampled)
         train_sentencepiece(tgt, paths["tgt"], config, sampled)
     return read, len(src)
+
+
+def parent_vocab(config: ExperimentConfig) -> dict[str, Path]:
+    """The sentencepiece model files of the run that `vocab.from_run` names, checked against this
+    config: the same `vocab.joint` and `vocab.size`, and not this run itself."""
+    parent = RunDirectory(config.vocab.from_run)
+    key = "key 'vocab.from_run'"
+    if not parent.manifest_file.is_file():
+        raise TfmError(f"{key}: {parent.root} is not a tfm run directory (no {parent.manifest_file.name}; "
+                       "run `tfm prepare` there, or name the run directory of the model to fine-tune)")
+    if parent.root.resolve() == config.run_path.resolve():
+        raise TfmError(f"{key}: {parent.root} is this run's own directory; name the parent run")
+    manifest = parent.load_manifest()
+    files = {side: parent.vocab_file(manifest, side) for side in SIDES}
+    for path in dict.fromkeys(files.values()):
+        if not path.is_file():
+            raise TfmError(f"{key}: {path} not found (the parent run's sentencepiece model)")
+    joint = files["src"] == files["tgt"]
+    if joint != config.vocab.joint:
+        raise TfmError(f"key 'vocab.joint': {config.vocab.joint} in the config, but {parent.root} has a "
+                       f"{'joint' if joint else 'separate'} vocabulary: set vocab.joint={str(joint).lower()}")
+    sizes = {load_sentencepiece(path).vocab_size() for path in files.values()}
+    if sizes != {config.vocab.size}:
+        raise TfmError(f"key 'vocab.size': {config.vocab.size} in the config, but {parent.root}'s vocabulary has "
+                       f"{' and '.join(map(str, sorted(sizes)))} pieces: set vocab.size to the parent's")
+    return files
+
+
+def _inherit_vocab(config: ExperimentConfig, paths: dict[str, Path]) -> int:
+    """Copy the parent run's sentencepiece model(s) byte for byte; returns the training pairs."""
+    for side, source in parent_vocab(config).items():
+        atomic_write_bytes(paths[side], source.read_bytes())
+    src_path, tgt_path = split_files(config, "train")
+    return sum(len(chunk.src) for chunk in parallel_chunks(src_path, tgt_path, 100_000, config.data.train_limit))
 
 
 def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], dtype: str, workers: int,
@@ -275,6 +312,8 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
     (a training on the same directory makes it refuse) and writes the resolved config.yaml.
     """
     check_corpus_files(config)  # before anything is created or locked
+    if config.vocab.from_run:
+        parent_vocab(config)
     with RunLock(config.run_path, "tfm prepare"):
         for directory in (config.run_path, config.run_path / "data"):
             remove_stale_temps(directory)  # left by an interrupted write
@@ -299,9 +338,12 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareRe
     started = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    # Vocabulary: trained on (a sample of) the training data only.
+    # Vocabulary: trained on (a sample of) the training data only, or the parent run's, as it is.
     paths = run.vocab_files(config.vocab.joint)
-    train_read, sampled = _train_vocab(config, paths, seed=config.train.seed)
+    if config.vocab.from_run:
+        train_read, sampled = _inherit_vocab(config, paths), 0
+    else:
+        train_read, sampled = _train_vocab(config, paths, seed=config.train.seed)
     vocab_seconds = time.perf_counter() - started
     vocab_sizes = {side: load_sentencepiece(paths[side]).vocab_size() for side in SIDES}
     dtype = "uint16" if max(vocab_sizes.values()) <= np.iinfo(np.uint16).max else "int32"
@@ -327,6 +369,10 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareRe
         "tgt_lang": config.data.tgt_lang,
         "vocab": {side: paths[side].name for side in SIDES},  # files of this run, by name
         "vocab_size": vocab_sizes,
+        **({"vocab_from": str(Path(config.vocab.from_run).resolve())} if config.vocab.from_run else {}),
+        # Two sentencepiece models over one id map (an imported Marian model's): embeddings can be shared.
+        **({"shared_ids": True} if config.vocab.from_run
+           and RunDirectory(config.vocab.from_run).load_manifest().get("shared_ids") else {}),
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         "files": {split: [str(p) for p in split_files(config, split)] for split in SPLITS},
         "train_pairs_read": train_read,

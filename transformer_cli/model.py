@@ -40,12 +40,14 @@ class TransformerConfig:
     d_ff: int = 2048
     dropout: float = 0.1
     attention_dropout: float = 0.0
-    activation: str = "relu"  # relu | gelu
+    activation: str = "relu"  # relu | gelu | swish
     norm_position: str = "post"  # post (paper) | pre
-    positional: str = "sinusoidal"  # sinusoidal (paper) | learned
+    # sinusoidal (paper: sin/cos interleaved) | sinusoidal_split (sin half, then cos half: Marian) | learned
+    positional: str = "sinusoidal"
     max_positions: int = 1024
     share_embeddings: bool = True
     tie_output: bool = True
+    output_bias: bool = False  # a bias on the output projection (Marian's final_logits_bias)
     pad_id: int = 0
 
 
@@ -80,26 +82,30 @@ class TokenEmbedding(nn.Module):
         return self.embedding(tokens) * self.scale
 
 
-def sinusoidal_table(max_positions: int, d_model: int) -> torch.Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(pos / 10000^(2i/D)). (L, D)"""
+def sinusoidal_table(max_positions: int, d_model: int, split: bool = False) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/D)), PE(pos, 2i+1) = cos(pos / 10000^(2i/D)). (L, D)
+    `split`: the same values with every sin first and every cos after them (Marian's layout)."""
     position = torch.arange(max_positions, dtype=torch.float64)[:, None]
     inv_freq = torch.pow(10000.0, -torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    sin, cos = torch.sin(position * inv_freq), torch.cos(position * inv_freq[: d_model // 2])
+    if split:
+        return torch.cat([sin, cos], dim=1).float()
     table = torch.zeros(max_positions, d_model, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(position * inv_freq)
-    table[:, 1::2] = torch.cos(position * inv_freq[: d_model // 2])
+    table[:, 0::2], table[:, 1::2] = sin, cos
     return table.float()
 
 
 class PositionalEncoding(nn.Module):
     """Adds position information (sinusoidal table or learned embedding), then dropout."""
 
-    def __init__(self, d_model: int, max_positions: int, dropout: float, learned: bool = False):
+    def __init__(self, d_model: int, max_positions: int, dropout: float, kind: str = "sinusoidal"):
         super().__init__()
-        self.learned = learned
-        if learned:
+        self.learned = kind == "learned"
+        if self.learned:
             self.table = nn.Parameter(torch.randn(max_positions, d_model) * d_model**-0.5)
         else:
-            self.register_buffer("table", sinusoidal_table(max_positions, d_model), persistent=False)
+            table = sinusoidal_table(max_positions, d_model, split=kind == "sinusoidal_split")
+            self.register_buffer("table", table, persistent=False)
         self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:  # (B, L, D)
@@ -199,7 +205,7 @@ class PositionwiseFeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str = "relu"):
         super().__init__()
         self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
-        self.activation = {"relu": F.relu, "gelu": F.gelu}[activation]
+        self.activation = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}[activation]
         self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, D)
@@ -308,16 +314,15 @@ class Transformer(nn.Module):
         self.src_embed = TokenEmbedding(cfg.src_vocab_size, cfg.d_model, cfg.pad_id)
         self.tgt_embed = self.src_embed if cfg.share_embeddings else TokenEmbedding(
             cfg.tgt_vocab_size, cfg.d_model, cfg.pad_id)
-        learned = cfg.positional == "learned"
-        self.src_pos = PositionalEncoding(cfg.d_model, cfg.max_positions, cfg.dropout, learned)
-        self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_positions, cfg.dropout, learned)
+        self.src_pos = PositionalEncoding(cfg.d_model, cfg.max_positions, cfg.dropout, cfg.positional)
+        self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_positions, cfg.dropout, cfg.positional)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.enc_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.dec_layers))
         # Pre-norm leaves the residual stream un-normalised, so each stack ends with a LayerNorm.
         pre = cfg.norm_position == "pre"
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if pre else nn.Identity()
-        self.output_proj = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=False)
+        self.output_proj = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=cfg.output_bias)
         self._init_weights()
         if cfg.tie_output:
             self.output_proj.weight = self.tgt_embed.embedding.weight

@@ -27,7 +27,7 @@ import sentencepiece as spm
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import average_state_dicts, bytes_to_tensor, load_checkpoint
+from .checkpoint import average_state_dicts, bytes_to_tensor, load_checkpoint, load_initial_weights
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
 from .console import TrainingConsole
 from .cpu import keep_freed_memory
@@ -52,11 +52,15 @@ from .rundir import AVERAGE, BEST, EMA, LAST, MetricsLog, RunDirectory, step_of
 from .runlock import RunLock
 from .schedule import budget_used, learning_rate
 from .signals import EXIT_CODES, StopRequest
+from .tensorboard_log import TensorBoardLog
 from .translate import decode_in_batches
 
 
-def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: int) -> Transformer:
-    share = config.model.share_embeddings and config.vocab.joint
+def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: int,
+                shared_ids: bool = False) -> Transformer:
+    """The config's Transformer. Embeddings are shared where both sides have one id space: a joint
+    vocabulary, or two sentencepiece models over one id map (`shared_ids`: imported Marian models)."""
+    share = config.model.share_embeddings and (config.vocab.joint or shared_ids)
     model_cfg = TransformerConfig(
         src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size,
         **{**config.model.model_dump(), "share_embeddings": share}, pad_id=PAD_ID,
@@ -220,6 +224,7 @@ class Trainer:
         self.run_dir = RunDirectory(config.run_path)
         self.writer = world.rank == 0  # prints, logs and writes checkpoints
         self.metrics = MetricsLog(self.run_dir.metrics)
+        self.tensorboard: TensorBoardLog | None = None  # set once the run's step is known
         self.console = TrainingConsole(self.writer, progress_bar, self._console_lost)
         self.manifest = self.run_dir.load_manifest()
         self._check_run_directory(resume)
@@ -230,12 +235,15 @@ class Trainer:
         if device.type == "cpu":
             keep_freed_memory()
         self._load_data()
-        self.model = build_model(config, self.manifest["vocab_size"]["src"], self.manifest["vocab_size"]["tgt"]).to(device)
+        self.model = build_model(config, self.manifest["vocab_size"]["src"], self.manifest["vocab_size"]["tgt"],
+                                 self.manifest.get("shared_ids", False)).to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=tuple(self.train_cfg.adam_betas),
                                           eps=self.train_cfg.adam_eps, fused=True,
                                           weight_decay=self.train_cfg.weight_decay)
         self.progress = TrainProgress()
         saved_ema = self._restore() if resume else None
+        if not resume and self.train_cfg.init_from:
+            self._initialise_from(Path(self.train_cfg.init_from))
         # A run that ended and whose limits still hold is complete: --resume changes nothing.
         self.complete = budget_spent(self.train_cfg, self.progress) if self.progress.finished else ""
         self.progress.finished = ""  # resumed with a larger budget: the run goes on
@@ -244,6 +252,8 @@ class Trainer:
         if not resume and world.rank > 0:  # same initial weights (DDP syncs them), own dropout
             torch.manual_seed(self.train_cfg.seed + 7919 * world.rank)
         self.ema = self._weight_average(saved_ema, resume)
+        if self.writer and self.train_cfg.tensorboard and not self.complete:
+            self.tensorboard = TensorBoardLog(self.run_dir.root / "tensorboard", self.progress.step)
         if self.writer and not self.complete:
             self.run_dir.root.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.run_dir.config_file, config_to_yaml(config))
@@ -284,7 +294,7 @@ class Trainer:
         """Weights, optimizer, RNG states and progress of checkpoint_last.pt; returns its weight average."""
         path = self.run_dir.checkpoints / LAST
         ckpt = load_checkpoint(path, map_location=self.device)
-        if ckpt["model_config"] != asdict(self.model.cfg):
+        if asdict(TransformerConfig(**ckpt["model_config"])) != asdict(self.model.cfg):  # older ones lack new keys
             raise TfmError(f"--resume: the model section of the config differs from {path}'s")
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
@@ -299,6 +309,15 @@ class Trainer:
             torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["cuda_rng"]])
         self.progress = TrainProgress(**ckpt["progress"])
         return ckpt.get("ema")
+
+    def _initialise_from(self, path: Path) -> None:
+        """Fine-tuning: the weights of a trained model; optimizer, schedule, steps and data order start afresh."""
+        if path.is_dir():
+            path = RunDirectory(path).default_checkpoint()
+        spm_files = {side: self.run_dir.vocab_file(self.manifest, side).read_bytes() for side in ("src", "tgt")}
+        parent = load_initial_weights(self.model, path, spm_files)
+        step = parent.get("progress", {}).get("step", "?")
+        self.console.print(f"initialised from {path} (step {step} of its run); optimizer and schedule start afresh")
 
     def _weight_average(self, saved: dict | None, resume: bool) -> WeightAverage | None:
         if not self.train_cfg.ema_decay:
@@ -317,6 +336,8 @@ class Trainer:
     def _log(self, record: dict) -> None:
         if self.writer:
             self.metrics.append(record)
+        if self.tensorboard is not None:
+            self.tensorboard.add(record)
 
     # -- the loop
 
@@ -560,6 +581,8 @@ class Trainer:
             if self.ema is not None:
                 scores[EMA] = self.save_moving_average()
             self.run_dir.write_scores(self.train_cfg.best_metric, scores)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         summary = self.summary(stop_reason)
         best = "n/a" if summary.best_score is None else (
             f"{summary.best_score:.2f}" if self.train_cfg.best_metric == "bleu" else f"{-summary.best_score:.3f}")
