@@ -51,6 +51,7 @@ def save_hf_marian(folder: Path, de: list[str], en: list[str]) -> tuple[MarianMT
         for i in range(sp.vocab_size()):
             if not (sp.is_control(i) or sp.is_unknown(i)):
                 vocab.setdefault(sp.id_to_piece(i), len(vocab))
+    vocab[">>fra<<"] = len(vocab)  # a target-language token, as multi-target OPUS-MT models have
     vocab["<pad>"] = len(vocab)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     tokenizer = MarianTokenizer(source_spm=str(folder / "source.spm"), target_spm=str(folder / "target.spm"),
@@ -94,7 +95,7 @@ def marian_to_tfm(marian) -> dict[int, int]:
 def test_tfm_segments_text_into_the_same_ids_as_marians_tokenizer(marian):
     hf_model, tokenizer, trained, _, _, de, _ = marian
     to_tfm = marian_to_tfm(marian)
-    for line in de:
+    for line in de + [">>fra<< " + de[0]]:
         theirs = [to_tfm[i] for i in tokenizer(line)["input_ids"]]  # ends with </s>
         assert trained.src_sp.encode(line) + [EOS_ID] == theirs, line
 

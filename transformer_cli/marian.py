@@ -240,8 +240,10 @@ def tfm_sentencepiece(spm_file: Path, pieces: list[str], language_codes: set[str
         piece.piece = text
         if tfm_id in specials:
             piece.type, piece.score = specials[tfm_id], 0.0
-        elif text in language_codes:  # >>fra<< etc.: always one piece, as Marian's tokenizer keeps them
-            piece.type, piece.score = Piece.USER_DEFINED, 0.0
+        elif text in language_codes:
+            # >>fra<< etc. at the start of a line: one piece, as Marian's tokenizer splits it off before
+            # sentencepiece. With the word-start mark, so that the line's leading mark is not a piece of its own.
+            piece.piece, piece.type, piece.score = "\u2581" + text, Piece.USER_DEFINED, 0.0
         elif text in own and own[text].type in (Piece.NORMAL, Piece.USER_DEFINED):
             piece.type, piece.score = own[text].type, own[text].score
         elif len(text) == 1:
@@ -258,10 +260,29 @@ def tfm_sentencepiece(spm_file: Path, pieces: list[str], language_codes: set[str
     return model.SerializeToString(), missing
 
 
+def tfm_pieces(vocab: dict[str, int], order: list[int]) -> list[str]:
+    """The piece of each tfm id: Marian's, with tfm's names for the special ids."""
+    piece_of = {i: p for p, i in vocab.items()}
+    pieces = [piece_of[m] for m in order]
+    pieces[BOS_ID] = "<s>" if "<s>" not in vocab else "<tfm_start>"  # a copy of the decoder-start row
+    pieces[PAD_ID], pieces[EOS_ID] = "<pad>", "</s>"
+    return pieces
+
+
+def tfm_model_config(hf: dict[str, Any], vocab_size: int) -> TransformerConfig:
+    return TransformerConfig(
+        src_vocab_size=vocab_size, tgt_vocab_size=vocab_size, d_model=hf["d_model"],
+        n_heads=hf["encoder_attention_heads"], enc_layers=hf["encoder_layers"], dec_layers=hf["decoder_layers"],
+        d_ff=hf["encoder_ffn_dim"], dropout=float(hf.get("dropout", 0.1)),
+        attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        activation=ACTIVATIONS[hf.get("activation_function", "gelu")], norm_position="post",
+        positional="sinusoidal_split", max_positions=hf.get("max_position_embeddings", 512), share_embeddings=True,
+        tie_output=hf.get("tie_word_embeddings", True), output_bias=True, pad_id=PAD_ID)
+
+
 def import_marian(hf_dir: Path, run_dir: Path) -> ImportResult:
     """Write `run_dir` (which must not exist or be empty): config.yaml, prepare.json, the two
-    sentencepiece models and checkpoints/checkpoint_best.pt. It is staged beside `run_dir` and
-    renamed into place when complete, so a failed import leaves nothing behind."""
+    sentencepiece models and checkpoints/checkpoint_best.pt."""
     hf = read_marian_config(hf_dir)
     vocab_file = _required(hf_dir, "vocab.json", "the id map over both sentencepiece models")
     spm_files = {"src": _required(hf_dir, "source.spm", "the source sentencepiece model"),
@@ -277,49 +298,41 @@ def import_marian(hf_dir: Path, run_dir: Path) -> ImportResult:
     check_positions(weights, hf)
 
     order = tfm_order(vocab, hf)
-    piece_of = {i: p for p, i in vocab.items()}
-    pieces = [piece_of[m] for m in order]
-    pieces[BOS_ID] = "<s>" if "<s>" not in vocab else "<tfm_start>"  # a copy of the decoder-start row
-    pieces[PAD_ID], pieces[EOS_ID] = "<pad>", "</s>"
-    codes = {p for p in vocab if p.startswith(">>") and p.endswith("<<")}
+    pieces, codes = tfm_pieces(vocab, order), {p for p in vocab if p.startswith(">>") and p.endswith("<<")}
     warnings, models = [], {}
     for side, path in spm_files.items():
         models[side], missing = tfm_sentencepiece(path, pieces, codes if side == "src" else set())
         if missing:
             warnings.append(f"{path.name}: {missing} of its pieces are not in vocab.json (Marian maps them to "
                             "<unk>; tfm segments around them)")
-
-    heads, max_positions = hf["encoder_attention_heads"], hf.get("max_position_embeddings", 512)
-    model_cfg = TransformerConfig(
-        src_vocab_size=len(order), tgt_vocab_size=len(order), d_model=hf["d_model"], n_heads=heads,
-        enc_layers=hf["encoder_layers"], dec_layers=hf["decoder_layers"], d_ff=hf["encoder_ffn_dim"],
-        dropout=float(hf.get("dropout", 0.1)), attention_dropout=float(hf.get("attention_dropout", 0.0)),
-        activation=ACTIVATIONS[hf.get("activation_function", "gelu")], norm_position="post",
-        positional="sinusoidal_split", max_positions=max_positions, share_embeddings=True,
-        tie_output=hf.get("tie_word_embeddings", True), output_bias=True, pad_id=PAD_ID)
-    model = Transformer(model_cfg)
+    model = Transformer(tfm_model_config(hf, len(order)))
     try:
         model.load_state_dict(convert_state_dict(weights, hf, order))
     except RuntimeError as exc:
         raise TfmError(f"{hf_dir}: the weights do not fit config.json ({str(exc).splitlines()[0]})") from None
+    write_run_directory(run_dir, hf_dir, hf, model, models)
+    return ImportResult(run_dir, model.num_parameters(), len(order), warnings)
 
+
+def write_run_directory(run_dir: Path, hf_dir: Path, hf: dict[str, Any], model: Transformer,
+                        models: dict[str, bytes]) -> None:
+    """The run directory, staged beside `run_dir` and renamed into place when complete, so that a
+    failed import leaves nothing behind."""
     tokenizer = _read_json(hf_dir / "tokenizer_config.json") if (hf_dir / "tokenizer_config.json").is_file() else {}
     src_lang, tgt_lang = (tokenizer.get("source_lang") or "src"), (tokenizer.get("target_lang") or "tgt")
-    model_section = {k: v for k, v in asdict(model_cfg).items()
-                     if k not in ("src_vocab_size", "tgt_vocab_size", "pad_id")}
+    size = model.cfg.src_vocab_size
     config = config_from_dict({
         "run_dir": str(run_dir),
         "data": {"src_lang": src_lang, "tgt_lang": tgt_lang},
-        "vocab": {"joint": False, "size": len(order)},
-        "model": model_section,
+        "vocab": {"joint": False, "size": size},
+        "model": {k: v for k, v in asdict(model.cfg).items() if k not in ("src_vocab_size", "tgt_vocab_size", "pad_id")},
         # Marian's generate: length penalty 1 (score / length); its beam from config.json.
         "decode": {"beam": int(hf.get("num_beams") or 4), "length_penalty": 1.0},
     }, f"{hf_dir}/config.json")
-    run = RunDirectory(run_dir)
     manifest = {
         "src_lang": src_lang, "tgt_lang": tgt_lang,
         "vocab": {"src": "spm.src.model", "tgt": "spm.tgt.model"},
-        "vocab_size": {"src": len(order), "tgt": len(order)},
+        "vocab_size": {"src": size, "tgt": size},
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         "shared_ids": True,  # two sentencepiece models over one id map: embeddings are shared
         "imported_from": {"format": "marian", "path": str(hf_dir.resolve())},
@@ -334,7 +347,7 @@ def import_marian(hf_dir: Path, run_dir: Path) -> ImportResult:
         atomic_write_text(staged.config_file, config_to_yaml(config))
         staged.checkpoints.mkdir()
         save_checkpoint(staged.checkpoints / BEST, {
-            "model": model.state_dict(), "model_config": asdict(model_cfg), "config": config.model_dump(mode="json"),
+            "model": model.state_dict(), "model_config": asdict(model.cfg), "config": config.model_dump(mode="json"),
             "progress": {"step": 0}, "imported_from": manifest["imported_from"],
             "spm_src": bytes_to_tensor(models["src"]), "spm_tgt": bytes_to_tensor(models["tgt"]),
         })
@@ -343,4 +356,3 @@ def import_marian(hf_dir: Path, run_dir: Path) -> ImportResult:
         staging.rename(run_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return ImportResult(run.root, model.num_parameters(), len(order), warnings)
