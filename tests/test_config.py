@@ -79,7 +79,16 @@ def test_every_shipped_config_is_tested():
     assert {p.name for p in (ROOT / "configs").glob("*.yaml")} == set(SHIPPED)
 
 
-SHIPPED = ["de-en.yaml", "en-de.yaml", "tiny.yaml", "base.yaml", "de-en-gpu.yaml"]
+SHIPPED = ["de-en.yaml", "en-de.yaml", "tiny.yaml", "base.yaml", "de-en-gpu.yaml", "ted-de-en.yaml"]
+
+
+def test_the_fine_tuning_config_fits_its_parent():
+    """configs/ted-de-en.yaml starts from configs/de-en.yaml's run: the same vocabulary settings and
+    model (what vocab.from_run and train.init_from refuse otherwise; dropout may differ)."""
+    child, parent = load_config(ROOT / "configs/ted-de-en.yaml"), load_config(ROOT / "configs/de-en.yaml")
+    assert child.vocab.from_run == child.train.init_from == parent.run_dir
+    assert (child.vocab.size, child.vocab.joint) == (parent.vocab.size, parent.vocab.joint)
+    assert child.model.model_dump(exclude={"dropout"}) == parent.model.model_dump(exclude={"dropout"})
 
 
 @pytest.mark.parametrize("name", SHIPPED)

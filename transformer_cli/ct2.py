@@ -303,8 +303,12 @@ class CT2Translator(TranslationEngine):
         if self._translator is None:
             # decode.workers → CTranslate2's inter_threads (batches decoded at once), one thread each.
             workers = resolve_workers(self.decode.workers, torch.device(self._settings["device"]))
+            # CTranslate2 sets the calling thread's OpenMP thread count to intra_threads, which is
+            # torch's too: torch's own work in this process (training, tfm's engine) keeps its count.
+            torch_threads = torch.get_num_threads()
             self._translator = import_ctranslate2().Translator(
                 **self._settings, inter_threads=workers, intra_threads=1 if workers > 1 else self.threads)
+            torch.set_num_threads(torch_threads)
             self.decoding_processes = workers
         results: list[list[Hypothesis]] = [[] for _ in pieces]
         order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))  # similar lengths together
