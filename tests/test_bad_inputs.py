@@ -291,6 +291,10 @@ def own_vocabulary_child(case: Path, data, run, checkpoint: Path):
     return ["train", "--config", config, "--set", "vocab.size=38", "--set", f"train.init_from={checkpoint}"], None
 
 
+def given_twice(proc, option: str) -> None:
+    assert f"'{option}': given 2 times; it takes one value" in proc.stderr and not proc.stdout, proc.stderr
+
+
 def no_checkpoint_written(case: Path, proc) -> None:
     assert not (case / "run/checkpoints").exists()
 
@@ -436,6 +440,12 @@ CASES = [
          nothing_deleted, needs_checkpoint=True),
     Case("average: shared weights stored once", average_two, 0, "", shared_weights_stored_once,
          needs_checkpoint=True),
+    # a single-valued option given twice (click kept the last one: translate used model B alone)
+    Case("translate: --checkpoint twice", lambda case, d, r, ck: (
+        ["translate", "--checkpoint", ck, "--checkpoint", ck], b"wa\n"), 2, "",
+         lambda case, proc: given_twice(proc, "--checkpoint"), needs_checkpoint=True),
+    Case("evaluate: --beam twice", lambda case, d, r: (["evaluate", "--beam", "2", "--beam=3", "--config", "x"], None),
+         2, "", lambda case, proc: given_twice(proc, "--beam")),
     # starting from a model
     Case("vocab.from_run: not a run directory", child_of("tiny", "vocab.from_run={nowhere}"), 2,
          "key 'vocab.from_run': ", no_run_written, needs_checkpoint=True),

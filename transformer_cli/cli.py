@@ -11,12 +11,28 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand
 
 from . import __version__
 from .console import discard_writes, say, warn
 from .errors import Diverged, Interrupted, TfmError, describe_os_error
 from .rundir import RunDirectory
 from .signals import Terminated, terminate_like_ctrl_c
+
+class OneValueOptions(TyperCommand):
+    """A command whose single-valued options refuse a second value: click keeps the last one
+    silently (`translate --checkpoint A --checkpoint B` translated with B alone)."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        words = args[: args.index("--")] if "--" in args else args
+        for param in self.params:
+            if param.param_type_name == "option" and not param.multiple and not getattr(param, "count", False):
+                given = sum(word in param.opts or any(word.startswith(f"{opt}=") for opt in param.opts
+                                                      if opt.startswith("--")) for word in words)
+                if given > 1:
+                    raise typer.BadParameter(f"given {given} times; it takes one value", ctx=ctx, param=param)
+        return super().parse_args(ctx, args)
+
 
 app = typer.Typer(
     help="tfm: train and run Transformer translation models.\n\n"
@@ -107,7 +123,7 @@ def main_options(
     """tfm: train and run Transformer translation models."""
 
 
-@app.command()
+@app.command(cls=OneValueOptions)
 @user_errors
 def prepare(
     config: Optional[Path] = ConfigOpt,
@@ -135,7 +151,7 @@ def prepare(
     say(result.summary)
 
 
-@app.command()
+@app.command(cls=OneValueOptions)
 @user_errors
 def train(
     config: Optional[Path] = ConfigOpt,
@@ -149,7 +165,7 @@ def train(
     run_train(cfg, resume=resume, progress_bar=sys.stderr.isatty())
 
 
-@app.command()
+@app.command(cls=OneValueOptions)
 @user_errors
 def translate(
     config: Optional[Path] = ConfigOpt,
@@ -239,7 +255,7 @@ def translate(
          f"{f'; {processes} decoding processes' if processes > 1 else ''}")
 
 
-@app.command()
+@app.command(cls=OneValueOptions)
 @user_errors
 def evaluate(
     hyp: Optional[list[Path]] = typer.Option(None, "--hyp", help="Hypothesis file; twice for a paired comparison."),
@@ -321,7 +337,7 @@ def evaluate(
         warn(f"PASS: BLEU {bleu:.2f} >= {min_bleu}")
 
 
-@app.command()
+@app.command(cls=OneValueOptions)
 @user_errors
 def average(
     checkpoints: list[Path] = typer.Argument(..., help="Checkpoints to average (same model)."),
@@ -334,7 +350,7 @@ def average(
     say(f"averaged {len(checkpoints)} checkpoints → {output}")
 
 
-@app.command()
+@app.command(cls=OneValueOptions)
 @user_errors
 def plot(
     runs: list[Path] = typer.Argument(..., help="Run directories (or their metrics.jsonl); several are overlaid."),
@@ -353,7 +369,7 @@ def plot(
     say(f"wrote {output} ({width}x{height}, {len(runs)} run{'s' if len(runs) > 1 else ''})")
 
 
-@app.command()
+@app.command(cls=OneValueOptions)
 @user_errors
 def attention(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Model file (.pt)."),
@@ -385,7 +401,7 @@ def attention(
     say(f"wrote {output}")
 
 
-@app.command()
+@app.command(cls=OneValueOptions)
 @user_errors
 def export(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Model file (.pt)."),
@@ -406,7 +422,7 @@ def export(
          f"ctranslate2 --model {output})")
 
 
-@app.command("import")
+@app.command("import", cls=OneValueOptions)
 @user_errors
 def import_model(
     source: Path = typer.Argument(..., help="The model directory (what save_pretrained wrote)."),
