@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -203,8 +204,6 @@ def test_the_imported_run_translates_from_the_command_line_and_fine_tunes(marian
     (lambda hf: (hf / "config.json").unlink(), "is not a Hugging Face model directory"),
 ])
 def test_a_damaged_model_directory_is_one_line_and_leaves_nothing(marian, tmp_path, damage, message):
-    import shutil
-
     hf = tmp_path / "hf"
     shutil.copytree(marian[4] / "hf", hf)
     damage(hf)
@@ -214,8 +213,6 @@ def test_a_damaged_model_directory_is_one_line_and_leaves_nothing(marian, tmp_pa
 
 
 def test_learned_positions_are_refused_with_the_reason(marian, tmp_path):
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
     hf = tmp_path / "hf"

@@ -159,7 +159,7 @@ class PrepareResult:
     manifest: dict
 
 
-def _fingerprint(config: ExperimentConfig) -> str:
+def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
     """Hash of everything `prepare` depends on: data/vocab settings and input files' size+mtime."""
     inputs = []
     for split in SPLITS:
@@ -167,8 +167,8 @@ def _fingerprint(config: ExperimentConfig) -> str:
             stat = path.stat()
             inputs.append([str(path), stat.st_size, int(stat.st_mtime)])
     vocab = config.vocab.model_dump(exclude={"from_run"} if config.vocab.from_run is None else set())
-    if config.vocab.from_run:  # a parent whose vocabulary changed is a new input
-        inputs += [hashlib.sha256(path.read_bytes()).hexdigest() for path in parent_vocab(config).values()]
+    if parent is not None:  # a parent whose vocabulary changed is a new input
+        inputs += [hashlib.sha256(path.read_bytes()).hexdigest() for path in parent.files.values()]
     payload = json.dumps(
         [config.data.model_dump(), vocab, config.model.max_positions, inputs], sort_keys=True
     ).encode()
@@ -215,7 +215,15 @@ def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) ->
     return read, len(src)
 
 
-def parent_vocab(config: ExperimentConfig) -> dict[str, Path]:
+@dataclass
+class ParentVocab:
+    """The vocabulary of the run that `vocab.from_run` names."""
+
+    files: dict[str, Path]  # side → its sentencepiece model
+    shared_ids: bool  # two sentencepiece models over one id map (an imported Marian model's)
+
+
+def parent_vocab(config: ExperimentConfig) -> ParentVocab:
     """The sentencepiece model files of the run that `vocab.from_run` names, checked against this
     config: the same `vocab.joint` and `vocab.size`, and not this run itself."""
     parent = RunDirectory(config.vocab.from_run)
@@ -238,12 +246,12 @@ def parent_vocab(config: ExperimentConfig) -> dict[str, Path]:
     if sizes != {config.vocab.size}:
         raise TfmError(f"key 'vocab.size': {config.vocab.size} in the config, but {parent.root}'s vocabulary has "
                        f"{' and '.join(map(str, sorted(sizes)))} pieces: set vocab.size to the parent's")
-    return files
+    return ParentVocab(files, bool(manifest.get("shared_ids")))
 
 
-def _inherit_vocab(config: ExperimentConfig, paths: dict[str, Path]) -> int:
+def _inherit_vocab(config: ExperimentConfig, parent: ParentVocab, paths: dict[str, Path]) -> int:
     """Copy the parent run's sentencepiece model(s) byte for byte; returns the training pairs."""
-    for side, source in parent_vocab(config).items():
+    for side, source in parent.files.items():
         atomic_write_bytes(paths[side], source.read_bytes())
     src_path, tgt_path = split_files(config, "train")
     return sum(len(chunk.src) for chunk in parallel_chunks(src_path, tgt_path, 100_000, config.data.train_limit))
@@ -312,21 +320,20 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
     (a training on the same directory makes it refuse) and writes the resolved config.yaml.
     """
     check_corpus_files(config)  # before anything is created or locked
-    if config.vocab.from_run:
-        parent_vocab(config)
+    parent = parent_vocab(config) if config.vocab.from_run else None
     with RunLock(config.run_path, "tfm prepare"):
         for directory in (config.run_path, config.run_path / "data"):
             remove_stale_temps(directory)  # left by an interrupted write
-        result = _prepare(config, force, progress)
+        result = _prepare(config, force, progress, parent)
         atomic_write_text(RunDirectory(config.run_path).config_file, config_to_yaml(config))
     return result
 
 
-def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareResult:
+def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: ParentVocab | None) -> PrepareResult:
     run_dir = config.run_path
     run = RunDirectory(run_dir)
     manifest_path = run.manifest_file
-    fingerprint = _fingerprint(config)
+    fingerprint = _fingerprint(config, parent)
     if manifest_path.is_file() and not force:
         manifest = json.loads(manifest_path.read_text())
         expected = [run.binary_stem(sp, si) for sp in SPLITS for si in SIDES]
@@ -340,8 +347,8 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareRe
 
     # Vocabulary: trained on (a sample of) the training data only, or the parent run's, as it is.
     paths = run.vocab_files(config.vocab.joint)
-    if config.vocab.from_run:
-        train_read, sampled = _inherit_vocab(config, paths), 0
+    if parent is not None:
+        train_read, sampled = _inherit_vocab(config, parent, paths), 0
     else:
         train_read, sampled = _train_vocab(config, paths, seed=config.train.seed)
     vocab_seconds = time.perf_counter() - started
@@ -371,8 +378,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool) -> PrepareRe
         "vocab_size": vocab_sizes,
         **({"vocab_from": str(Path(config.vocab.from_run).resolve())} if config.vocab.from_run else {}),
         # Two sentencepiece models over one id map (an imported Marian model's): embeddings can be shared.
-        **({"shared_ids": True} if config.vocab.from_run
-           and RunDirectory(config.vocab.from_run).load_manifest().get("shared_ids") else {}),
+        **({"shared_ids": True} if parent is not None and parent.shared_ids else {}),
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         "files": {split: [str(p) for p in split_files(config, split)] for split in SPLITS},
         "train_pairs_read": train_read,
