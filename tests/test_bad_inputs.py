@@ -105,8 +105,10 @@ def with_settings(*settings: str, command: str = "train"):
 
 
 def translate_input(text: bytes, *extra: str):
+    """translate `text` with the good checkpoint (fp32) and `extra` arguments ("{checkpoint}": its path)."""
     def setup(case: Path, data, run, checkpoint: Path):
-        return ["translate", "--checkpoint", checkpoint, "--set", "decode.precision=fp32", *extra], text
+        more = [checkpoint if a == "{checkpoint}" else a for a in extra]
+        return ["translate", "--checkpoint", checkpoint, "--set", "decode.precision=fp32", *more], text
     return setup
 
 
@@ -136,6 +138,27 @@ def other_vocabulary(path: Path, good: Path) -> None:
                                    minloglevel=2)
     payload["spm_src"] = torch.frombuffer(bytearray((model.parent / "other.model").read_bytes()), dtype=torch.uint8)
     torch.save(payload, path)
+
+
+def other_vocabulary_same_size(path: Path, good: Path) -> None:
+    """The good checkpoint with sentencepiece models of its size (40) trained on other text."""
+    payload = torch.load(good, weights_only=True)
+    sentences = [f"{a}{b} {b}{a}{a}" for a in "abcdefghijklm" for b in "nopqrstuvwxyz"]
+    model = path.parent / "other40"
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_prefix=str(model), vocab_size=40,
+                                   minloglevel=2, pad_id=0, unk_id=1, bos_id=2, eos_id=3)
+    for side in ("src", "tgt"):
+        payload[f"spm_{side}"] = torch.frombuffer(bytearray(model.with_suffix(".model").read_bytes()), dtype=torch.uint8)
+    torch.save(payload, path)
+
+
+def ensemble_with(make: Callable[[Path, Path], None]):
+    """translate with an ensemble of the good checkpoint and a second one that `make` writes."""
+    def setup(case: Path, data, run, checkpoint: Path):
+        path = case / "second.pt"
+        make(path, checkpoint)
+        return ["translate", "--checkpoint", checkpoint, "--checkpoint", path], b"wa wb wc\n"
+    return setup
 
 
 def average_different_shapes(case: Path, data, run, checkpoint: Path):
@@ -291,6 +314,13 @@ def own_vocabulary_child(case: Path, data, run, checkpoint: Path):
     return ["train", "--config", config, "--set", "vocab.size=38", "--set", f"train.init_from={checkpoint}"], None
 
 
+def usage_error(option: str):
+    """A usage error (click's box, no 'error:' line) naming `option`, before any work."""
+    def check(case: Path, proc) -> None:
+        assert f"Invalid value for '{option}'" in proc.stderr and not proc.stdout, proc.stderr
+    return check
+
+
 def given_twice(proc, option: str) -> None:
     assert f"'{option}': given 2 times; it takes one value" in proc.stderr and not proc.stdout, proc.stderr
 
@@ -441,9 +471,39 @@ CASES = [
     Case("average: shared weights stored once", average_two, 0, "", shared_weights_stored_once,
          needs_checkpoint=True),
     # a single-valued option given twice (click kept the last one: translate used model B alone)
-    Case("translate: --checkpoint twice", lambda case, d, r, ck: (
-        ["translate", "--checkpoint", ck, "--checkpoint", ck], b"wa\n"), 2, "",
-         lambda case, proc: given_twice(proc, "--checkpoint"), needs_checkpoint=True),
+    Case("translate: --beam twice", translate_input(b"wa\n", "--beam", "2", "--beam", "3"), 2, "",
+         lambda case, proc: given_twice(proc, "--beam"), needs_checkpoint=True),
+    # production decoding: ensembles, sampling, alignments, serve
+    Case("translate: --checkpoint twice is an ensemble", translate_input(b"wa wb\n", "--checkpoint", "{checkpoint}"),
+         0, "translated 1 sentences", stdout_lines(1), needs_checkpoint=True),
+    Case("ensemble: another vocabulary", ensemble_with(other_vocabulary_same_size), 2,
+         "its source vocabulary differs from", needs_checkpoint=True),
+    Case("ensemble: a missing member", ensemble_with(lambda p, good: None), 2, "checkpoint not found",
+         needs_checkpoint=True),
+    Case("ensemble: an empty decode.checkpoints entry", translate_input(b"wa\n", "--set", 'decode.checkpoints=[""]'),
+         2, "key 'decode.checkpoints", needs_checkpoint=True),
+    *[Case(f"translate: {' '.join(option)}", translate_input(b"wa\n", "--sample", *option), 2, f"key '{key}'",
+           needs_checkpoint=True) for option, key in (
+        (("--top-p", "0"), "decode.top_p"), (("--top-p", "1.5"), "decode.top_p"), (("--top-p", "nan"), "decode.top_p"),
+        (("--temperature", "0"), "decode.temperature"), (("--temperature", "-1"), "decode.temperature"),
+        (("--temperature", "inf"), "decode.temperature"), (("--top-k", "-1"), "decode.top_k"),
+        (("--seed", "-1"), "decode.seed"), (("--seed", str(2**63)), "decode.seed"))],
+    Case("translate: --top-p abc", translate_input(b"wa\n", "--sample", "--top-p", "abc"), 2, "",
+         usage_error("--top-p"), needs_checkpoint=True),
+    Case("translate: --nbest 3 without --sample needs a beam", translate_input(b"wa\n", "--beam", "1", "--nbest", "3"),
+         2, "--nbest 3 needs a beam at least as large", needs_checkpoint=True),
+    Case("translate: --sample --nbest 3 with beam 1", translate_input(b"wa\n", "--beam", "1", "--nbest", "3",
+                                                                     "--sample"), 0, "", stdout_lines(3),
+         needs_checkpoint=True),
+    Case("translate: decode.alignment_layer=0", translate_input(b"wa\n", "--alignment", "--set",
+                                                                "decode.alignment_layer=0"), 2,
+         "key 'decode.alignment_layer'", needs_checkpoint=True),
+    Case("translate: decode.alignment_layer past the last layer", translate_input(
+        b"wa\n", "--alignment", "--set", "decode.alignment_layer=9"), 2,
+         "decode.alignment_layer=9: the model has 1 decoder layer(s)", needs_checkpoint=True),
+    *[Case(f"serve: {option} {value}", lambda case, d, r, ck, option=option, value=value: (
+        ["serve", "--checkpoint", ck, option, value], None), 2, "", usage_error(option), needs_checkpoint=True)
+      for option, value in (("--port", "70000"), ("--max-lines", "0"), ("--max-wait-ms", "-1"))],
     Case("evaluate: --beam twice", lambda case, d, r: (["evaluate", "--beam", "2", "--beam=3", "--config", "x"], None),
          2, "", lambda case, proc: given_twice(proc, "--beam")),
     # starting from a model

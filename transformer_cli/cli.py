@@ -99,6 +99,14 @@ def _load_for_inference(config: Path, overrides: Optional[list[str]]):
     return _load(config, overrides)
 
 
+def model_files(cfg) -> list[Path]:
+    """The model(s) a config translates with: decode.checkpoints (several: an ensemble), else the
+    run's best-validated checkpoint."""
+    if cfg.decode.checkpoints:
+        return [Path(p) for p in cfg.decode.checkpoints]
+    return [RunDirectory(cfg.run_path).default_checkpoint()]
+
+
 def open_input(path: Optional[Path]):
     """The bytes of `--input` (a file, a FIFO, `<(…)`), or standard input."""
     if path is None:
@@ -165,24 +173,72 @@ def train(
     run_train(cfg, resume=resume, progress_bar=sys.stderr.isatty())
 
 
+CheckpointOpt = typer.Option(
+    None, "--checkpoint", help="Model file (default: decode.checkpoints, else the run's best-validated of "
+    "checkpoint_avg/ema/best.pt). Repeat it to translate with an ensemble.")
+BeamOpt = typer.Option(None, "--beam", min=1, help="Beam size (1 = greedy; default decode.beam).")
+NbestOpt = typer.Option(None, "--nbest", help="Print the K best: 'line<TAB>rank<TAB>score<TAB>text' "
+                        "(default decode.nbest, 1); with --sample, K samples.")
+BatchSizeOpt = typer.Option(None, "--batch-size", help="Sentences per batch.")
+BatchTokensOpt = typer.Option(None, "--batch-tokens", help="Source tokens per batch.")
+DeviceOpt = typer.Option("auto", "--device", help="auto, cpu or cuda.")
+QuantizeOpt = typer.Option(None, "--quantize", help="int8: dynamic int8 Linear layers (CPU; same as --set "
+                           "decode.precision=int8).")
+SampleOpt = typer.Option(None, "--sample/--no-sample", help="Draw translations from the model's distribution "
+                         "instead of searching (back-translation); --nbest N: N samples.")
+TopKOpt = typer.Option(None, "--top-k", help="With --sample: only the K most probable tokens (0 = all).")
+TopPOpt = typer.Option(None, "--top-p", help="With --sample: only the most probable tokens holding probability P "
+                       "(nucleus sampling; 1 = all).")
+TemperatureOpt = typer.Option(None, "--temperature", help="With --sample: divide log-probabilities by T "
+                              "(< 1: closer to greedy).")
+SeedOpt = typer.Option(None, "--seed", help="With --sample: the random seed (same seed, same samples).")
+AlignmentOpt = typer.Option(None, "--alignment/--no-alignment", help="Also print word alignments: "
+                            "'translation<TAB>i-j …' (Pharaoh format, 0-based whitespace words).")
+
+
+def torch_engine(cfg, set_: Optional[list[str]], checkpoint: Optional[list[Path]], device: str,
+                 quantize: Optional[str], **decode_updates):
+    """tfm's own engine for `translate`/`serve`: the checkpoint(s) given, else the config's; the
+    options' decode settings (None: unchanged) validated like the config file."""
+    from .translate import Translator
+
+    if quantize not in (None, "int8"):
+        raise TfmError(f"--quantize {quantize}: only int8 is supported")
+    if not checkpoint:
+        if cfg is None:
+            raise TfmError("give --checkpoint, or --config to use the run's best checkpoint")
+        checkpoint = model_files(cfg)
+    # Without --config, --set edits the settings the checkpoint carries.
+    translator = Translator.from_checkpoint(checkpoint, decode=cfg.decode if cfg else None, device=device,
+                                            overrides=None if cfg else set_, precision=quantize)
+    apply_decode_options(translator, decode_updates)
+    return translator
+
+
+def apply_decode_options(translator, updates: dict) -> None:
+    """Command-line decode settings (None: not given) into the engine's, validated like the config file."""
+    from .config import config_from_dict
+
+    updates = {k: v for k, v in updates.items() if v is not None}
+    if updates:
+        translator.decode = config_from_dict({"decode": {**translator.decode.model_dump(), **updates}},
+                                             "command line").decode
+
+
 @app.command(cls=OneValueOptions)
 @user_errors
 def translate(
     config: Optional[Path] = ConfigOpt,
     set_: Optional[list[str]] = SetOpt,
-    checkpoint: Optional[Path] = typer.Option(
-        None, "--checkpoint", help="Model file (default: the run's best-validated of checkpoint_avg/ema/best.pt)."
-    ),
+    checkpoint: Optional[list[Path]] = CheckpointOpt,
     input_: Optional[Path] = typer.Option(None, "--input", "-i", help="Source text (default: stdin)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Translations (default: stdout)."),
-    beam: Optional[int] = typer.Option(None, "--beam", min=1, help="Beam size (1 = greedy; default decode.beam)."),
-    nbest: Optional[int] = typer.Option(None, "--nbest", help="Print the K best: 'line<TAB>rank<TAB>score<TAB>text' "
-                                        "(default decode.nbest, 1)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Sentences per batch."),
-    batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Source tokens per batch."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    quantize: Optional[str] = typer.Option(None, "--quantize", help="int8: dynamic int8 Linear layers (CPU; "
-                                           "same as --set decode.precision=int8)."),
+    beam: Optional[int] = BeamOpt,
+    nbest: Optional[int] = NbestOpt,
+    batch_size: Optional[int] = BatchSizeOpt,
+    batch_tokens: Optional[int] = BatchTokensOpt,
+    device: str = DeviceOpt,
+    quantize: Optional[str] = QuantizeOpt,
     engine: str = typer.Option("torch", "--engine", help="torch (tfm itself) or ctranslate2 (a directory "
                                "from tfm export; needs pip install -e '.\\[ct2]')."),
     model_dir: Optional[Path] = typer.Option(None, "--model", help="With --engine ctranslate2: the exported "
@@ -191,6 +247,12 @@ def translate(
                                      "float32, bfloat16… (default: as exported, fp32)."),
     workers: Optional[str] = typer.Option(None, "--workers", help="CPU: processes decoding batches at once, one "
                                           "thread each (auto = one per core; 1 = this process, all threads)."),
+    sample: Optional[bool] = SampleOpt,
+    top_k: Optional[int] = TopKOpt,
+    top_p: Optional[float] = TopPOpt,
+    temperature: Optional[float] = TemperatureOpt,
+    seed: Optional[int] = SeedOpt,
+    alignment: Optional[bool] = AlignmentOpt,
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
     cfg = _load_for_inference(config, set_) if config is not None else None
@@ -198,41 +260,33 @@ def translate(
         raise TfmError(f"--engine {engine}: choose torch or ctranslate2")
     if quantize not in (None, "int8"):
         raise TfmError(f"--quantize {quantize}: only int8 is supported")
+    decode_options = dict(batch_size=batch_size, batch_tokens=batch_tokens, workers=workers, sample=sample,
+                          top_k=top_k, top_p=top_p, temperature=temperature, seed=seed, alignment=alignment)
     # Imports torch (seconds on a slow CPU): only after the checks above.
-    from .translate import Translator, read_decoded_lines, translate_stream
+    from .translate import read_decoded_lines, translate_stream
 
     if engine == "ctranslate2":
         from .ct2 import CT2Translator
 
         if model_dir is None:
             raise TfmError("--engine ctranslate2 needs --model DIR (from tfm export --format ctranslate2)")
-        if checkpoint is not None or quantize is not None:
+        if checkpoint or quantize is not None:
             raise TfmError("--checkpoint/--quantize are for --engine torch; with ctranslate2 use --model "
                            "and --compute-type")
         decode = cfg.decode if cfg else None
+        if decode is not None and decode.checkpoints:
+            raise TfmError("decode.checkpoints (an ensemble) is for --engine torch")
         translator = CT2Translator(model_dir, device=device, compute_type=compute_type, decode=decode,
                                    overrides=None if cfg else set_)
+        apply_decode_options(translator, decode_options)
     else:
         if model_dir is not None or compute_type != "default":
             raise TfmError("--model/--compute-type are for --engine ctranslate2")
-        if checkpoint is None:
-            if cfg is None:
-                raise TfmError("give --checkpoint, or --config to use the run's best checkpoint")
-            checkpoint = RunDirectory(cfg.run_path).default_checkpoint()
-        # Without --config, --set edits the settings the checkpoint carries.
-        translator = Translator.from_checkpoint(checkpoint, decode=cfg.decode if cfg else None, device=device,
-                                                overrides=None if cfg else set_, precision=quantize)
-    updates = {k: v for k, v in (("batch_size", batch_size), ("batch_tokens", batch_tokens), ("workers", workers))
-               if v is not None}
-    if updates:  # validated like the config file
-        from .config import config_from_dict
-
-        translator.decode = config_from_dict({"decode": {**translator.decode.model_dump(), **updates}},
-                                             "command line").decode
+        translator = torch_engine(cfg, set_, checkpoint, device, quantize, **decode_options)
     nbest = translator.decode.nbest if nbest is None else nbest
     if nbest < 1 or (beam is not None and beam < 1):
         raise TfmError("--beam and --nbest must be at least 1")
-    if nbest > max(beam or translator.decode.beam, 1):
+    if nbest > max(beam or translator.decode.beam, 1) and not translator.decode.sample:
         raise TfmError(f"--nbest {nbest} needs a beam at least as large (--beam {nbest})")
     source = open_input(input_)
     from .files import atomic_path
@@ -257,13 +311,58 @@ def translate(
 
 @app.command(cls=OneValueOptions)
 @user_errors
+def serve(
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[list[str]] = SetOpt,
+    checkpoint: Optional[list[Path]] = CheckpointOpt,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port."),
+    beam: Optional[int] = BeamOpt,
+    nbest: Optional[int] = typer.Option(None, "--nbest", help="Hypotheses per line unless a request says (default 1)."),
+    batch_size: Optional[int] = BatchSizeOpt,
+    batch_tokens: Optional[int] = BatchTokensOpt,
+    device: str = DeviceOpt,
+    quantize: Optional[str] = QuantizeOpt,
+    sample: Optional[bool] = SampleOpt,
+    top_k: Optional[int] = TopKOpt,
+    top_p: Optional[float] = TopPOpt,
+    temperature: Optional[float] = TemperatureOpt,
+    seed: Optional[int] = SeedOpt,
+    alignment: Optional[bool] = AlignmentOpt,
+    max_lines: int = typer.Option(256, "--max-lines", min=1, help="Lines one request may send."),
+    max_chars: int = typer.Option(10_000, "--max-chars", min=1, help="Characters one line may have."),
+    max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", min=0.0, max=10_000.0,
+                                      help="How long a request waits for others to share its batch."),
+) -> None:
+    """Serve translations over HTTP: POST /translate {"text": [...]} → {"translations": [...]}.
+
+    GET /health; OpenAPI page at /docs. Concurrent requests are decoded together (dynamic
+    batching). SIGTERM finishes the requests in flight, then exits. Needs pip install -e '.\\[serve]'.
+    """
+    cfg = _load_for_inference(config, set_) if config is not None else None
+    try:
+        from .serve import serve as run_server
+    except ImportError as exc:
+        raise TfmError(f"tfm serve needs FastAPI and uvicorn: pip install -e '.[serve]' ({exc})") from None
+    # One process decodes, with all threads: the server's thread pool must not fork workers.
+    translator = torch_engine(cfg, set_, checkpoint, device, quantize, batch_size=batch_size,
+                              batch_tokens=batch_tokens, workers=1, beam=beam, nbest=nbest, sample=sample,
+                              top_k=top_k, top_p=top_p, temperature=temperature, seed=seed, alignment=alignment)
+    warn(f"tfm serve: http://{host}:{port}/translate (docs: /docs); {translator.precision.describe()}")
+    run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000)
+    warn("tfm serve: stopped")
+
+
+@app.command(cls=OneValueOptions)
+@user_errors
 def evaluate(
     hyp: Optional[list[Path]] = typer.Option(None, "--hyp", help="Hypothesis file; twice for a paired comparison."),
     ref: Optional[Path] = typer.Option(None, "--ref", help="Reference file."),
     config: Optional[Path] = ConfigOpt,
     set_: Optional[list[str]] = SetOpt,
-    checkpoint: Optional[Path] = typer.Option(
-        None, "--checkpoint", help="With --config: model (default: the best-validated of checkpoint_avg/ema/best.pt)."
+    checkpoint: Optional[list[Path]] = typer.Option(
+        None, "--checkpoint", help="With --config: model (default: decode.checkpoints, else the best-validated of "
+        "checkpoint_avg/ema/best.pt); repeat it for an ensemble."
     ),
     split: str = typer.Option("test", "--split", help="With --config: valid or test."),
     beam: Optional[int] = typer.Option(None, "--beam", min=1, help="With --config: beam size (default decode.beam)."),
@@ -315,8 +414,7 @@ def evaluate(
         if split not in ("valid", "test"):
             raise TfmError(f"--split {split!r}: choose valid or test")
         cfg = _load_for_inference(config, set_)
-        checkpoint = checkpoint or RunDirectory(cfg.run_path).default_checkpoint()
-        result = evaluate_model(cfg, checkpoint, split, names, beam, confidence)
+        result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, beam, confidence)
     else:
         raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")
 

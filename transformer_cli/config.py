@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -190,13 +190,28 @@ class DecodeConfig(_Section):
     # faster than one process with all threads (docs/performance.md). 1 = in this process, with
     # all threads (lowest latency for a single batch). GPU: always 1.
     workers: int | str = "auto"
+    # Model files translating together as an ensemble (the mean of their log-probabilities per
+    # step); empty: the run's best checkpoint. `tfm translate --checkpoint A --checkpoint B` sets it.
+    checkpoints: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    # Sampling instead of search (back-translation): draw each token from the model's distribution
+    # at `temperature`, cut to the `top_k` most probable (0: all) and the nucleus of mass `top_p`;
+    # `seed` makes it reproducible. nbest = samples per sentence.
+    sample: bool = False
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, gt=0.0)
+    seed: int = Field(0, ge=0, lt=2**63)
+    # Word alignments (source word i - target word j, Pharaoh format) from the encoder–decoder
+    # attention of decoder layer `alignment_layer` (1-based; default: the one before the last).
+    alignment: bool = False
+    alignment_layer: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check_rules(self) -> DecodeConfig:
         if self.max_len_a * 1 + self.max_len_b < 1:
             raise _rule("max_len_b", f"max_len_a={self.max_len_a} and max_len_b={self.max_len_b} allow no output "
                         "token: give max_len_b ≥ 1 or max_len_a > 0")
-        if self.nbest > self.beam:
+        if self.nbest > self.beam and not self.sample:
             raise _rule("nbest", f"{self.nbest} hypotheses need a beam at least as large (beam is {self.beam})")
         return self
 

@@ -297,9 +297,12 @@ class CT2Translator(TranslationEngine):
     def detokenize(self, tokens: list[str]) -> str:
         return self.tgt_sp.decode_pieces(tokens)
 
-    def search(self, pieces: list[list[str]], beam: int, nbest: int = 1,
+    def search(self, pieces: list[list[str]], beam: int, nbest: int = 1, decode: DecodeConfig | None = None,
                max_len: int | None = None) -> list[list[Hypothesis]]:
         """Sentencepiece pieces (no </s>) → per sentence its n-best hypotheses (pieces, score), in input order."""
+        decode = decode or self.decode
+        if decode.sample:
+            raise TfmError("sampling (--sample) is done by tfm's own engine: use --engine torch")
         if self._translator is None:
             # decode.workers → CTranslate2's inter_threads (batches decoded at once), one thread each.
             workers = resolve_workers(self.decode.workers, torch.device(self._settings["device"]))
@@ -312,16 +315,16 @@ class CT2Translator(TranslationEngine):
             self.decoding_processes = workers
         results: list[list[Hypothesis]] = [[] for _ in pieces]
         order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))  # similar lengths together
-        step = self.decode.batch_size
+        step = decode.batch_size
         submitted = []
         for start in range(0, len(order), step):
             batch = order[start : start + step]
             longest = max(len(pieces[i]) for i in batch) + 1  # + the </s> CTranslate2 appends
-            limit = max_len if max_len is not None else int(self.decode.max_len_a * longest) + self.decode.max_len_b
+            limit = max_len if max_len is not None else int(decode.max_len_a * longest) + decode.max_len_b
             # Asynchronous: with several workers (inter_threads) CTranslate2 decodes batches in parallel.
             submitted.append((batch, self._translator.translate_batch(
                 [pieces[i] for i in batch], beam_size=beam, num_hypotheses=nbest,
-                length_penalty=self.decode.length_penalty if beam > 1 else 0.0,
+                length_penalty=decode.length_penalty if beam > 1 else 0.0,
                 max_decoding_length=max(limit, 1), max_input_length=self.max_input_length,
                 return_scores=True, asynchronous=True)))
         for batch, futures in submitted:

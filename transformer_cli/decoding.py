@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -356,3 +357,97 @@ def beam_search(
         else:
             state = state.reorder(source_rows)  # beams move only within their sentence
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Random sampling instead of search (back-translation): each token is drawn from the model's
+    distribution at `temperature`, restricted to the `top_k` most probable tokens (0: all) and to
+    the smallest set whose probability reaches `top_p` (nucleus sampling, Holtzman et al., 2020)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def sampling_generators(src: torch.Tensor, pad_id: int, seed: int, samples: int) -> list[torch.Generator]:
+    """One random generator per decoding row (sentence × sample), seeded by the seed, the sample's
+    number and the sentence's own ids: a sentence draws the same sample whatever batch it is in,
+    wherever it stands in the input and however many workers decode (and so do repeated lines)."""
+    generators = []
+    for ids in src.tolist():
+        ids = [t for t in ids if t != pad_id]
+        for number in range(samples):
+            digest = hashlib.blake2b(repr((seed, number, ids)).encode(), digest_size=8).digest()
+            generator = torch.Generator(device=src.device)
+            generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+            generators.append(generator)
+    return generators
+
+
+def sampling_distribution(logprobs: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Log-probabilities (R, V) → the probabilities (R, V) tokens are drawn from: tempered, then cut
+    to the top k, then to the nucleus of mass top_p (the most probable token always stays)."""
+    logits = logprobs / sampling.temperature
+    if 0 < sampling.top_k < logits.size(-1):
+        kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]  # (R, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        outside = (ordered.cumsum(dim=-1) - ordered) >= sampling.top_p  # the mass before it already reaches p
+        probs = torch.zeros_like(probs).scatter_(-1, order, ordered.masked_fill_(outside, 0.0))
+    return probs
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` (R, V), row r drawing its uniform from generators[r] only:
+    inverse transform sampling, the first token whose cumulative probability exceeds u · total."""
+    uniform = torch.stack([torch.rand((), generator=g, device=probs.device) for g in generators])
+    cdf = probs.cumsum(dim=-1)
+    targets = (uniform * cdf[:, -1]).unsqueeze(1).to(cdf.dtype)
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.size(-1) - 1)
+
+
+@without_cyclic_gc
+@torch.inference_mode()
+def sample_search(
+    model: Transformer, src: torch.Tensor, bos: int, eos: int, sampling: Sampling, samples: int = 1,
+    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
+) -> list[list[Hypothesis]]:
+    """`samples` random translations per sentence of a (B, S) source batch (see `Sampling`), in the
+    order drawn; each scored by the model's own log-probability of its tokens (untempered, unnormalised)."""
+    src = src.repeat_interleave(samples, dim=0)  # row = sentence * samples + sample
+    generators = sampling_generators(src[::samples], model.cfg.pad_id, sampling.seed, samples)
+    limits = max_output_lengths(src, model.cfg.pad_id, max_len_a, max_len_b, min_len, model.cfg.max_positions)
+    memory, src_mask = model.encode(src)
+    state = model.init_state(memory, src_mask, max_len=int(limits.max()))
+    rows = list(range(src.size(0)))  # the original row of each live row
+    tokens = torch.full((len(rows),), bos, dtype=torch.long, device=src.device)
+    outputs: list[list[int]] = [[] for _ in rows]
+    scores = [0.0] * len(rows)
+    for step in range(int(limits.max())):
+        logprobs = log_probs(model.decode_step(tokens, state))  # (R, V)
+        if step < min_len:
+            logprobs[:, eos] = float("-inf")
+        tokens = draw(sampling_distribution(logprobs, sampling), [generators[r] for r in rows])
+        picked = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        keep = []
+        for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
+            scores[row] += picked[i]
+            if token != eos:
+                outputs[row].append(token)
+            if token != eos and step + 1 < int(limits[row]):
+                keep.append(i)
+        if not keep:
+            break
+        if len(keep) < len(rows):
+            index = torch.tensor(keep, device=src.device)
+            rows, tokens = [rows[i] for i in keep], tokens.index_select(0, index)
+            state = state.reorder(index, index)
+    hyps = [Hypothesis(tokens, score) for tokens, score in zip(outputs, scores)]
+    return [hyps[first : first + samples] for first in range(0, len(hyps), samples)]

@@ -106,9 +106,11 @@ def evaluate_files(hyp_path: Path, ref_path: Path, metrics: list[str], confidenc
     return score(hyps, refs, metrics, confidence)
 
 
-def evaluate_model(config, checkpoint: Path, split: str, metrics: list[str], beam: int | None,
+def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: list[str], beam: int | None,
                    confidence: bool = False) -> EvalResult:
-    """Translate the configured split's raw source with the model and score it against the raw reference."""
+    """Translate the configured split's raw source with the model (several checkpoints: their
+    ensemble) and score it against the raw reference."""
+    checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
     from .data import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .rundir import RunDirectory
     from .translate import Translator, translate_texts
@@ -116,7 +118,7 @@ def evaluate_model(config, checkpoint: Path, split: str, metrics: list[str], bea
     src_path, ref_path = split_files(config, split)
     src, refs = read_lines(src_path), read_lines(ref_path)
     check_aligned(src, refs, str(src_path), str(ref_path))
-    translator = Translator.from_checkpoint(checkpoint, decode=config.decode, device=config.train.device)
+    translator = Translator.from_checkpoint(checkpoints, decode=config.decode, device=config.train.device)
     started = time.perf_counter()
     try:
         hyps = translate_texts(translator, src, beam)  # as `tfm translate` would: the same chunks and batches
@@ -125,11 +127,11 @@ def evaluate_model(config, checkpoint: Path, split: str, metrics: list[str], bea
     seconds = time.perf_counter() - started
     result = score(hyps, refs, metrics, confidence)
     beam_used = config.decode.beam if beam is None else beam
-    result.extra = {"split": split, "checkpoint": str(checkpoint), "beam": beam_used, "source": str(src_path),
+    result.extra = {"split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": beam_used, "source": str(src_path),
                     "reference": str(ref_path), "decode_seconds": round(seconds, 2),
                     "sentences_per_s": round(len(src) / seconds, 2)}
     out_dir = RunDirectory(config.run_path).eval_dir
-    stem = f"{split}.{Path(checkpoint).stem}.beam{beam_used}"
+    stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam_used}"
     atomic_write_text(out_dir / f"{stem}.hyp", "\n".join(hyps) + "\n")
     atomic_write_text(out_dir / f"{stem}.json", json.dumps(result.to_json(), indent=2))
     result.extra["hyp_file"] = str(out_dir / f"{stem}.hyp")

@@ -18,6 +18,7 @@ from typing import IO
 import torch
 from tqdm import tqdm
 
+from .alignment import word_alignments
 from .checkpoint import load_trained_model
 from .config import (
     DecodeConfig,
@@ -29,8 +30,9 @@ from .console import warn, write_fully
 from .cpu import denormals_flushed_to_zero, keep_freed_memory
 from .cpu_inference import pack_linear_layers, quantize_int8
 from .data import BOS_ID, EOS_ID, pad_batch
-from .decoding import Hypothesis, beam_search, greedy_search, greedy_search_continuous
+from .decoding import Hypothesis, Sampling, beam_search, greedy_search, greedy_search_continuous, sample_search
 from .devices import is_out_of_memory, resolve_device, split_on_out_of_memory
+from .ensemble import load_ensemble
 from .errors import TfmError
 from .model import Transformer
 from .precision import PrecisionChoice, choose_precision
@@ -42,6 +44,7 @@ class Translation:
     text: str
     score: float  # the search's score: length-normalised log-probability (greedy: the plain sum)
     n_tokens: int
+    alignment: str | None = None  # "i-j i-j …" source word i ~ target word j (0-based), when asked for
 
 
 class TranslationEngine:
@@ -55,9 +58,15 @@ class TranslationEngine:
     def tokenize(self, lines: list[str]) -> list[list]:
         raise NotImplementedError
 
-    def search(self, sources: list[list], beam: int, nbest: int) -> list[list[Hypothesis]]:
-        """Tokenized sources → per sentence its n-best hypotheses (tokens as `tokenize` gives them)."""
+    def search(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig) -> list[list[Hypothesis]]:
+        """Tokenized sources → per sentence its n-best hypotheses (tokens as `tokenize` gives them),
+        under `decode`'s settings (sampling, length limits)."""
         raise NotImplementedError
+
+    def align(self, lines: list[str], sources: list[list], hyps: list[list[Hypothesis]],
+              decode: DecodeConfig) -> list[list[str]]:
+        """Per sentence, per hypothesis its word alignment in Pharaoh format ("i-j …")."""
+        raise TfmError("word alignments (--alignment) come from tfm's own engine: use --engine torch")
 
     def detokenize(self, tokens: list) -> str:
         raise NotImplementedError
@@ -66,20 +75,25 @@ class TranslationEngine:
         """Release what the engine started (worker processes, threads); it also ends at exit."""
 
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
-                  first_line: int = 1) -> list[list[Translation]]:
-        """Per input line its n-best translations; empty (or blank) lines give empty output.
+                  first_line: int = 1, decode: DecodeConfig | None = None) -> list[list[Translation]]:
+        """Per input line its n-best translations (n samples with decode.sample); empty (or blank)
+        lines give empty output. `decode` replaces the engine's settings for this call.
 
         A line longer than the model's positions is cut with a warning naming it (`first_line` is
         the number of `lines[0]` in the user's input).
         """
-        beam = self.decode.beam if beam is None else beam
+        decode = self.decode if decode is None else decode
+        beam = decode.beam if beam is None else beam
         nonempty = [i for i, line in enumerate(lines) if line.strip()]
         sources = self.tokenize([lines[i] for i in nonempty]) if nonempty else []
         warn_long_lines(nonempty, sources, self.max_source_tokens, first_line)
-        hyps = self.search(sources, max(beam, 1), nbest) if sources else []
-        out: list[list[Translation]] = [[Translation("", 0.0, 0)] * max(nbest, 1) for _ in lines]
-        for i, h in zip(nonempty, hyps):
-            out[i] = [Translation(self.detokenize(x.tokens), x.score, len(x.tokens)) for x in h]
+        hyps = self.search(sources, max(beam, 1), nbest, decode) if sources else []
+        alignments = (self.align([lines[i] for i in nonempty], sources, hyps, decode) if decode.alignment and sources
+                      else [[None] * len(h) for h in hyps])
+        empty = Translation("", 0.0, 0, "" if decode.alignment else None)
+        out: list[list[Translation]] = [[empty] * max(nbest, 1) for _ in lines]
+        for i, h, a in zip(nonempty, hyps, alignments):
+            out[i] = [Translation(self.detokenize(x.tokens), x.score, len(x.tokens), pairs) for x, pairs in zip(h, a)]
         return out
 
 
@@ -122,13 +136,15 @@ class Translator(TranslationEngine):
         self.workers: DecodingWorkers | None = None  # started by the first search
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, decode: DecodeConfig | None = None,
+    def from_checkpoint(cls, path: str | Path | list[str | Path], decode: DecodeConfig | None = None,
                         device: str = "auto", overrides: list[str] | None = None,
                         precision: str | None = None) -> Translator:
-        """`decode` replaces the checkpoint's decode settings; `overrides` (`decode.beam=4`…) edit them;
-        `precision` (fp32, bf16, int8, auto), when given, replaces the resulting decode.precision."""
+        """`path`: a checkpoint, or several (an ensemble: the first one's settings). `decode` replaces
+        the checkpoint's decode settings; `overrides` (`decode.beam=4`…) edit them; `precision` (fp32,
+        bf16, int8, auto), when given, replaces the resulting decode.precision."""
         dev = resolve_device(device)
-        trained = load_trained_model(path)
+        paths = path if isinstance(path, (list, tuple)) else [path]
+        trained = load_trained_model(paths[0]) if len(paths) == 1 else load_ensemble(paths)
         config = trained.config
         if overrides:
             check_inference_overrides(overrides)
@@ -157,11 +173,17 @@ class Translator(TranslationEngine):
     def detokenize(self, tokens: list[int]) -> str:
         return self.tgt_sp.decode(tokens)
 
-    def search(self, sources: list[list[int]], beam: int, nbest: int) -> list[list[Hypothesis]]:
+    def search(self, sources: list[list[int]], beam: int, nbest: int,
+               decode: DecodeConfig | None = None) -> list[list[Hypothesis]]:
         if self.workers is None:  # decode.workers is read here: the CLI edits decode after loading
             processes = resolve_workers(self.decode.workers, self.device)
             self.workers = DecodingWorkers(partial(decode_batches, self.model, self.device), processes)
-        return decode_in_batches(self.model, sources, self.decode, self.device, beam, nbest, workers=self.workers)
+        return decode_in_batches(self.model, sources, decode or self.decode, self.device, beam, nbest,
+                                 workers=self.workers)
+
+    def align(self, lines: list[str], sources: list[list[int]], hyps: list[list[Hypothesis]],
+              decode: DecodeConfig) -> list[list[str]]:
+        return word_alignments(self.model, lines, sources, hyps, self.src_sp, self.tgt_sp, decode, self.device)
 
 
 def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
@@ -197,9 +219,10 @@ def decode_in_batches(
     sources = [s[: limit_positions - 1] + [EOS_ID] for s in sources]  # source too long → truncated
     results: list[list[Hypothesis]] = [[] for _ in sources]
     max_len_a, max_len_b = (0.0, max_len) if max_len is not None else (decode.max_len_a, decode.max_len_b)
-    search = (beam, decode.length_penalty, max_len_a, max_len_b, nbest, min_len)
+    sampling = Sampling(decode.temperature, decode.top_k, decode.top_p, decode.seed) if decode.sample else None
+    search = (beam, decode.length_penalty, max_len_a, max_len_b, nbest, min_len, sampling)
     batches = length_sorted_batches([len(s) for s in sources], decode.batch_size, decode.batch_tokens)
-    tasks = decoding_tasks(batches, continuous=beam <= 1)
+    tasks = decoding_tasks(batches, continuous=beam <= 1 and sampling is None)
     if workers is None:
         workers = DecodingWorkers(partial(decode_batches, model, device), processes=1)
     was_training = model.training
@@ -232,16 +255,19 @@ def decoding_tasks(batches: list[list[int]], continuous: bool) -> list[list[list
 
 def decode_batches(model: Transformer, device: torch.device, batches: list[list[list[int]]], beam: int,
                    alpha: float, max_len_a: float, max_len_b: int, nbest: int,
-                   min_len: int) -> list[list[list[Hypothesis]]]:
+                   min_len: int, sampling: Sampling | None = None) -> list[list[list[Hypothesis]]]:
     """A task: batches of id sequences (each ending in <eos>), longest first → per batch, per sentence its
-    n-best hypotheses. Greedy decodes them with continuous batching (`greedy_search_continuous`),
-    beam search one batch after the other; a batch that runs out of memory is retried in halves."""
+    n-best hypotheses (`nbest` samples with `sampling`). Greedy decodes them with continuous batching
+    (`greedy_search_continuous`), beam search and sampling one batch after the other; a batch that runs
+    out of memory is retried in halves."""
 
     def padded(rows: list[list[int]]) -> torch.Tensor:
         return pad_batch(rows).to(device)
 
     def search(sources: list[list[int]], rows: list[int]) -> list[list[Hypothesis]]:
         src = padded([sources[i] for i in rows])
+        if sampling is not None:
+            return sample_search(model, src, BOS_ID, EOS_ID, sampling, nbest, max_len_a, max_len_b, min_len)
         if beam <= 1:
             return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, max_len_a, max_len_b, min_len)]
         return beam_search(model, src, BOS_ID, EOS_ID, beam, alpha, max_len_a, max_len_b, nbest, min_len)
@@ -254,7 +280,7 @@ def decode_batches(model: Transformer, device: torch.device, batches: list[list[
         return [split_on_out_of_memory(partial(search, b), list(range(len(b))), halved) for b in batches]
 
     with denormals_flushed_to_zero():
-        if beam > 1 or len(batches) == 1:
+        if beam > 1 or sampling is not None or len(batches) == 1:
             return one_by_one()
         srcs = [padded(b) for b in batches]
         try:
@@ -307,9 +333,15 @@ class StreamStats:
     seconds: float = 0.0
 
 
+def with_alignment(translation: Translation) -> str:
+    """The translation, and after a tab its word alignment when there is one."""
+    return translation.text if translation.alignment is None else f"{translation.text}\t{translation.alignment}"
+
+
 def format_nbest(index: int, translations: list[Translation]) -> list[str]:
-    """n-best format: `<0-based input line>\\t<rank>\\t<score>\\t<translation>`, one hypothesis a line."""
-    return [f"{index}\t{rank}\t{t.score:.4f}\t{t.text}" for rank, t in enumerate(translations, start=1)]
+    """n-best format: `<0-based input line>\\t<rank>\\t<score>\\t<translation>[\\t<alignment>]`, one
+    hypothesis a line."""
+    return [f"{index}\t{rank}\t{t.score:.4f}\t{with_alignment(t)}" for rank, t in enumerate(translations, start=1)]
 
 
 CHUNK_LINES = 1000  # lines translated together (length-sorted into batches) after the first batch
@@ -335,7 +367,7 @@ def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO
             if nbest > 1:
                 texts.extend(format_nbest(stats.sentences + offset, translations))
             else:
-                texts.append(translations[0].text)
+                texts.append(with_alignment(translations[0]))
             stats.tokens += translations[0].n_tokens
         write_fully(output, "\n".join(texts) + "\n")  # a full disk: an OSError naming the file
         stats.sentences += len(chunk)

@@ -1,0 +1,143 @@
+"""Load on `tfm serve`: requests/s and latency for 1, 16 and 64 concurrent clients, against
+`tfm translate`'s throughput on the same sentences (loopback only; bounded in count and time).
+
+    pip install -e '.[serve]'
+    python scripts/bench_serve.py --checkpoint runs/de-en/checkpoints/checkpoint_best.pt \
+        --src data/multi30k/test_2016_flickr.de.gz
+
+Each client sends one sentence per request, over its own kept-alive connection, and waits for the
+answer before sending the next. Per client count: --requests requests (at most --seconds of
+sending), requests/s, p50/p99 latency, and how many answers differ from `tfm translate`'s for the
+same sentence (dynamic batching puts a sentence beside other sentences than `tfm translate`
+does; in bf16 that may change a word now and then, in fp32 it should not). Target: with 64 clients
+the server's sentences/s are close to (≥ 0.8x) `tfm translate`'s, whose batches are as full as
+they can be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_common import machine_line  # noqa: E402
+
+from transformer_cli.files import read_lines  # noqa: E402
+from transformer_cli.translate import Translator  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "transformer_cli.cli", "serve", "--checkpoint", args.checkpoint,
+               "--port", str(port), *[a for s in args.set for a in ("--set", s)]]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return server
+        except OSError:
+            if server.poll() is not None:
+                raise SystemExit(f"tfm serve exited: {server.stderr.read()}") from None
+            time.sleep(0.2)
+    raise SystemExit("tfm serve did not start within 120 s")
+
+
+def load(port: int, sentences: list[str], clients: int, requests: int, seconds: float) -> dict:
+    """`clients` threads, each sending one sentence a request until `requests` are sent or time is up."""
+    lock = threading.Lock()
+    next_index = [0]
+    latencies: list[float] = []
+    answers: dict[int, str] = {}
+    errors = [0]
+    stop_at = time.monotonic() + seconds
+
+    def client() -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        while time.monotonic() < stop_at:
+            with lock:
+                if next_index[0] >= requests:
+                    return
+                i = next_index[0]
+                next_index[0] += 1
+            body = json.dumps({"text": sentences[i % len(sentences)]})
+            started = time.perf_counter()
+            connection.request("POST", "/translate", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            payload = response.read()
+            with lock:
+                latencies.append(time.perf_counter() - started)
+                if response.status == 200:
+                    answers[i] = json.loads(payload)["translations"][0]
+                else:
+                    errors[0] += 1
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    latencies.sort()
+    return {"clients": clients, "requests": len(latencies), "errors": errors[0], "per_s": len(latencies) / elapsed,
+            "p50": statistics.median(latencies), "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "answers": answers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--src", required=True, help="Source sentences (plain or .gz).")
+    parser.add_argument("--clients", default="1,16,64")
+    parser.add_argument("--requests", type=int, default=1000, help="Requests per client count (at most).")
+    parser.add_argument("--seconds", type=float, default=60.0, help="Sending time per client count (at most).")
+    parser.add_argument("--set", action="append", default=[], help="decode.* settings for both (e.g. decode.beam=1).")
+    args = parser.parse_args()
+    sentences = read_lines(args.src)
+    print(machine_line())
+
+    translator = Translator.from_checkpoint(args.checkpoint, device="cpu", overrides=args.set or None)
+    translator.translate(sentences[:64])  # warm-up (starts the decoding workers)
+    started = time.perf_counter()
+    expected = [t[0].text for t in translator.translate(sentences)]
+    translate_rate = len(sentences) / (time.perf_counter() - started)
+    translator.close()
+    print(f"tfm translate: {len(sentences)} sentences, {translate_rate:.1f} sentences/s "
+          f"(beam {translator.decode.beam}, {translator.precision.describe()})")
+
+    port = free_port()
+    server = start_server(args, port)
+    try:
+        load(port, sentences, 4, 64, 30)  # warm-up
+        print("| clients | requests | errors | requests/s | vs tfm translate | p50 ms | p99 ms | answers ≠ translate |")
+        print("|---|---|---|---|---|---|---|---|")
+        for clients in map(int, args.clients.split(",")):
+            result = load(port, sentences, clients, args.requests, args.seconds)
+            differ = sum(text != expected[i % len(sentences)] for i, text in result["answers"].items())
+            print(f"| {clients} | {result['requests']} | {result['errors']} | {result['per_s']:.1f} | "
+                  f"{result['per_s'] / translate_rate:.2f}x | {1000 * result['p50']:.0f} | {1000 * result['p99']:.0f} | "
+                  f"{differ} |")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    print(f"server exit code after SIGTERM: {server.returncode}")
+
+
+if __name__ == "__main__":
+    main()

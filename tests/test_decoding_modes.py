@@ -1,0 +1,201 @@
+"""Production decoding: ensembles, sampling and word alignments, on a model that really learned
+the reverse task (source words in reverse order), decoded in fp32 (exact batch invariance)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import sacrebleu
+import torch
+
+from tests.conftest import reverse_task_config, tfm_in_process
+from transformer_cli.alignment import pharaoh, word_numbers
+from transformer_cli.config import config_from_dict
+from transformer_cli.data import prepare
+from transformer_cli.decoding import Sampling, draw, sampling_distribution
+from transformer_cli.ensemble import Ensemble
+from transformer_cli.files import read_lines
+from transformer_cli.train import train
+from transformer_cli.translate import Translator
+
+FP32 = ["decode.precision=fp32"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(reverse_model):
+    return reverse_model[1].best_checkpoint
+
+
+@pytest.fixture(scope="module")
+def held_out(reverse_model):
+    config, _ = reverse_model
+    return read_lines(f"{config.data.test}.src.gz")[:80], read_lines(f"{config.data.test}.tgt.gz")[:80]
+
+
+def engine(*checkpoints, **decode) -> Translator:
+    overrides = FP32 + [f"decode.{k}={json.dumps(v)}" for k, v in decode.items()]
+    return Translator.from_checkpoint(list(checkpoints), device="cpu", overrides=overrides)
+
+
+# --------------------------------------------------------------------------- ensembles
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_an_ensemble_of_a_model_with_itself_is_the_model(checkpoint, held_out, beam):
+    src, _ = held_out
+    alone = engine(checkpoint).translate(src, beam=beam, nbest=min(beam, 2))
+    twice = engine(checkpoint, checkpoint)
+    assert isinstance(twice.model, Ensemble) and len(twice.model.members) == 2
+    together = twice.translate(src, beam=beam, nbest=min(beam, 2))
+    assert [[t.text for t in ts] for ts in together] == [[t.text for t in ts] for ts in alone]
+    for ts_alone, ts_together in zip(alone, together):
+        for a, b in zip(ts_alone, ts_together):
+            assert b.score == pytest.approx(a.score, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def two_weak_models(tmp_path_factory, reverse_model):
+    """Two short runs (seeds 1 and 2) on one prepared vocabulary: far from perfect on their own."""
+    config, _ = reverse_model
+    root = tmp_path_factory.mktemp("ensemble")
+    paths = []
+    for seed in (1, 2):
+        raw = reverse_task_config(Path(config.data.train).parent, root / f"run{seed}", seed=seed, max_steps=160,
+                                  eval_every=160, lr_schedule="budget", precision="fp32")
+        raw["vocab"]["from_run"] = str(config.run_dir)
+        cfg = config_from_dict(raw)
+        prepare(cfg, progress=False)
+        paths.append(train(cfg, progress_bar=False).last_checkpoint)
+    return paths
+
+
+def test_an_ensemble_of_two_seeds_scores_at_least_their_mean(two_weak_models, held_out):
+    src, ref = held_out
+    bleu = {}
+    for name, paths in (("a", two_weak_models[:1]), ("b", two_weak_models[1:]), ("ab", two_weak_models)):
+        hyps = [t[0].text for t in engine(*paths).translate(src, beam=4)]
+        bleu[name] = sacrebleu.corpus_bleu(hyps, [ref]).score
+    assert bleu["a"] < 90 and bleu["b"] < 90, bleu  # weak members, so the comparison means something
+    assert bleu["ab"] >= (bleu["a"] + bleu["b"]) / 2, bleu
+
+
+def test_translate_and_evaluate_take_an_ensemble(checkpoint, reverse_model, tmp_path):
+    config, _ = reverse_model
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--checkpoint", checkpoint,
+                            "--set", "decode.precision=fp32", "--beam", "2", input="wa wb wc\n")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == "wc wb wa\n"
+    run_config = tmp_path / "c.yaml"
+    raw = json.loads(config.model_dump_json())
+    raw["decode"]["checkpoints"] = [str(checkpoint), str(checkpoint)]
+    run_config.write_text(json.dumps(raw))
+    result = tfm_in_process("evaluate", "--config", run_config, "--json", "--beam", "1")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["checkpoint"] == f"{checkpoint} + {checkpoint}" and report["scores"]["bleu"]["score"] > 90
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_sampling_distribution_cuts_exactly():
+    logprobs = torch.tensor([[0.5, 0.25, 0.15, 0.1]]).log()
+    assert sampling_distribution(logprobs, Sampling()).tolist()[0] == pytest.approx([0.5, 0.25, 0.15, 0.1])
+    assert sampling_distribution(logprobs, Sampling(top_k=2))[0].tolist() == pytest.approx([2 / 3, 1 / 3, 0, 0])
+    # nucleus 0.7: 0.5 alone is short of it, 0.5 + 0.25 reaches it; the rest is cut
+    assert sampling_distribution(logprobs, Sampling(top_p=0.7))[0].tolist() == pytest.approx([0.5, 0.25, 0, 0])
+    assert sampling_distribution(logprobs, Sampling(top_p=0.1))[0].tolist() == pytest.approx([0.5, 0, 0, 0])
+    hot = sampling_distribution(logprobs, Sampling(temperature=2.0))[0]
+    cold = sampling_distribution(logprobs, Sampling(temperature=0.5))[0]
+    assert hot[0] < 0.5 < cold[0]  # temperature flattens or sharpens
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_zero():
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.2]).repeat(4000, 1)
+    generators = [torch.Generator().manual_seed(i) for i in range(len(probs))]
+    counts = torch.bincount(draw(probs, generators), minlength=4).float() / len(probs)
+    assert counts[2] == 0
+    assert counts.tolist() == pytest.approx([0.5, 0.3, 0.0, 0.2], abs=0.03)
+
+
+def samples(translator, lines, **kwargs):
+    return [[t.text for t in ts] for ts in translator.translate(lines, **kwargs)]
+
+
+def test_sampling_is_reproducible_per_seed_and_differs_across_seeds(checkpoint, held_out):
+    src, _ = held_out
+    hot = dict(sample=True, temperature=3.0)
+    first = samples(engine(checkpoint, seed=7, **hot), src, nbest=3)
+    # the same seed in other batches (7 sentences a batch, another order) gives the same samples
+    other_batches = engine(checkpoint, seed=7, batch_size=7, **hot)
+    assert samples(other_batches, src[::-1], nbest=3) == first[::-1]
+    assert all(len(ts) == 3 for ts in first)
+    assert sum(len(set(ts)) > 1 for ts in first) > len(src) / 2  # three samples, mostly not all alike
+    assert samples(engine(checkpoint, seed=8, **hot), src, nbest=3) != first
+
+
+def test_sampling_from_the_top_token_only_is_greedy(checkpoint, held_out):
+    src, _ = held_out
+    greedy = samples(engine(checkpoint), src, beam=1)
+    assert samples(engine(checkpoint, sample=True, top_k=1, seed=3), src) == greedy
+
+
+def test_translate_samples_from_the_command_line(checkpoint):
+    args = ["translate", "--checkpoint", checkpoint, "--set", "decode.precision=fp32", "--sample",
+            "--temperature", "3", "--top-p", "0.95", "--nbest", "4"]
+    first = tfm_in_process(*args, "--seed", "1", input="wa wb wc wd\n")
+    assert first.exit_code == 0, first.stderr
+    rows = [line.split("\t") for line in first.stdout.splitlines()]
+    assert [r[:2] for r in rows] == [["0", "1"], ["0", "2"], ["0", "3"], ["0", "4"]]
+    assert tfm_in_process(*args, "--seed", "1", input="wa wb wc wd\n").stdout == first.stdout
+
+
+# --------------------------------------------------------------------------- alignments
+
+
+def test_word_numbers_follow_the_word_start_mark():
+    assert word_numbers(["▁a", "b", "▁c", "▁", "d", "."]) == [0, 0, 1, 2, 2, 2]
+    assert word_numbers(["x", "▁y"]) == [0, 1]  # a first piece without the mark is still word 0
+
+
+def test_pharaoh_links_each_target_subword_to_its_strongest_source_subword():
+    weights = torch.tensor([[0.1, 0.7, 0.1, 0.1],   # target piece 0 → source piece 1
+                            [0.6, 0.2, 0.1, 0.1],   # 1 → 0
+                            [0.1, 0.1, 0.1, 0.7]])  # 2 → 3 (<eos> column 3 is outside the 3 pieces) → 0 or 2
+    src_words, tgt_words = [0, 1, 1], [0, 1, 1]
+    assert pharaoh(weights, src_words, tgt_words, 2, 2) == "0-1 1-0 1-1" or pharaoh(
+        weights, src_words, tgt_words, 2, 2) == "0-1 1-0"
+    assert pharaoh(weights, [], tgt_words, 1, 2) == ""
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_alignments_of_the_reverse_task_run_against_the_diagonal(checkpoint, held_out, beam):
+    src, _ = held_out
+    translations = engine(checkpoint, alignment=True).translate(src, beam=beam, nbest=min(beam, 2))
+    links = reversed_links = 0
+    for line, ts in zip(src, translations):
+        for t in ts:
+            n_src, n_tgt = len(line.split()), len(t.text.split())
+            pairs = [tuple(map(int, p.split("-"))) for p in t.alignment.split()]
+            assert pairs == sorted(set(pairs))
+            assert all(0 <= i < n_src and 0 <= j < n_tgt for i, j in pairs), (line, t)
+            assert {j for _, j in pairs} == set(range(n_tgt))  # every target word is linked
+            links += len(pairs)
+            reversed_links += sum(j == n_src - 1 - i for i, j in pairs)
+    assert reversed_links / links >= 0.8, reversed_links / links
+
+
+def test_translate_prints_alignments_after_a_tab(checkpoint):
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--set", "decode.precision=fp32", "--alignment",
+                            input="wa wb wc\n\nwd we\n")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3 and lines[1] == "\t"
+    for line in (lines[0], lines[2]):
+        text, alignment = line.split("\t")
+        assert alignment and all(len(p.split("-")) == 2 for p in alignment.split())
+    nbest = tfm_in_process("translate", "--checkpoint", checkpoint, "--set", "decode.precision=fp32", "--alignment",
+                           "--beam", "3", "--nbest", "2", input="wa wb wc\n")
+    assert [len(row.split("\t")) for row in nbest.stdout.splitlines()] == [5, 5]

@@ -1,0 +1,143 @@
+"""`tfm serve` as a real process on loopback: concurrent clients get what `tfm translate` gives,
+bad requests get a 4xx JSON error without disturbing anyone, SIGTERM lets requests in flight finish."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from transformer_cli.files import read_lines
+from transformer_cli.translate import Translator
+
+pytest.importorskip("fastapi", reason="tfm serve needs the [serve] extra (CI installs it with [test])")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, body, raw: bytes | None = None, timeout: float = 60) -> tuple[int, dict]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/translate", data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+class Server:
+    def __init__(self, checkpoint, *extra: str):
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "transformer_cli.cli", "serve", "--checkpoint", str(checkpoint), "--port",
+             str(self.port), "--set", "decode.precision=fp32", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as answer:
+                    assert json.loads(answer.read()) == {"status": "ok"}
+                    return
+            except (urllib.error.URLError, ConnectionError):
+                assert self.process.poll() is None, self.process.communicate()
+                time.sleep(0.2)
+        raise AssertionError("tfm serve did not answer /health within 120 s")
+
+    def stop(self) -> tuple[int, str]:
+        self.process.send_signal(signal.SIGTERM)
+        _, stderr = self.process.communicate(timeout=60)
+        return self.process.returncode, stderr
+
+
+@pytest.fixture(scope="module")
+def server(reverse_model):
+    running = Server(reverse_model[1].best_checkpoint, "--max-lines", "50", "--max-chars", "500")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def sentences(reverse_model):
+    config, _ = reverse_model
+    return read_lines(f"{config.data.test}.src.gz")
+
+
+def test_concurrent_clients_get_what_translate_gives(server, reverse_model, sentences):
+    lines = (sentences * 2)[:200]
+    translator = Translator.from_checkpoint(reverse_model[1].best_checkpoint, device="cpu",
+                                            overrides=["decode.precision=fp32"])
+    expected = [t[0].text for t in translator.translate(lines)]
+    with ThreadPoolExecutor(max_workers=16) as clients:  # 16 clients, one sentence a request
+        answers = list(clients.map(lambda line: post(server.port, {"text": line}), lines))
+    assert [status for status, _ in answers] == [200] * len(lines)
+    assert [body["translations"] for _, body in answers] == [[e] for e in expected]
+    status, body = post(server.port, {"text": lines[:5], "beam": 3, "nbest": 2, "alignment": True})
+    assert status == 200 and body["translations"] == expected[:5]
+    assert [len(n) for n in body["nbest"]] == [2] * 5 and all(body["alignments"])
+
+
+@pytest.mark.parametrize("raw, body, status, says", [
+    (b"not json", None, 422, "JSON"),
+    (None, {"txt": "wa"}, 422, "text"),
+    (None, {"text": 5}, 422, "text"),
+    (None, {"text": ["wa", None]}, 422, "text"),
+    (None, {"text": ["wa"] * 51}, 413, "51 lines"),
+    (None, {"text": "wa " * 200}, 413, "600 characters"),
+    (None, {"text": "wa\nwb"}, 422, "line break"),
+    (None, {"text": "wa", "beam": 0}, 422, "beam"),
+    (None, {"text": "wa", "nbest": 5, "beam": 2}, 422, "nbest"),
+    (None, {"text": "wa", "sample": True, "top_p": 2}, 422, "top_p"),
+    (None, {"text": "wa", "temperature": -1}, 422, "temperature"),
+    (None, {"text": "wa", "precision": "int8"}, 422, "precision"),
+])
+def test_bad_requests_get_an_error_and_the_server_goes_on(server, raw, body, status, says):
+    got, answer = post(server.port, body, raw=raw)
+    assert got == status and says in json.dumps(answer), answer
+    assert post(server.port, {"text": ["wa wb wc", ""]}) == (200, {"translations": ["wc wb wa", ""]})
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_requests_in_flight_and_exits_cleanly(reverse_model, sentences):
+    server = Server(reverse_model[1].best_checkpoint, "--max-lines", "1000")
+    answers = []
+    requests = [threading.Thread(target=lambda: answers.append(post(server.port, {"text": sentences, "beam": 8})))
+                for _ in range(4)]
+    for thread in requests:
+        thread.start()
+    time.sleep(0.3)  # the requests are being decoded
+    code, stderr = server.stop()
+    for thread in requests:
+        thread.join()
+    assert code == 0 and "Traceback" not in stderr, stderr
+    assert [status for status, _ in answers] == [200] * 4
+    assert all(len(body["translations"]) == len(sentences) for _, body in answers)
+    with pytest.raises(urllib.error.URLError):
+        post(server.port, {"text": "wa"}, timeout=5)
+    assert "stopped" in stderr
+
+
+def test_a_port_in_use_is_one_line(reverse_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "transformer_cli.cli", "serve", "--checkpoint",
+                               str(reverse_model[1].best_checkpoint), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: cannot serve on 127.0.0.1:{port}" in proc.stderr

@@ -1,0 +1,185 @@
+"""`tfm serve`: a translation engine behind an HTTP JSON API (FastAPI + uvicorn: pip install -e '.[serve]').
+
+    GET  /health     → {"status": "ok"}
+    POST /translate  {"text": "…" | ["…", …], optional decode settings} → {"translations": ["…", …]}
+    GET  /docs       the OpenAPI page
+
+Requests that arrive together are decoded together (dynamic batching): a `Batcher` collects what
+arrives within `max_wait` seconds of the first waiting request (and whatever queued while the
+previous batch was decoding), up to `max_batch_lines` lines, and translates requests with the same
+settings as one call of the engine, which sorts their lines into batches as `tfm translate` does.
+Decoding runs on one thread beside the event loop, so the server keeps accepting meanwhile.
+A malformed request is a 4xx JSON error and changes nothing for the others. SIGTERM (and Ctrl-C)
+stop accepting, let the requests in flight finish, and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .config import DecodeConfig
+from .errors import TfmError
+from .translate import TranslationEngine, Translation
+
+# Per-request decode settings a client may choose; the rest (lengths, precision, batching) is the server's.
+REQUEST_SETTINGS = ("beam", "nbest", "alignment", "sample", "top_k", "top_p", "temperature", "seed")
+
+
+class TranslateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    text: str | list[str]
+    beam: int | None = Field(None, ge=1, le=64)
+    nbest: int | None = Field(None, ge=1, le=64)
+    alignment: bool | None = None
+    sample: bool | None = None
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, gt=0.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+
+
+@dataclass
+class Job:
+    lines: list[str]
+    decode: DecodeConfig
+    done: asyncio.Future = field(repr=False)
+
+
+class Batcher:
+    """Collects concurrent requests into batches for one engine, decoded on one worker thread."""
+
+    def __init__(self, engine: TranslationEngine, max_wait: float, max_batch_lines: int):
+        self.engine, self.max_wait, self.max_batch_lines = engine, max_wait, max_batch_lines
+        self.queue: asyncio.Queue[Job] = asyncio.Queue()
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tfm-decode")
+
+    async def translate(self, lines: list[str], decode: DecodeConfig) -> list[list[Translation]]:
+        job = Job(lines, decode, asyncio.get_running_loop().create_future())
+        await self.queue.put(job)
+        return await job.done
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            jobs = [await self.queue.get()]
+            deadline = loop.time() + self.max_wait
+            while sum(len(j.lines) for j in jobs) < self.max_batch_lines:
+                try:
+                    jobs.append(self.queue.get_nowait() if not self.queue.empty() else
+                                await asyncio.wait_for(self.queue.get(), deadline - loop.time()))
+                except (asyncio.TimeoutError, ValueError):
+                    break
+            for settings in {job.decode.model_dump_json(): job.decode for job in jobs}.values():
+                same = [job for job in jobs if job.decode == settings]
+                await self._decode_together(same, settings)
+
+    async def _decode_together(self, jobs: list[Job], decode: DecodeConfig) -> None:
+        lines = [line for job in jobs for line in job.lines]
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.thread, lambda: self.engine.translate(lines, nbest=decode.nbest, decode=decode))
+        except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
+            for job in jobs:
+                if not job.done.done():
+                    job.done.set_exception(exc)
+            return
+        start = 0
+        for job in jobs:
+            if not job.done.done():  # a client that went away has cancelled its future
+                job.done.set_result(results[start : start + len(job.lines)])
+            start += len(job.lines)
+
+
+def request_decode(base: DecodeConfig, request: TranslateRequest) -> DecodeConfig:
+    """The server's decode settings with the request's choices; a rule across them broken → ValueError."""
+    chosen = {name: getattr(request, name) for name in REQUEST_SETTINGS if getattr(request, name) is not None}
+    try:
+        return DecodeConfig.model_validate({**base.model_dump(), **chosen})
+    except ValidationError as exc:
+        raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+
+
+def response(results: list[list[Translation]], decode: DecodeConfig) -> dict:
+    body: dict = {"translations": [r[0].text for r in results]}
+    if decode.alignment:
+        body["alignments"] = [r[0].alignment for r in results]
+    if decode.nbest > 1:
+        body["nbest"] = [[{"text": t.text, "score": t.score, **({"alignment": t.alignment} if decode.alignment else {})}
+                          for t in r] for r in results]
+    return body
+
+
+def create_app(engine: TranslationEngine, max_lines: int = 256, max_chars: int = 10_000,
+               max_wait: float = 0.005, max_batch_lines: int = 256):
+    """The FastAPI application serving `engine`."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    batcher = Batcher(engine, max_wait, max_batch_lines)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(batcher.run())
+        yield
+        task.cancel()
+        batcher.thread.shutdown(wait=True)
+
+    app = FastAPI(title="tfm", description="Transformer translation (tfm serve)", lifespan=lifespan)
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse(status_code=status, content={"error": message})
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.post("/translate")
+    async def translate(request: TranslateRequest):
+        lines = [request.text] if isinstance(request.text, str) else request.text
+        if len(lines) > max_lines:
+            return error(413, f"text: {len(lines)} lines, more than this server's limit of {max_lines} a request")
+        for number, line in enumerate(lines, start=1):
+            if len(line) > max_chars:
+                return error(413, f"text line {number}: {len(line)} characters, more than the limit of {max_chars}")
+            if "\n" in line or "\r" in line:
+                return error(422, f"text line {number}: contains a line break (send one sentence per list item)")
+        try:
+            decode = request_decode(engine.decode, request)
+        except ValueError as exc:
+            return error(422, str(exc))
+        try:
+            results = await batcher.translate(lines, decode)
+        except TfmError as exc:
+            return error(422, str(exc))
+        return response(results, decode)
+
+    return app
+
+
+def serve(engine: TranslationEngine, host: str, port: int, **limits) -> None:
+    """Serve until SIGTERM or Ctrl-C; requests in flight finish first. Returns normally (exit 0)."""
+    import uvicorn
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:  # a clear error first
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise TfmError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, **limits), host=host, port=port,
+                                           log_level="warning", access_log=False))
+    # uvicorn handles SIGINT/SIGTERM itself (graceful shutdown) and afterwards re-raises the signal
+    # to the handler it found: a no-op here, so the stop ends this function instead of the process.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
