@@ -7,7 +7,8 @@
 No gold word alignment for this language pair ships in a registry package, so the reference is
 eflomal (Östling & Tiedemann, 2016; on PyPI), trained on the training corpus plus the test source
 beside tfm's own translations: its forward ∩ reverse links are the sure links S, forward ∪
-reverse the possible links P. Printed per decoder layer: alignment error rate
+reverse the possible links P. Printed for the default (attention averaged over decoder layers) and
+for each decoder layer alone: alignment error rate
 AER = 1 − (|A∩S| + |A∩P|) / (|A| + |S|) (Och & Ney, 2003), precision against P and recall of S;
 and, for scale, the same for a diagonal baseline (target word j ↔ source word j·m/n). Lowercased,
 whitespace words, as tfm prints them.
@@ -73,18 +74,19 @@ def main() -> None:
     translator = Translator.from_checkpoint(args.checkpoint, device="cpu")
     layers = translator.model.cfg.dec_layers
     results = {}
-    for layer in range(1, layers + 1):
+    for layer in [None, *range(1, layers + 1)]:  # None: the mean over layers (the default)
         translator.decode = translator.decode.model_copy(update={"alignment": True, "alignment_layer": layer})
         results[layer] = translator.translate(source, beam=args.beam)
-    translations = [t[0].text for t in results[1]]
+    translations = [t[0].text for t in results[None]]
     keep = [i for i, t in enumerate(translations) if source[i].strip() and t.strip()]
     sure, possible = eflomal_links(lines(args.train, args.src_lang) + [source[i] for i in keep],
                                    lines(args.train, args.tgt_lang) + [translations[i] for i in keep], len(keep))
     print(f"{len(keep)} sentences of {args.test}, beam {args.beam}; reference: eflomal on "
           f"{args.train} + these pairs (|S| = {sum(map(len, sure))}, |P| = {sum(map(len, possible))} links)")
-    for layer in range(1, layers + 1):
+    for layer in [None, *range(1, layers + 1)]:
         found = [parse(results[layer][i][0].alignment) for i in keep]
-        print(f"| decoder layer {layer} | {scores(found, sure, possible)} |")
+        name = "mean of all decoder layers (default)" if layer is None else f"decoder layer {layer}"
+        print(f"| {name} | {scores(found, sure, possible)} |")
     diagonal = []
     for i in keep:
         m, n = len(source[i].split()), len(translations[i].split())

@@ -2,10 +2,12 @@
 target word j, both 0-based over whitespace-separated words).
 
 After the search, each translation is teacher-forced through the decoder once more, and the
-attention of one decoder layer, averaged over its heads, links every target subword to the
-source subword it attends to most while the decoder predicts it. Which layer aligns best depends
-on the model (Garg et al., 2019 found the penultimate of six); for tfm's small decoders the last
-one measured best against a statistical aligner (docs/translation.md), so it is the default.
+encoder–decoder attention, averaged over heads and decoder layers, links every target subword to
+the source subword it attends to most while the decoder predicts it. Which single layer aligns
+best depends on the model (Garg et al., 2019 found the penultimate of six; a Multi30k model's
+first of three, a reverse-task model's last of two), while the mean over layers measured as good
+as the best layer on both, so it is the default; `decode.alignment_layer` picks one layer.
+Measured against a statistical aligner: docs/translation.md.
 Subwords map to words by sentencepiece's word-start mark; each pair of words linked by a subword
 pair is printed once. An ensemble averages its members' attention.
 """
@@ -34,26 +36,27 @@ def word_numbers(pieces: list[str]) -> list[int]:
     return numbers
 
 
-def decoder_layer(model: Transformer, setting: int | None) -> int:
-    """The 0-based decoder layer alignments read: decode.alignment_layer (1-based), else the last."""
+def decoder_layers(model: Transformer, setting: int | None) -> list[int]:
+    """The 0-based decoder layers alignments read: decode.alignment_layer (1-based), else all."""
     layers = model.cfg.dec_layers
     if setting is not None and setting > layers:
         raise TfmError(f"decode.alignment_layer={setting}: the model has {layers} decoder layer(s)")
-    return setting - 1 if setting is not None else layers - 1
+    return [setting - 1] if setting is not None else list(range(layers))
 
 
 @torch.inference_mode()
 def cross_attention(model: Transformer | Ensemble, src: torch.Tensor, tgt: torch.Tensor,
                     setting: int | None) -> torch.Tensor:
     """src (B, S) ending in <eos>, tgt (B, T) ending in <eos>, both right-padded → (B, T, S) fp32:
-    row t is where the chosen layer's heads (mean) look while predicting tgt[:, t]."""
+    row t is where the chosen layers' heads (mean) look while predicting tgt[:, t]."""
     members = list(model.members) if isinstance(model, Ensemble) else [model]
     tgt_in = torch.cat([torch.full_like(tgt[:, :1], BOS_ID), tgt[:, :-1]], dim=1)  # (B, T)
     total = None
     for member in members:
         memory, src_mask = member.encode(src)
         member.decode(tgt_in, memory, src_mask, need_weights=True)
-        weights = member.cross_attention_weights()[decoder_layer(member, setting)].float().mean(dim=1)
+        maps = member.cross_attention_weights()
+        weights = torch.stack([maps[i].float().mean(dim=1) for i in decoder_layers(member, setting)]).mean(dim=0)
         total = weights if total is None else total + weights
     return total / len(members)
 

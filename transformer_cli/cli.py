@@ -323,6 +323,8 @@ def serve(
     batch_tokens: Optional[int] = BatchTokensOpt,
     device: str = DeviceOpt,
     quantize: Optional[str] = QuantizeOpt,
+    workers: Optional[str] = typer.Option(None, "--workers", help="CPU: processes decoding at once, one thread "
+                                          "each, forked at start (auto = one per core; 1 = the server process)."),
     sample: Optional[bool] = SampleOpt,
     top_k: Optional[int] = TopKOpt,
     top_p: Optional[float] = TopPOpt,
@@ -344,9 +346,8 @@ def serve(
         from .serve import serve as run_server
     except ImportError as exc:
         raise TfmError(f"tfm serve needs FastAPI and uvicorn: pip install -e '.[serve]' ({exc})") from None
-    # One process decodes, with all threads: the server's thread pool must not fork workers.
     translator = torch_engine(cfg, set_, checkpoint, device, quantize, batch_size=batch_size,
-                              batch_tokens=batch_tokens, workers=1, beam=beam, nbest=nbest, sample=sample,
+                              batch_tokens=batch_tokens, workers=workers, beam=beam, nbest=nbest, sample=sample,
                               top_k=top_k, top_p=top_p, temperature=temperature, seed=seed, alignment=alignment)
     warn(f"tfm serve: http://{host}:{port}/translate (docs: /docs); {translator.precision.describe()}")
     run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000)

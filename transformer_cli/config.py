@@ -202,7 +202,7 @@ class DecodeConfig(_Section):
     temperature: float = Field(1.0, gt=0.0)
     seed: int = Field(0, ge=0, lt=2**63)
     # Word alignments (source word i - target word j, Pharaoh format) from the encoder–decoder
-    # attention of decoder layer `alignment_layer` (1-based; default: the one before the last).
+    # attention, averaged over heads and decoder layers, or of decoder layer `alignment_layer` (1-based).
     alignment: bool = False
     alignment_layer: int | None = Field(None, ge=1)
 

@@ -7,8 +7,10 @@
 Requests that arrive together are decoded together (dynamic batching): a `Batcher` collects what
 arrives within `max_wait` seconds of the first waiting request (and whatever queued while the
 previous batch was decoding), up to `max_batch_lines` lines, and translates requests with the same
-settings as one call of the engine, which sorts their lines into batches as `tfm translate` does.
-Decoding runs on one thread beside the event loop, so the server keeps accepting meanwhile.
+settings as one call of the engine, which sorts their lines into batches as `tfm translate` does,
+split evenly over its decoding processes (decode.workers, forked before the server starts any
+thread). The engine is driven from one thread beside the event loop, so the server keeps
+accepting meanwhile.
 A malformed request is a 4xx JSON error and changes nothing for the others. SIGTERM (and Ctrl-C)
 stop accepting, let the requests in flight finish, and exit 0.
 """
@@ -55,8 +57,9 @@ class Job:
 class Batcher:
     """Collects concurrent requests into batches for one engine, decoded on one worker thread."""
 
-    def __init__(self, engine: TranslationEngine, max_wait: float, max_batch_lines: int):
+    def __init__(self, engine: TranslationEngine, max_wait: float, max_batch_lines: int, processes: int = 1):
         self.engine, self.max_wait, self.max_batch_lines = engine, max_wait, max_batch_lines
+        self.processes = processes  # decoding processes: each call's lines are split into this many batches at least
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tfm-decode")
 
@@ -66,6 +69,7 @@ class Batcher:
         return await job.done
 
     async def run(self) -> None:
+        """Collect and decode batches until cancelled (two at once measured slower: smaller batches)."""
         loop = asyncio.get_running_loop()
         while True:
             jobs = [await self.queue.get()]
@@ -82,6 +86,8 @@ class Batcher:
 
     async def _decode_together(self, jobs: list[Job], decode: DecodeConfig) -> None:
         lines = [line for job in jobs for line in job.lines]
+        if self.processes > 1:  # every process gets a batch
+            decode = decode.model_copy(update={"batch_size": max(1, min(decode.batch_size, -(-len(lines) // self.processes)))})
         try:
             results = await asyncio.get_running_loop().run_in_executor(
                 self.thread, lambda: self.engine.translate(lines, nbest=decode.nbest, decode=decode))
@@ -117,12 +123,12 @@ def response(results: list[list[Translation]], decode: DecodeConfig) -> dict:
 
 
 def create_app(engine: TranslationEngine, max_lines: int = 256, max_chars: int = 10_000,
-               max_wait: float = 0.005, max_batch_lines: int = 256):
-    """The FastAPI application serving `engine`."""
+               max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1):
+    """The FastAPI application serving `engine`, which decodes in `processes` processes."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    batcher = Batcher(engine, max_wait, max_batch_lines)
+    batcher = Batcher(engine, max_wait, max_batch_lines, processes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -167,14 +173,18 @@ def serve(engine: TranslationEngine, host: str, port: int, **limits) -> None:
     """Serve until SIGTERM or Ctrl-C; requests in flight finish first. Returns normally (exit 0)."""
     import uvicorn
 
+    workers = engine.decoding_workers() if hasattr(engine, "decoding_workers") else None
+    if workers is not None:
+        workers.start()  # forked now, while this process has no thread but torch's
+
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:  # a clear error first
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
             raise TfmError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, **limits), host=host, port=port,
-                                           log_level="warning", access_log=False))
+    app = create_app(engine, processes=workers.processes if workers is not None else 1, **limits)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     # uvicorn handles SIGINT/SIGTERM itself (graceful shutdown) and afterwards re-raises the signal
     # to the handler it found: a no-op here, so the stop ends this function instead of the process.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -183,3 +193,4 @@ def serve(engine: TranslationEngine, host: str, port: int, **limits) -> None:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        engine.close()

@@ -173,13 +173,18 @@ class Translator(TranslationEngine):
     def detokenize(self, tokens: list[int]) -> str:
         return self.tgt_sp.decode(tokens)
 
-    def search(self, sources: list[list[int]], beam: int, nbest: int,
-               decode: DecodeConfig | None = None) -> list[list[Hypothesis]]:
+    def decoding_workers(self) -> DecodingWorkers:
+        """The processes that decode batches (decode.workers); they start at the first search of two
+        or more batches, or with `.start()`."""
         if self.workers is None:  # decode.workers is read here: the CLI edits decode after loading
             processes = resolve_workers(self.decode.workers, self.device)
             self.workers = DecodingWorkers(partial(decode_batches, self.model, self.device), processes)
+        return self.workers
+
+    def search(self, sources: list[list[int]], beam: int, nbest: int,
+               decode: DecodeConfig | None = None) -> list[list[Hypothesis]]:
         return decode_in_batches(self.model, sources, decode or self.decode, self.device, beam, nbest,
-                                 workers=self.workers)
+                                 workers=self.decoding_workers())
 
     def align(self, lines: list[str], sources: list[list[int]], hyps: list[list[Hypothesis]],
               decode: DecodeConfig) -> list[list[str]]:

@@ -62,15 +62,19 @@ class DecodingWorkers:
         args = list(args)
         if self.processes <= 1 or len(args) <= 1:
             return (self.task(*a) for a in args)
-        if self._pool is None:
+        self.start()
+        # chunksize 1: batches come longest first, so handing them out one at a time balances the load.
+        return self._pool.imap(_run_task, args, chunksize=1)
+
+    def start(self) -> None:
+        """Fork the workers now (a server forks them before it starts threads of its own)."""
+        if self._pool is None and self.processes > 1:
             global _TASK
             _TASK = self.task
             # Workers flush the standard streams when they end: unwritten output must not be copied into them.
             sys.stdout.flush()
             sys.stderr.flush()
             self._pool = multiprocessing.get_context("fork").Pool(self.processes, initializer=_start_worker)
-        # chunksize 1: batches come longest first, so handing them out one at a time balances the load.
-        return self._pool.imap(_run_task, args, chunksize=1)
 
     @property
     def started(self) -> bool:
