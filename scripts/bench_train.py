@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from bench_common import hf_model, machine_line, tfm_model
 
 from transformer_cli.config import load_config
-from transformer_cli.cpu import keep_freed_memory
+from transformer_cli.cpu import keep_freed_memory, limit_training_kernel_cache
 from transformer_cli.data import PAD_ID, ParallelData
 from transformer_cli.loss import batch_loss
 from transformer_cli.precision import autocast_dtype, choose_precision
@@ -69,6 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
+    limit_training_kernel_cache()  # as `tfm train`, before torch's first kernel (process-wide: HF gets it too)
     amp_dtype = autocast_dtype(choose_precision(args.precision, device))
     if not args.system_malloc and device.type == "cpu":
         keep_freed_memory()
@@ -137,7 +138,7 @@ def main() -> None:
         for i, batch in enumerate(batches):
             step_fn(batch, i + 1)
         sync()
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB → GiB
+        rss = peak_rss_gib()
         gpu = f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
         print(f"peak {args.only}: RSS {rss:.2f} GiB{gpu}")
         return
@@ -184,6 +185,16 @@ def main() -> None:
         out = subprocess.run(child, capture_output=True, text=True)
         lines = [line for line in out.stdout.splitlines() if line.startswith("peak ")]
         print(lines[-1] if lines else f"peak {name}: the child failed: {out.stderr.strip()[-300:]}")
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set size: VmHWM, which starts anew at exec (getrusage's
+    ru_maxrss would include the parent's size when the child was forked)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:

@@ -368,3 +368,41 @@ def test_importing_tfm_enlarges_onednn_kernel_cache_unless_the_user_set_it():
     users = subprocess.run([sys.executable, "-c", code], env={**env, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "77"},
                            capture_output=True, text=True, check=True)
     assert users.stdout.strip() == "77"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_memory_kept_for_reuse_goes_back_to_the_os_when_released():
+    """Training keeps freed memory in the heap (keep_freed_memory); release_freed_memory, run after
+    each validation, hands it back: the resident set shrinks by what was freed."""
+    script = (
+        "import torch\n"
+        "from transformer_cli.cpu import keep_freed_memory, release_freed_memory\n"
+        "def rss():\n"
+        "    return int(open('/proc/self/statm').read().split()[1]) * 4096 // 2**20\n"
+        "assert keep_freed_memory()\n"
+        "blocks = [torch.ones(2**22) for _ in range(64)]  # 1 GiB in 16 MiB blocks, touched\n"
+        "del blocks\n"
+        "kept = rss()\n"
+        "assert release_freed_memory()\n"
+        "print(kept, rss())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    kept, released = map(int, out.stdout.split())
+    assert kept - released > 800, (kept, released)  # MiB
+
+
+@pytest.mark.parametrize("user_setting, expected", [(None, "16"), ("64", "64")])
+def test_training_keeps_few_kernels_unless_the_user_says(user_setting, expected):
+    """`tfm train` bounds oneDNN's kernel cache (memory); decoding keeps the large one; a user's
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY always wins."""
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    if user_setting is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = user_setting
+    script = ("import os, transformer_cli\n"
+              "from transformer_cli.cpu import limit_training_kernel_cache\n"
+              "decoding = os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']\n"
+              "limit_training_kernel_cache()\n"
+              "print(decoding, os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [user_setting or "16384", expected]

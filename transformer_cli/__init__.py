@@ -11,5 +11,7 @@ __version__ = "0.1.0"
 # ~1,000 page faults). With room for 16,384 the second epoch compiles nothing (faster training:
 # docs/performance.md). Read once, when oneDNN first runs, so it is set on import; a user's
 # own ONEDNN_PRIMITIVE_CACHE_CAPACITY wins.
+# `tfm train` keeps fewer (cpu.py, TRAINING_KERNEL_CACHE): there every batch brings new shapes.
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 16384
+USER_KERNEL_CACHE = _os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 _os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))

@@ -168,6 +168,9 @@ def train(
 ) -> None:
     """Train the model (warm-up LR, teacher forcing, label smoothing; GPU when present)."""
     cfg = _load(config, set_)  # before importing torch: config errors come at once
+    from .cpu import limit_training_kernel_cache
+
+    limit_training_kernel_cache()  # before torch runs its first kernel
     from .train import train as run_train
 
     run_train(cfg, resume=resume, progress_bar=sys.stderr.isatty())

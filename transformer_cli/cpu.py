@@ -60,6 +60,34 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+# oneDNN kernels kept built while training. Every kernel kept holds memory of its own, and
+# token-bucketed batches bring ~6,000 matmul shapes: with room for 16,384 a 30-minute
+# configs/de-en.yaml run peaked at 3.7 GB of RSS, with 16 at 2.6 GB, at the same tokens/s
+# (AMD EPYC Zen 4; docs/performance.md). Decoding keeps the larger cache: its shapes recur.
+TRAINING_KERNEL_CACHE = 16
+
+
+def limit_training_kernel_cache() -> None:
+    """Keep TRAINING_KERNEL_CACHE oneDNN kernels at most, unless the user set
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY. oneDNN reads it once, when torch runs its first kernel, so
+    this must come before any torch work in the process (`tfm train` calls it first)."""
+    from . import USER_KERNEL_CACHE
+
+    if USER_KERNEL_CACHE is None:
+        os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(TRAINING_KERNEL_CACHE)
+
+
+def release_freed_memory() -> bool:
+    """Hand the freed memory that `keep_freed_memory` keeps back to the OS (glibc's malloc_trim),
+    e.g. after a validation pass, whose allocations training does not reuse. No-op elsewhere."""
+    if not _configured:
+        return False
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 @contextlib.contextmanager
 def denormals_flushed_to_zero() -> Iterator[None]:
     """Treat denormal floats as zero on CPU inside the block (restored to IEEE behaviour after).

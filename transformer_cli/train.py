@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .checkpoint import average_state_dicts, bytes_to_tensor, load_checkpoint, load_initial_weights
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
 from .console import TrainingConsole
-from .cpu import keep_freed_memory
+from .cpu import keep_freed_memory, release_freed_memory
 from .data import PAD_ID, ParallelData, padding_ratio
 from .devices import is_out_of_memory, resolve_device
 from .distributed import (
@@ -509,6 +509,7 @@ class Trainer:
         progress.elapsed = time.perf_counter() - self.started
         progress.evaluated_step, progress.finished = progress.step, stop_reason
         self.save_checkpoints(metrics)
+        release_freed_memory()  # what decoding and saving allocated, training will not reuse
         self.window.started = time.perf_counter()  # validation time is not training throughput
         return stop_reason
 
