@@ -87,15 +87,6 @@ class Ensemble(nn.Module):
             total = logprobs if total is None else total.add_(logprobs)
         return total.div_(len(self.members))
 
-    def decode(self, tgt_in: torch.Tensor, memory: list[torch.Tensor], src_mask: torch.Tensor,
-               need_weights: bool = False) -> list[torch.Tensor]:
-        """Teacher-forced decoding by every member (alignments read their attention)."""
-        return [member.decode(tgt_in, m, src_mask, need_weights=need_weights)
-                for member, m in zip(self.members, memory)]
-
-    def cross_attention_weights(self) -> list[list[torch.Tensor | None]]:
-        return [member.cross_attention_weights() for member in self.members]
-
 
 def load_ensemble(paths: list[str | Path]) -> TrainedModel:
     """Several checkpoints as one TrainedModel whose model is their Ensemble (the first one's

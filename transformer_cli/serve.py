@@ -30,10 +30,6 @@ from .config import DecodeConfig
 from .errors import TfmError
 from .translate import TranslationEngine, Translation
 
-# Per-request decode settings a client may choose; the rest (lengths, precision, batching) is the server's.
-REQUEST_SETTINGS = ("beam", "nbest", "alignment", "sample", "top_k", "top_p", "temperature", "seed")
-
-
 class TranslateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     text: str | list[str]
@@ -45,6 +41,10 @@ class TranslateRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     temperature: float | None = Field(None, gt=0.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
+
+
+# Per-request decode settings a client may choose; the rest (lengths, precision, batching) is the server's.
+REQUEST_SETTINGS = tuple(name for name in TranslateRequest.model_fields if name != "text")
 
 
 @dataclass
@@ -80,9 +80,11 @@ class Batcher:
                                 await asyncio.wait_for(self.queue.get(), deadline - loop.time()))
                 except (asyncio.TimeoutError, ValueError):
                     break
-            for settings in {job.decode.model_dump_json(): job.decode for job in jobs}.values():
-                same = [job for job in jobs if job.decode == settings]
-                await self._decode_together(same, settings)
+            groups: dict[str, list[Job]] = {}  # requests with the same settings decode together
+            for job in jobs:
+                groups.setdefault(job.decode.model_dump_json(), []).append(job)
+            for same in groups.values():
+                await self._decode_together(same, same[0].decode)
 
     async def _decode_together(self, jobs: list[Job], decode: DecodeConfig) -> None:
         lines = [line for job in jobs for line in job.lines]
