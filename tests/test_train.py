@@ -13,7 +13,7 @@ from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import TrainConfig, config_from_dict, load_config
 from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
-from transformer_cli.loss import label_smoothed_loss
+from transformer_cli.loss import output_layer_loss
 from transformer_cli.precision import (
     autocast_dtype,
     choose_precision,
@@ -102,20 +102,23 @@ def test_budget_schedule_in_a_real_run_ends_at_lr_min(tiny_prepared, tmp_path):
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
 
 
+def identity_projection(size: int, dtype=torch.float32) -> torch.nn.Linear:
+    """A vocabulary projection that passes its input through: the states are the logits."""
+    layer = torch.nn.Linear(size, size, bias=False).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(size, dtype=dtype))
+    return layer
+
+
 def test_label_smoothed_loss_by_hand():
-    probs = torch.tensor([[0.5, 0.25, 0.25], [0.2, 0.3, 0.5]])
-    logits = probs.log()[None]  # (1, 2, 3); the second position is padding
-    target = torch.tensor([[0, 1]])
+    probs = torch.tensor([[0.5, 0.25, 0.25]])
+    target = torch.tensor([0])
     eps = 0.1
-    loss, nll = label_smoothed_loss(logits, target, eps, pad_id=1)
+    loss, nll = output_layer_loss(probs.log(), identity_projection(3), target, eps)
     ln2 = math.log(2)
     expected = (1 - eps) * ln2 + eps * (ln2 + 2 * ln2 + 2 * ln2) / 3
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert nll.item() == pytest.approx(ln2, rel=1e-6)
-    # Same as torch's own label-smoothed cross-entropy.
-    ref = torch.nn.functional.cross_entropy(logits[0], target[0], ignore_index=1, label_smoothing=eps,
-                                            reduction="sum")
-    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
 
 
 def test_model_learns_the_reverse_task(reverse_model):
@@ -185,18 +188,57 @@ def test_end_to_end_cli_tiny_config_valid_loss_falls(multi30k_2k, tmp_path):
     assert all(r["tokens_per_s"] > 0 and 0 <= r["padding"] < 0.5 for r in train_records)
 
 
-def test_label_smoothed_loss_gradient_matches_autograd_reference():
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk_rows", [3, 64])
+def test_chunked_output_loss_matches_autograd_through_the_projection(bias, chunk_rows):
+    """The loss computes its gradients chunk by chunk in the forward pass; they must equal what
+    autograd gives through nn.Linear and torch's label-smoothed cross-entropy, scaled by the
+    gradient that arrives from above."""
     torch.manual_seed(0)
-    logits = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
-    target = torch.tensor([1, 0, 4, 10, 0, 7])  # pad_id 0: rows 1 and 4 ignored
-    loss, _ = label_smoothed_loss(logits, target, 0.1, pad_id=0)
-    loss.backward()
-    ours = logits.grad.clone()
-    logits.grad = None
-    ref = torch.nn.functional.cross_entropy(logits, target, ignore_index=0, label_smoothing=0.1, reduction="sum")
-    ref.backward()
+    projection = torch.nn.Linear(5, 11, bias=bias).double()
+    hidden = torch.randn(10, 5, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 11, (10,))
+    loss, nll = output_layer_loss(hidden, projection, target, 0.1, chunk_rows=chunk_rows)
+    (2.5 * loss).backward()
+    ours = [p.grad.clone() for p in (hidden, *projection.parameters())]
+    hidden.grad = None
+    projection.zero_grad()
+    ref = torch.nn.functional.cross_entropy(projection(hidden), target, label_smoothing=0.1, reduction="sum")
+    (2.5 * ref).backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
-    assert torch.allclose(ours, logits.grad, atol=1e-12)
+    ref_nll = torch.nn.functional.cross_entropy(projection(hidden), target, reduction="sum")
+    assert nll.item() == pytest.approx(ref_nll.item(), rel=1e-12)
+    for got, want in zip(ours, (hidden.grad, *[p.grad for p in projection.parameters()])):
+        assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_chunked_output_loss_under_bf16_autocast_matches_the_unchunked_projection():
+    """In bf16 autocast the chunked loss multiplies in bf16 as nn.Linear would; its loss and
+    gradients stay within bf16 rounding of autograd's whole-batch path."""
+    torch.manual_seed(0)
+    projection = torch.nn.Linear(16, 300)
+    hidden = torch.randn(200, 16, requires_grad=True)
+    target = torch.randint(0, 300, (200,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = output_layer_loss(hidden, projection, target, 0.1, chunk_rows=64)
+        ref = torch.nn.functional.cross_entropy(projection(hidden).float(), target, label_smoothing=0.1,
+                                                reduction="sum")
+    loss.backward()
+    ours = [p.grad.clone() for p in (hidden, *projection.parameters())]
+    hidden.grad = None
+    projection.zero_grad()
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-3)
+    for got, want in zip(ours, (hidden.grad, *[p.grad for p in projection.parameters()])):
+        assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_loss_without_gradients_computes_none():
+    projection = identity_projection(4)
+    hidden = torch.randn(3, 4, requires_grad=True)
+    with torch.no_grad():
+        loss, _ = output_layer_loss(hidden, projection, torch.tensor([0, 1, 2]), 0.1)
+    assert not loss.requires_grad and loss.grad_fn is None
 
 
 def test_logits_for_target_rows_equal_the_full_projection():

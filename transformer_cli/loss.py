@@ -8,53 +8,85 @@ import torch.nn.functional as F
 
 from .data import PAD_ID, Batch
 
+# The output projection and the loss run over this many bytes of fp32 log-probabilities at a time
+# (1,048 rows for an 8k vocabulary). A whole batch's (tokens × vocabulary) tensors came in a new
+# size every step and fragmented the CPU heap: peak RSS grew by ~0.5 GB (docs/performance.md).
+LOSS_CHUNK_BYTES = 32 * 2**20
 
-class LabelSmoothedCrossEntropy(torch.autograd.Function):
-    """Per-row label-smoothed cross-entropy with a hand-written backward.
 
-    Autograd through log_softmax → gather/mean → mask makes about eight passes over the
-    (tokens × vocab) logits; the closed-form gradient, softmax − (1 − ε)·onehot − ε/V, needs
-    four. On CPU that is ~10% of a training step for an 8k vocabulary.
+def loss_chunk_rows(vocab_size: int) -> int:
+    return max(64, LOSS_CHUNK_BYTES // (4 * vocab_size))
+
+
+class OutputLayerLoss(torch.autograd.Function):
+    """Output projection + summed label-smoothed cross-entropy, a fixed number of rows at a time.
+
+    The loss is a sum, so its gradient is known up to one scalar while the forward runs: each
+    chunk's gradient with respect to its logits, softmax − (1 − ε)·onehot − ε/V, is turned into
+    gradients of the hidden states, the weight and the bias at once, and backward only scales
+    them. No (tokens × vocabulary) tensor ever exists beyond one chunk, and autograd keeps none.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, smoothing: float):  # (N, V), (N,)
-        log_probs = F.log_softmax(logits, dim=-1)  # (N, V): one fused pass, unlike logsumexp's several
-        nll = -log_probs.gather(1, target[:, None]).squeeze(1)
-        loss = (1.0 - smoothing) * nll - smoothing * log_probs.mean(dim=-1)
-        ctx.save_for_backward(log_probs, target)
-        ctx.smoothing = smoothing
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                target: torch.Tensor, smoothing: float, compute_dtype: torch.dtype, chunk_rows: int,
+                with_grad: bool):  # (N, D), (V, D), (V,) | None, (N,)
+        vocab = weight.size(0)
+        w, h = weight.to(compute_dtype), hidden.to(compute_dtype)
+        fp32 = torch.promote_types(compute_dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        loss = torch.zeros((), dtype=fp32, device=hidden.device)
+        nll = torch.zeros((), dtype=fp32, device=hidden.device)
+        if with_grad:
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros(weight.shape, dtype=fp32, device=weight.device)
+            grad_bias = None if bias is None else torch.zeros(vocab, dtype=fp32, device=bias.device)
+        for start in range(0, h.size(0), chunk_rows):
+            h_chunk, t_chunk = h[start:start + chunk_rows], target[start:start + chunk_rows, None]
+            logits = h_chunk @ w.t()  # (C, V)
+            if bias is not None:
+                logits = logits + bias.to(compute_dtype)
+            log_probs = F.log_softmax(logits.to(fp32), dim=-1)  # (C, V), fp32 over the vocabulary
+            gold = log_probs.gather(1, t_chunk)  # (C, 1)
+            nll -= gold.sum()
+            loss -= (1.0 - smoothing) * gold.sum() + smoothing * log_probs.sum() / vocab
+            if with_grad:
+                grad = log_probs.exp_().sub_(smoothing / vocab)  # softmax − ε/V, in place
+                grad.scatter_add_(1, t_chunk, torch.full_like(gold, -(1.0 - smoothing)))
+                if bias is not None:
+                    grad_bias += grad.sum(0)
+                grad = grad.to(compute_dtype)
+                grad_hidden[start:start + chunk_rows] = grad @ w  # (C, D)
+                grad_weight += (grad.t() @ h_chunk).to(fp32)  # (V, D)
+        if with_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype),
+                                  None if grad_bias is None else grad_bias.to(bias.dtype))
         ctx.mark_non_differentiable(nll)
         return loss, nll
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, _grad_nll: torch.Tensor | None):
-        log_probs, target = ctx.saved_tensors
-        eps, vocab = ctx.smoothing, log_probs.size(-1)
-        grad = log_probs.exp_()  # softmax (N, V), in place: the saved tensor is not needed again
-        grad.mul_(grad_loss[:, None]).sub_(grad_loss[:, None] * (eps / vocab))
-        grad.scatter_add_(1, target[:, None], (-(1.0 - eps) * grad_loss)[:, None])
-        return grad, None, None
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)  # noqa: E731
+        return scale(grad_hidden), scale(grad_weight), scale(grad_bias), None, None, None, None, None
 
 
-def label_smoothed_loss(
-    logits: torch.Tensor, target: torch.Tensor, smoothing: float, pad_id: int = PAD_ID
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed label-smoothed cross-entropy and summed NLL over non-pad targets.
+def output_layer_loss(hidden: torch.Tensor, output_proj: torch.nn.Linear, target: torch.Tensor,
+                      smoothing: float, chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed label-smoothed cross-entropy and summed NLL of decoder states `hidden` (N, D) whose
+    gold tokens are `target` (N,), through the vocabulary projection `output_proj`.
 
     The smoothed target puts (1 - ε) on the gold token and ε spread uniformly over the whole
     vocabulary: loss = (1 - ε)·(-log p_gold) + ε·mean_v(-log p_v), as torch's cross_entropy.
-    Padding rows are dropped before the vocabulary-sized work.
+    Matmuls run in autocast's dtype where autocast is on (as nn.Linear would), the softmax in fp32.
     """
-    target = target.reshape(-1)
-    rows = logits.reshape(-1, logits.size(-1))
-    keep = (target != pad_id).nonzero().squeeze(1)
-    if keep.numel() != target.numel():
-        rows, target = rows.index_select(0, keep), target.index_select(0, keep)
-    if rows.dtype in (torch.bfloat16, torch.float16):
-        rows = rows.float()  # the softmax over the vocabulary in fp32
-    loss, nll = LabelSmoothedCrossEntropy.apply(rows, target, smoothing)  # (N_real,) each
-    return loss.sum(), nll.sum()
+    device = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    weight, bias = output_proj.weight, output_proj.bias
+    with_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    rows = chunk_rows or loss_chunk_rows(weight.size(0))
+    with torch.autocast(device, enabled=False):
+        return OutputLayerLoss.apply(hidden, weight, bias, target, smoothing, compute_dtype, rows, with_grad)
 
 
 def target_rows(tgt_out: torch.Tensor, pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +96,14 @@ def target_rows(tgt_out: torch.Tensor, pad_id: int = PAD_ID) -> tuple[torch.Tens
     return rows, flat.index_select(0, rows)
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The Transformer inside torch.compile's and DDP's wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
 def batch_loss(model: torch.nn.Module, batch: Batch, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced summed loss and NLL of a batch; logits only where there is a target."""
+    """Teacher-forced summed loss and NLL of a batch, over the positions that have a target."""
     rows, targets = target_rows(batch.tgt_out)
-    logits = model(batch.src, batch.tgt_in, rows)  # (N, V)
-    return label_smoothed_loss(logits, targets, smoothing)
+    hidden = model(batch.src, batch.tgt_in, rows, project=False)  # (N, D)
+    return output_layer_loss(hidden, unwrapped(model).output_proj, targets, smoothing)

@@ -360,9 +360,11 @@ class Transformer(nn.Module):
         return self.encoder_norm(x), src_mask
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor,
-               need_weights: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
+               need_weights: bool = False, rows: torch.Tensor | None = None, project: bool = True) -> torch.Tensor:
         """Teacher-forced decoder: (B, T) ids → logits (B, T, V), or (N, V) for the flat
-        positions `rows` of B·T only (training skips the vocabulary projection of padding)."""
+        positions `rows` of B·T only (training skips the vocabulary projection of padding).
+        `project=False` stops before the vocabulary projection: the states (…, D) that the
+        training loss projects itself, a chunk at a time (loss.py)."""
         # With right padding, a real position never sees a pad key through the causal mask
         # (pads only follow it), so causal alone equals causal + padding for every real
         # position; SDPA's is_causal path then skips the masked half of the work.
@@ -373,11 +375,12 @@ class Transformer(nn.Module):
         x = self.decoder_norm(x)
         if rows is not None:
             x = x.reshape(-1, x.size(-1)).index_select(0, rows)  # (N, D)
-        return self.output_proj(x)
+        return self.output_proj(x) if project else x
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, rows: torch.Tensor | None = None,
+                project: bool = True) -> torch.Tensor:
         memory, src_mask = self.encode(src)
-        return self.decode(tgt_in, memory, src_mask, rows=rows)
+        return self.decode(tgt_in, memory, src_mask, rows=rows, project=project)
 
     def encoder_attention_weights(self) -> list[torch.Tensor | None]:
         """Per encoder layer (B, H, S, S) self-attention weights of the last `encode(..., need_weights=True)`."""
