@@ -437,6 +437,8 @@ CASES = [
         (("train.max_epochs=-1",), "train.max_epochs"),
         (("data.train_limit=0",), "data.train_limit"),
         (("data.train_limit=-1",), "data.train_limit"),
+        (("data.train=[]",), "data.train"),
+        (("data.train=[data/train, '']",), "data.train.1"),
         (("decode.max_len_a=0", "decode.max_len_b=-100"), "decode.max_len_b"),
     )],
     Case("translate: decode.max_len_a=0 max_len_b=0", translate_input(

@@ -62,7 +62,7 @@ def two_weak_models(tmp_path_factory, reverse_model):
     root = tmp_path_factory.mktemp("ensemble")
     paths = []
     for seed in (1, 2):
-        raw = reverse_task_config(Path(config.data.train).parent, root / f"run{seed}", seed=seed, max_steps=160,
+        raw = reverse_task_config(Path(config.data.train[0]).parent, root / f"run{seed}", seed=seed, max_steps=160,
                                   eval_every=160, lr_schedule="budget", precision="fp32")
         raw["vocab"]["from_run"] = str(config.run_dir)
         cfg = config_from_dict(raw)

@@ -159,7 +159,7 @@ def test_vocab_sample_is_uniform_aligned_and_in_corpus_order(tmp_path):
 
     (tmp_path / "a.src").write_text("".join(f"s{i}\n" for i in range(5000)))
     (tmp_path / "a.tgt").write_text("".join(f"t{i}\n" for i in range(5000)))
-    src, tgt, read = sample_pairs(tmp_path / "a.src", tmp_path / "a.tgt", 500, seed=1)
+    src, tgt, read = sample_pairs([(tmp_path / "a.src", tmp_path / "a.tgt")], 500, seed=1)
     assert read == 5000 and len(src) == len(tgt) == 500
     numbers = [int(s[1:]) for s in src]
     assert [int(t[1:]) for t in tgt] == numbers  # pairs stay aligned
@@ -167,10 +167,10 @@ def test_vocab_sample_is_uniform_aligned_and_in_corpus_order(tmp_path):
     # Uniform over the corpus: each fifth of the file holds about a fifth of the sample.
     counts = np.bincount(np.array(numbers) // 1000, minlength=5)
     assert counts.min() > 60, counts
-    assert sample_pairs(tmp_path / "a.src", tmp_path / "a.tgt", 500, seed=2)[0] != src
-    everything, _, _ = sample_pairs(tmp_path / "a.src", tmp_path / "a.tgt", 0, seed=1)
+    assert sample_pairs([(tmp_path / "a.src", tmp_path / "a.tgt")], 500, seed=2)[0] != src
+    everything, _, _ = sample_pairs([(tmp_path / "a.src", tmp_path / "a.tgt")], 0, seed=1)
     assert everything == [f"s{i}" for i in range(5000)]
-    limited = sample_pairs(tmp_path / "a.src", tmp_path / "a.tgt", 10_000, seed=1, limit=300)
+    limited = sample_pairs([(tmp_path / "a.src", tmp_path / "a.tgt")], 10_000, seed=1, limit=300)
     assert limited[2] == 300 and limited[0] == [f"s{i}" for i in range(300)]
 
 
@@ -208,3 +208,41 @@ def test_truncated_gzip_corpus_is_a_clear_error(multi30k_2k, tmp_path):
     raw["data"]["train"] = str(data / "train")
     with pytest.raises(TfmError, match=r"train.en.gz: cannot read it to the end: truncated or corrupt"):
         prepare(config_from_dict(raw), progress=False)
+
+
+def test_several_training_corpora_prepare_as_their_concatenation(multi30k_2k, tmp_path):
+    """`data.train` as a list (e.g. real + back-translated pairs) gives the same vocabulary and
+    arrays as one file holding the corpora one after the other; a bad line names its own file."""
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for lang in ("de", "en"):
+        with gzip.open(multi30k_2k / f"train.{lang}.gz", "rt") as f:
+            lines = f.read().splitlines(keepends=True)
+        (parts / f"a.{lang}").write_text("".join(lines[:1200]))
+        (parts / f"b.{lang}").write_text("".join(lines[1200:]))
+        (parts / f"all.{lang}").write_text("".join(lines))
+    vocab = {"size": 1000, "input_sentence_size": 1500}  # a sample: the reservoir must span both corpora
+    one = prepare(config_from_dict(multi30k_config(
+        multi30k_2k, tmp_path / "one", data={"train": str(parts / "all")}, vocab=vocab)), progress=False)
+    two = prepare(config_from_dict(multi30k_config(
+        multi30k_2k, tmp_path / "two", data={"train": [str(parts / "a"), str(parts / "b")]}, vocab=vocab)),
+        progress=False)
+    assert two.manifest["train_pairs_read"] == one.manifest["train_pairs_read"] == 2000
+    assert _pieces(tmp_path / "two/spm.model") == _pieces(tmp_path / "one/spm.model")
+    assert _prepared_arrays(tmp_path / "two") == _prepared_arrays(tmp_path / "one")
+    assert two.manifest["files"]["train"] == [str(parts / f"{c}.{lang}") for c in "ab" for lang in ("de", "en")]
+    # train_limit counts pairs over all the corpora.
+    limited = prepare(config_from_dict(multi30k_config(
+        multi30k_2k, tmp_path / "limited", data={"train": [str(parts / "a"), str(parts / "b")],
+                                                  "train_limit": 1500})), progress=False)
+    assert limited.manifest["train_pairs_read"] == 1500
+    # The second corpus's files disagree: the error names them, not the first corpus's.
+    (parts / "b.en").write_text("".join(lines[1200:1999]))
+    raw = multi30k_config(multi30k_2k, tmp_path / "bad", data={"train": [str(parts / "a"), str(parts / "b")]})
+    with pytest.raises(TfmError, match=r"b\.de has 800 lines, .*b\.en has 799"):
+        prepare(config_from_dict(raw), progress=False)
+
+
+def test_an_empty_list_of_training_corpora_is_a_config_error(multi30k_2k, tmp_path):
+    with pytest.raises(TfmError, match=r"data\.train.*at least 1 item"):
+        config_from_dict(multi30k_config(multi30k_2k, tmp_path / "run", data={"train": []}))

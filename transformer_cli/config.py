@@ -40,13 +40,19 @@ def _rule(key: str, message: str) -> ValueError:
 class DataConfig(_Section):
     src_lang: str = Field("de", min_length=1)
     tgt_lang: str = Field("en", min_length=1)
-    # File prefixes: `<prefix>.<lang>` or `<prefix>.<lang>.gz`.
-    train: str = Field("data/multi30k/train", min_length=1)
+    # File prefixes: `<prefix>.<lang>` or `<prefix>.<lang>.gz`. `train` may list several corpora
+    # (e.g. real and back-translated pairs), read one after the other as one training set.
+    train: list[Annotated[str, Field(min_length=1)]] = Field(["data/multi30k/train"], min_length=1)
     valid: str = Field("data/multi30k/val", min_length=1)
     test: str = Field("data/multi30k/test_2016_flickr", min_length=1)
     max_len: int = Field(128, ge=1)  # training pairs longer than this (in tokens, either side) are dropped
     max_len_ratio: float = Field(3.0, ge=1.0)  # ... and pairs whose length ratio exceeds this
     train_limit: int | None = Field(None, ge=1)  # use only the first N training pairs (smoke runs)
+
+    @field_validator("train", mode="before")
+    @classmethod
+    def _one_or_several(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
 
 class VocabConfig(_Section):

@@ -2,6 +2,8 @@
 
 - `parallel_chunks` reads a source and a target file in lock-step, `chunk_lines` pairs at a time,
   as raw bytes (decoding happens in the encoding workers, in parallel).
+- `corpora_chunks` does that for several corpora one after the other (a training set may be
+  several: real and back-translated pairs).
 - `sample_pairs` draws a uniform random sample in one pass (reservoir sampling) for sentencepiece.
 - `ordered_map` runs `encode_chunk` over the chunks in `workers` processes, yielding results in input
   order with a bounded number of chunks in flight, and `NpyAppender` writes a growing `.npy` array to disk.
@@ -60,29 +62,45 @@ def parallel_chunks(src: Path, tgt: Path, chunk_lines: int, limit: int | None = 
             return
 
 
-def sample_pairs(src: Path, tgt: Path, k: int, seed: int, limit: int | None = None
+Corpus = tuple[Path, Path]  # (source file, target file)
+
+
+def corpora_chunks(corpora: list[Corpus], chunk_lines: int, limit: int | None = None
+                   ) -> Iterator[tuple[int, RawChunk]]:
+    """`parallel_chunks` of each corpus in turn, with the corpus's number in `corpora`; `limit`
+    counts pairs over all of them. A corpus listed twice is read twice (a way to up-weight it)."""
+    read = 0
+    for number, corpus in enumerate(corpora):
+        if limit is not None and read >= limit:
+            return
+        for chunk in parallel_chunks(*corpus, chunk_lines, None if limit is None else limit - read):
+            read += len(chunk.src)
+            yield number, chunk
+
+
+def sample_pairs(corpora: list[Corpus], k: int, seed: int, limit: int | None = None
                  ) -> tuple[list[str], list[str], int]:
-    """A uniform random sample of ≤ k pairs (all of them when the corpus is smaller), in corpus order.
+    """A uniform random sample of ≤ k pairs (all of them when the corpora are smaller), in corpus order.
 
     Reservoir sampling (Algorithm R) over one pass: memory holds k pairs, never the corpus.
     Returns (source sentences, target sentences, pairs read). k ≤ 0 keeps every pair.
     """
     rng = random.Random(seed)
-    reservoir: list[tuple[int, bytes, bytes]] = []
+    reservoir: list[tuple[int, int, bytes, bytes]] = []  # (corpus number, line number, source, target)
     seen = 0
-    for chunk in parallel_chunks(src, tgt, 100_000, limit):
+    for which, chunk in corpora_chunks(corpora, 100_000, limit):
         for offset, pair in enumerate(zip(chunk.src, chunk.tgt)):
-            number = chunk.first_line + offset
+            item = (which, chunk.first_line + offset, *pair)
             if k <= 0 or seen < k:
-                reservoir.append((number, *pair))
+                reservoir.append(item)
             else:
                 j = rng.randrange(seen + 1)
                 if j < k:
-                    reservoir[j] = (number, *pair)
+                    reservoir[j] = item
             seen += 1
-    reservoir.sort(key=lambda item: item[0])
-    src_text = [decode_line(s, src, n) for n, s, _ in reservoir]
-    tgt_text = [decode_line(t, tgt, n) for n, _, t in reservoir]
+    reservoir.sort(key=lambda item: item[:2])
+    src_text = [decode_line(s, corpora[c][0], n) for c, n, s, _ in reservoir]
+    tgt_text = [decode_line(t, corpora[c][1], n) for c, n, _, t in reservoir]
     return src_text, tgt_text, seen
 
 

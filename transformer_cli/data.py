@@ -32,7 +32,8 @@ from .corpus import (
     encode_chunk,
     init_encoder,
     ordered_map,
-    parallel_chunks,
+    Corpus,
+    corpora_chunks,
     sample_pairs,
 )
 from .cpu import usable_cores
@@ -58,14 +59,24 @@ def corpus_file(prefix: str, lang: str) -> Path:
 def check_corpus_files(config: ExperimentConfig) -> None:
     """Every input exists and has a first line, before minutes of work begin."""
     for split in SPLITS:
-        for path in split_files(config, split):
-            if next(iter(iter_raw_lines(path)), None) is None:
-                raise TfmError(f"corpus file {path} is empty (data.{split})")
+        for corpus in split_corpora(config, split):
+            for path in corpus:
+                if next(iter(iter_raw_lines(path)), None) is None:
+                    raise TfmError(f"corpus file {path} is empty (data.{split})")
 
 
-def split_files(config: ExperimentConfig, split: str) -> tuple[Path, Path]:
+def split_files(config: ExperimentConfig, split: str) -> Corpus:
+    """The source and target file of `valid` or `test` (`train` may be several: `split_corpora`)."""
     prefix = getattr(config.data, split)
     return corpus_file(prefix, config.data.src_lang), corpus_file(prefix, config.data.tgt_lang)
+
+
+def split_corpora(config: ExperimentConfig, split: str) -> list[Corpus]:
+    """The (source, target) files of a split: `data.train` lists one corpus or several."""
+    if split != "train":
+        return [split_files(config, split)]
+    lang = config.data.src_lang, config.data.tgt_lang
+    return [(corpus_file(prefix, lang[0]), corpus_file(prefix, lang[1])) for prefix in config.data.train]
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -163,14 +174,17 @@ def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
     """Hash of everything `prepare` depends on: data/vocab settings and input files' size+mtime."""
     inputs = []
     for split in SPLITS:
-        for path in split_files(config, split):
+        for path in (path for corpus in split_corpora(config, split) for path in corpus):
             stat = path.stat()
             inputs.append([str(path), stat.st_size, int(stat.st_mtime)])
     vocab = config.vocab.model_dump(exclude={"from_run"} if config.vocab.from_run is None else set())
     if parent is not None:  # a parent whose vocabulary changed is a new input
         inputs += [hashlib.sha256(path.read_bytes()).hexdigest() for path in parent.files.values()]
+    data = config.data.model_dump()
+    if len(data["train"]) == 1:
+        data["train"] = data["train"][0]  # as before lists were allowed: runs prepared then stay prepared
     payload = json.dumps(
-        [config.data.model_dump(), vocab, config.model.max_positions, inputs], sort_keys=True
+        [data, vocab, config.model.max_positions, inputs], sort_keys=True
     ).encode()
     return hashlib.sha256(payload).hexdigest()[:16]
 
@@ -201,11 +215,11 @@ def _side_stats(lengths: np.ndarray, unk: int) -> dict:
 
 def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) -> tuple[int, int]:
     """Sentencepiece on a uniform sample of the training pairs; returns (pairs read, pairs sampled)."""
-    vocab, (src_path, tgt_path) = config.vocab, split_files(config, "train")
+    vocab = config.vocab
     size = vocab.input_sentence_size
     # input_sentence_size counts sentences per sentencepiece model: a joint one sees both sides.
     pairs = (size + 1) // 2 if vocab.joint and size > 0 else size
-    src, tgt, read = sample_pairs(src_path, tgt_path, pairs, seed, config.data.train_limit)
+    src, tgt, read = sample_pairs(split_corpora(config, "train"), pairs, seed, config.data.train_limit)
     sampled = len(src) < read
     if vocab.joint:
         train_sentencepiece(src + tgt, paths["src"], config, sampled)
@@ -253,8 +267,8 @@ def _inherit_vocab(config: ExperimentConfig, parent: ParentVocab, paths: dict[st
     """Copy the parent run's sentencepiece model(s) byte for byte; returns the training pairs."""
     for side, source in parent.files.items():
         atomic_write_bytes(paths[side], source.read_bytes())
-    src_path, tgt_path = split_files(config, "train")
-    return sum(len(chunk.src) for chunk in parallel_chunks(src_path, tgt_path, 100_000, config.data.train_limit))
+    return sum(len(chunk.src) for _, chunk in corpora_chunks(split_corpora(config, "train"), 100_000,
+                                                             config.data.train_limit))
 
 
 def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], dtype: str, workers: int,
@@ -264,13 +278,13 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
     Returns stats, training drops, pairs read and the line numbers of valid/test pairs that were
     truncated to the model's positions (they are kept: scores must cover every line).
     """
-    src_path, tgt_path = split_files(config, split)
     is_train = split == "train"
     limit = config.data.train_limit if is_train else None
-    tasks = (EncodeTask(chunk, str(src_path), str(tgt_path), dtype,
+    corpora = split_corpora(config, split)
+    tasks = (EncodeTask(chunk, str(corpora[number][0]), str(corpora[number][1]), dtype,
                         config.data.max_len if is_train else None, config.data.max_len_ratio if is_train else None,
                         None if is_train else config.model.max_positions - 2)
-             for chunk in parallel_chunks(src_path, tgt_path, config.prepare.chunk_lines, limit))
+             for number, chunk in corpora_chunks(corpora, config.prepare.chunk_lines, limit))
     writers = {side: NpyAppender(_array_path(RunDirectory(config.run_path).binary_stem(split, side), "tokens"), np.dtype(dtype))
                for side in SIDES}
     lengths: dict[str, list[np.ndarray]] = {side: [] for side in SIDES}
@@ -380,7 +394,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         # Two sentencepiece models over one id map (an imported Marian model's): embeddings can be shared.
         **({"shared_ids": True} if parent is not None and parent.shared_ids else {}),
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
-        "files": {split: [str(p) for p in split_files(config, split)] for split in SPLITS},
+        "files": {split: [str(p) for corpus in split_corpora(config, split) for p in corpus] for split in SPLITS},
         "train_pairs_read": train_read,
         "train_pairs_dropped": dropped,
         "truncated": truncated,  # valid/test pairs cut to the model's positions (first line numbers)
