@@ -48,8 +48,9 @@ class OutputLayerLoss(torch.autograd.Function):
                 logits = logits + bias.to(compute_dtype)
             log_probs = F.log_softmax(logits.to(fp32), dim=-1)  # (C, V), fp32 over the vocabulary
             gold = log_probs.gather(1, t_chunk)  # (C, 1)
-            nll -= gold.sum()
-            loss -= (1.0 - smoothing) * gold.sum() + smoothing * log_probs.sum() / vocab
+            gold_sum = gold.sum()
+            nll -= gold_sum
+            loss -= (1.0 - smoothing) * gold_sum + smoothing * log_probs.sum() / vocab
             if with_grad:
                 grad = log_probs.exp_().sub_(smoothing / vocab)  # softmax − ε/V, in place
                 grad.scatter_add_(1, t_chunk, torch.full_like(gold, -(1.0 - smoothing)))
