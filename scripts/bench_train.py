@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from bench_common import hf_model, machine_line, tfm_model
 
+from transformer_cli.allocator import loaded_allocator, use_allocator
 from transformer_cli.config import load_config
 from transformer_cli.cpu import keep_freed_memory, limit_training_kernel_cache
 from transformer_cli.data import PAD_ID, ParallelData
@@ -56,8 +57,9 @@ def main() -> None:
                         help="adamw: torch.optim.AdamW with its defaults, what HF's Trainer uses (default); "
                              "fused: the same fused Adam as tfm")
     parser.add_argument("--system-malloc", action="store_true",
-                        help="skip tfm's allocator setting (keep_freed_memory); it is process-wide, so "
-                             "when on (the default, as in `tfm train`) HF benefits from it too")
+                        help="glibc's malloc with its default settings; without it the process runs on the "
+                             "allocator `tfm train` uses (mimalloc where installed, else glibc with "
+                             "keep_freed_memory). It is process-wide: HF trains on it too")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense peak for MFU (default: 989 bf16 / 495 tf32-fp32 on H100/H200; "
@@ -67,6 +69,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["tfm", "hf"], default=None,
                         help="train only this toolkit's model and print its peak memory (the peak-RSS child runs)")
     args = parser.parse_args()
+    if not args.system_malloc:
+        use_allocator("auto", [__file__, *sys.argv[1:]])  # as `tfm train`: may start this script again
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
     limit_training_kernel_cache()  # as `tfm train`, before torch's first kernel (process-wide: HF gets it too)
@@ -105,8 +109,9 @@ def main() -> None:
         opt_hf = torch.optim.Adam(hf.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     else:
         opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.0)
-    print(f"optimizers: tfm fused Adam, HF {args.hf_optimizer}; allocator: "
-          f"{'system default' if args.system_malloc else 'keep_freed_memory (both)'}")
+    malloc = "glibc defaults" if args.system_malloc else loaded_allocator()
+    print(f"optimizers: tfm fused Adam, HF {args.hf_optimizer}; allocator (both): "
+          f"{'glibc + keep_freed_memory' if malloc == 'system' else malloc}")
 
     def tfm_step(batch, step):
         for g in opt_tfm.param_groups:

@@ -423,6 +423,7 @@ CASES = [
         (("train.eval_bleu_sentences=-5",), "train.eval_bleu_sentences"),
         (("train.eval_bleu_sentences=0",), "train.eval_bleu_sentences"),
         (("train.threads=-2",), "train.threads"),
+        (("train.allocator=jemalloc",), "train.allocator"),
         (("train.adam_eps=-1",), "train.adam_eps"),
         (("train.adam_betas=[1.5,0.98]",), "train.adam_betas"),
         (("train.weight_decay=-1",), "train.weight_decay"),

@@ -13,5 +13,8 @@ __version__ = "0.1.0"
 # own ONEDNN_PRIMITIVE_CACHE_CAPACITY wins.
 # `tfm train` keeps fewer (cpu.py, TRAINING_KERNEL_CACHE): there every batch brings new shapes.
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 16384
+# The environment as the user started this process with, before the line below changes it: what a
+# process that tfm starts again in its place must see (allocator.py).
+LAUNCH_ENVIRONMENT = dict(_os.environ)
 USER_KERNEL_CACHE = _os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 _os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))

@@ -168,6 +168,10 @@ def train(
 ) -> None:
     """Train the model (warm-up LR, teacher forcing, label smoothing; GPU when present)."""
     cfg = _load(config, set_)  # before importing torch: config errors come at once
+    if _RUN_AS_PROGRAM:  # not when a test or a program calls the command in its own process
+        from .allocator import use_allocator
+
+        use_allocator(cfg.train.allocator, ["-m", "transformer_cli", *sys.argv[1:]])  # may start this program again, on mimalloc
     from .cpu import limit_training_kernel_cache
 
     limit_training_kernel_cache()  # before torch runs its first kernel
@@ -544,7 +548,12 @@ def import_model(
         f"(translate with: tfm translate --config {output / 'config.yaml'})")
 
 
+_RUN_AS_PROGRAM = False  # main() ran: this process is `tfm` itself
+
+
 def main() -> None:
+    global _RUN_AS_PROGRAM
+    _RUN_AS_PROGRAM = True
     if hasattr(signal, "SIGXFSZ"):
         # A file-size limit (ulimit -f) then fails the write with EFBIG, reported like a full
         # disk, instead of killing the process in the middle of it.

@@ -44,7 +44,8 @@ def keep_freed_memory() -> bool:
     By default every allocation above 32 MB (logits, FFN activations and their gradients) is a
     fresh mmap whose pages the kernel must fault in and zero on first touch, and is unmapped
     again when freed — every step. Serving all allocations from the heap and never trimming it
-    makes CPU training steps faster. No-op where glibc is not the allocator.
+    makes CPU training steps faster. No-op where glibc is not the allocator (`tfm train` on
+    mimalloc: allocator.py, which keeps freed pages by its own setting).
     """
     global _configured
     if _configured or not sys.platform.startswith("linux"):

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .checkpoint import average_state_dicts, bytes_to_tensor, load_checkpoint, load_initial_weights
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
 from .console import TrainingConsole
+from .allocator import loaded_allocator
 from .cpu import keep_freed_memory, release_freed_memory
 from .data import PAD_ID, ParallelData, padding_ratio
 from .devices import is_out_of_memory, resolve_device
@@ -380,6 +381,8 @@ class Trainer:
         self.console.print(f"effective batch: {self.world.size} process(es) x {train_cfg.accum_steps} accumulation "
                            f"step(s) x {train_cfg.max_tokens:,} tokens = "
                            f"{self.batches_per_update * train_cfg.max_tokens:,} tokens per update (padding included)")
+        if self.device.type == "cpu":
+            self.console.print(f"memory allocator: {loaded_allocator()} (train.allocator: {train_cfg.allocator})")
         if train_cfg.warmup_ratio is not None and train_cfg.warmup:
             self.console.print(f"learning rate: {train_cfg.lr_schedule}, warm-up {train_cfg.warmup} steps or "
                                f"{train_cfg.warmup_ratio:.0%} of the budget, whichever ends first")
