@@ -6,6 +6,7 @@ installed entry point for real."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import tfm_in_process
 
@@ -17,6 +18,16 @@ def run(*args, input=None):
 def test_the_tfm_entry_point_runs():
     proc = subprocess.run([sys.executable, "-m", "transformer_cli", "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith("tfm ") and not proc.stderr
+
+
+def test_reading_the_command_line_and_the_config_does_not_import_torch():
+    # tfm train starts itself again on mimalloc after reading its config: importing torch first
+    # would cost every run a second torch import (~1 s on these CPUs)
+    config = Path(__file__).parents[1] / "configs/de-en.yaml"
+    code = ("import sys, transformer_cli.cli; from transformer_cli.config import load_config; "
+            f"load_config({str(config)!r}, []); print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
 
 
 def test_help_and_version():

@@ -16,7 +16,6 @@ from typer.core import TyperCommand
 from . import __version__
 from .console import discard_writes, say, warn
 from .errors import Diverged, Interrupted, TfmError, describe_os_error
-from .rundir import RunDirectory
 from .signals import Terminated, terminate_like_ctrl_c
 
 class OneValueOptions(TyperCommand):
@@ -104,6 +103,8 @@ def model_files(cfg) -> list[Path]:
     run's best-validated checkpoint."""
     if cfg.decode.checkpoints:
         return [Path(p) for p in cfg.decode.checkpoints]
+    from .rundir import RunDirectory  # imports torch: not before a command needs it
+
     return [RunDirectory(cfg.run_path).default_checkpoint()]
 
 
