@@ -55,3 +55,16 @@ def test_the_process_started_again_sees_the_users_environment_not_what_tfm_set(u
            if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY")}
     out = subprocess.run([sys.executable, "-c", code], env={**env, **user}, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [*expected.split(), "1"]
+
+
+@linux_only
+def test_a_library_the_loader_cannot_preload_is_an_error_only_when_asked_for(tiny_prepared, tmp_path):
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=2, eval_every=2)
+    broken = tmp_path / "libmimalloc.so"
+    broken.write_bytes(b"not a shared library")
+    env = {**os.environ, "LD_PRELOAD": str(broken), allocator.RELAUNCHED: "1"}  # as if tfm had started again
+    proc = tfm("train", "--config", config, "--set", "train.allocator=mimalloc", env=env)
+    assert proc.returncode == 2 and "error: train.allocator: mimalloc could not be preloaded" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = tfm("train", "--config", config, env=env)  # auto: goes on, on the system's malloc
+    assert proc.returncode == 0 and "memory allocator: system (train.allocator: auto)" in proc.stderr

@@ -69,9 +69,14 @@ def use_allocator(choice: str, command: list[str]) -> None:
     library preloaded: the same PID, and the same environment otherwise. Returns where nothing
     needs to change.
     """
-    if choice == "system" or loaded_allocator() == "mimalloc" or os.environ.get(RELAUNCHED):
+    if choice == "system" or loaded_allocator() == "mimalloc":
         return
-    library = mimalloc_library() if sys.platform.startswith("linux") else None
+    if os.environ.get(RELAUNCHED):  # started again, yet the loader did not preload it (it said why)
+        if choice == "mimalloc":
+            raise TfmError("train.allocator: mimalloc could not be preloaded (see the loader's message above); "
+                           "use auto or system")
+        return
+    library = mimalloc_library() if sys.platform.startswith("linux") and sys.executable else None
     if library is None:
         if choice == "mimalloc":
             raise TfmError("train.allocator: mimalloc is not installed here (pip install cmeel-mimalloc, "

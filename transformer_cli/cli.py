@@ -172,7 +172,8 @@ def train(
     if _RUN_AS_PROGRAM:  # not when a test or a program calls the command in its own process
         from .allocator import use_allocator
 
-        use_allocator(cfg.train.allocator, ["-m", "transformer_cli", *sys.argv[1:]])  # may start this program again, on mimalloc
+        # may start this program again, on mimalloc
+        use_allocator(cfg.train.allocator, ["-m", "transformer_cli", *sys.argv[1:]])
     from .cpu import limit_training_kernel_cache
 
     limit_training_kernel_cache()  # before torch runs its first kernel
