@@ -38,7 +38,8 @@ def test_asking_for_mimalloc_where_it_is_missing_is_a_one_line_error(monkeypatch
         pytest.skip("this test process itself runs on mimalloc")
     with pytest.raises(TfmError, match="train.allocator: mimalloc is not installed"):
         allocator.use_allocator("mimalloc", ["-m", "transformer_cli", "train"])
-    allocator.use_allocator("auto", ["-m", "transformer_cli", "train"])  # auto falls back to the system's malloc: returns
+    # auto falls back to the system's malloc: returns
+    allocator.use_allocator("auto", ["-m", "transformer_cli", "train"])
 
 
 @pytest.mark.parametrize("user, expected", [
