@@ -15,6 +15,12 @@ at its default precision for this CPU against CTranslate2 float32 (≥ 1.0x; bea
 the default is bf16), tfm int8 against CTranslate2 int8 (≥ 1.0x). This VM's speed drifts by
 ±10% from minute to minute, so every system runs once per round, in alternating order, and each
 ratio is the median of the per-round ratios (paired measurements), with their range.
+
+With --device cuda: tfm fp32 and bf16 on the GPU against CTranslate2's GPU compute types
+(float32, float16, bfloat16, int8_float16 where this build of CTranslate2 runs on the GPU), one
+process each; the ratios printed are tfm's default (bf16) against CT2 bfloat16 and float16. A
+system that fails to start (a CTranslate2 build without the CUDA libraries it needs) is reported
+and left out.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="also time tfm bf16 where tfm's auto precision does not pick it")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs per system and beam, in alternating rounds; the table prints the fastest")
     args = parser.parse_args()
@@ -55,13 +62,19 @@ def main() -> None:
     beams = [int(b) for b in args.beams.split(",")]
     overrides = [f"decode.batch_size={args.batch_size}"]
 
-    systems = {"tfm fp32": lambda: Translator.from_checkpoint(args.checkpoint, device="cpu", overrides=overrides,
-                                                              precision="fp32"),
-               "tfm int8": lambda: Translator.from_checkpoint(args.checkpoint, device="cpu", overrides=overrides,
-                                                              precision="int8")}
-    if choose_precision("auto", torch.device("cpu")).bf16 or args.bf16:
-        systems["tfm bf16"] = lambda: Translator.from_checkpoint(args.checkpoint, device="cpu",
-                                                                 overrides=overrides, precision="bf16")
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+
+    def tfm_system(precision: str):
+        return lambda: Translator.from_checkpoint(args.checkpoint, device=args.device, overrides=overrides,
+                                                  precision=precision)
+
+    default = "tfm bf16" if choose_precision("auto", device).bf16 else "tfm fp32"
+    systems = {"tfm fp32": tfm_system("fp32")}
+    if not gpu:  # dynamic int8 Linear layers are a CPU kernel
+        systems["tfm int8"] = tfm_system("int8")
+    if default == "tfm bf16" or args.bf16:
+        systems["tfm bf16"] = tfm_system("bf16")
     try:
         import ctranslate2
 
@@ -69,25 +82,33 @@ def main() -> None:
 
         folder = Path(tempfile.mkdtemp()) / "ct2"
         export_ctranslate2(args.checkpoint, folder)
-        for compute_type in ("float32", "int8", "bfloat16"):
-            if compute_type in ctranslate2.get_supported_compute_types("cpu"):
+        wanted = ("float32", "float16", "bfloat16", "int8_float16") if gpu else ("float32", "int8", "bfloat16")
+        supported = ctranslate2.get_supported_compute_types(args.device) if (
+            not gpu or ctranslate2.get_cuda_device_count() > 0) else set()
+        for compute_type in wanted:
+            if compute_type in supported:
                 systems[f"CT2 {compute_type}"] = (lambda ct=compute_type: CT2Translator(
-                    folder, compute_type=ct, threads=args.threads, overrides=overrides))
+                    folder, device=args.device, compute_type=ct, threads=args.threads, overrides=overrides))
+        if gpu and not supported:
+            print("this CTranslate2 build sees no CUDA device: CT2 left out", file=sys.stderr)
     except ImportError:
         print("ctranslate2 not installed: skipping CT2 (pip install -e '.[ct2]')", file=sys.stderr)
 
-    default = "tfm bf16" if choose_precision("auto", torch.device("cpu")).bf16 else "tfm fp32"
-    print(machine_line())
-    print(f"{len(src)} sentences, batch {args.batch_size}, {args.threads} threads; each system with decode.workers "
+    print(machine_line(device))
+    print(f"{len(src)} sentences, batch {args.batch_size}, {args.device}, {args.threads} threads; each system with decode.workers "
           f"auto (one process, or CT2 inter_thread, per core; one thread each) and 1 (one process, "
           f"{args.threads} threads); fastest of {args.rounds} alternating rounds; tfm's default here: {default}")
     # tfm first: its workers fork before CTranslate2 starts any thread in this process.
     entries = []  # (system, workers, translator)
     for name, make in sorted(systems.items(), key=lambda item: item[0].startswith("CT2")):
-        for workers in ("auto", 1):
-            translator = make()
-            translator.decode = translator.decode.model_copy(update={"workers": workers})
-            translator.translate(src[: 2 * args.batch_size], beam=1)  # starts the workers
+        for workers in ("auto",) if gpu else ("auto", 1):  # a GPU is driven by one process
+            try:
+                translator = make()
+                translator.decode = translator.decode.model_copy(update={"workers": workers})
+                translator.translate(src[: 2 * args.batch_size], beam=1)  # starts the workers
+            except Exception as error:  # noqa: BLE001 - e.g. a CUDA library this CT2 build needs is missing
+                print(f"{name}: could not run on {args.device}: {str(error).splitlines()[0][:200]}", file=sys.stderr)
+                break
             entries.append((name, workers, translator))
     for beam in beams:  # an untimed round: oneDNN builds its kernels for each new batch shape on first use
         for _, _, translator in entries:
@@ -97,7 +118,10 @@ def main() -> None:
     # ≥ 1.3x where the default is bf16), tfm int8 ≥ 1.0x CTranslate2 int8.
     pairs = [(default, "CT2 float32", {1: 1.0, 5: 1.3 if default == "tfm bf16" else 1.0}),
              ("tfm int8", "CT2 int8", {1: 1.0, 5: 1.0})]
-    pairs = [(ours, theirs, target) for ours, theirs, target in pairs if ours in systems and theirs in systems]
+    if gpu:  # no stated target on a GPU: the ratios against CT2's half-precision types
+        pairs = [(default, "CT2 bfloat16", {}), (default, "CT2 float16", {})]
+    running = {e[0] for e in entries}
+    pairs = [(ours, theirs, target) for ours, theirs, target in pairs if ours in running and theirs in running]
     in_pairs = {name for ours, theirs, _ in pairs for name in (ours, theirs)}
     paired = [e for e in entries if e[1] == "auto" and e[0] in in_pairs]
     entries = paired + [e for e in entries if e not in paired]
