@@ -141,3 +141,34 @@ def test_a_port_in_use_is_one_line(reverse_model):
                               capture_output=True, text=True, timeout=120, env={**os.environ})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"error: cannot serve on 127.0.0.1:{port}" in proc.stderr
+
+
+def test_the_server_runs_the_model_on_the_main_thread_only():
+    """The event loop's calls of the engine are made on the thread running `run_until` (the main
+    thread in `tfm serve`: torch's OpenMP threads then stay one team), results and errors reach
+    the awaiting request, and `run_until` returns once it is told to and nothing is left."""
+    import asyncio
+
+    from transformer_cli.serve import MainThreadDecoder
+
+    decoder = MainThreadDecoder()
+    answers: dict = {}
+
+    def on_model_thread(value: int) -> tuple[int, bool]:
+        if value < 0:
+            raise ValueError("negative")
+        return value * 2, threading.current_thread() is threading.main_thread()
+
+    async def requests() -> None:
+        answers["ok"] = await asyncio.gather(*(decoder.run(lambda v=v: on_model_thread(v)) for v in range(5)))
+        try:
+            await decoder.run(lambda: on_model_thread(-1))
+        except ValueError as error:
+            answers["error"] = str(error)
+
+    loop_thread = threading.Thread(target=lambda: asyncio.run(requests()))
+    loop_thread.start()
+    decoder.run_until(lambda: not loop_thread.is_alive())
+    loop_thread.join()
+    assert threading.current_thread() is threading.main_thread()
+    assert answers == {"ok": [(0, True), (2, True), (4, True), (6, True), (8, True)], "error": "negative"}

@@ -9,8 +9,8 @@ arrives within `max_wait` seconds of the first waiting request (and whatever que
 previous batch was decoding), up to `max_batch_lines` lines, and translates requests with the same
 settings as one call of the engine, which sorts their lines into batches as `tfm translate` does,
 split evenly over its decoding processes (decode.workers, forked before the server starts any
-thread). The engine is driven from one thread beside the event loop, so the server keeps
-accepting meanwhile.
+thread). The engine runs on the main thread and the HTTP event loop on a thread of its own
+(`MainThreadDecoder`), so the server keeps accepting while it decodes.
 A malformed request is a 4xx JSON error and changes nothing for the others. SIGTERM (and Ctrl-C)
 stop accepting, let the requests in flight finish, and exit 0.
 """
@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import signal
 import socket
+import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -54,14 +58,64 @@ class Job:
     done: asyncio.Future = field(repr=False)
 
 
-class Batcher:
-    """Collects concurrent requests into batches for one engine, decoded on one worker thread."""
+Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a call of the engine off the event loop
 
-    def __init__(self, engine: TranslationEngine, max_wait: float, max_batch_lines: int, processes: int = 1):
+
+class MainThreadDecoder:
+    """Runs the engine's calls on the thread that calls `run_until`: the main thread in `serve`.
+
+    Torch's CPU ops run in parallel through OpenMP, which keeps a team of threads for each thread
+    that calls them. A second thread running the model (a decode thread beside the main thread,
+    which loaded and prepared it) doubles the OpenMP threads; libgomp then sees more threads than
+    cores and stops spinning between ops, and every small op waits for a wake-up: one-sentence
+    requests decoded 2.7x slower on 2 cores (106 vs 39 ms). So the model only ever runs on the
+    main thread, and the event loop runs on another.
+    """
+
+    def __init__(self) -> None:
+        self.calls: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = queue.Queue()
+
+    async def run(self, call: Callable[[], Any]) -> Any:
+        """Awaitable from the event loop: `call()` made on the decoding thread."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.calls.put((call, loop, future))
+        return await future
+
+    def run_until(self, finished: Callable[[], bool]) -> None:
+        """Make the calls handed over, until `finished()` and none is left."""
+        while not (finished() and self.calls.empty()):
+            try:
+                call, loop, future = self.calls.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            try:
+                outcome, error = call(), None
+            except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
+                outcome, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for it any more
+                loop.call_soon_threadsafe(_settle, future, outcome, error)
+
+
+def _settle(future: asyncio.Future, outcome: Any, error: BaseException | None) -> None:
+    if not future.done():  # a client that went away has cancelled its future
+        future.set_exception(error) if error is not None else future.set_result(outcome)
+
+
+class Batcher:
+    """Collects concurrent requests into batches for one engine, decoded one batch at a time by
+    `runner` (default: a thread of its own)."""
+
+    def __init__(self, engine: TranslationEngine, max_wait: float, max_batch_lines: int, processes: int = 1,
+                 runner: Runner | None = None):
         self.engine, self.max_wait, self.max_batch_lines = engine, max_wait, max_batch_lines
         self.processes = processes  # decoding processes: each call's lines are split into this many batches at least
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tfm-decode")
+        self.thread = None if runner is not None else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tfm-decode")
+        self.runner = runner or self._in_thread
+
+    async def _in_thread(self, call: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.thread, call)
 
     async def translate(self, lines: list[str], decode: DecodeConfig) -> list[list[Translation]]:
         job = Job(lines, decode, asyncio.get_running_loop().create_future())
@@ -91,8 +145,7 @@ class Batcher:
         if self.processes > 1:  # every process gets a batch
             decode = decode.model_copy(update={"batch_size": max(1, min(decode.batch_size, -(-len(lines) // self.processes)))})
         try:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self.thread, lambda: self.engine.translate(lines, nbest=decode.nbest, decode=decode))
+            results = await self.runner(lambda: self.engine.translate(lines, nbest=decode.nbest, decode=decode))
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             for job in jobs:
                 if not job.done.done():
@@ -125,19 +178,22 @@ def response(results: list[list[Translation]], decode: DecodeConfig) -> dict:
 
 
 def create_app(engine: TranslationEngine, max_lines: int = 256, max_chars: int = 10_000,
-               max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1):
-    """The FastAPI application serving `engine`, which decodes in `processes` processes."""
+               max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1,
+               runner: Runner | None = None):
+    """The FastAPI application serving `engine`, which decodes in `processes` processes, its calls
+    made by `runner` (default: on a thread of the application's own)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
-    batcher = Batcher(engine, max_wait, max_batch_lines, processes)
+    batcher = Batcher(engine, max_wait, max_batch_lines, processes, runner)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         task = asyncio.create_task(batcher.run())
         yield
         task.cancel()
-        batcher.thread.shutdown(wait=True)
+        if batcher.thread is not None:
+            batcher.thread.shutdown(wait=True)
 
     app = FastAPI(title="tfm", description="Transformer translation (tfm serve)", lifespan=lifespan)
 
@@ -185,14 +241,32 @@ def serve(engine: TranslationEngine, host: str, port: int, **limits) -> None:
             probe.bind((host, port))
         except OSError as exc:
             raise TfmError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
-    app = create_app(engine, processes=workers.processes if workers is not None else 1, **limits)
+    decoder = MainThreadDecoder()
+    app = create_app(engine, processes=workers.processes if workers is not None else 1, runner=decoder.run, **limits)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
-    # uvicorn handles SIGINT/SIGTERM itself (graceful shutdown) and afterwards re-raises the signal
-    # to the handler it found: a no-op here, so the stop ends this function instead of the process.
-    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    failure: list[BaseException] = []
+
+    def http() -> None:  # uvicorn installs no signal handlers off the main thread: stop() below does
+        try:
+            server.run()
+        except BaseException as exc:  # noqa: BLE001 (reported on the main thread)
+            failure.append(exc)
+
+    def stop(*_: Any) -> None:  # SIGTERM / Ctrl-C: stop accepting, finish the requests in flight; twice: now
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="tfm-http")
     try:
-        server.run()
+        thread.start()
+        decoder.run_until(lambda: not thread.is_alive())
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        thread.join()
         engine.close()
+    if not server.started:
+        reason = f": {failure[0]}" if failure and str(failure[0]) else ""
+        raise TfmError(f"cannot serve on {host}:{port}: the HTTP server did not start{reason}")
