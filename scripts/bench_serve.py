@@ -14,8 +14,8 @@ does; in bf16 that may change a word now and then, in fp32 it should not).
 Two peers, measured before the server starts: `tfm translate` on the whole file (length-sorted full
 batches: the most a server could reach if every sentence were in flight at once), and
 `tfm translate` on random groups of as many sentences as there are clients, split over the
-decoding processes as the server splits a batch (the most it can reach when each client has one
-sentence in flight). Target: with 64 clients ≥ 0.8x the second; the first shows what one-sentence
+decoding processes as the server splits a batch (decode.batching: balanced; the most it can reach
+when each client has one sentence in flight). Target: with 64 clients ≥ 0.8x the second; the first shows what one-sentence
 requests cost against whole-file translation.
 """
 
@@ -110,8 +110,10 @@ def grouped_rate(translator: Translator, sentences: list[str], group: int, limit
     """Sentences/s of `translator` on random groups of `group` sentences (at most `limit` in all,
     a fixed shuffle), each group's batches split over the decoding processes as `tfm serve` does."""
     lines = random.Random(0).sample(sentences, min(limit, len(sentences)))
-    batch = max(1, min(translator.decode.batch_size, -(-group // translator.decoding_processes)))
-    decode = translator.decode.model_copy(update={"batch_size": batch})
+    processes = translator.decoding_processes
+    batch = max(1, min(translator.decode.batch_size, -(-group // processes)))
+    decode = translator.decode.model_copy(update={"batch_size": batch,
+                                                  "batching": "balanced" if processes > 1 else "length"})
     started = time.perf_counter()
     for start in range(0, len(lines), group):
         translator.translate(lines[start : start + group], decode=decode)

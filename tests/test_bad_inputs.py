@@ -441,6 +441,7 @@ CASES = [
         (("data.train=[]",), "data.train"),
         (("data.train=[data/train, '']",), "data.train.1"),
         (("decode.max_len_a=0", "decode.max_len_b=-100"), "decode.max_len_b"),
+        (("decode.batching=striped",), "decode.batching"),
     )],
     Case("translate: decode.max_len_a=0 max_len_b=0", translate_input(
         b"wa\n", "--set", "decode.max_len_a=0", "--set", "decode.max_len_b=0"), 2, "key 'decode.max_len_b'",

@@ -25,7 +25,7 @@ from transformer_cli.decoding import (
 from transformer_cli.errors import TfmError
 from transformer_cli.files import read_lines
 from transformer_cli.model import MultiHeadAttention, TransformerConfig
-from transformer_cli.translate import Translator, format_nbest, length_sorted_batches
+from transformer_cli.translate import Translator, balanced_batches, format_nbest, length_sorted_batches
 from transformer_cli.workers import resolve_workers
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
@@ -190,6 +190,40 @@ def test_length_sorted_batches_cover_all():
     assert batches[0] == [2, 4]  # longest first
     capped = length_sorted_batches(lengths, batch_size=10, batch_tokens=10)
     assert all(max(lengths[i] for i in b) * len(b) <= 10 or len(b) == 1 for b in capped)
+
+
+def test_balanced_batches_deal_every_length_to_every_batch():
+    lengths = [5, 1, 9, 3, 7, 2, 8, 4]
+    by_length = length_sorted_batches(lengths, batch_size=4, batch_tokens=None)
+    assert by_length == [[2, 6, 4, 0], [7, 3, 5, 1]]  # 9 8 7 5 | 4 3 2 1
+    dealt = balanced_batches(by_length, None, lengths)
+    assert dealt == [[2, 4, 7, 5], [6, 0, 3, 1]]  # 9 7 4 2 | 8 5 3 1: each longest first
+    assert sorted(i for b in dealt for i in b) == list(range(8))
+    # where dealing would break the token cap (3 sentences beside a 9-token one > 20 tokens), the batches stay
+    lengths = [9, 9, 1, 1, 1, 1]
+    capped = length_sorted_batches(lengths, batch_size=4, batch_tokens=20)
+    assert capped == [[0, 1], [2, 3, 4, 5]]
+    assert balanced_batches(capped, 20, lengths) == capped
+    assert balanced_batches(capped, None, lengths) == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_balanced_batching_decodes_the_same_sentences_side_by_side(reverse_model, held_out_pairs):
+    """decode.batching=balanced (what `tfm serve` uses with several processes): one task per
+    batch, each with long and short sentences, every sentence translated as in length batches (fp32)."""
+    _, summary = reverse_model
+    src, _ = held_out_pairs
+    settings = ["decode.precision=fp32", "decode.batch_size=8", "decode.workers=2"]
+    by_length = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=settings)
+    balanced = Translator.from_checkpoint(summary.best_checkpoint, device="cpu",
+                                          overrides=[*settings, "decode.batching=balanced"])
+    try:
+        for beam in (1, 3):
+            expected = [t[0].text for t in by_length.translate(src[:16], beam=beam)]
+            assert [t[0].text for t in balanced.translate(src[:16], beam=beam)] == expected
+        assert balanced.decoding_processes == 2  # two batches of 8 went to the two processes
+    finally:
+        by_length.close()
+        balanced.close()
 
 
 @pytest.mark.slow

@@ -7,10 +7,11 @@
 Requests that arrive together are decoded together (dynamic batching): a `Batcher` collects what
 arrives within `max_wait` seconds of the first waiting request (and whatever queued while the
 previous batch was decoding), up to `max_batch_lines` lines, and translates requests with the same
-settings as one call of the engine, which sorts their lines into batches as `tfm translate` does,
-split evenly over its decoding processes (decode.workers, forked before the server starts any
-thread). The engine runs on the main thread and the HTTP event loop on a thread of its own
-(`MainThreadDecoder`), so the server keeps accepting while it decodes.
+settings as one call of the engine, their lines dealt into one batch per decoding process
+(decode.workers, forked before the server starts any thread) with sentences of every length in
+each (decode.batching: balanced), so that the processes finish together. The engine runs on the
+main thread and the HTTP event loop on a thread of its own (`MainThreadDecoder`), so the server
+keeps accepting while it decodes.
 A malformed request is a 4xx JSON error and changes nothing for the others. SIGTERM (and Ctrl-C)
 stop accepting, let the requests in flight finish, and exit 0.
 """
@@ -142,8 +143,9 @@ class Batcher:
 
     async def _decode_together(self, jobs: list[Job], decode: DecodeConfig) -> None:
         lines = [line for job in jobs for line in job.lines]
-        if self.processes > 1:  # every process gets a batch
-            decode = decode.model_copy(update={"batch_size": max(1, min(decode.batch_size, -(-len(lines) // self.processes)))})
+        if self.processes > 1:  # every process gets a batch, of every length: they finish together
+            decode = decode.model_copy(update={"batching": "balanced", "batch_size": max(
+                1, min(decode.batch_size, -(-len(lines) // self.processes)))})
         try:
             results = await self.runner(lambda: self.engine.translate(lines, nbest=decode.nbest, decode=decode))
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)

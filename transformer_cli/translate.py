@@ -208,6 +208,17 @@ def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int
     return batches
 
 
+def balanced_batches(batches: list[list[int]], batch_tokens: int | None, lengths: list[int]) -> list[list[int]]:
+    """As many batches as `batches`, each dealt every len(batches)-th sentence of their length order
+    (longest first), so that each holds long and short ones alike and batches decoded in parallel
+    take about as long. `batches` as they are where that would break the token cap."""
+    order = [i for batch in batches for i in batch]
+    dealt = [order[j :: len(batches)] for j in range(len(batches))]
+    if batch_tokens is not None and any(lengths[b[0]] * len(b) > batch_tokens for b in dealt):
+        return batches
+    return dealt
+
+
 def decode_in_batches(
     model: Transformer, sources: list[list[int]], decode: DecodeConfig, device: torch.device,
     beam: int | None = None, nbest: int = 1, min_len: int = 0, max_len: int | None = None,
@@ -227,7 +238,11 @@ def decode_in_batches(
     sampling = Sampling(decode.temperature, decode.top_k, decode.top_p, decode.seed) if decode.sample else None
     search = (beam, decode.length_penalty, max_len_a, max_len_b, nbest, min_len, sampling)
     batches = length_sorted_batches([len(s) for s in sources], decode.batch_size, decode.batch_tokens)
-    tasks = decoding_tasks(batches, continuous=beam <= 1 and sampling is None)
+    if decode.batching == "balanced" and len(batches) > 1:
+        batches = balanced_batches(batches, decode.batch_tokens, [len(s) for s in sources])
+        tasks = [[b] for b in batches]  # one batch per task: they decode side by side
+    else:
+        tasks = decoding_tasks(batches, continuous=beam <= 1 and sampling is None)
     if workers is None:
         workers = DecodingWorkers(partial(decode_batches, model, device), processes=1)
     was_training = model.training
