@@ -190,11 +190,11 @@ class DecodeConfig(_Section):
     max_len_b: int = Field(10, ge=0)
     batch_size: int = Field(64, ge=1)  # sentences per batch
     batch_tokens: int | None = Field(None, ge=1)  # if set, also cap source tokens per batch
-    # length: batches of similar source length (least padding; the default). balanced: every batch
-    # gets sentences of every length (dealt out in turn from the length order), one batch per
-    # decoding process, so that batches decoded in parallel finish together (`tfm serve` decodes
-    # each request batch so). The batches decide which sentences decode together: bf16 output may
-    # change with them.
+    # length: batches of similar source length (least padding; the default). balanced: as many
+    # batches, each dealt long and short sentences in turn from the length order and decoded as a
+    # task of its own, so that batches decoded in parallel finish together (`tfm serve` uses it,
+    # with a batch per decoding process). The batches decide which sentences decode together:
+    # bf16 output may change with them.
     batching: Literal["length", "balanced"] = "length"
     nbest: int = Field(1, ge=1)  # hypotheses printed per line (≤ beam): `tfm translate --nbest`'s default
     # Weights and activations while translating: auto = bf16 where train.precision's auto picks

@@ -270,5 +270,5 @@ def serve(engine: TranslationEngine, host: str, port: int, **limits) -> None:
         thread.join()
         engine.close()
     if not server.started:
-        reason = f": {failure[0]}" if failure and str(failure[0]) else ""
+        reason = f": {failure[0]}" if failure and not isinstance(failure[0], SystemExit) and str(failure[0]) else ""
         raise TfmError(f"cannot serve on {host}:{port}: the HTTP server did not start{reason}")
