@@ -6,12 +6,16 @@
 # (data.train listing both corpora).
 #   scripts/back_translation.sh                 (TIME=12m each of the three trainings)
 #   TIME=5m SAMPLING="--sample" scripts/back_translation.sh
+#   TAG="<bt>" scripts/back_translation.sh      (tagged back-translation, Caswell et al. 2019: each
+#                                                synthetic source line starts with TAG, so the model
+#                                                can tell synthetic from real input; test input has none)
 # Prints BLEU/chrF on Multi30k test2016 (beam 5) for both de→en models.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TIME=${TIME:-12m}
 SAMPLING=${SAMPLING:---sample --top-k 10}  # restricted sampling: the en→de model is small (Edunov et al. 2018)
 SEED=${SEED:-1}
+TAG=${TAG:-}
 
 scripts/get_data.sh multi30k >/dev/null
 bt=data/back-translation
@@ -29,11 +33,17 @@ tfm prepare "${EN_DE[@]}"
 tfm train "${EN_DE[@]}"
 gzip -dc "$bt/mono.en.gz" | tfm translate "${EN_DE[@]}" $SAMPLING --seed "$SEED" | gzip -c > "$bt/synthetic.de.gz"
 cp "$bt/mono.en.gz" "$bt/synthetic.en.gz"
+synthetic=$bt/synthetic
+if [ -n "$TAG" ]; then  # the tag as plain text: the joint vocabulary learns it from the training data
+  synthetic=$bt/synthetic-tagged
+  gzip -dc "$bt/synthetic.de.gz" | sed "s/^/$TAG /" | gzip -c > "$synthetic.de.gz"
+  cp "$bt/synthetic.en.gz" "$synthetic.en.gz"
+fi
 
 # 2. de→en on the parallel half alone, and on parallel + synthetic pairs, for the same time.
 BASE=(--config configs/de-en.yaml --set run_dir=runs/bt-de-en-parallel --set data.train="$bt/parallel" "${common[@]}")
-BT=(--config configs/de-en.yaml --set run_dir=runs/bt-de-en-synthetic
-    --set "data.train=[$bt/parallel, $bt/synthetic]" "${common[@]}")
+BT=(--config configs/de-en.yaml --set run_dir=runs/bt-de-en-synthetic${TAG:+-tagged}
+    --set "data.train=[$bt/parallel, $synthetic]" "${common[@]}")
 for run in BASE BT; do
   declare -n args=$run
   tfm prepare "${args[@]}"
