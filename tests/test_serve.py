@@ -141,6 +141,7 @@ def test_a_port_in_use_is_one_line(reverse_model):
                               capture_output=True, text=True, timeout=120, env={**os.environ})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"error: cannot serve on 127.0.0.1:{port}" in proc.stderr
+    assert "http://" not in proc.stderr  # no "serving on …" line for an address it cannot serve on
 
 
 def test_the_server_runs_the_model_on_the_main_thread_only():

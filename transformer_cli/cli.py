@@ -358,8 +358,9 @@ def serve(
     translator = torch_engine(cfg, set_, checkpoint, device, quantize, batch_size=batch_size,
                               batch_tokens=batch_tokens, workers=workers, beam=beam, nbest=nbest, sample=sample,
                               top_k=top_k, top_p=top_p, temperature=temperature, seed=seed, alignment=alignment)
-    warn(f"tfm serve: http://{host}:{port}/translate (docs: /docs); {translator.precision.describe()}")
-    run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000)
+    banner = f"tfm serve: http://{host}:{port}/translate (docs: /docs); {translator.precision.describe()}"
+    run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000,
+               ready=lambda: warn(banner))
     warn("tfm serve: stopped")
 
 

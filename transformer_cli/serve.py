@@ -229,8 +229,10 @@ def create_app(engine: TranslationEngine, max_lines: int = 256, max_chars: int =
     return app
 
 
-def serve(engine: TranslationEngine, host: str, port: int, **limits) -> None:
-    """Serve until SIGTERM or Ctrl-C; requests in flight finish first. Returns normally (exit 0)."""
+def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], None] | None = None,
+          **limits) -> None:
+    """Serve until SIGTERM or Ctrl-C; requests in flight finish first. Returns normally (exit 0).
+    `ready()` is called once the address is known to be free (before that, a bad one is an error)."""
     import uvicorn
 
     workers = engine.decoding_workers() if hasattr(engine, "decoding_workers") else None
@@ -243,6 +245,8 @@ def serve(engine: TranslationEngine, host: str, port: int, **limits) -> None:
             probe.bind((host, port))
         except OSError as exc:
             raise TfmError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    if ready is not None:
+        ready()
     decoder = MainThreadDecoder()
     app = create_app(engine, processes=workers.processes if workers is not None else 1, runner=decoder.run, **limits)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
