@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import machine_line  # noqa: E402
 
 from transformer_cli.files import read_lines  # noqa: E402
+from transformer_cli.serve import request_batch_decode  # noqa: E402
 from transformer_cli.translate import Translator  # noqa: E402
 
 
@@ -110,10 +111,7 @@ def grouped_rate(translator: Translator, sentences: list[str], group: int, limit
     """Sentences/s of `translator` on random groups of `group` sentences (at most `limit` in all,
     a fixed shuffle), each group's batches split over the decoding processes as `tfm serve` does."""
     lines = random.Random(0).sample(sentences, min(limit, len(sentences)))
-    processes = translator.decoding_processes
-    batch = max(1, min(translator.decode.batch_size, -(-group // processes)))
-    decode = translator.decode.model_copy(update={"batch_size": batch,
-                                                  "batching": "balanced" if processes > 1 else "length"})
+    decode = request_batch_decode(translator.decode, group, translator.decoding_processes)
     started = time.perf_counter()
     for start in range(0, len(lines), group):
         translator.translate(lines[start : start + group], decode=decode)

@@ -25,7 +25,6 @@ import signal
 import socket
 import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,20 +102,26 @@ def _settle(future: asyncio.Future, outcome: Any, error: BaseException | None) -
         future.set_exception(error) if error is not None else future.set_result(outcome)
 
 
+def request_batch_decode(decode: DecodeConfig, lines: int, processes: int) -> DecodeConfig:
+    """The settings one request batch of `lines` lines decodes with: with several processes, a
+    batch for each, long and short sentences in each (decode.batching: balanced), so that the
+    processes finish together."""
+    if processes <= 1:
+        return decode
+    return decode.model_copy(update={"batching": "balanced",
+                                     "batch_size": max(1, min(decode.batch_size, -(-lines // processes)))})
+
+
 class Batcher:
     """Collects concurrent requests into batches for one engine, decoded one batch at a time by
-    `runner` (default: a thread of its own)."""
+    `runner` (MainThreadDecoder.run)."""
 
-    def __init__(self, engine: TranslationEngine, max_wait: float, max_batch_lines: int, processes: int = 1,
-                 runner: Runner | None = None):
+    def __init__(self, engine: TranslationEngine, max_wait: float, max_batch_lines: int, processes: int,
+                 runner: Runner):
         self.engine, self.max_wait, self.max_batch_lines = engine, max_wait, max_batch_lines
         self.processes = processes  # decoding processes: each call's lines are split into this many batches at least
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
-        self.thread = None if runner is not None else ThreadPoolExecutor(max_workers=1, thread_name_prefix="tfm-decode")
-        self.runner = runner or self._in_thread
-
-    async def _in_thread(self, call: Callable[[], Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.thread, call)
+        self.runner = runner
 
     async def translate(self, lines: list[str], decode: DecodeConfig) -> list[list[Translation]]:
         job = Job(lines, decode, asyncio.get_running_loop().create_future())
@@ -143,9 +148,7 @@ class Batcher:
 
     async def _decode_together(self, jobs: list[Job], decode: DecodeConfig) -> None:
         lines = [line for job in jobs for line in job.lines]
-        if self.processes > 1:  # every process gets a batch, of every length: they finish together
-            decode = decode.model_copy(update={"batching": "balanced", "batch_size": max(
-                1, min(decode.batch_size, -(-len(lines) // self.processes)))})
+        decode = request_batch_decode(decode, len(lines), self.processes)
         try:
             results = await self.runner(lambda: self.engine.translate(lines, nbest=decode.nbest, decode=decode))
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
@@ -179,11 +182,10 @@ def response(results: list[list[Translation]], decode: DecodeConfig) -> dict:
     return body
 
 
-def create_app(engine: TranslationEngine, max_lines: int = 256, max_chars: int = 10_000,
-               max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1,
-               runner: Runner | None = None):
+def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, max_chars: int = 10_000,
+               max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1):
     """The FastAPI application serving `engine`, which decodes in `processes` processes, its calls
-    made by `runner` (default: on a thread of the application's own)."""
+    made by `runner` (MainThreadDecoder.run)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -194,8 +196,6 @@ def create_app(engine: TranslationEngine, max_lines: int = 256, max_chars: int =
         task = asyncio.create_task(batcher.run())
         yield
         task.cancel()
-        if batcher.thread is not None:
-            batcher.thread.shutdown(wait=True)
 
     app = FastAPI(title="tfm", description="Transformer translation (tfm serve)", lifespan=lifespan)
 
@@ -248,7 +248,7 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
     if ready is not None:
         ready()
     decoder = MainThreadDecoder()
-    app = create_app(engine, processes=workers.processes if workers is not None else 1, runner=decoder.run, **limits)
+    app = create_app(engine, decoder.run, processes=workers.processes if workers is not None else 1, **limits)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     failure: list[BaseException] = []
 

@@ -27,10 +27,10 @@ import sentencepiece as spm
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .allocator import loaded_allocator
 from .checkpoint import average_state_dicts, bytes_to_tensor, load_checkpoint, load_initial_weights
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
 from .console import TrainingConsole
-from .allocator import loaded_allocator
 from .cpu import keep_freed_memory, release_freed_memory
 from .data import PAD_ID, ParallelData, padding_ratio
 from .devices import is_out_of_memory, resolve_device
