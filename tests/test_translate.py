@@ -621,13 +621,21 @@ def padded_batches(translator, lines: list[str], size: int) -> list[torch.Tensor
 def test_continuous_greedy_equals_greedy_batch_by_batch(translator, held_out_pairs, limits, monkeypatch):
     """Rows refilled with the next batches' sentences decode what each batch decodes alone: the
     same tokens, scores up to rounding (joined rows attend over masked-out older cache slots). With
-    12 batches of 4 the run outlives its first cache slots, which are dropped (counted)."""
+    12 batches of 4 the run outlives its first cache slots, which are dropped, and the shorter
+    sentences joining rows that held long ones narrow the sources again (both counted)."""
     from transformer_cli.decoding import greedy_search_continuous
     from transformer_cli.model import DecoderState
 
-    dropped = []
-    drop_front = DecoderState.drop_front
+    dropped, narrowed = [], []
+    drop_front, narrow_sources = DecoderState.drop_front, DecoderState.narrow_sources
     monkeypatch.setattr(DecoderState, "drop_front", lambda self, n: (dropped.append(n), drop_front(self, n)))
+
+    def narrow(self, width):
+        narrowed.append((self.src_mask.size(-1), width))
+        narrow_sources(self, width)
+        assert self.src_mask.size(-1) == width and self.layers[0].cross_attn.key.size(2) == width
+
+    monkeypatch.setattr(DecoderState, "narrow_sources", narrow)
     src_lines, _ = held_out_pairs
     batches = padded_batches(translator, src_lines[:48], 4)
     model = translator.model
@@ -637,6 +645,7 @@ def test_continuous_greedy_equals_greedy_batch_by_batch(translator, held_out_pai
     for hyps_a, hyps_b in zip(alone, together):
         assert [h.score for h in hyps_b] == pytest.approx([h.score for h in hyps_a], abs=1e-4)
     assert dropped and all(n >= 16 for n in dropped)
+    assert narrowed and all(width <= 3 * before // 4 for before, width in narrowed)
     # A longer source joining later widens every row's source (unsorted input): still the same.
     shuffled = [batches[3], batches[0], batches[7]]
     assert [[h.tokens for h in hyps] for hyps in greedy_search_continuous(model, shuffled, BOS_ID, EOS_ID, **limits)] \

@@ -253,6 +253,21 @@ class DecoderState:
             layer.cross_attn = AttentionCache(F.pad(c.key, (0, 0, 0, extra)), F.pad(c.value, (0, 0, 0, extra)))
         self.src_mask = F.pad(self.src_mask, (0, extra), value=float("-inf"))
 
+    @property
+    def source_width(self) -> int:
+        """Source positions the cross-attention attends over (the widest source among the rows)."""
+        return self.src_mask.size(-1)
+
+    def narrow_sources(self, width: int) -> None:
+        """Keep the first `width` source positions only (cross-attention keys/values and source mask),
+        where every row's source fits: the positions beyond are padding in every row. In place.
+        The keys/values are copied once: attending over strided views of the wider ones measured no
+        faster than over all of them."""
+        for layer in self.layers:
+            c = layer.cross_attn
+            layer.cross_attn = AttentionCache(c.key[:, :, :width].contiguous(), c.value[:, :, :width].contiguous())
+        self.src_mask = self.src_mask[..., :width]
+
     def drop_front(self, slots: int) -> None:
         """Forget the first `slots` self-attention cache slots, which no row attends to any more
         (every row joined after they were written). In place."""

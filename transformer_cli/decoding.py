@@ -166,6 +166,9 @@ def greedy_search_continuous(
     counts = [b.size(0) for b in batches]
     limits_all = torch.cat([max_output_lengths(b, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions)
                             for b in batches])
+    # each source's length up to its last real token: the positions after it are padding
+    source_lengths = torch.cat([((b != pad) * torch.arange(1, b.size(1) + 1, device=device)).amax(dim=1)
+                                for b in batches])
     total, steps = len(limits_all), int(limits_all.max())
     outputs = torch.full((total, steps), eos, dtype=torch.long, device=device)  # (all sentences, steps)
     scores = torch.zeros(total, device=device)
@@ -218,6 +221,11 @@ def greedy_search_continuous(
                 break
             sentence, limits, tokens = sentence[keep], limits[keep], tokens[keep]
             state = state.reorder(keep, keep)
+        # Batches come longest first and later sentences take the rows of finished ones, padded to
+        # the widest source so far: narrow the sources again once every row's fits in 3/4 of them.
+        longest = int(source_lengths.index_select(0, sentence).max())
+        if longest <= state.source_width * 3 // 4:
+            state.narrow_sources(longest)
         if state.self_mask is None:  # no row has joined: every row attends from slot 0
             continue
         oldest = state.length - int(state.positions.max())  # the first cache slot any row attends to

@@ -24,7 +24,7 @@ from .model import Transformer
 
 class EnsembleState:
     """The members' decoder states, moved together: every search operation on a state (reorder,
-    admitting sentences, dropping cache slots) is applied to each member's."""
+    admitting sentences, dropping cache slots, narrowing sources) is applied to each member's."""
 
     def __init__(self, members: list[DecoderState]):
         self.members = members
@@ -49,6 +49,14 @@ class EnsembleState:
     def admit(self, rows: torch.Tensor, joining: EnsembleState, sentences: torch.Tensor) -> None:
         for member, new in zip(self.members, joining.members):
             member.admit(rows, new, sentences)
+
+    @property
+    def source_width(self) -> int:
+        return self.members[0].source_width
+
+    def narrow_sources(self, width: int) -> None:
+        for member in self.members:
+            member.narrow_sources(width)
 
     def drop_front(self, slots: int) -> None:
         for member in self.members:
