@@ -261,8 +261,8 @@ class DecoderState:
     def narrow_sources(self, width: int) -> None:
         """Keep the first `width` source positions only (cross-attention keys/values and source mask),
         where every row's source fits: the positions beyond are padding in every row. In place.
-        The keys/values are copied once: attending over strided views of the wider ones measured no
-        faster than over all of them."""
+        The keys/values are copied, once per narrowing: attending over strided views of the wider
+        ones measured no faster than over all of them."""
         for layer in self.layers:
             c = layer.cross_attn
             layer.cross_attn = AttentionCache(c.key[:, :, :width].contiguous(), c.value[:, :, :width].contiguous())
