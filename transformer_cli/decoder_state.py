@@ -223,8 +223,8 @@ class DecoderState:
             self.positions = torch.full((self.src_mask.size(0),), self.length, dtype=torch.long, device=rows.device)
         if self.self_mask is None:
             self.self_mask = self.src_mask.new_zeros((self.src_mask.size(0), self.length + 8))
-        width = max(self.src_mask.size(-1), joining.src_mask.size(-1))
-        if self.src_mask.size(-1) < width:
+        width = max(self.source_width, joining.source_width)
+        if self.source_width < width:
             self._pad_sources(width)
 
         def padded(t: torch.Tensor, value: float) -> torch.Tensor:  # (N, ..., S) → (N, ..., width)
@@ -247,7 +247,7 @@ class DecoderState:
 
     def _pad_sources(self, width: int) -> None:
         """Widen every row's source (cross-attention keys/values, source mask) to `width` positions."""
-        extra = width - self.src_mask.size(-1)
+        extra = width - self.source_width
         for layer in self.layers:
             c = layer.cross_attn
             layer.cross_attn = AttentionCache(F.pad(c.key, (0, 0, 0, extra)), F.pad(c.value, (0, 0, 0, extra)))
