@@ -447,8 +447,10 @@ CASES = [
         b"wa\n", "--set", "decode.max_len_a=0", "--set", "decode.max_len_b=0"), 2, "key 'decode.max_len_b'",
          needs_checkpoint=True),
     Case("translate: --set model.d_model on a trained model", translate_input(b"wa\n", "--set", "model.d_model=128"),
-         2, "--set model.d_model: a trained model's model.* settings are fixed by its checkpoint",
-         needs_checkpoint=True),
+         2, "--set model.d_model: the model was trained with model.d_model=32; a trained model's model.* settings "
+         "are fixed by its checkpoint", needs_checkpoint=True),
+    Case("translate: --set model.d_model repeating the trained value", translate_input(
+        b"wa\n", "--set", "model.d_model=32"), 0, "translated 1 sentences", stdout_lines(1), needs_checkpoint=True),
     Case("translate: UTF-16 input", translate_input(b"\xff\xfe" + "wa wb\n".encode("utf-16-le")), 2,
          "standard input is UTF-16 text", needs_checkpoint=True),
     Case("translate: -i <(…), a pipe", from_a_pipe, 0, "translated 2 sentences", stdout_lines(2),

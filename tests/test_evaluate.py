@@ -89,3 +89,26 @@ def test_evaluate_config_decodes_exactly_as_translate_config(reverse_model, tmp_
     assert evaluated.exit_code == 0, evaluated.stderr
     hyp_file = json.loads(evaluated.stdout)["hyp_file"]
     assert open(hyp_file, encoding="utf-8").read() == translated.stdout
+
+
+def test_the_training_overrides_repeated_to_translate_and_evaluate_are_accepted(reverse_model, tmp_path):
+    """The same `--set` options for every command (as scripts/quickstart.sh passes them): model.*
+    values that the run was trained with change nothing and are accepted; a different one is refused,
+    naming the trained value."""
+    config, _ = reverse_model
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(config.model_dump(mode="json")))
+    trained = config.model
+    same = ["--set", f"model.d_model={trained.d_model}", "--set", f"model.dropout={trained.dropout}",
+            "--set", "train.lr_schedule=inverse_sqrt"]
+    source = "\n".join(read_lines(f"{config.data.test}.src.gz")[:20]) + "\n"
+    plain = tfm_in_process("translate", "--config", path, "--beam", "2", input=source)
+    repeated = tfm_in_process("translate", "--config", path, "--beam", "2", *same, input=source)
+    assert plain.exit_code == 0 and repeated.exit_code == 0, repeated.stderr
+    assert repeated.stdout == plain.stdout and len(plain.stdout.splitlines()) == 20
+    evaluated = tfm_in_process("evaluate", "--config", path, "--split", "test", "--beam", "2", *same)
+    assert evaluated.exit_code == 0, evaluated.stderr
+    other = tfm_in_process("translate", "--config", path, "--set", f"model.d_model={2 * trained.d_model}",
+                           input=source)
+    assert other.exit_code == 2
+    assert f"--set model.d_model: the model was trained with model.d_model={trained.d_model};" in other.stderr

@@ -90,12 +90,21 @@ def _load(config: Optional[Path], overrides: Optional[list[str]]):
     return load_config(config, overrides or [])
 
 
-def _load_for_inference(config: Path, overrides: Optional[list[str]]):
-    """A config for translating/evaluating a trained model: `--set model.*`/`vocab.*` cannot apply."""
-    from .config import check_inference_overrides
+def _load_for_inference(config: Path, overrides: Optional[list[str]], checkpoint: Optional[list[Path]]):
+    """A config for translating/evaluating a trained model. `--set model.*`/`vocab.*` cannot change
+    it: accepted only where they repeat what the config's run was trained with (its resolved
+    config.yaml), when that run's checkpoint is the one translating."""
+    from .config import check_inference_overrides, load_config
 
-    check_inference_overrides(overrides or [])
-    return _load(config, overrides)
+    cfg = _load(config, overrides)
+    trained = None
+    if not checkpoint and not cfg.decode.checkpoints:
+        from .rundir import RunDirectory  # imports torch: only here
+
+        resolved = RunDirectory(cfg.run_path).config_file
+        trained = load_config(resolved) if resolved.is_file() else None
+    check_inference_overrides(overrides or [], trained)
+    return cfg
 
 
 def model_files(cfg) -> list[Path]:
@@ -264,7 +273,7 @@ def translate(
     alignment: Optional[bool] = AlignmentOpt,
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
-    cfg = _load_for_inference(config, set_) if config is not None else None
+    cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
     if engine not in ("torch", "ctranslate2"):
         raise TfmError(f"--engine {engine}: choose torch or ctranslate2")
     if quantize not in (None, "int8"):
@@ -350,7 +359,7 @@ def serve(
     GET /health; OpenAPI page at /docs. Concurrent requests are decoded together (dynamic
     batching). SIGTERM finishes the requests in flight, then exits. Needs pip install -e '.\\[serve]'.
     """
-    cfg = _load_for_inference(config, set_) if config is not None else None
+    cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
     try:
         from .serve import serve as run_server
     except ImportError as exc:
@@ -424,7 +433,7 @@ def evaluate(
     elif config is not None:
         if split not in ("valid", "test"):
             raise TfmError(f"--split {split!r}: choose valid or test")
-        cfg = _load_for_inference(config, set_)
+        cfg = _load_for_inference(config, set_, checkpoint)
         result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, beam, confidence)
     else:
         raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")

@@ -8,6 +8,7 @@ run from the project root finds `data/multi30k/...` and writes `runs/...`.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -328,15 +329,28 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = value
 
 
-def check_inference_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+def check_inference_overrides(overrides: list[str] | tuple[str, ...], trained: ExperimentConfig | None = None) -> None:
     """A trained model's architecture and vocabulary are those of its checkpoint: `--set model.*` or
-    `vocab.*` while translating would be silently ignored, so it is an error naming the key."""
+    `vocab.*` cannot change them while translating. One that repeats the value the model was trained
+    with (`trained`: its config; the same --set options given to train and to translate) is accepted;
+    any other, or any at all when `trained` is unknown, is an error naming the key."""
     for assignment in overrides:
         key = assignment.partition("=")[0].strip()
         section = key.split(".")[0]
-        if section in ("model", "vocab"):
-            raise TfmError(f"--set {key}: a trained model's {section}.* settings are fixed by its checkpoint "
-                           "(translating and evaluating take decode.* settings)")
+        if section not in ("model", "vocab"):
+            continue
+        rule = (f"a trained model's {section}.* settings are fixed by its checkpoint (translating and "
+                "evaluating take decode.* settings)")
+        if trained is None:
+            raise TfmError(f"--set {key}: {rule}")
+        raw = trained.model_dump(mode="json")
+        apply_override(raw, assignment)
+        edited = config_from_dict(raw, "command line")
+        if getattr(edited, section) != getattr(trained, section):
+            value: Any = trained.model_dump(mode="json")
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            raise TfmError(f"--set {key}: the model was trained with {key}={json.dumps(value)}; {rule}")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

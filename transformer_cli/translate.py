@@ -147,7 +147,7 @@ class Translator(TranslationEngine):
         trained = load_trained_model(paths[0]) if len(paths) == 1 else load_ensemble(paths)
         config = trained.config
         if overrides:
-            check_inference_overrides(overrides)
+            check_inference_overrides(overrides, config)
             raw = config.model_dump(mode="json")
             for assignment in overrides:
                 apply_override(raw, assignment)
