@@ -94,12 +94,12 @@ def _load_for_inference(config: Path, overrides: Optional[list[str]], checkpoint
     """A config for translating/evaluating a trained model. `--set model.*`/`vocab.*` cannot change
     it: accepted only where they repeat what the config's run was trained with (its resolved
     config.yaml), when that run's checkpoint is the one translating."""
-    from .config import check_inference_overrides, load_config
+    from .config import check_inference_overrides, fixed_by_checkpoint, load_config
 
     cfg = _load(config, overrides)
     trained = None
-    if not checkpoint and not cfg.decode.checkpoints:
-        from .rundir import RunDirectory  # imports torch: only here
+    if any(map(fixed_by_checkpoint, overrides or [])) and not checkpoint and not cfg.decode.checkpoints:
+        from .rundir import RunDirectory  # imports torch: only when needed
 
         resolved = RunDirectory(cfg.run_path).config_file
         trained = load_config(resolved) if resolved.is_file() else None

@@ -329,16 +329,19 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = value
 
 
+def fixed_by_checkpoint(assignment: str) -> bool:
+    """Whether a `--set key=value` edits what a trained model's checkpoint fixes (model.*, vocab.*)."""
+    return assignment.partition("=")[0].strip().split(".")[0] in ("model", "vocab")
+
+
 def check_inference_overrides(overrides: list[str] | tuple[str, ...], trained: ExperimentConfig | None = None) -> None:
     """A trained model's architecture and vocabulary are those of its checkpoint: `--set model.*` or
     `vocab.*` cannot change them while translating. One that repeats the value the model was trained
     with (`trained`: its config; the same --set options given to train and to translate) is accepted;
     any other, or any at all when `trained` is unknown, is an error naming the key."""
-    for assignment in overrides:
+    for assignment in filter(fixed_by_checkpoint, overrides):
         key = assignment.partition("=")[0].strip()
         section = key.split(".")[0]
-        if section not in ("model", "vocab"):
-            continue
         rule = (f"a trained model's {section}.* settings are fixed by its checkpoint (translating and "
                 "evaluating take decode.* settings)")
         if trained is None:
