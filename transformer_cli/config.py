@@ -347,13 +347,12 @@ def check_inference_overrides(overrides: list[str] | tuple[str, ...], trained: E
         if trained is None:
             raise TfmError(f"--set {key}: {rule}")
         raw = trained.model_dump(mode="json")
+        was = raw
+        for part in key.split("."):
+            was = was.get(part) if isinstance(was, dict) else None  # read before the override edits raw
         apply_override(raw, assignment)
-        edited = config_from_dict(raw, "command line")
-        if getattr(edited, section) != getattr(trained, section):
-            value: Any = trained.model_dump(mode="json")
-            for part in key.split("."):
-                value = value.get(part) if isinstance(value, dict) else None
-            raise TfmError(f"--set {key}: the model was trained with {key}={json.dumps(value)}; {rule}")
+        if getattr(config_from_dict(raw, "command line"), section) != getattr(trained, section):
+            raise TfmError(f"--set {key}: the model was trained with {key}={json.dumps(was)}; {rule}")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
