@@ -52,9 +52,16 @@ def test_config_errors_are_one_line_exit_2(tmp_path):
     assert "did you mean 'model.d_model'" in run("train", "--config", str(bad)).stderr
 
 
-def test_wrong_flag_is_a_usage_error():
-    proc = run("train", "--no-such-flag")
-    assert proc.exit_code == 2 and "Traceback" not in proc.stderr
+def test_usage_errors_are_one_line_exit_2():
+    # click would print the usage, a hint and a boxed message; tfm prints one line naming the command
+    for args, command, says in [(["train", "--no-such-flag"], "train", "No such option: --no-such-flag"),
+                                (["no-such-command"], "", "No such command 'no-such-command'"),
+                                (["evaluate", "--beam", "x"], "evaluate", "Invalid value for '--beam'"),
+                                (["translate", "--set"], "translate", "Option '--set' requires an argument")]:
+        proc = run(*args)
+        assert proc.exit_code == 2 and not proc.stdout, args
+        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr
+        assert says in proc.stderr and f"{command} --help" in proc.stderr, proc.stderr
 
 
 def test_bad_device_and_missing_eval_files_are_one_line_errors(reverse_model, tmp_path):

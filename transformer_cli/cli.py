@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from . import __version__
 from .console import discard_writes, say, warn
@@ -33,7 +34,43 @@ class OneValueOptions(TyperCommand):
         return super().parse_args(ctx, args)
 
 
+UsageError = typer.BadParameter.__bases__[0]  # click's, which newer typer releases vendor
+
+
+@contextlib.contextmanager
+def usage_errors_in_one_line(group_ctx=None):
+    """click's usage errors (an unknown option or command, a missing or invalid value) as one line
+    on stderr and exit 2, like every other tfm error, instead of the usage text and a boxed message.
+    `group_ctx`: the `tfm` context, naming the command when the error does not carry its own."""
+    try:
+        yield
+    except UsageError as err:
+        if type(err).__name__ == "NoArgsIsHelpError":  # a bare `tfm`: click prints the help
+            raise
+        if err.ctx is not None:
+            path = err.ctx.command_path
+        elif group_ctx is not None:
+            path = " ".join(filter(None, [group_ctx.command_path, group_ctx.invoked_subcommand]))
+        else:
+            path = "tfm"
+        warn(f"error: {path}: {err.format_message().rstrip('.')} (see {path} --help)")
+        raise typer.Exit(2) from None
+
+
+class OneLineUsageErrors(TyperGroup):
+    """The `tfm` group: its own usage errors and its commands' as one line (above)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with usage_errors_in_one_line():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx):
+        with usage_errors_in_one_line(ctx):  # a command's arguments are parsed in here
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
+    cls=OneLineUsageErrors,
     help="tfm: train and run Transformer translation models.\n\n"
     "Every command reads a YAML config (--config) and accepts dotted overrides "
     "(--set train.max_steps=200). Paths in configs are relative to the working directory.",
