@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -248,6 +249,27 @@ def from_a_pipe(case: Path, data, run, checkpoint: Path):
     return ["translate", "--checkpoint", checkpoint, "-i", f"/dev/fd/{read}"], None
 
 
+def output_is_an_input(command: str):
+    """`-o` naming a file the command reads: translate's `-i` source text, average's checkpoint (a
+    copy of the good one, and the second named through another path to the same file)."""
+    def setup(case: Path, data, run, checkpoint: Path):
+        (case / "kept").mkdir()
+        if command == "translate":
+            (case / "kept/source.txt").write_text("wa wb\nwc wd\n")
+            args = ["translate", "--checkpoint", checkpoint, "-i", case / "kept/source.txt", "-o", "kept/source.txt"]
+        else:
+            shutil.copy(checkpoint, case / "kept/ck.pt")
+            args = ["average", checkpoint, case / "kept/ck.pt", "-o", "kept/../kept/ck.pt"]
+        (case / "before.json").write_text(json.dumps({k: v.hex() for k, v in snapshot(case / "kept").items()}))
+        return args, None
+    return setup
+
+
+def inputs_unchanged(case: Path, proc) -> None:
+    before = json.loads((case / "before.json").read_text())
+    assert {k: v.hex() for k, v in snapshot(case / "kept").items()} == before
+
+
 def export_into(output: str):
     def setup(case: Path, data, run, checkpoint: Path):
         (case / "a_file").write_text("keep me\n")
@@ -455,6 +477,10 @@ CASES = [
          "standard input is UTF-16 text", needs_checkpoint=True),
     Case("translate: -i <(…), a pipe", from_a_pipe, 0, "translated 2 sentences", stdout_lines(2),
          needs_checkpoint=True),
+    Case("translate: -o the -i file", output_is_an_input("translate"), 2, "is also this command's input (-i)",
+         inputs_unchanged, needs_checkpoint=True),
+    Case("average: -o one of the checkpoints", output_is_an_input("average"), 2,
+         "is also this command's input (a checkpoint to average)", inputs_unchanged, needs_checkpoint=True),
     Case("evaluate: --min-bleu nan", evaluate_files("a b\n", "a b\n", "--min-bleu", "nan"), 2, "--min-bleu nan"),
     Case("resume: a complete run", resume_complete_run, 0, "is complete (max_steps=6): nothing to do",
          nothing_changed),

@@ -17,6 +17,7 @@ from typer.core import TyperCommand, TyperGroup
 from . import __version__
 from .console import discard_writes, say, warn
 from .errors import Diverged, Interrupted, TfmError, describe_os_error
+from .files import refuse_output_among_inputs
 from .signals import Terminated, terminate_like_ctrl_c
 
 class OneValueOptions(TyperCommand):
@@ -310,6 +311,7 @@ def translate(
     alignment: Optional[bool] = AlignmentOpt,
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
+    refuse_output_among_inputs(output, {"-i": [input_], "--config": [config], "--checkpoint": checkpoint or []})
     cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
     if engine not in ("torch", "ctranslate2"):
         raise TfmError(f"--engine {engine}: choose torch or ctranslate2")
@@ -501,6 +503,7 @@ def average(
     """Average the weights of several checkpoints (paper §6.1) into one."""
     from .checkpoint import average_checkpoints, save_checkpoint
 
+    refuse_output_among_inputs(output, {"a checkpoint to average": list(checkpoints)})
     save_checkpoint(output, average_checkpoints(list(checkpoints)))
     say(f"averaged {len(checkpoints)} checkpoints → {output}")
 

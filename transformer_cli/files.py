@@ -54,6 +54,19 @@ def read_lines(path: str | Path) -> list[str]:
 TEMP_SUFFIX = ".tmp"
 
 
+def refuse_output_among_inputs(output: Path | None, inputs: dict[str, list[Path | None]]) -> None:
+    """Raise a TfmError where `output` is the same file as one the command reads (`inputs`: option →
+    the paths given to it): the atomic write would replace it, e.g. a source text by its
+    translation, or a checkpoint by an average."""
+    if output is None or not output.is_file():
+        return
+    for option, paths in inputs.items():
+        for path in paths:
+            if path is not None and path.is_file() and os.path.samefile(output, path):
+                raise TfmError(f"-o {output} is also this command's input ({option}): writing it would "
+                               f"replace it; choose another output path")
+
+
 def _fsync_directory(directory: Path) -> None:
     """Make a rename durable: the directory entry itself must reach the disk (POSIX)."""
     try:
