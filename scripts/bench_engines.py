@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import machine_line  # noqa: E402
 
 from transformer_cli.files import read_lines  # noqa: E402
-from transformer_cli.precision import choose_precision  # noqa: E402
+from transformer_cli.precision import choose_decoding_precision  # noqa: E402
 from transformer_cli.translate import Translator  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def main() -> None:
         return lambda: Translator.from_checkpoint(args.checkpoint, device=args.device, overrides=overrides,
                                                   precision=precision)
 
-    default = "tfm bf16" if choose_precision("auto", device).bf16 else "tfm fp32"
+    default = f"tfm {choose_decoding_precision('auto', device).name}"  # what `tfm translate` decodes in here
     systems = {"tfm fp32": tfm_system("fp32")}
     if not gpu:  # dynamic int8 Linear layers are a CPU kernel
         systems["tfm int8"] = tfm_system("int8")

@@ -26,14 +26,51 @@ def test_int8_decoding_keeps_quality(reverse_model, beam):
     assert sacrebleu.corpus_bleu(hyps, [ref]).score >= 90
 
 
-@pytest.mark.slow
-def test_int8_is_off_by_default_and_reachable_from_the_cli(reverse_model):
+def quantized_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__module__.startswith("torch.ao.nn.quantized")]
+
+
+@pytest.mark.parametrize("bf16_speedup, env, expected", [
+    (0.02, None, "int8"),  # an AVX2-only CPU (bf16 emulated: 100x slower there)
+    (2.3, None, "bf16"),  # an AVX512_BF16 CPU
+    (1.2, None, "int8"),  # bf16 not fast enough to pick
+    (0.02, "fp32", "fp32"),  # TFM_PRECISION means what it says
+    (0.02, "bf16", "bf16"),
+])
+def test_auto_decodes_in_int8_where_bf16_is_slow(reverse_model, monkeypatch, bf16_speedup, env, expected):
+    from transformer_cli import precision
+
     _, summary = reverse_model
-    default = Translator.from_checkpoint(summary.best_checkpoint, device="cpu")
-    assert default.decode.precision != "int8"
-    # Not quantized: Linear layers stay floating point (pre-packed for oneDNN on CPU).
-    assert not any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in default.model.modules())
-    assert any(isinstance(m, (torch.nn.Linear, PackedLinear)) for m in default.model.modules())
+    monkeypatch.setattr(precision, "measure_bf16_speedup", lambda *shape: bf16_speedup)
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: False)
+    if env is None:
+        monkeypatch.delenv(precision.PRECISION_ENV, raising=False)
+    else:
+        monkeypatch.setenv(precision.PRECISION_ENV, env)
+    auto = Translator.from_checkpoint(summary.best_checkpoint, device="cpu")
+    assert auto.decode.precision == "auto" and auto.precision.name == expected
+    assert bool(quantized_modules(auto.model)) == (expected == "int8")
+    assert auto.precision.describe().startswith({"int8": "int8 dynamic quantization (auto: bf16 matmuls",
+                                                 "bf16": "bf16 autocast", "fp32": "fp32"}[expected])
+    explicit = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", precision="fp32")
+    assert explicit.precision.name == "fp32" and not quantized_modules(explicit.model)
+
+
+def test_auto_falls_back_to_fp32_where_torch_cannot_quantize(monkeypatch):
+    from transformer_cli import cpu_inference, precision
+
+    assert cpu_inference.int8_quantization_works()  # this torch can (the probe agrees with nn.Linear)
+    monkeypatch.setattr(precision, "measure_bf16_speedup", lambda *shape: 0.02)
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.delenv(precision.PRECISION_ENV, raising=False)
+    monkeypatch.setattr(cpu_inference, "int8_quantization_works", lambda: False)
+    choice = precision.choose_decoding_precision("auto", torch.device("cpu"))
+    assert choice.name == "fp32" and "int8 quantization unavailable" in choice.reason
+
+
+@pytest.mark.slow
+def test_int8_is_reachable_from_the_cli(reverse_model):
+    _, summary = reverse_model
     base = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "2"]
     for extra in (["--quantize", "int8"], ["--set", "decode.precision=int8"]):
         proc = subprocess.run([*base, *extra], input="wa wb wc\n\nwd we\n", capture_output=True, text=True)

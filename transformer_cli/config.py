@@ -199,8 +199,9 @@ class DecodeConfig(_Section):
     batching: Literal["length", "balanced"] = "length"
     nbest: int = Field(1, ge=1)  # hypotheses printed per line (≤ beam): `tfm translate --nbest`'s default
     # Weights and activations while translating: auto = bf16 where train.precision's auto picks
-    # it (CUDA, AMX, measured bf16 speed-up), else fp32: faster at equal BLEU there (docs/performance.md).
-    # int8 = dynamic int8 quantization of the Linear layers (CPU only; never chosen by auto).
+    # it (CUDA, AMX, measured bf16 speed-up); on other CPUs int8, else fp32 (a torch that cannot
+    # quantize): faster at equal BLEU there (docs/translation.md). int8 = dynamic int8 quantization
+    # of the Linear layers (CPU only).
     precision: Literal["auto", "fp32", "bf16", "int8"] = "auto"
     # CPU: batches decoded at once by forked processes of one thread each (auto = one per core):
     # faster than one process with all threads (docs/performance.md). 1 = in this process, with

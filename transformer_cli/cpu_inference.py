@@ -8,6 +8,7 @@ They change the weights in place: for a model that is not trained again.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -50,6 +51,23 @@ def quantize_int8(model: Transformer) -> Transformer:
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", UserWarning)
         return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+@functools.cache
+def int8_quantization_works() -> bool:
+    """Whether this torch build and CPU quantize a Linear layer to int8 and it agrees with the
+    float layer on a probe (`torch.ao.quantization` is deprecated: a torch without it says no)."""
+    generator = torch.Generator().manual_seed(0)
+    probe = nn.Sequential(nn.Linear(64, 32))
+    with torch.no_grad():
+        probe[0].weight.copy_(torch.randn(32, 64, generator=generator) / 8)
+        x = torch.randn(4, 64, generator=generator)
+        expected = probe(x)
+        try:
+            got = quantize_int8(probe)(x)
+        except (ImportError, AttributeError, RuntimeError, NotImplementedError):
+            return False
+    return bool(torch.allclose(got, expected, atol=0.05 * float(expected.abs().max())))
 
 
 class PackedLinear(nn.Module):

@@ -35,7 +35,7 @@ from .devices import is_out_of_memory, resolve_device, split_on_out_of_memory
 from .ensemble import load_ensemble
 from .errors import TfmError
 from .model import Transformer
-from .precision import PrecisionChoice, choose_precision
+from .precision import choose_decoding_precision
 from .workers import DecodingWorkers, resolve_workers
 
 
@@ -118,15 +118,14 @@ class Translator(TranslationEngine):
     def __init__(self, model: Transformer, src_sp, tgt_sp, decode: DecodeConfig, device: torch.device):
         self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
         self.max_source_tokens = model.cfg.max_positions - 2  # room for </s>
-        self.precision = PrecisionChoice(False, "int8 dynamic quantization")
         model.to(device).eval()
-        if decode.precision == "int8":
-            if device.type != "cpu":
-                raise TfmError("int8 decoding (--quantize int8 / decode.precision=int8) runs on CPU only: "
-                               "add --device cpu")
+        if decode.precision == "int8" and device.type != "cpu":
+            raise TfmError("int8 decoding (--quantize int8 / decode.precision=int8) runs on CPU only: "
+                           "add --device cpu")
+        self.precision = choose_decoding_precision(decode.precision, device, (model.cfg.d_model, model.cfg.d_ff))
+        if self.precision.int8:
             self.model = quantize_int8(model)
         else:
-            self.precision = choose_precision(decode.precision, device, (model.cfg.d_model, model.cfg.d_ff))
             if self.precision.bf16:
                 model.to(torch.bfloat16)  # scores are still accumulated in fp32 (decoding.py)
             if device.type == "cpu":
