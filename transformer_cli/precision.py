@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_inference
 from .cpu import cpu_model_name
 from .errors import TfmError
 from .files import atomic_write_text
@@ -140,8 +141,8 @@ def choose_decoding_precision(precision: str, device: torch.device,
                               shape: tuple[int, int] = (512, 2048)) -> PrecisionChoice:
     """Resolve `decode.precision` (auto, fp32, bf16, int8) and say why.
 
-    auto = what training's auto picks (`choose_precision`), except on a CPU whose bf16 matmuls
-    measure slow (AVX2-only CPUs): there int8 Linear layers, which decoded 1.5x faster than fp32
+    auto = what training's auto picks (`choose_precision`), except on a CPU whose bf16 matmuls are
+    not fast enough for it (AVX2-only CPUs): there int8 Linear layers, which decoded 1.5x faster than fp32
     at equal BLEU on every CPU measured (docs/translation.md), where this torch build still
     quantizes correctly. `TFM_PRECISION` still means exactly what it says.
     """
@@ -150,9 +151,7 @@ def choose_decoding_precision(precision: str, device: torch.device,
     choice = choose_precision(precision, device, shape)
     if precision != "auto" or choice.bf16 or device.type != "cpu" or precision_override() is not None:
         return choice
-    from .cpu_inference import int8_quantization_works
-
-    if not int8_quantization_works():
+    if not cpu_inference.int8_quantization_works():
         return PrecisionChoice(False, f"{choice.reason}; int8 quantization unavailable in this torch")
     return PrecisionChoice(False, f"auto: {choice.reason}", int8=True)
 
