@@ -44,5 +44,7 @@ def machine_line(device: torch.device | None = None) -> str:
     import os
 
     gpu = f"GPU {torch.cuda.get_device_name(device)}, " if device is not None and device.type == "cuda" else ""
-    return (f"machine: {gpu}{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, python {platform.python_version()}")
+    # The instruction set torch's kernels run at (AVX2, AVX512…): "AMD EPYC" alone does not tell a
+    # Zen 3 from a Zen 4, and ATEN_CPU_CAPABILITY can lower it.
+    return (f"machine: {gpu}{cpu} ({torch.backends.cpu.get_cpu_capability()}), {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, python {platform.python_version()}")
