@@ -1,7 +1,9 @@
-"""Which precision training and decoding run in: fp32, or bf16 where it measures faster.
+"""Which precision training and decoding run in: fp32, or bf16 where it measures faster; decoding
+also int8.
 
 `auto` is decided per device: bf16 on CUDA and on CPUs whose bf16 matmuls are clearly faster than
-fp32 for the model's shape (AMX Xeons, AVX512_BF16 CPUs), measured once per CPU and cached;
+fp32 for the model's shape (AMX Xeons, AVX512_BF16 CPUs), measured once per CPU and cached; on
+other CPUs training runs in fp32 and decoding in int8 (`choose_decoding_precision`).
 `TFM_PRECISION` overrides what `auto` means (to reproduce another CPU's behaviour).
 """
 
