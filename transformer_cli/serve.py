@@ -12,27 +12,41 @@ settings as one call of the engine, their lines dealt into one batch per decodin
 each (decode.batching: balanced), so that the processes finish together. The engine runs on the
 main thread and the HTTP event loop on a thread of its own (`MainThreadDecoder`), so the server
 keeps accepting while it decodes.
-A malformed request is a 4xx JSON error and changes nothing for the others. SIGTERM (and Ctrl-C)
-stop accepting, let the requests in flight finish, and exit 0.
+One client never hurts another (docs/reliability.md, "tfm serve under abuse"):
+- a request is checked alone before it joins a batch (its JSON, every line valid Unicode, the
+  line and character limits, its decode settings, and what it would cost to decode: the work
+  budget); a body over `max_body_bytes` is refused (413) before it is read to the end;
+- a batch that fails is retried request by request, so only the request that fails gets an error;
+- a decoding process that dies is noticed at once: the requests it was decoding get 503, and the
+  next batch forks a fresh pool;
+- an error is one JSON object `{"error": "…"}` (never the request echoed back) and at most one log
+  line, with a traceback only under `--debug`.
+SIGTERM, SIGINT (Ctrl-C) and SIGHUP (the terminal went away) stop accepting, let the requests in
+flight finish, and exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import queue
 import signal
 import socket
 import threading
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .config import DecodeConfig
+from .console import discard_writes, warn
 from .errors import TfmError
+from .signals import outputs_a_hangup_takes
 from .translate import TranslationEngine, Translation
+from .workers import DecodingProcessDied
 
 class TranslateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -45,6 +59,34 @@ class TranslateRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     temperature: float | None = Field(None, gt=0.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
+
+    @field_validator("text")
+    @classmethod
+    def _valid_unicode(cls, text: str | list[str]) -> str | list[str]:
+        """JSON may carry lone surrogates (`"\\ud800"`): no tokenizer takes them."""
+        for number, line in enumerate([text] if isinstance(text, str) else text, start=1):
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"line {number}: not valid Unicode ({exc.reason} at character {exc.start})") from None
+        return text
+
+
+class RequestError(Exception):
+    """A request that gets an error answer: `status` and one line."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def error_status(exc: BaseException) -> int:
+    """The HTTP status of a failed decode: the server's fault or the request's."""
+    if isinstance(exc, RequestError):
+        return exc.status
+    if isinstance(exc, DecodingProcessDied):
+        return 503  # the pool is forked anew for the next batch: try again
+    return 422 if isinstance(exc, TfmError) else 500
 
 
 # Per-request decode settings a client may choose; the rest (lengths, precision, batching) is the server's.
@@ -147,11 +189,18 @@ class Batcher:
                 await self._decode_together(same, same[0].decode)
 
     async def _decode_together(self, jobs: list[Job], decode: DecodeConfig) -> None:
+        jobs = [job for job in jobs if not job.done.done()]  # a client that went away cancelled its future
+        if not jobs:
+            return
         lines = [line for job in jobs for line in job.lines]
         decode = request_batch_decode(decode, len(lines), self.processes)
         try:
             results = await self.runner(lambda: self.engine.translate(lines, nbest=decode.nbest, decode=decode))
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
+            if len(jobs) > 1 and not isinstance(exc, DecodingProcessDied):
+                for job in jobs:  # isolation: only the request that fails alone gets the error
+                    await self._decode_together([job], job.decode)
+                return
             for job in jobs:
                 if not job.done.done():
                     job.done.set_exception(exc)
@@ -182,11 +231,93 @@ def response(results: list[list[Translation]], decode: DecodeConfig) -> dict:
     return body
 
 
+def check_lines(lines: list[str], max_lines: int, max_chars: int) -> None:
+    """The limits of one request's text: RequestError (413, 422) naming the line."""
+    if len(lines) > max_lines:
+        raise RequestError(413, f"text: {len(lines)} lines, more than this server's limit of {max_lines} a "
+                                "request (tfm serve --max-lines)")
+    for number, line in enumerate(lines, start=1):
+        if len(line) > max_chars:
+            raise RequestError(413, f"text line {number}: {len(line)} characters, more than the limit of "
+                                    f"{max_chars} (tfm serve --max-chars)")
+        if "\n" in line or "\r" in line:
+            raise RequestError(422, f"text line {number}: contains a line break (send one sentence per list item)")
+
+
+def validation_message(errors: list[dict], limit: int = 300) -> str:
+    """pydantic's errors in one short line, without the input (which may be megabytes)."""
+    parts = []
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            parts.append("request body: not valid JSON")
+            continue
+        where = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "str", "list[str]"))
+        message = str(e.get("msg", "invalid"))
+        parts.append(f"{where}: {message.removeprefix('Value error, ')}" if where else message)
+    text = "; ".join(dict.fromkeys(parts))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class BodyLimit:
+    """ASGI wrapper: a request body over `limit` bytes gets 413 before it is read to the end (by its
+    Content-Length, or as soon as a streamed body passes the limit); the rest pass unchanged."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self._refuse(send, declared.decode("latin-1")[:20])
+        body = bytearray()
+        while True:  # read it here, bounded, and hand it on whole
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                return await self._refuse(send, f"more than {len(body)}")
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send, size: str) -> None:
+        content = json.dumps({"error": f"request body: {size} bytes, more than this server's limit of "
+                                       f"{self.limit} (tfm serve --max-body-bytes)"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                (b"content-length", str(len(content)).encode())]})
+        await send({"type": "http.response.body", "body": content})
+
+
+def log_failure(status: int, exc: BaseException, debug: bool) -> None:
+    """One line per failed request that is the server's concern (5xx); a traceback only with --debug."""
+    if status < 500:
+        return
+    warn(f"tfm serve: {status}: {type(exc).__name__}: {str(exc)[:300]}")
+    if debug:
+        warn("".join(traceback.format_exception(exc)).rstrip())
+
+
 def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, max_chars: int = 10_000,
-               max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1):
+               max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1,
+               budget: Callable[[list[str], DecodeConfig], None] | None = None, debug: bool = False):
     """The FastAPI application serving `engine`, which decodes in `processes` processes, its calls
-    made by `runner` (MainThreadDecoder.run)."""
+    made by `runner` (MainThreadDecoder.run). `budget(lines, decode)` raises RequestError for a
+    request that would cost more than the server allows."""
     from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
     batcher = Batcher(engine, max_wait, max_batch_lines, processes, runner)
@@ -200,7 +331,17 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
     app = FastAPI(title="tfm", description="Transformer translation (tfm serve)", lifespan=lifespan)
 
     def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse(status_code=status, content={"error": message})
+        headers = {"Retry-After": "1"} if status == 503 else None
+        return JSONResponse(status_code=status, content={"error": message}, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request, exc: RequestValidationError) -> JSONResponse:
+        return error(422, validation_message(list(exc.errors())))
+
+    @app.exception_handler(Exception)
+    async def failed(request, exc: Exception) -> JSONResponse:  # a bug: one line, the server goes on
+        log_failure(500, exc, debug)
+        return error(500, f"internal error ({type(exc).__name__}); the server goes on")
 
     @app.get("/health")
     async def health() -> dict:
@@ -209,29 +350,48 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
     @app.post("/translate")
     async def translate(request: TranslateRequest):
         lines = [request.text] if isinstance(request.text, str) else request.text
-        if len(lines) > max_lines:
-            return error(413, f"text: {len(lines)} lines, more than this server's limit of {max_lines} a request")
-        for number, line in enumerate(lines, start=1):
-            if len(line) > max_chars:
-                return error(413, f"text line {number}: {len(line)} characters, more than the limit of {max_chars}")
-            if "\n" in line or "\r" in line:
-                return error(422, f"text line {number}: contains a line break (send one sentence per list item)")
         try:
-            decode = request_decode(engine.decode, request)
-        except ValueError as exc:
-            return error(422, str(exc))
-        try:
+            check_lines(lines, max_lines, max_chars)
+            try:
+                decode = request_decode(engine.decode, request)
+            except ValueError as exc:
+                raise RequestError(422, str(exc)) from None
+            if budget is not None:
+                try:
+                    budget(lines, decode)
+                except TfmError as exc:
+                    raise RequestError(413, str(exc)) from None
             results = await batcher.translate(lines, decode)
-        except TfmError as exc:
-            return error(422, str(exc))
+        except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
+            status = error_status(exc)
+            log_failure(status, exc, debug)
+            message = str(exc) if status < 500 or isinstance(exc, DecodingProcessDied) else \
+                f"internal error ({type(exc).__name__}); the server goes on"
+            return error(status, message)
         return response(results, decode)
 
     return app
 
 
+def listening_address(host: str) -> tuple[str, bool]:
+    """`--host` → (the address as a URL writes it, whether it is loopback only); an empty or
+    unresolvable host is a TfmError (an unset `$HOST` must not mean every interface)."""
+    import ipaddress
+
+    if not host.strip():
+        raise TfmError("--host is empty: give an address, e.g. 127.0.0.1 (this machine only, the default) "
+                       "or 0.0.0.0 (every interface)")
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise TfmError(f"--host {host!r}: not an address this machine can listen on ({exc})") from None
+    loopback = all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    return (f"[{host}]" if ":" in host else host), loopback
+
+
 def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], None] | None = None,
-          **limits) -> None:
-    """Serve until SIGTERM or Ctrl-C; requests in flight finish first. Returns normally (exit 0).
+          max_body_bytes: int = 1 << 20, debug: bool = False, **limits) -> None:
+    """Serve until SIGTERM, SIGINT or SIGHUP; requests in flight finish first. Returns normally (exit 0).
     `ready()` is called once the address is known to be free (before that, a bad one is an error)."""
     import uvicorn
 
@@ -248,8 +408,10 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
     if ready is not None:
         ready()
     decoder = MainThreadDecoder()
-    app = create_app(engine, decoder.run, processes=workers.processes if workers is not None else 1, **limits)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    app = create_app(engine, decoder.run, processes=workers.processes if workers is not None else 1, debug=debug,
+                     budget=getattr(engine, "check_budget", None), **limits)
+    server = uvicorn.Server(uvicorn.Config(BodyLimit(app, max_body_bytes), host=host, port=port,
+                                           log_level="debug" if debug else "critical", access_log=False))
     failure: list[BaseException] = []
 
     def http() -> None:  # uvicorn installs no signal handlers off the main thread: stop() below does
@@ -258,12 +420,18 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
         except BaseException as exc:  # noqa: BLE001 (reported on the main thread)
             failure.append(exc)
 
-    def stop(*_: Any) -> None:  # SIGTERM / Ctrl-C: stop accepting, finish the requests in flight; twice: now
+    hangup = getattr(signal, "SIGHUP", None)
+    terminal_outputs = outputs_a_hangup_takes()
+
+    def stop(signum: int, frame: Any) -> None:  # stop accepting, finish the requests in flight; twice: now
+        if signum == hangup:  # the terminal is gone: every later write to it would fail
+            discard_writes(terminal_outputs)
         if server.should_exit:
             server.force_exit = True
         server.should_exit = True
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    handled = [s for s in (signal.SIGINT, signal.SIGTERM, hangup) if s is not None]
+    previous = {s: signal.signal(s, stop) for s in handled if signal.getsignal(s) is not signal.SIG_IGN}
     thread = threading.Thread(target=http, name="tfm-http")
     try:
         thread.start()
@@ -276,3 +444,4 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
     if not server.started:
         reason = f": {failure[0]}" if failure and not isinstance(failure[0], SystemExit) and str(failure[0]) else ""
         raise TfmError(f"cannot serve on {host}:{port}: the HTTP server did not start{reason}")
+

@@ -47,7 +47,7 @@ class StopRequest:
         self._hangup_fds: list[int] = []
 
     def __enter__(self) -> StopRequest:
-        self._hangup_fds = _outputs_a_hangup_takes()
+        self._hangup_fds = outputs_a_hangup_takes()
         if threading.current_thread() is threading.main_thread():
             for signum in EXIT_CODES:
                 if signal.getsignal(signum) is signal.SIG_IGN:
@@ -82,7 +82,7 @@ def _is_terminal_or_pipe(fd: int) -> bool:
         return False
 
 
-def _outputs_a_hangup_takes() -> list[int]:
+def outputs_a_hangup_takes() -> list[int]:
     """stdout/stderr where they are a terminal or a pipe; looked at before any hang-up, since a
     hung-up terminal no longer says it is one. Every later write to them fails (EIO, EPIPE)."""
     return [fd for fd in (1, 2) if _is_terminal_or_pipe(fd)]
@@ -112,7 +112,7 @@ def terminate_like_ctrl_c() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    hangup_fds = _outputs_a_hangup_takes()
+    hangup_fds = outputs_a_hangup_takes()
 
     def terminate(signum: int, frame: FrameType | None) -> None:
         if signum == getattr(signal, "SIGHUP", None):

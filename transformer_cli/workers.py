@@ -14,11 +14,14 @@ import multiprocessing
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import torch
 
 from .cpu import usable_cores
+from .errors import TfmError
 
 _TASK: Callable[..., Any] | None = None  # set in the parent just before forking; inherited by the workers
 
@@ -46,25 +49,70 @@ def _run_task(args: tuple) -> Any:
     return _TASK(*args)
 
 
+class DecodingProcessDied(TfmError):
+    """A decoding process ended without answering (killed: the kernel's out-of-memory killer sends
+    SIGKILL): the batches it held are lost. The pool is stopped; the next `map` starts a new one."""
+
+
 class DecodingWorkers:
     """A pool of `processes` forked workers that run `task(*args)` for each args tuple, in order.
 
     The pool starts on the first `map` of two or more tasks (one batch gains nothing from it) and
     stops with `close()` or at exit. `task` must be fixed before that start: the workers run the
     function and the model it refers to as they were when they were forked.
+
+    A worker that dies is noticed at once (ProcessPoolExecutor watches every process; the older
+    multiprocessing.Pool replaced a dead worker silently and waited forever for its task):
+    `map` raises `DecodingProcessDied`, the remaining workers are stopped, and the next `map`
+    forks a fresh pool.
     """
 
     def __init__(self, task: Callable[..., Any], processes: int) -> None:
         self.task, self.processes = task, processes
-        self._pool = None
+        self._pool: ProcessPoolExecutor | None = None
+        self._forked: list = []  # the pool's processes
 
     def map(self, args: Iterable[tuple]) -> Iterator[Any]:
         args = list(args)
         if self.processes <= 1 or len(args) <= 1:
             return (self.task(*a) for a in args)
+        if any(process.exitcode is not None for process in self._forked):
+            self.close()  # a worker died while idle (nothing was lost): fork a fresh pool
         self.start()
-        # chunksize 1: batches come longest first, so handing them out one at a time balances the load.
-        return self._pool.imap(_run_task, args, chunksize=1)
+        assert self._pool is not None
+        # Submitted in order; each idle worker takes the next: batches come longest first, so
+        # handing them out one at a time balances the load.
+        try:
+            futures = [self._pool.submit(_run_task, a) for a in args]
+        except BrokenProcessPool:  # it broke just now, before any of these started
+            self.close()
+            return self.map(args)
+        return self._results(futures)
+
+    def _results(self, futures: list[Future]) -> Iterator[Any]:
+        try:
+            for future in futures:
+                yield future.result()
+        except BrokenProcessPool:
+            dead = self._dead_workers()
+            self.close()
+            raise DecodingProcessDied(f"a decoding process died{dead} while translating: out of memory? "
+                                      "(lower decode.batch_size, or decode.workers=1)") from None
+        finally:
+            for future in futures:
+                future.cancel()
+
+    def _dead_workers(self) -> str:
+        """' (SIGKILL)': how a worker died, where a signal ended it (the others were then sent SIGTERM)."""
+        for process in self._processes():  # the pool's manager thread is stopping them: a moment
+            process.join(timeout=2)
+        names = {signal.Signals(-p.exitcode).name for p in self._processes()
+                 if p.exitcode is not None and p.exitcode < 0 and -p.exitcode in signal.Signals._value2member_map_}
+        names = names - {"SIGTERM"} or names
+        return f" ({', '.join(sorted(names))})" if names else ""
+
+    def _processes(self) -> list:
+        return list(self._forked)
 
     def start(self) -> None:
         """Fork the workers now (a server forks them before it starts threads of its own)."""
@@ -74,7 +122,13 @@ class DecodingWorkers:
             # Workers flush the standard streams when they end: unwritten output must not be copied into them.
             sys.stdout.flush()
             sys.stderr.flush()
-            self._pool = multiprocessing.get_context("fork").Pool(self.processes, initializer=_start_worker)
+            pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("fork"),
+                                       initializer=_start_worker)
+            pool.submit(int).result()  # with fork, every worker is forked at the first task: now
+            # ProcessPoolExecutor keeps its processes private and forgets them once broken (Python
+            # 3.14 adds terminate_workers()): keep them, to stop them and to say how one died.
+            self._forked = list(getattr(pool, "_processes", {}).values())
+            self._pool = pool
 
     @property
     def started(self) -> bool:
@@ -82,9 +136,12 @@ class DecodingWorkers:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+            pool, processes = self._pool, self._processes()
+            self._pool, self._forked = None, []
+            for process in processes:  # a worker may be busy with a long batch: do not wait for it
+                if process.exitcode is None:
+                    process.kill()
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def __del__(self) -> None:
         try:
