@@ -223,3 +223,38 @@ def test_learned_positions_are_refused_with_the_reason(marian, tmp_path):
     save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(TfmError, match="learned positions"):
         import_marian(hf, tmp_path / "run")
+
+
+def test_a_pytorch_model_bin_with_its_tied_copies_imports_and_a_copy_that_differs_is_refused(marian, tmp_path):
+    """pytorch_model.bin holds the shared embedding three more times (encoder, decoder, lm_head):
+    they are the same matrix, or the weights are not the tied model config.json describes."""
+    hf_model, _, trained, result, root, _, _ = marian
+    hf = tmp_path / "hf"
+    shutil.copytree(root / "hf", hf)
+    (hf / "model.safetensors").unlink()
+    state = hf_model.state_dict()
+    assert {"model.encoder.embed_tokens.weight", "lm_head.weight"} <= set(state)
+    torch.save(state, hf / "pytorch_model.bin")
+    again = import_marian(hf, tmp_path / "run")
+    assert again.parameters == result.parameters
+    imported = load_trained_model(tmp_path / "run/checkpoints/checkpoint_best.pt").model.state_dict()
+    assert all(torch.equal(tensor, imported[name]) for name, tensor in trained.model.state_dict().items())
+
+    state["model.decoder.embed_tokens.weight"] = state["model.decoder.embed_tokens.weight"] + 0.5
+    torch.save(state, hf / "pytorch_model.bin")
+    with pytest.raises(TfmError, match="'model.decoder.embed_tokens.weight' differs from the shared embedding"):
+        import_marian(hf, tmp_path / "run2")
+    assert not (tmp_path / "run2").exists()
+
+
+def test_weights_with_nan_are_refused_naming_the_tensor(marian, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(marian[4] / "hf", hf)
+    weights = load_file(str(hf / "model.safetensors"))
+    weights["model.decoder.layers.1.fc2.weight"][3, 5] = float("nan")
+    save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    proc = tfm_in_process("import", "--format", "marian", hf, "-o", tmp_path / "run")
+    assert proc.exit_code == 2 and "'model.decoder.layers.1.fc2.weight' holds NaN" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
