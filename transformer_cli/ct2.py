@@ -21,8 +21,11 @@ How tfm's conventions map onto CTranslate2's:
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
-import tempfile
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,9 @@ from .config import (
     config_from_dict,
 )
 from .data import BOS_ID, EOS_ID, UNK_ID
-from .decoding import Hypothesis
+from .decoding import Hypothesis, output_length_limit
 from .errors import TfmError
+from .files import staging_directory
 from .model import Transformer, TransformerConfig
 from .translate import TranslationEngine
 from .workers import resolve_workers
@@ -72,13 +76,19 @@ def check_convertible(cfg: TransformerConfig, src_sp: spm.SentencePieceProcessor
     if cfg.pad_id != 0:
         problems.append(f"pad_id {cfg.pad_id} (CTranslate2 pads with id 0)")
     for side, sp in (("source", src_sp), ("target", tgt_sp)):
-        for token_id, piece in SPECIAL_PIECES.items():
-            if token_id >= sp.vocab_size() or sp.id_to_piece(token_id) != piece:
-                found = sp.id_to_piece(token_id) if token_id < sp.vocab_size() else "nothing"
-                problems.append(f"{side} vocabulary id {token_id} is {found!r}, not {piece!r} "
-                                "(CTranslate2 finds special tokens by their text)")
+        problems += _special_piece_problems(side, sp)
     if problems:
         raise TfmError("cannot export to CTranslate2: " + "; ".join(problems))
+
+
+def _special_piece_problems(side: str, sp: spm.SentencePieceProcessor) -> list[str]:
+    problems = []
+    for token_id, piece in SPECIAL_PIECES.items():
+        if token_id >= sp.vocab_size() or sp.id_to_piece(token_id) != piece:
+            found = sp.id_to_piece(token_id) if token_id < sp.vocab_size() else "nothing"
+            problems.append(f"{side} vocabulary id {token_id} is {found!r}, not {piece!r} "
+                            "(CTranslate2 finds special tokens by their text)")
+    return problems
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -216,7 +226,7 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
     spec.optimize(quantization=None)  # weights stay fp32; `--compute-type` picks int8 etc. at load time
 
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    staging = staging_directory(output)  # names this process: a killed export's is removed by the next
     replaced = staging.with_name(staging.name + ".old")
     try:
         spec.save(str(staging))
@@ -242,6 +252,214 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
     return output
 
 
+# --------------------------------------------------------------------------- reading an export
+
+# config.json's settings that tfm's models need (what tfm export writes: the vocabulary's special
+# pieces, </s> after each source as in training). CTranslate2's loader has no default for these
+# (an absent one fails, or decodes without a start token), except multi_query_attention (false).
+NEEDED_CONFIG = {"unk_token": SPECIAL_PIECES[UNK_ID], "bos_token": SPECIAL_PIECES[BOS_ID],
+                 "eos_token": SPECIAL_PIECES[EOS_ID], "decoder_start_token": SPECIAL_PIECES[BOS_ID],
+                 "add_source_bos": False, "add_source_eos": True, "multi_query_attention": False}
+OPTIONAL_CONFIG = {"multi_query_attention"}  # older CTranslate2 versions did not write it
+MAX_LAYER_NORM_EPSILON = 1e-3  # tfm's models use torch's 1e-5; a much larger one computes another model
+CT2_TYPE_SIZES = (4, 1, 2, 4, 2, 2)  # bytes of CTranslate2's type ids: float32, int8, int16, int32, float16, bfloat16
+# model.bin's variables whose rows are the vocabulary's tokens: (variable, source or target side)
+VOCABULARY_ROWS = (("encoder/embeddings_0/weight", 0), ("decoder/embeddings/weight", 1),
+                   ("decoder/projection/weight", 1))
+POSITIONS = "encoder/position_encodings/encodings"
+
+
+@dataclass
+class ExportedModel:
+    """A CTranslate2 model directory, read and checked: its sentencepiece models, tfm_decode.json and
+    the number of positions its model has."""
+    src_sp: spm.SentencePieceProcessor
+    tgt_sp: spm.SentencePieceProcessor
+    settings: dict[str, Any]
+    max_positions: int
+
+
+def _json_file(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise TfmError(f"{path}: not a file ({what})")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TfmError(f"{path}: not readable JSON ({exc})") from None
+
+
+def read_model_variables(model_bin: Path) -> dict[str, tuple[int, ...]] | None:
+    """The shape of each variable of model.bin (aliases included), once the file is known to be
+    whole: every record inside the file, each payload the size its shape and type make, nothing
+    after the last. None for an older binary version, which CTranslate2's own loader checks."""
+    from ctranslate2.specs.model_spec import CURRENT_BINARY_VERSION
+
+    def broken(why: str) -> TfmError:
+        return TfmError(f"{model_bin}: not a whole CTranslate2 model ({why}): export it again with tfm export")
+
+    with model_bin.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+
+        def number(code: str) -> int:
+            data = f.read(struct.calcsize(code))
+            if len(data) < struct.calcsize(code):
+                raise broken(f"it ends at byte {size:,} in the middle of a record")
+            return struct.unpack("=" + code, data)[0]
+
+        def string() -> str:
+            length = number("H")  # the text and its closing NUL
+            data = f.read(length)
+            if length == 0 or len(data) < length or data[-1] != 0:
+                raise broken(f"a name is cut off or unterminated near byte {f.tell():,}")
+            try:
+                return data[:-1].decode("utf-8")
+            except UnicodeDecodeError:
+                raise broken(f"a name near byte {f.tell():,} is not UTF-8") from None
+
+        version = number("I")
+        if not 1 <= version <= CURRENT_BINARY_VERSION:
+            raise broken(f"binary version {version}; this CTranslate2 reads 1 to {CURRENT_BINARY_VERSION}")
+        if version != CURRENT_BINARY_VERSION:
+            return None
+        spec, _revision = string(), number("I")
+        if spec != "TransformerSpec":
+            raise TfmError(f"{model_bin}: a {spec!r} model, not the TransformerSpec that tfm export writes")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for _ in range(number("I")):
+            name = string()
+            shape = tuple(number("I") for _ in range(number("B")))
+            type_id, payload = number("B"), number("I")
+            if type_id >= len(CT2_TYPE_SIZES) or payload != math.prod(shape) * CT2_TYPE_SIZES[type_id]:
+                raise broken(f"variable '{name}' of shape {shape} and type {type_id} says it has {payload:,} bytes")
+            if f.tell() + payload > size:
+                raise broken(f"variable '{name}' runs past the end of the file ({size:,} bytes)")
+            if name in shapes:
+                raise broken(f"variable '{name}' twice")
+            f.seek(payload, os.SEEK_CUR)
+            shapes[name] = shape
+        for _ in range(number("I")):
+            alias, name = string(), string()
+            if name not in shapes:
+                raise broken(f"'{alias}' stands for '{name}', which it does not have")
+            shapes[alias] = shapes[name]
+        if f.tell() != size:
+            raise broken(f"{size - f.tell():,} bytes after its last record")
+    return shapes
+
+
+def read_vocabularies(model_dir: Path) -> list[tuple[Path, list[str]]]:
+    """The source and target vocabularies CTranslate2 will read: shared_vocabulary, or
+    source_vocabulary and target_vocabulary, each .json (a list of tokens) or .txt (one a line)."""
+    def read(stem: str) -> tuple[Path, list[str]] | None:
+        for path in (model_dir / f"{stem}.json", model_dir / f"{stem}.txt"):
+            if not path.exists():
+                continue
+            if path.suffix == ".json":
+                tokens = _json_file(path, "a CTranslate2 vocabulary")
+            else:
+                try:
+                    tokens = path.read_text(encoding="utf-8").splitlines()
+                except (OSError, ValueError) as exc:
+                    raise TfmError(f"{path}: not a readable vocabulary ({exc})") from None
+            if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+                raise TfmError(f"{path}: not a CTranslate2 vocabulary (a non-empty list of tokens)")
+            return path, tokens
+        return None
+
+    shared = read("shared_vocabulary")
+    if shared:
+        return [shared, shared]
+    sides = [read("source_vocabulary"), read("target_vocabulary")]
+    if None in sides:
+        raise TfmError(f"{model_dir}: no shared_vocabulary.json, nor source_vocabulary.json and "
+                       "target_vocabulary.json (export it again with tfm export)")
+    return sides
+
+
+def _sentencepiece(path: Path, vocabulary: tuple[Path, list[str]], side: str) -> spm.SentencePieceProcessor:
+    """The sentencepiece model `path`, whose pieces must be the vocabulary's tokens, id for id."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TfmError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.LoadFromSerializedProto(data)  # (the constructor's model_proto= takes b"" for no model at all)
+    except RuntimeError:
+        raise TfmError(f"{path}: not a sentencepiece model (damaged, empty or another kind of file)") from None
+    vocabulary_file, tokens = vocabulary
+    pieces = _pieces(sp)
+    if pieces != tokens:
+        first = next((i for i, (a, b) in enumerate(zip(pieces, tokens)) if a != b), min(len(pieces), len(tokens)))
+        raise TfmError(f"{path}: its {len(pieces)} pieces are not the {len(tokens)} tokens of {vocabulary_file} "
+                       f"(they differ from id {first}): the vocabulary and the sentencepiece model do not belong together")
+    problems = _special_piece_problems(side, sp)
+    if problems:
+        raise TfmError(f"{path}: " + "; ".join(problems))
+    return sp
+
+
+def check_ct2_config(config_file: Path, config: Any) -> None:
+    if not isinstance(config, dict):
+        raise TfmError(f"{config_file}: not a JSON object (CTranslate2's model settings)")
+    for key, needed in NEEDED_CONFIG.items():
+        if key not in config and key in OPTIONAL_CONFIG:
+            continue
+        value = config.get(key)
+        if type(value) is not type(needed) or value != needed:
+            given = f"{key}={json.dumps(value)}" if key in config else f"no {key}"
+            raise TfmError(f"{config_file}: {given}, but tfm's models need {json.dumps(needed)} (what tfm export writes)")
+    epsilon = config.get("layer_norm_epsilon")
+    if type(epsilon) not in (int, float) or not 0 < epsilon <= MAX_LAYER_NORM_EPSILON:
+        raise TfmError(f"{config_file}: layer_norm_epsilon={json.dumps(epsilon)}: give a number above 0 and at most "
+                       f"{MAX_LAYER_NORM_EPSILON} (tfm's models use 1e-05)")
+
+
+def read_export(model_dir: Path) -> ExportedModel:
+    """Everything `--engine ctranslate2` reads from `model_dir`, checked against everything else
+    before CTranslate2 loads it: config.json's settings, the vocabularies against the
+    sentencepiece models and against model.bin's embedding rows, model.bin whole,
+    tfm_decode.json's positions against the model's. One line naming the file, never a traceback."""
+    if not model_dir.is_dir():
+        what = "it is not a directory" if model_dir.exists() else "it does not exist"
+        raise TfmError(f"{model_dir}: not a CTranslate2 model directory ({what}; create one with tfm export "
+                       "--format ctranslate2)")
+    model_bin = model_dir / "model.bin"
+    if not model_bin.is_file():
+        raise TfmError(f"{model_dir}: not a CTranslate2 model directory (no model.bin; "
+                       "create one with tfm export --format ctranslate2)")
+    for name in (SRC_SPM, TGT_SPM):
+        if not (model_dir / name).is_file():
+            raise TfmError(f"{model_dir}: {name} is missing (export with tfm export)")
+    check_ct2_config(model_dir / "config.json", _json_file(model_dir / "config.json", "CTranslate2's model settings"))
+    vocabularies = read_vocabularies(model_dir)
+    src_sp = _sentencepiece(model_dir / SRC_SPM, vocabularies[0], "source")
+    tgt_sp = _sentencepiece(model_dir / TGT_SPM, vocabularies[1], "target")
+    try:
+        shapes = read_model_variables(model_bin)
+    except OSError as exc:
+        raise TfmError(f"{model_bin}: cannot be read ({exc.strerror or exc})") from None
+    positions = None
+    if shapes is not None:
+        for name, side in VOCABULARY_ROWS:
+            vocabulary_file, tokens = vocabularies[side]
+            if name not in shapes:
+                raise TfmError(f"{model_bin}: no variable '{name}' (not a Transformer that tfm export wrote)")
+            if not shapes[name] or shapes[name][0] != len(tokens):
+                raise TfmError(f"{model_bin}: '{name}' has shape {shapes[name]}, but {vocabulary_file} has "
+                               f"{len(tokens)} tokens: the vocabulary is not this model's")
+        positions = shapes[POSITIONS][0] if shapes.get(POSITIONS) else None
+    settings = _json_file(model_dir / TFM_JSON, "tfm's decode settings") if (model_dir / TFM_JSON).exists() else {}
+    if not isinstance(settings, dict) or not isinstance(settings.get("decode", {}), dict):
+        raise TfmError(f"{model_dir / TFM_JSON}: not tfm's decode settings (a JSON object with a 'decode' object)")
+    # tfm_decode.json names the model's positions; older exports did not (then the table's, or 1025).
+    max_positions = settings.get("max_positions", positions or 1025)
+    if type(max_positions) is not int or not 4 <= max_positions <= (positions or max_positions):
+        bound = f"from 4 to the model's {positions}" if positions else "at least 4"
+        raise TfmError(f"{model_dir / TFM_JSON}: max_positions={max_positions!r}: give an integer {bound}")
+    return ExportedModel(src_sp, tgt_sp, settings, max_positions)
+
+
 # --------------------------------------------------------------------------- translating
 
 
@@ -262,19 +480,14 @@ class CT2Translator(TranslationEngine):
         """`decode` replaces the exported decode settings; `overrides` (`decode.beam=4`…) edit them."""
         ctranslate2 = import_ctranslate2()
         model_dir = Path(model_dir)
-        if not (model_dir / "model.bin").is_file():
-            raise TfmError(f"{model_dir}: not a CTranslate2 model directory (no model.bin; "
-                           "create one with tfm export --format ctranslate2)")
-        for name in (SRC_SPM, TGT_SPM):
-            if not (model_dir / name).is_file():
-                raise TfmError(f"{model_dir}: {name} is missing (export with tfm export)")
+        model = read_export(model_dir)
         device = "cuda" if device == "auto" and ctranslate2.get_cuda_device_count() > 0 else (
             "cpu" if device == "auto" else device)
         supported = ctranslate2.get_supported_compute_types(device)
         if compute_type != "default" and compute_type not in supported:
             raise TfmError(f"--compute-type {compute_type} is not supported on this {device} "
                            f"(supported: {', '.join(sorted(supported))})")
-        exported = json.loads((model_dir / TFM_JSON).read_text()) if (model_dir / TFM_JSON).is_file() else {}
+        exported = model.settings
         if decode is None:
             raw = {"decode": exported.get("decode", {})}
             check_inference_overrides(overrides or [])
@@ -285,11 +498,9 @@ class CT2Translator(TranslationEngine):
         self._settings = {"model_path": str(model_dir), "device": device, "compute_type": compute_type}
         self.threads, self.decoding_processes = threads, 1
         self._translator = None  # opened by the first translation, with the decode.workers set by then
-        self.src_sp = spm.SentencePieceProcessor(model_file=str(model_dir / SRC_SPM))
-        self.tgt_sp = spm.SentencePieceProcessor(model_file=str(model_dir / TGT_SPM))
+        self.src_sp, self.tgt_sp = model.src_sp, model.tgt_sp
         # tfm keeps at most max_positions - 1 source tokens, </s> included (decode_in_batches).
-        max_positions = int(exported.get("max_positions", 1025))
-        self.max_input_length, self.max_source_tokens = max_positions - 1, max_positions - 2
+        self.max_input_length, self.max_source_tokens = model.max_positions - 1, model.max_positions - 2
 
     def tokenize(self, lines: list[str]) -> list[list[str]]:
         return self.src_sp.encode(lines, out_type=str)
@@ -309,9 +520,14 @@ class CT2Translator(TranslationEngine):
             # CTranslate2 sets the calling thread's OpenMP thread count to intra_threads, which is
             # torch's too: torch's own work in this process (training, tfm's engine) keeps its count.
             torch_threads = torch.get_num_threads()
-            self._translator = import_ctranslate2().Translator(
-                **self._settings, inter_threads=workers, intra_threads=1 if workers > 1 else self.threads)
-            torch.set_num_threads(torch_threads)
+            try:
+                self._translator = import_ctranslate2().Translator(
+                    **self._settings, inter_threads=workers, intra_threads=1 if workers > 1 else self.threads)
+            except (RuntimeError, ValueError, OSError) as exc:  # what read_export could not see
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise TfmError(f"{self._settings['model_path']}: CTranslate2 cannot load this model ({reason})") from None
+            finally:
+                torch.set_num_threads(torch_threads)
             self.decoding_processes = workers
         results: list[list[Hypothesis]] = [[] for _ in pieces]
         order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))  # similar lengths together
@@ -320,7 +536,8 @@ class CT2Translator(TranslationEngine):
         for start in range(0, len(order), step):
             batch = order[start : start + step]
             longest = max(len(pieces[i]) for i in batch) + 1  # + the </s> CTranslate2 appends
-            limit = max_len if max_len is not None else int(decode.max_len_a * longest) + decode.max_len_b
+            limit = max_len if max_len is not None else output_length_limit(
+                longest, decode.max_len_a, decode.max_len_b, self.max_input_length + 1)  # capped: no overflow
             # Asynchronous: with several workers (inter_threads) CTranslate2 decodes batches in parallel.
             submitted.append((batch, self._translator.translate_batch(
                 [pieces[i] for i in batch], beam_size=beam, num_hypotheses=nbest,
