@@ -8,6 +8,7 @@ import torch
 
 from tests.conftest import tfm_in_process as tfm
 from tests.conftest import tiny_run
+from tests.test_bad_inputs import other_vocabulary_same_size
 from transformer_cli.checkpoint import load_checkpoint
 from transformer_cli.config import load_config
 from transformer_cli.rundir import RunDirectory
@@ -63,3 +64,18 @@ def test_no_average_of_early_checkpoints(tiny_prepared, tmp_path):
     assert proc.exit_code == 0 and "no checkpoint_avg.pt: 1 evaluated checkpoint(s) in the last 20%" in proc.stderr
     assert not (tmp_path / "run/checkpoints/checkpoint_avg.pt").exists()
     assert RunDirectory(load_config(config).run_path).default_checkpoint().name == "checkpoint_best.pt"
+
+
+def test_average_refuses_checkpoints_of_another_vocabulary_or_other_settings(tiny_prepared, tmp_path):
+    """Weights of the same shapes that mean other things (other pieces, other heads) average into no
+    model: it was written without a word (an ensemble of them was refused)."""
+    ours = tmp_path / "run/checkpoints/step_2.pt"
+    assert tfm("train", "--config", tiny_run(tiny_prepared, tmp_path, max_steps=2, eval_every=2)).exit_code == 0
+    other_vocabulary_same_size(tmp_path / "vocabulary.pt", ours)
+    heads = tiny_run(tiny_prepared, tmp_path / "heads", max_steps=2, eval_every=2)
+    assert tfm("train", "--config", heads, "--set", "model.n_heads=1").exit_code == 0
+    for other, message in ((tmp_path / "vocabulary.pt", "its source vocabulary differs from"),
+                           (tmp_path / "heads/run/checkpoints/step_2.pt", "model.n_heads is 1 there but 2")):
+        proc = tfm("average", ours, other, "-o", tmp_path / "avg.pt")
+        assert proc.exit_code == 2 and message in proc.stderr, proc.stderr
+        assert not (tmp_path / "avg.pt").exists()

@@ -385,7 +385,7 @@ def test_read_only_run_dir_is_a_one_line_error(tiny_prepared, tmp_path):
         for path in [run, *run.rglob("*")]:
             if path.is_dir():
                 path.chmod(0o555)
-        for args in (["prepare", "--config", config, "--force"], ["train", "--config", config, "--resume", "--set", "train.max_steps=5"],
+        for args in (["prepare", "--config", config, "--force", "--discard-checkpoints"], ["train", "--config", config, "--resume", "--set", "train.max_steps=5"],
                      ["evaluate", "--config", config, "--checkpoint", run / "checkpoints/checkpoint_last.pt"]):
             proc = subprocess.run([*TFM, *map(str, args)], capture_output=True, text=True,
                                   preexec_fn=without_permission_override())

@@ -151,17 +151,47 @@ def load_trained_model(path: str | Path) -> TrainedModel:
     return TrainedModel(Path(path), model.eval(), config, src_sp, tgt_sp, files)
 
 
+def check_same_vocabulary(first: Path, first_files: dict[str, bytes | None], other: Path,
+                          other_files: dict[str, bytes | None], why: str) -> None:
+    """Two models' sentencepiece models (`*_files`: side → the file's bytes) must be the same:
+    their ids mean the same pieces. `why` ends the message (what needs a shared vocabulary)."""
+    for side, name in (("src", "source"), ("tgt", "target")):
+        if other_files[side] != first_files[side]:
+            raise TfmError(f"{other}: its {name} vocabulary differs from {first}'s ({why})")
+
+
+def _vocabulary_of(payload: dict[str, Any]) -> dict[str, bytes | None]:
+    return {side: tensor_to_bytes(payload[f"spm_{side}"]) if f"spm_{side}" in payload else None
+            for side in ("src", "tgt")}
+
+
+def _check_averageable(first: Path, first_payload: dict[str, Any], path: Path, payload: dict[str, Any]) -> None:
+    """Weights that have the same shapes can still mean different things: other settings
+    (heads, activation, …) or another vocabulary. The mean of such weights is no model."""
+    theirs, ours = first_payload.get("model_config", {}), payload.get("model_config", {})
+    for setting in _SAME_SHAPE_SETTINGS:
+        if setting in theirs and setting in ours and theirs[setting] != ours[setting]:
+            raise TfmError(f"cannot average {path} with {first}: model.{setting} is {ours[setting]} there but "
+                           f"{theirs[setting]} in the first (different model configs)")
+    check_same_vocabulary(first, _vocabulary_of(first_payload), path, _vocabulary_of(payload),
+                          "averaged weights mean nothing across vocabularies: average checkpoints of one run, "
+                          "or of runs that share one vocabulary through vocab.from_run")
+
+
 def average_state_dicts(paths: list[Path]) -> dict[str, torch.Tensor]:
     """Element-wise mean of the model weights of several checkpoints (Vaswani et al. §6.1).
 
-    Every checkpoint must hold the same tensors with the same shapes (the same model config).
+    Every checkpoint must hold the same tensors with the same shapes, settings (the same model
+    config) and vocabulary.
     """
     if not paths:
         raise TfmError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}
     shared: dict[str, str] = {}  # name → the first name of the tensor it shares storage with (tied weights)
+    first: dict[str, Any] | None = None  # what the others are checked against
     for path in paths:
-        weights = load_checkpoint(path)["model"]
+        payload = load_checkpoint(path)
+        weights = payload["model"]
         if not shared:
             first_of: dict[int, str] = {}
             shared = {name: first_of.setdefault(t.untyped_storage().data_ptr(), name) for name, t in weights.items()}
@@ -176,6 +206,10 @@ def average_state_dicts(paths: list[Path]) -> dict[str, torch.Tensor]:
                                f"there but {tuple(total[name].shape)} in the first (different model configs)")
             else:
                 total[name] += tensor.double()
+        if first is not None:
+            _check_averageable(paths[0], first, path, payload)
+        else:
+            first = {key: payload[key] for key in ("model_config", "spm_src", "spm_tgt") if key in payload}
     averaged = {name: (total[name] / len(paths)).to(torch.float32) for name in total if shared[name] == name}
     return {name: averaged[shared[name]] for name in total}  # tied weights stay one tensor (saved once)
 

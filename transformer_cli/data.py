@@ -168,6 +168,7 @@ class PrepareResult:
     reused: bool
     summary: str
     manifest: dict
+    discarded: Path | None = None  # where the run's earlier training went (discard_checkpoints)
 
 
 def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
@@ -325,25 +326,30 @@ def _array_path(stem: Path, name: str) -> Path:
     return stem.with_name(f"{stem.name}.{name}.npy")
 
 
-def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True) -> PrepareResult:
+def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True,
+            discard_checkpoints: bool = False) -> PrepareResult:
     """Train the vocab and binarise train/valid/test into `config.run_dir` (idempotent).
 
     Streams: sentencepiece trains on a bounded uniform sample, and each split is encoded chunk by
     chunk in `prepare.workers` processes and appended to disk, so memory does not grow with the
     corpus. The output is the same whatever the number of workers. Holds the run_dir's lock
     (a training on the same directory makes it refuse) and writes the resolved config.yaml.
+
+    A run that has checkpoints is never rebuilt under them (they would go on with ids that now mean
+    other pieces): refused, unless `discard_checkpoints`, which moves its training aside first.
     """
     check_corpus_files(config)  # before anything is created or locked
     parent = parent_vocab(config) if config.vocab.from_run else None
     with RunLock(config.run_path, "tfm prepare"):
         for directory in (config.run_path, config.run_path / "data"):
             remove_stale_temps(directory)  # left by an interrupted write
-        result = _prepare(config, force, progress, parent)
+        result = _prepare(config, force, progress, parent, discard_checkpoints)
         atomic_write_text(RunDirectory(config.run_path).config_file, config_to_yaml(config))
     return result
 
 
-def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: ParentVocab | None) -> PrepareResult:
+def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: ParentVocab | None,
+             discard_checkpoints: bool) -> PrepareResult:
     run_dir = config.run_path
     run = RunDirectory(run_dir)
     manifest_path = run.manifest_file
@@ -356,6 +362,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         if manifest.get("fingerprint") == fingerprint and files_ok:
             return PrepareResult(run_dir, True, _summary_table(manifest["stats"]), manifest)
 
+    discarded = _make_room(run, force, discard_checkpoints)
     started = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -401,11 +408,37 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         "vocab_sample_pairs": sampled,
         "workers": workers,
         "stats": stats,
+        "data_digest": _data_digest(run),  # checkpoints carry it: --resume checks they were trained on this data
         "seconds": round(time.perf_counter() - started, 2),
         "seconds_vocab": round(vocab_seconds, 2),  # sampling pass + sentencepiece training
     }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2))
-    return PrepareResult(run_dir, False, _summary_table(stats), manifest)
+    return PrepareResult(run_dir, False, _summary_table(stats), manifest, discarded)
+
+
+def _make_room(run: RunDirectory, force: bool, discard_checkpoints: bool) -> Path | None:
+    """Before a rebuild: a run with checkpoints keeps them unless told to discard them (moved to
+    discarded-<time>/, returned): rebuilt, its vocabulary and data would no longer be theirs."""
+    if not run.has_checkpoints():
+        return None
+    if not discard_checkpoints:
+        why = "--force rebuilds" if force else "its data or vocabulary settings or inputs changed, so prepare rebuilds"
+        raise TfmError(f"{run.root} holds a trained model ({run.checkpoints}) and {why} its vocabulary and data, "
+                       "which the checkpoints could no longer use: prepare into a new run_dir, or pass "
+                       "--discard-checkpoints to move the training to a discarded-<time>/ folder of the run first")
+    return run.discard_training()
+
+
+def _data_digest(run: RunDirectory) -> str:
+    """sha256 of every encoded split, as written: which data checkpoints were trained on."""
+    digest = hashlib.sha256()
+    for split in SPLITS:
+        for side in SIDES:
+            for name in ("tokens", "offsets"):
+                with open(_array_path(run.binary_stem(split, side), name), "rb") as f:
+                    while block := f.read(1 << 20):
+                        digest.update(block)
+    return digest.hexdigest()[:32]
 
 
 # --------------------------------------------------------------------------- batching

@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import TrainedModel, load_trained_model
+from .checkpoint import TrainedModel, check_same_vocabulary, load_trained_model
 from .decoder_state import DecoderState
-from .errors import TfmError
 from .model import Transformer
 
 
@@ -102,8 +101,6 @@ def load_ensemble(paths: list[str | Path]) -> TrainedModel:
     members = [load_trained_model(path) for path in paths]
     first = members[0]
     for other in members[1:]:
-        for side, name in (("src", "source"), ("tgt", "target")):
-            if other.spm_files[side] != first.spm_files[side]:
-                raise TfmError(f"{other.path}: its {name} vocabulary differs from {first.path}'s (the models of "
-                               "an ensemble must share one vocabulary: prepare with vocab.from_run)")
+        check_same_vocabulary(first.path, first.spm_files, other.path, other.spm_files,
+                              "the models of an ensemble must share one vocabulary: prepare with vocab.from_run")
     return dataclasses.replace(first, model=Ensemble([m.model for m in members]).eval())

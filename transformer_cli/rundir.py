@@ -9,18 +9,23 @@
                      checkpoint_best.pt, checkpoint_avg.pt, checkpoint_ema.pt, scores.json
     eval/            what `tfm evaluate --config` translated, and its scores
 
-Files inside a run name each other relative to the run, so a run directory can be moved.
+Files inside a run name each other relative to the run, so a run directory can be moved or
+copied: its own config.yaml means the directory it is in (config.load_config). Only the process
+holding the run's lock (`tfm prepare`, `tfm train`) writes the run's own files (files.refuse_run_files).
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import save_checkpoint
 from .errors import TfmError
-from .files import atomic_write_text
+from .files import CONFIG_NAME, MANIFEST_NAME, atomic_write_text, run_owning
+from .runlock import RunLock
 
 LAST, BEST, AVERAGE, EMA = "checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_avg.pt", "checkpoint_ema.pt"
 SCORES = "scores.json"
@@ -38,8 +43,8 @@ class RunDirectory:
         self.root = Path(root)
         self.checkpoints = self.root / "checkpoints"
         self.metrics = self.root / "metrics.jsonl"
-        self.config_file = self.root / "config.yaml"
-        self.manifest_file = self.root / "prepare.json"
+        self.config_file = self.root / CONFIG_NAME
+        self.manifest_file = self.root / MANIFEST_NAME
         self.eval_dir = self.root / "eval"
 
     # -- what prepare writes
@@ -87,6 +92,33 @@ class RunDirectory:
         else:
             (self.checkpoints / SCORES).unlink(missing_ok=True)
 
+    def forget_score(self, name: str) -> None:
+        """Drop `name`'s validation score from scores.json: the file was replaced by another model."""
+        try:
+            scores = json.loads((self.checkpoints / SCORES).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+        if isinstance(scores, dict) and scores.pop(name, None) is not None:
+            atomic_write_text(self.checkpoints / SCORES, json.dumps(scores, indent=1))
+
+    def has_checkpoints(self) -> bool:
+        return self.checkpoints.is_dir() and any(self.checkpoints.glob("*.pt"))
+
+    def discard_training(self) -> Path:
+        """Move what training wrote (checkpoints/, metrics.jsonl, tensorboard/) into a new
+        discarded-<UTC time>/ of the run; returns it. Nothing is deleted: remove it when sure."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = self.root / f"discarded-{stamp}"
+        number = 1
+        while aside.exists():
+            number += 1
+            aside = self.root / f"discarded-{stamp}-{number}"
+        aside.mkdir()
+        for name in (self.checkpoints.name, self.metrics.name, "tensorboard"):
+            if (self.root / name).exists():
+                (self.root / name).rename(aside / name)
+        return aside
+
     def default_checkpoint(self) -> Path:
         """The model `--config` means: of checkpoint_avg.pt, checkpoint_ema.pt and checkpoint_best.pt
         the one that validated best (scores.json; ties in that order); without scores, the average,
@@ -123,3 +155,31 @@ class MetricsLog:
                 f.seek(-1, 2)
                 if f.read(1) != b"\n":
                     f.write(b"\n")
+
+
+def save_checkpoint_file(output: Path, make_payload: Callable[[], dict[str, Any]], force: bool, command: str) -> None:
+    """Save the checkpoint that `make_payload()` returns (a command's, not training's: `tfm average
+    -o`) at `output`. A run's checkpoints/ takes it only with `force`, under the run's lock (never
+    while the run trains), and never over what training keeps there for itself: checkpoint_last.pt
+    (what --resume continues), step_<N>.pt (pruned and averaged by training), scores.json. A
+    replaced checkpoint's validation score is dropped from scores.json. Every other file of a run
+    (its data, vocabulary, settings) is refused."""
+    root = run_owning(output)
+    if root is None:
+        save_checkpoint(output, make_payload())
+        return
+    run = RunDirectory(root)
+    if run.checkpoints.resolve() not in output.resolve().parents:
+        raise TfmError(f"-o {output} is one of the run directory {root}'s own files (its data, vocabulary or "
+                       "settings): choose another output path")
+    if output.parent.resolve() == run.checkpoints.resolve() and (
+            output.name in (LAST, SCORES) or output.name.startswith("step_")):
+        raise TfmError(f"-o {output}: {output.name} in a run's checkpoints/ is training's own (checkpoint_last.pt "
+                       "is what --resume continues; step_<N>.pt are pruned and averaged by training): "
+                       "choose another name")
+    if not force:
+        raise TfmError(f"-o {output} is in the run directory {root}'s checkpoints/: pass --force to write it "
+                       "there (the run's --config then may translate with it), or choose another output path")
+    with RunLock(root, command):
+        save_checkpoint(output, make_payload())
+        run.forget_score(output.name)

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from .errors import TfmError
+from .files import claim_directory, release_directory
 
 try:
     import fcntl
@@ -63,6 +64,7 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"PID {os.getpid()} ({self.what})\n".encode())
         self._fd = fd
+        claim_directory(self.path.parent)  # the run's own files are this process's to write now
         return self
 
     def __exit__(self, *exc) -> None:
@@ -71,3 +73,4 @@ class RunLock:
             # releases the flock, and the PID inside is no longer alive.
             os.close(self._fd)
             self._fd = None
+            release_directory(self.path.parent)
