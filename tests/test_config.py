@@ -136,6 +136,7 @@ BOUNDS = [
     ("train.average_last", 0, -1), ("train.average_window", 1.0, 0.0), ("train.ema_decay", 0.5, 1.0),
     ("decode.beam", 1, 0), ("decode.length_penalty", 0.0, -0.1), ("decode.max_len_a", 0.0, -0.5),
     ("decode.max_len_b", 0, -1), ("decode.batch_size", 1, 0), ("decode.batch_tokens", 1, 0), ("decode.nbest", 1, 0),
+    ("decode.max_memory", 1, 0),
 ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -24,6 +25,7 @@ from pydantic import (
 )
 
 from .errors import TfmError
+from .files import CONFIG_NAME, MANIFEST_NAME
 
 
 class _Section(BaseModel):
@@ -162,7 +164,7 @@ class TrainConfig(_Section):
     @field_validator("max_time")
     @classmethod
     def _check_time(cls, value: float | str | None) -> float | str | None:
-        if value is not None and not parse_duration(value) > 0:
+        if value is not None and not 0 < parse_duration(value) < math.inf:
             raise ValueError("must be a positive duration, e.g. 90 (seconds), '30m' or '2h'")
         return value
 
@@ -186,8 +188,12 @@ class TrainConfig(_Section):
 
 class DecodeConfig(_Section):
     beam: int = Field(5, ge=1)
-    length_penalty: float = Field(0.6, ge=0.0)  # GNMT alpha: score / ((5 + len) / 6) ** alpha
-    max_len_a: float = Field(1.5, ge=0.0)  # max output tokens = a * src_len + b (src_len counts </s>)
+    # GNMT alpha: score / ((5 + len) / 6) ** alpha. Useful values lie in [0, 2]; at 10 a 1,000-token
+    # hypothesis is already divided by 1e22 (and past ~140 the penalty overflows a float).
+    length_penalty: float = Field(0.6, ge=0.0, le=10.0)
+    # max output tokens = a * src_len + b (src_len counts </s>), and never more than the model's
+    # positions hold (model.max_positions - 1): any larger a or b decodes as that cap.
+    max_len_a: float = Field(1.5, ge=0.0)
     max_len_b: int = Field(10, ge=0)
     batch_size: int = Field(64, ge=1)  # sentences per batch
     batch_tokens: int | None = Field(None, ge=1)  # if set, also cap source tokens per batch
@@ -212,7 +218,9 @@ class DecodeConfig(_Section):
     checkpoints: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
     # Sampling instead of search (back-translation): draw each token from the model's distribution
     # at `temperature`, cut to the `top_k` most probable (0: all) and the nucleus of mass `top_p`;
-    # `seed` makes it reproducible. nbest = samples per sentence.
+    # `seed` makes it reproducible. nbest = samples per sentence. A vanishing top_p or temperature
+    # draws the most probable token (greedy). The four settings do nothing without `sample`: set
+    # otherwise, they are an error.
     sample: bool = False
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -222,14 +230,31 @@ class DecodeConfig(_Section):
     # attention, averaged over heads and decoder layers, or of decoder layer `alignment_layer` (1-based).
     alignment: bool = False
     alignment_layer: int | None = Field(None, ge=1)
+    # Memory one decoding call may take (bytes, or e.g. "512MB", "8GB"): `tfm translate` refuses
+    # settings whose bound (budget.py: caches and logits of beams × lines × output length) is
+    # larger, naming the setting, instead of growing until the kernel kills it. None = half of the
+    # memory available when the command starts (the GPU's free memory on CUDA).
+    max_memory: int | str | None = None
+
+    @field_validator("max_memory")
+    @classmethod
+    def _check_size(cls, value: int | str | None) -> int | str | None:
+        if value is not None:
+            parse_size(value)  # a ValueError names what is wrong
+        return value
 
     @model_validator(mode="after")
     def _check_rules(self) -> DecodeConfig:
-        if self.max_len_a * 1 + self.max_len_b < 1:
+        if self.max_len_b == 0 and self.max_len_a < 1:  # a · 1 + b < 1, without the sum (b may be 10**400)
             raise _rule("max_len_b", f"max_len_a={self.max_len_a} and max_len_b={self.max_len_b} allow no output "
                         "token: give max_len_b ≥ 1 or max_len_a > 0")
         if self.nbest > self.beam and not self.sample:
             raise _rule("nbest", f"{self.nbest} hypotheses need a beam at least as large (beam is {self.beam})")
+        if not self.sample:
+            for key, default in SAMPLING_DEFAULTS.items():
+                if getattr(self, key) != default:
+                    raise _rule(key, f"{getattr(self, key)} does nothing without sampling: add --sample (decode.sample: "
+                                f"true), or leave {key} out (its default is {default})")
         return self
 
     @field_validator("workers", mode="before")
@@ -241,6 +266,10 @@ class DecodeConfig(_Section):
                 or int(value) < 1:
             raise ValueError("must be auto or a whole number of processes ≥ 1")
         return int(value)
+
+
+# The settings that only sampling reads, and their defaults (which mean "no effect").
+SAMPLING_DEFAULTS = {"top_k": 0, "top_p": 1.0, "temperature": 1.0, "seed": 0}
 
 
 class ExperimentConfig(_Section):
@@ -259,6 +288,26 @@ class ExperimentConfig(_Section):
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str) -> int:
+    """4096 → 4096 bytes; '512MB' / '512M' / '512MiB' → 512 · 2^20; '8GB' → 8 · 2^30 (powers of
+    1024 throughout, as `free` and `ulimit` count). ValueError unless a positive, finite size."""
+    if isinstance(value, bool):
+        raise ValueError("must be a size in bytes or e.g. '512MB', '8GB'")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.match(value)
+        if not match:
+            raise ValueError(f"not a size: {value!r} (use bytes or e.g. '512MB', '8GB')")
+        size = int(float(match.group(1)) * 1024 ** " kmgtp".index(match.group(2).lower() or " "))
+    if not 0 < size < 2**63:
+        raise ValueError("must be a positive size below 8 EB, e.g. '512MB' or '8GB'")
+    return size
 
 
 def parse_duration(value: float | int | str) -> float:
@@ -356,6 +405,16 @@ def check_inference_overrides(overrides: list[str] | tuple[str, ...], trained: E
             raise TfmError(f"--set {key}: the model was trained with {key}={json.dumps(was)}; {rule}")
 
 
+def _mean_own_run_directory(raw: dict[str, Any], path: Path) -> None:
+    """A run directory's own config.yaml (beside its prepare.json) means that directory, whatever
+    run_dir its text names: a copied or moved run (or one trained from another working directory)
+    is self-contained and never writes into the run it came from. `--set run_dir=…` still wins."""
+    if path.name == CONFIG_NAME and (path.parent / MANIFEST_NAME).is_file():
+        named = raw.get("run_dir")
+        if not isinstance(named, str) or Path(named).resolve() != path.parent.resolve():
+            raw["run_dir"] = str(path.parent)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Read a YAML config (or defaults when `path` is None) and apply dotted overrides."""
     raw: dict[str, Any] = {}
@@ -378,6 +437,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not isinstance(loaded, dict):
             raise TfmError(f"{path}: top level must be a mapping of sections, got {type(loaded).__name__}")
         raw = loaded
+        _mean_own_run_directory(raw, path)
     for assignment in overrides:
         apply_override(raw, assignment)
         source = f"{source} (with --set)" if "--set" not in source else source

@@ -126,7 +126,17 @@ def max_output_lengths(src: torch.Tensor, pad_id: int, a: float, b: int, min_len
     at least `min_len` and at most what the position table holds. Each row's limit depends on its
     own length only, never on the other rows of its batch."""
     src_len = (src != pad_id).sum(dim=1)
-    return ((a * src_len.float()).long() + b).clamp(min=min_len).clamp(min=1, max=max_positions - 1)
+    cap = max_positions - 1
+    # a and b above the cap give the cap (src_len ≥ 1): cut them first, so that no product or sum
+    # overflows a float or an int64 on the way (max_len_a 1e308, max_len_b 1e20).
+    a, b = min(a, float(cap)), min(b, cap)
+    return ((a * src_len.float()).long() + b).clamp(min=min_len).clamp(min=1, max=cap)
+
+
+def output_length_limit(src_len: int, a: float, b: int, max_positions: int) -> int:
+    """`max_output_lengths` of one sentence of `src_len` tokens (<eos> included), without min_len."""
+    cap = max_positions - 1
+    return max(min(int(min(a, float(cap)) * src_len) + min(b, cap), cap), 1)
 
 
 def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | float:
@@ -399,8 +409,14 @@ def sampling_generators(src: torch.Tensor, pad_id: int, seed: int, samples: int)
 
 def sampling_distribution(logprobs: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Log-probabilities (R, V) → the probabilities (R, V) tokens are drawn from: tempered, then cut
-    to the top k, then to the nucleus of mass top_p (the most probable token always stays)."""
-    logits = logprobs / sampling.temperature
+    to the top k, then to the nucleus of mass top_p (the most probable token always stays).
+
+    As temperature or top_p vanish this becomes greedy: only the most probable token is left. The
+    tempering divides each row's distance from its best log-probability (≤ 0) by a temperature of
+    at least the dtype's smallest normal number: the best stays 0 and the rest go to -inf, where
+    1e-300, rounded to 0 in fp32, made 0 / 0 = NaN and drew the last token of the vocabulary."""
+    best = logprobs.amax(dim=-1, keepdim=True)
+    logits = (logprobs - best) / max(sampling.temperature, torch.finfo(logprobs.dtype).tiny)
     if 0 < sampling.top_k < logits.size(-1):
         kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]  # (R, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -408,6 +424,9 @@ def sampling_distribution(logprobs: torch.Tensor, sampling: Sampling) -> torch.T
     if sampling.top_p < 1.0:
         ordered, order = probs.sort(dim=-1, descending=True)
         outside = (ordered.cumsum(dim=-1) - ordered) >= sampling.top_p  # the mass before it already reaches p
+        # The first token has no mass before it; a top_p that rounds to 0 in the probabilities' dtype
+        # (1e-300 in fp32) would cut it as well and leave nothing to draw from.
+        outside[:, 0] = False
         probs = torch.zeros_like(probs).scatter_(-1, order, ordered.masked_fill_(outside, 0.0))
     return probs
 

@@ -28,7 +28,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .allocator import loaded_allocator
-from .checkpoint import average_state_dicts, bytes_to_tensor, load_checkpoint, load_initial_weights
+from .checkpoint import (
+    average_state_dicts,
+    bytes_to_tensor,
+    load_checkpoint,
+    load_initial_weights,
+    tensor_to_bytes,
+)
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
 from .console import TrainingConsole
 from .cpu import keep_freed_memory, release_freed_memory
@@ -51,7 +57,7 @@ from .model import Transformer, TransformerConfig
 from .precision import autocast_dtype, choose_precision
 from .rundir import AVERAGE, BEST, EMA, LAST, MetricsLog, RunDirectory, step_of
 from .runlock import RunLock
-from .schedule import budget_used, learning_rate
+from .schedule import next_learning_rate
 from .signals import EXIT_CODES, StopRequest
 from .tensorboard_log import TensorBoardLog
 from .translate import decode_in_batches
@@ -102,6 +108,7 @@ class TrainProgress:
     epoch: int = 0
     batch_in_epoch: int = 0  # batches of the current epoch already consumed
     elapsed: float = 0.0  # seconds of training so far (across resumes)
+    pace_marks: list[list[float]] = field(default_factory=list)  # [step, elapsed] the budget schedule's pace is from
     target_tokens: int = 0
     best_score: float | None = None
     best_step: int = 0
@@ -295,6 +302,7 @@ class Trainer:
         """Weights, optimizer, RNG states and progress of checkpoint_last.pt; returns its weight average."""
         path = self.run_dir.checkpoints / LAST
         ckpt = load_checkpoint(path, map_location=self.device)
+        self._check_trained_here(ckpt, path)
         if asdict(TransformerConfig(**ckpt["model_config"])) != asdict(self.model.cfg):  # older ones lack new keys
             raise TfmError(f"--resume: the model section of the config differs from {path}'s")
         self.model.load_state_dict(ckpt["model"])
@@ -310,6 +318,23 @@ class Trainer:
             torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["cuda_rng"]])
         self.progress = TrainProgress(**ckpt["progress"])
         return ckpt.get("ema")
+
+    def _check_trained_here(self, ckpt: dict, path: Path) -> None:
+        """checkpoint_last.pt must be training state made on this run's vocabulary and encoded data:
+        a run prepared again since (other ids) would go on training on what its ids now mean."""
+        if "optimizer" not in ckpt or "progress" not in ckpt:
+            raise TfmError(f"--resume: {path} holds no training state (weights only: another command's output "
+                           "written over it); nothing to continue from")
+        for side, name in (("src", "source"), ("tgt", "target")):
+            if tensor_to_bytes(ckpt[f"spm_{side}"]) != self.run_dir.vocab_file(self.manifest, side).read_bytes():
+                raise TfmError(f"--resume: {path} was trained with another {name} vocabulary than "
+                               f"{self.run_dir.root} holds now (prepared again since?): prepare a new run_dir, "
+                               "or fine-tune from the checkpoint there (train.init_from, vocab.from_run)")
+        trained_on, prepared = ckpt.get("data_digest"), self.manifest.get("data_digest")
+        if trained_on and prepared and trained_on != prepared:
+            raise TfmError(f"--resume: {path} was trained on other encoded data than {self.run_dir.root} holds now "
+                           "(prepared again since, with other data settings?): prepare it as it was, or train a "
+                           "new run (train.init_from to start from this checkpoint)")
 
     def _initialise_from(self, path: Path) -> None:
         """Fine-tuning: the weights of a trained model; optimizer, schedule, steps and data order start afresh."""
@@ -390,8 +415,8 @@ class Trainer:
 
     def set_learning_rate(self) -> float:
         progress = self.progress
-        lr = learning_rate(progress.step + 1, self.train_cfg, self.config.model.d_model,
-                           budget_used(progress.step, progress.elapsed, self.train_cfg))
+        lr, progress.pace_marks = next_learning_rate(progress.step, progress.elapsed, progress.pace_marks,
+                                                     self.train_cfg, self.config.model.d_model)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -552,6 +577,8 @@ class Trainer:
             "progress": asdict(self.progress),
             "spm_src": bytes_to_tensor(self.run_dir.vocab_file(self.manifest, "src").read_bytes()),
             "spm_tgt": bytes_to_tensor(self.run_dir.vocab_file(self.manifest, "tgt").read_bytes()),
+            # which prepared data it learnt from: --resume refuses a run prepared again since
+            **({"data_digest": self.manifest["data_digest"]} if "data_digest" in self.manifest else {}),
         }
 
     def training_state(self, rng_states: list[torch.Tensor]) -> dict:

@@ -1,0 +1,186 @@
+"""Numbers mean what they say, and every decoding call has a bounded cost.
+
+Every float setting is finite and in a stated range, and the ends of a range behave as their
+meaning says (a vanishing temperature or top_p samples greedily; a huge length factor is the
+model's position cap); settings that do nothing in the chosen mode are refused; and a decoding
+call whose memory bound is over the limit is refused before it starts, naming the setting.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TFM, tfm_in_process, tiny_run
+from transformer_cli.budget import check_decoding_budget
+from transformer_cli.config import DecodeConfig, load_config
+from transformer_cli.data import BOS_ID, EOS_ID
+from transformer_cli.decoding import Sampling, greedy_search, max_output_lengths, sample_search, sampling_distribution
+from transformer_cli.errors import TfmError
+from transformer_cli.model import Transformer, TransformerConfig
+from transformer_cli.train import train
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_prepared, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("numbers")
+    train(load_config(tiny_run(tiny_prepared, root, max_steps=5)), progress_bar=False)
+    return root / "run/checkpoints/checkpoint_last.pt"
+
+
+# --------------------------------------------------------------------------- ranges
+
+
+@pytest.mark.parametrize("setting,key", [
+    ("decode.length_penalty=1.0e+308", "decode.length_penalty"),  # overflowed ((5 + len) / 6) ** alpha
+    ("decode.length_penalty=10.5", "decode.length_penalty"),
+    ("train.max_time='" + "9" * 400 + "s'", "train.max_time"),  # a duration of infinite seconds
+    ("decode.max_memory=0", "decode.max_memory"),
+    ("decode.max_memory=lots", "decode.max_memory"),
+])
+def test_out_of_range_numbers_are_refused_naming_the_key(setting, key):
+    with pytest.raises(TfmError, match=f"key '{key}'"):
+        load_config(None, [setting])
+
+
+def test_the_ends_of_the_ranges_are_accepted():
+    config = load_config(None, ["decode.length_penalty=10", "decode.max_len_a=1.0e+308", f"decode.max_len_b={10**30}",
+                                "decode.max_memory=512MB", "decode.sample=true", "decode.temperature=1.0e-300",
+                                "decode.top_p=1.0e-300"])
+    assert config.decode.max_memory == "512MB"
+
+
+def test_a_huge_length_factor_is_the_position_cap():
+    src = torch.tensor([[5, 6, 7, EOS_ID], [5, EOS_ID, 0, 0]])
+    assert max_output_lengths(src, 0, 1e308, 0, 0, 64).tolist() == [63, 63]  # a · len overflowed int64
+    assert max_output_lengths(src, 0, 0.0, 10**30, 0, 64).tolist() == [63, 63]  # b overflowed int64
+    assert max_output_lengths(src, 0, 1.5, 10, 0, 64).tolist() == [16, 13]  # ordinary values as before
+
+
+# --------------------------------------------------------------------------- sampling at its limits
+
+
+def random_model() -> Transformer:
+    torch.manual_seed(0)
+    cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=2, enc_layers=1, dec_layers=1,
+                            d_ff=64, dropout=0.0, max_positions=64)
+    return Transformer(cfg).eval()
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1e-300), Sampling(top_p=1e-300)],
+                         ids=["temperature", "top_p"])
+def test_a_vanishing_temperature_or_top_p_samples_greedily(sampling):
+    """1e-300 is 0 in fp32: it divided 0 by 0 (temperature) or cut every token (top_p), and the
+    draw then took the last token of the vocabulary."""
+    logprobs = torch.tensor([[0.1, 0.6, 0.2, 0.1]]).log()
+    assert (sampling_distribution(logprobs, sampling)[0] > 0).tolist() == [False, True, False, False]
+    model = random_model()
+    src = torch.randint(4, 50, (6, 9))
+    greedy = [h.tokens for h in greedy_search(model, src, BOS_ID, EOS_ID, 1.0, 5)]
+    drawn = [hs[0].tokens for hs in sample_search(model, src, BOS_ID, EOS_ID, sampling, 1, 1.0, 5)]
+    assert drawn == greedy
+
+
+# --------------------------------------------------------------------------- settings that do nothing
+
+
+@pytest.mark.parametrize("key,value", [("top_k", 3), ("top_p", 0.9), ("temperature", 0.7), ("seed", 4)])
+def test_sampling_settings_without_sampling_are_refused(key, value):
+    with pytest.raises(TfmError, match=f"key 'decode.{key}': {value} does nothing without sampling"):
+        load_config(None, [f"decode.{key}={value}"])
+    assert getattr(load_config(None, [f"decode.{key}={value}", "decode.sample=true"]).decode, key) == value
+
+
+@pytest.mark.parametrize("options,message", [
+    (["--top-k", "3"], "key 'decode.top_k': 3 does nothing without sampling: add --sample"),
+    (["--seed", "7"], "key 'decode.seed': 7 does nothing without sampling"),
+    (["--sample", "--beam", "4"], "--beam 4 does nothing with --sample"),
+])
+def test_translate_refuses_options_that_do_nothing(checkpoint, options, message):
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, *options, input="wa wb\n")
+    assert result.exit_code == 2 and message in result.stderr, result.stderr
+
+
+# --------------------------------------------------------------------------- the decoding budget
+
+
+def test_a_million_beams_are_refused_before_any_input_is_read(checkpoint):
+    """It grew until the kernel killed it (exit 137, no message). Standard input stays open and
+    empty here: a command that read it first would wait forever."""
+    proc = subprocess.Popen([*TFM, "translate", "--checkpoint", str(checkpoint), "--beam", "1000000"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=120)  # never written; closed only once it has answered
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, stderr
+    assert "error: decoding 1 line(s)" in stderr and "lower --beam (decode.beam, now 1000000)" in stderr
+    assert "more than the limit of" in stderr and len(stderr.strip().splitlines()) == 1
+
+
+def test_input_over_the_budget_is_refused_before_it_is_decoded(checkpoint, tmp_path):
+    """One line of one token fits 64 MB (so the command starts), 32 lines of 1,000 tokens with 4
+    beams do not: refused, nothing written."""
+    out = tmp_path / "out.txt"
+    lines = "\n".join(["wa wb wc"] + ["wa " * 1000] * 40) + "\n"
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--set", "decode.max_memory=64MB", "--beam", "4",
+                            "-o", out, input=lines)
+    assert result.exit_code == 2, result.stderr
+    assert "decoding 32 line(s) of up to 1000 token(s)" in result.stderr
+    assert "more than the limit of 64.0 MB (decode.max_memory" in result.stderr
+    assert not out.exists()
+
+
+def test_the_setting_that_raises_the_cost_is_named():
+    """The serve request that took 11 GB: 32 lines × 10,000 characters, 64 samples each."""
+    model = TransformerConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, enc_layers=2,
+                              dec_layers=2, d_ff=256)
+    sampling = DecodeConfig(sample=True, nbest=64)
+    with pytest.raises(TfmError, match=r"lower --nbest \(samples per line, now 64\), or raise decode.max_memory"):
+        check_decoding_budget(model, sampling, 32, 3000, 8 * 2**30)
+    check_decoding_budget(model, sampling, 32, 20, 8 * 2**30)  # 64 samples of short lines fit
+    with pytest.raises(TfmError, match=r"translate shorter lines"):
+        check_decoding_budget(model, DecodeConfig(beam=1, batch_size=1), 1, 1000, 33 * 2**20)
+
+
+MEASURE = """
+import json, sys
+from pathlib import Path
+import torch
+from transformer_cli.budget import decoding_bytes, decoding_shape
+from transformer_cli.config import DecodeConfig
+from transformer_cli.translate import Translator, decode_in_batches
+
+def resident():  # (current, peak) resident bytes
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return [int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")]
+
+lines, tokens, beam = 32, 600, 4
+decode = DecodeConfig(beam=beam, batch_size=lines, workers=1, precision="fp32", max_len_a=0.0, max_len_b=tokens + 1)
+translator = Translator.from_checkpoint(sys.argv[1], decode=decode, device="cpu")
+sources = [[4 + (i + j) % 16 for j in range(tokens)] for i in range(lines)]
+decode_in_batches(translator.model, sources[:1], decode, translator.device, beam, 1, min_len=4, max_len=4)  # warm-up
+Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+before, _ = resident()
+# every hypothesis runs to the length limit, as the bound assumes
+decode_in_batches(translator.model, sources, decode, translator.device, beam, 1, min_len=tokens + 1,
+                  max_len=tokens + 1)
+_, peak = resident()
+shape = decoding_shape(translator.model.cfg, decode, lines, tokens)
+print(json.dumps({"estimate": decoding_bytes(translator.model.cfg, shape), "used": peak - before}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures peak memory the Linux way")
+def test_the_bound_holds_a_real_decode_within_a_small_factor(checkpoint):
+    """Peak resident memory of a real beam search (fp32, 32 lines × 600 tokens, 4 beams, every
+    hypothesis to its length limit), measured in a process of its own, against the bound."""
+    proc = subprocess.run([sys.executable, "-c", MEASURE, str(checkpoint)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found["used"] <= found["estimate"] <= 4 * found["used"], found
