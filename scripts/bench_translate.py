@@ -138,8 +138,8 @@ def main() -> None:
           f"{args.threads} threads; HF: one process, {args.threads} threads; best of {args.repeats}, alternating")
     seconds_tfm = {}
     for beam in beams:
-        t_tfm, t_one, t_hf = best_times([lambda: run_tfm(beam, pool), lambda: run_tfm(beam, single),
-                                         lambda: run_hf(beam)], args.repeats)
+        t_tfm, t_one, t_hf = best_times([lambda beam=beam: run_tfm(beam, pool), lambda beam=beam: run_tfm(beam, single),
+                                         lambda beam=beam: run_hf(beam)], args.repeats)
         seconds_tfm[beam] = t_tfm
         label = "greedy" if beam == 1 else f"beam {beam}"
         print(f"{label:7s} tfm {n / t_tfm:7.1f} sent/s   tfm 1p {n / t_one:7.1f}   HF {n / t_hf:7.1f} sent/s   "
@@ -154,7 +154,7 @@ def main() -> None:
         lines = [trained.src_sp.decode(s) for s in sources]
         trained.translate(lines[: 2 * args.batch_size], beam=1)  # warm-up, starts the workers
         for beam in beams:
-            seconds = best_times([lambda: trained.translate(lines, beam=beam)], args.repeats)[0]
+            seconds = best_times([lambda beam=beam: trained.translate(lines, beam=beam)], args.repeats)[0]
             print(f"trained checkpoint, natural lengths, beam {beam}: {n / seconds:.1f} sent/s")
         trained.close()
 
@@ -220,7 +220,7 @@ def main() -> None:
         print(f"CT2 1p: inter_threads 1, intra_threads {args.threads}; CT2 {processes}w: inter_threads {processes}, "
               f"intra_threads 1")
         for beam in beams:
-            t_one, t_workers = best_times([lambda: run_ct2(ct2_translator, beam), lambda: run_ct2(ct2_workers, beam)],
+            t_one, t_workers = best_times([lambda beam=beam: run_ct2(ct2_translator, beam), lambda beam=beam: run_ct2(ct2_workers, beam)],
                                           args.repeats)
             label = "greedy" if beam == 1 else f"beam {beam}"
             print(f"{label:7s} CT2 1p {n / t_one:7.1f} sent/s   CT2 {processes}w {n / t_workers:7.1f} sent/s   "

@@ -5,7 +5,6 @@ import pytest
 import sacrebleu
 import torch
 
-from transformer_cli.cpu_inference import PackedLinear
 from transformer_cli.files import read_lines
 from transformer_cli.translate import Translator
 

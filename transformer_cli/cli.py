@@ -185,12 +185,17 @@ def prepare(
     config: Optional[Path] = ConfigOpt,
     set_: Optional[list[str]] = SetOpt,
     force: bool = typer.Option(False, "--force", help="Rebuild even if the run directory is up to date."),
+    discard_checkpoints: bool = typer.Option(
+        False, "--discard-checkpoints", help="Rebuild a run that has been trained: first move its checkpoints/, "
+        "metrics.jsonl and tensorboard/ into a discarded-<time>/ folder of the run (without it, refused)."),
 ) -> None:
     """Train the sentencepiece vocabulary and binarise train/valid/test into the run directory."""
     cfg = _load(config, set_)  # before importing torch (seconds on a slow CPU): config errors come at once
     from .data import prepare as run_prepare
 
-    result = run_prepare(cfg, force=force, progress=sys.stderr.isatty())
+    result = run_prepare(cfg, force=force, progress=sys.stderr.isatty(), discard_checkpoints=discard_checkpoints)
+    if result.discarded is not None:
+        warn(f"moved the earlier training (checkpoints/, metrics) to {result.discarded}")
     m = result.manifest
     if result.reused:
         say(f"{result.run_dir}: up to date, reused existing vocab and data (--force to rebuild)")
@@ -345,6 +350,19 @@ def translate(
         raise TfmError("--beam and --nbest must be at least 1")
     if nbest > max(beam or translator.decode.beam, 1) and not translator.decode.sample:
         raise TfmError(f"--nbest {nbest} needs a beam at least as large (--beam {nbest})")
+    if translator.decode.sample and beam is not None and beam > 1:
+        raise TfmError(f"--beam {beam} does nothing with --sample (samples are drawn, not searched): drop --beam, "
+                       "and give the samples per line with --nbest")
+    if engine == "ctranslate2" and translator.decode.sample:
+        raise TfmError("--sample (decode.sample): sampling is done by tfm's own engine: use --engine torch")
+    if engine == "torch":
+        from .budget import check_decoding_budget, decoding_memory_limit
+
+        translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
+        # Before reading any input: settings that even one line of one token cannot afford are refused at
+        # once; each chunk of input is checked again with its own sizes before it is decoded.
+        check_decoding_budget(translator.member_configs, translator.decode, 1, 1, translator.memory_limit,
+                              beam=beam, nbest=nbest)
     source = open_input(input_)
     from .files import atomic_path
 
@@ -372,7 +390,8 @@ def serve(
     config: Optional[Path] = ConfigOpt,
     set_: Optional[list[str]] = SetOpt,
     checkpoint: Optional[list[Path]] = CheckpointOpt,
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (default: this machine only; "
+                             "0.0.0.0: every interface, with a warning: the API has no authentication)."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port."),
     beam: Optional[int] = BeamOpt,
     nbest: Optional[int] = typer.Option(None, "--nbest", help="Hypotheses per line unless a request says (default 1)."),
@@ -392,6 +411,9 @@ def serve(
     max_chars: int = typer.Option(10_000, "--max-chars", min=1, help="Characters one line may have."),
     max_wait_ms: float = typer.Option(5.0, "--max-wait-ms", min=0.0, max=10_000.0,
                                       help="How long a request waits for others to share its batch."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", min=1, max=1 << 30,
+                                       help="Largest request body; a larger one gets 413 before it is read."),
+    debug: bool = typer.Option(False, "--debug", help="Log a traceback with each failed request (5xx)."),
 ) -> None:
     """Serve translations over HTTP: POST /translate {"text": [...]} → {"translations": [...]}.
 
@@ -400,15 +422,22 @@ def serve(
     """
     cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
     try:
-        from .serve import serve as run_server
+        from .serve import listening_address, serve as run_server
     except ImportError as exc:
         raise TfmError(f"tfm serve needs FastAPI and uvicorn: pip install -e '.[serve]' ({exc})") from None
+    shown_host, loopback = listening_address(host)
     translator = torch_engine(cfg, set_, checkpoint, device, quantize, batch_size=batch_size,
                               batch_tokens=batch_tokens, workers=workers, beam=beam, nbest=nbest, sample=sample,
                               top_k=top_k, top_p=top_p, temperature=temperature, seed=seed, alignment=alignment)
-    banner = f"tfm serve: http://{host}:{port}/translate (docs: /docs); {translator.precision.describe()}"
+    from .budget import decoding_memory_limit
+
+    translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
+    banner = f"tfm serve: http://{shown_host}:{port}/translate (docs: /docs); {translator.precision.describe()}"
+    if not loopback:
+        banner += (f"\nwarning: --host {host} reaches beyond this machine and the API has no authentication: "
+                   "anyone who can reach it can use it (keep it behind a firewall or a proxy that checks)")
     run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000,
-               ready=lambda: warn(banner))
+               max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner))
     warn("tfm serve: stopped")
 
 
@@ -499,12 +528,15 @@ def evaluate(
 def average(
     checkpoints: list[Path] = typer.Argument(..., help="Checkpoints to average (same model)."),
     output: Path = typer.Option(..., "--output", "-o", help="Averaged checkpoint to write."),
+    force: bool = typer.Option(False, "--force", help="Write it into a run's checkpoints/ (e.g. its "
+                               "checkpoint_avg.pt); never over checkpoint_last.pt or step_<N>.pt."),
 ) -> None:
     """Average the weights of several checkpoints (paper §6.1) into one."""
-    from .checkpoint import average_checkpoints, save_checkpoint
+    from .checkpoint import average_checkpoints
+    from .rundir import save_checkpoint_file
 
     refuse_output_among_inputs(output, {"a checkpoint to average": list(checkpoints)})
-    save_checkpoint(output, average_checkpoints(list(checkpoints)))
+    save_checkpoint_file(output, lambda: average_checkpoints(list(checkpoints)), force, "tfm average")
     say(f"averaged {len(checkpoints)} checkpoints → {output}")
 
 

@@ -91,6 +91,7 @@ def error_status(exc: BaseException) -> int:
 
 # Per-request decode settings a client may choose; the rest (lengths, precision, batching) is the server's.
 REQUEST_SETTINGS = tuple(name for name in TranslateRequest.model_fields if name != "text")
+SAMPLING_SETTINGS = ("top_k", "top_p", "temperature", "seed")  # meaningful only with sample
 
 
 @dataclass
@@ -195,7 +196,8 @@ class Batcher:
         lines = [line for job in jobs for line in job.lines]
         decode = request_batch_decode(decode, len(lines), self.processes)
         try:
-            results = await self.runner(lambda: self.engine.translate(lines, nbest=decode.nbest, decode=decode))
+            results = await self.runner(lambda: self.engine.translate(lines, nbest=decode.nbest, decode=decode,
+                                                                             warn_long=False))
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             if len(jobs) > 1 and not isinstance(exc, DecodingProcessDied):
                 for job in jobs:  # isolation: only the request that fails alone gets the error
@@ -215,8 +217,11 @@ class Batcher:
 def request_decode(base: DecodeConfig, request: TranslateRequest) -> DecodeConfig:
     """The server's decode settings with the request's choices; a rule across them broken → ValueError."""
     chosen = {name: getattr(request, name) for name in REQUEST_SETTINGS if getattr(request, name) is not None}
+    settings = base.model_dump()
+    if chosen.get("sample") is False:  # the server's sampling settings go with its sampling
+        settings.update({name: DecodeConfig.model_fields[name].default for name in SAMPLING_SETTINGS})
     try:
-        return DecodeConfig.model_validate({**base.model_dump(), **chosen})
+        return DecodeConfig.model_validate({**settings, **chosen})
     except ValidationError as exc:
         raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
 
@@ -319,6 +324,7 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     batcher = Batcher(engine, max_wait, max_batch_lines, processes, runner)
 
@@ -337,6 +343,10 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, exc: RequestValidationError) -> JSONResponse:
         return error(422, validation_message(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException) -> JSONResponse:  # e.g. a body that is not UTF-8
+        return error(exc.status_code, f"request: {str(exc.detail)[:300]}")
 
     @app.exception_handler(Exception)
     async def failed(request, exc: Exception) -> JSONResponse:  # a bug: one line, the server goes on

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .alignment import word_alignments
+from .budget import check_decoding_budget
 from .checkpoint import load_trained_model
 from .config import (
     DecodeConfig,
@@ -34,7 +35,7 @@ from .decoding import Hypothesis, Sampling, beam_search, greedy_search, greedy_s
 from .devices import is_out_of_memory, resolve_device, split_on_out_of_memory
 from .ensemble import load_ensemble
 from .errors import TfmError
-from .model import Transformer
+from .model import Transformer, TransformerConfig
 from .precision import choose_decoding_precision
 from .workers import DecodingWorkers, resolve_workers
 
@@ -75,18 +76,21 @@ class TranslationEngine:
         """Release what the engine started (worker processes, threads); it also ends at exit."""
 
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
-                  first_line: int = 1, decode: DecodeConfig | None = None) -> list[list[Translation]]:
+                  first_line: int = 1, decode: DecodeConfig | None = None,
+                  warn_long: bool = True) -> list[list[Translation]]:
         """Per input line its n-best translations (n samples with decode.sample); empty (or blank)
         lines give empty output. `decode` replaces the engine's settings for this call.
 
         A line longer than the model's positions is cut with a warning naming it (`first_line` is
-        the number of `lines[0]` in the user's input).
+        the number of `lines[0]` in the user's input; `warn_long=False`: silently, as a server does,
+        whose log one client must not flood).
         """
         decode = self.decode if decode is None else decode
         beam = decode.beam if beam is None else beam
         nonempty = [i for i, line in enumerate(lines) if line.strip()]
         sources = self.tokenize([lines[i] for i in nonempty]) if nonempty else []
-        warn_long_lines(nonempty, sources, self.max_source_tokens, first_line)
+        if warn_long:
+            warn_long_lines(nonempty, sources, self.max_source_tokens, first_line)
         hyps = self.search(sources, max(beam, 1), nbest, decode) if sources else []
         alignments = (self.align([lines[i] for i in nonempty], sources, hyps, decode) if decode.alignment and sources
                       else [[None] * len(h) for h in hyps])
@@ -133,6 +137,8 @@ class Translator(TranslationEngine):
         if device.type == "cpu":
             keep_freed_memory()
         self.workers: DecodingWorkers | None = None  # started by the first search
+        # Bytes a search may take (budget.py); None: no check. `tfm translate` sets it.
+        self.memory_limit: int | None = None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | list[str | Path], decode: DecodeConfig | None = None,
@@ -182,8 +188,26 @@ class Translator(TranslationEngine):
 
     def search(self, sources: list[list[int]], beam: int, nbest: int,
                decode: DecodeConfig | None = None) -> list[list[Hypothesis]]:
-        return decode_in_batches(self.model, sources, decode or self.decode, self.device, beam, nbest,
+        decode = decode or self.decode
+        check_decoding_budget(self.member_configs, decode, len(sources), max(map(len, sources), default=0),
+                              self.memory_limit, beam=beam, nbest=nbest, processes=self.decoding_workers().processes)
+        return decode_in_batches(self.model, sources, decode, self.device, beam, nbest,
                                  workers=self.decoding_workers())
+
+    def check_budget(self, lines: list[str], decode: DecodeConfig) -> None:
+        """A TfmError, naming the setting, where `translate(lines, decode=decode)` could take more than
+        `memory_limit` (budget.py); checked before the call joins a batch (`tfm serve`)."""
+        if self.memory_limit is None:
+            return
+        sources = self.tokenize([line for line in lines if line.strip()])
+        check_decoding_budget(self.member_configs, decode, len(sources), max(map(len, sources), default=0),
+                              self.memory_limit, beam=decode.beam, nbest=decode.nbest,
+                              processes=self.decoding_workers().processes)
+
+    @property
+    def member_configs(self) -> list[TransformerConfig]:
+        """The model's config, or each of an ensemble's (each keeps its own caches)."""
+        return [m.cfg for m in getattr(self.model, "members", [self.model])]
 
     def align(self, lines: list[str], sources: list[list[int]], hyps: list[list[Hypothesis]],
               decode: DecodeConfig) -> list[list[str]]:

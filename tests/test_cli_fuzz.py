@@ -1,0 +1,308 @@
+"""A fuzzer generated from the command line's own option definitions: every option of every `tfm`
+command, read from the Typer app (click introspection and the functions' type hints), is given
+hostile values — numbers {0, −1, NaN, inf, 1e308, 2^63}, paths {missing, a directory, a FIFO, an
+empty file, a path through a file, a device, the command's own inputs, a run's checkpoints}, words
+{"", nonsense} — in an otherwise good invocation of that command. Every case must end with exit 0 or 2
+(1 only for an evaluate gate), one `error:` line and no traceback, and a checksum of the working tree
+must show nothing changed outside the command's stated outputs. A new option is covered without a
+new row; an option whose type the fuzzer does not know fails `test_the_fuzzer_knows_every_option`.
+
+Decode settings given as `--set decode.KEY=VALUE` are fuzzed the same way from the config's own
+field definitions (train.* keys, which start training, in the slow tier)."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import socket
+import stat
+import threading
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import typer.main
+
+from tests.conftest import tfm_in_process, tiny_reverse_config, write_reverse_task
+from transformer_cli.cli import app
+from transformer_cli.config import DecodeConfig, TrainConfig, config_from_dict
+from transformer_cli.data import prepare
+from transformer_cli.train import train
+
+NUMBERS = ["0", "-1", "nan", "inf", "1e308", str(2**63)]
+WORDS = ["", "nonsense"]
+PATHS = ["missing", "directory", "fifo", "empty", "through a file", "device", "own input", "run checkpoint"]
+OUTPUT_OPTIONS = {"output"}  # what a command writes; every other path is read
+
+
+@dataclass
+class Workspace:
+    root: Path
+    config: Path
+    run: Path
+    checkpoint: Path
+    other_checkpoint: Path
+    src: Path
+    ref: Path
+    busy_port: int
+
+    @property
+    def out(self) -> Path:
+        return self.root / "out"  # stated outputs go here
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fuzz")
+    write_reverse_task(root / "data", n_train=600, n_test=20)
+    config = root / "tiny.yaml"
+    config.write_text(json.dumps(tiny_reverse_config(root / "data", root / "run", max_steps=20, eval_every=10)))
+    cfg = config_from_dict(json.loads(config.read_text()))
+    prepare(cfg, progress=False)
+    train(cfg, progress_bar=False)
+    (root / "src.txt").write_text("wa wb wc\nwd we\n")
+    (root / "ref.txt").write_text("wc wb wa\nwe wd\n")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    checkpoints = root / "run" / "checkpoints"
+    yield Workspace(root, config, root / "run", checkpoints / "checkpoint_best.pt", checkpoints / "step_10.pt",
+                    root / "src.txt", root / "ref.txt", busy.getsockname()[1])
+    busy.close()
+
+
+def good_invocations(ws: Workspace) -> dict[str, list[str]]:
+    """One good invocation of each command (serve's port is taken, so it ends after its checks)."""
+    ck, out = str(ws.checkpoint), ws.out
+    return {
+        "prepare": ["prepare", "--config", str(ws.config)],
+        "train": ["train", "--config", str(ws.config), "--resume"],
+        "translate": ["translate", "--checkpoint", ck, "-i", str(ws.src), "-o", str(out / "t.txt"),
+                      "--set", "decode.precision=fp32"],
+        "serve": ["serve", "--checkpoint", ck, "--port", str(ws.busy_port), "--workers", "1"],
+        "evaluate": ["evaluate", "--hyp", str(ws.ref), "--ref", str(ws.ref)],
+        "average": ["average", ck, str(ws.other_checkpoint), "-o", str(out / "avg.pt")],
+        "plot": ["plot", str(ws.run), "-o", str(out / "curves.png")],
+        "attention": ["attention", "--checkpoint", ck, "--src", "wa wb", "-o", str(out / "att.png")],
+        "export": ["export", "--checkpoint", ck, "-o", str(out / "ct2")],
+        "import": ["import", str(ws.run), "-o", str(out / "imported")],
+    }
+
+
+def commands() -> dict:
+    return typer.main.get_command(app).commands
+
+
+def kind_of(command: str, param) -> str:
+    """number, path, word or flag: from the command function's type hint for the parameter."""
+    hints = typing.get_type_hints(inspect.unwrap(commands()[command].callback))
+    hint = hints[param.name]
+    while typing.get_origin(hint) in (typing.Union, list, getattr(__import__("types"), "UnionType", None)):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if getattr(param, "is_flag", False) or hint is bool:
+        return "flag"
+    if hint in (int, float):
+        return "number"
+    if hint is Path:
+        return "path"
+    if hint is str:
+        return "word"
+    return f"unknown ({hint})"
+
+
+def cases() -> list[tuple[str, str, str]]:
+    """(command, parameter name, value kind) for every parameter the fuzzer mutates."""
+    found = []
+    for name, command in commands().items():
+        for param in command.params:
+            kind = kind_of(name, param)
+            if kind == "flag" or param.name == "set_":
+                continue  # flags take no value; --set is fuzzed key by key below
+            values = {"number": NUMBERS, "path": PATHS, "word": WORDS}.get(kind, [kind])
+            found += [(name, param.name, value) for value in values]
+    return found
+
+
+def test_the_fuzzer_knows_every_option():
+    assert all(value in NUMBERS + PATHS + WORDS for _, _, value in cases()), \
+        [c for c in cases() if c[2] not in NUMBERS + PATHS + WORDS]
+
+
+# --------------------------------------------------------------------------- the tree and its checksum
+
+
+def snapshot(root: Path, skip: list[Path]) -> dict[str, str]:
+    """path → content hash (or the kind of a non-regular file) of everything under root, but `skip`."""
+    seen = {}
+    for path in sorted(root.rglob("*")):
+        if any(path == s or s in path.parents for s in skip):
+            continue
+        mode = path.lstat().st_mode
+        if stat.S_ISREG(mode):
+            seen[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+        elif not stat.S_ISDIR(mode):
+            seen[str(path.relative_to(root))] = f"mode {stat.S_IFMT(mode):o}"
+    return seen
+
+
+class Fifo:
+    """A FIFO with a thread at its other end: a writer of two lines for a path the command reads, a
+    reader for one it writes. Opening a FIFO blocks until the other end opens: after the command,
+    the thread is released by opening the far end without blocking."""
+
+    def __init__(self, path: Path, command_writes: bool):
+        os.mkfifo(path)
+        self.path, self.command_writes = path, command_writes
+        self.thread = threading.Thread(target=self._other_end, daemon=True)
+        self.thread.start()
+
+    def _other_end(self) -> None:
+        try:
+            if self.command_writes:
+                with open(self.path, "rb") as f:
+                    f.read()
+            else:
+                with open(self.path, "wb") as f:
+                    f.write(b"wa wb\nwc\n")
+        except OSError:
+            pass
+
+    def release(self) -> None:
+        flags = (os.O_WRONLY if self.command_writes else os.O_RDONLY) | os.O_NONBLOCK
+        while self.thread.is_alive():
+            try:
+                os.close(os.open(self.path, flags))
+            except OSError:
+                pass
+            self.thread.join(timeout=0.1)
+
+
+def hostile_path(ws: Workspace, case_dir: Path, value: str, inputs: list[str], command_writes: bool):
+    """The path for `value`, and the FIFO to release afterwards (or None)."""
+    if value == "missing":
+        return case_dir / "no" / "such.file", None
+    if value == "directory":
+        (case_dir / "dir").mkdir()
+        return case_dir / "dir", None
+    if value == "fifo":
+        fifo = Fifo(case_dir / "fifo", command_writes)
+        return fifo.path, fifo
+    if value == "empty":
+        (case_dir / "empty").write_bytes(b"")
+        return case_dir / "empty", None
+    if value == "through a file":
+        return ws.src / "below", None
+    if value == "device":
+        return Path("/dev/null"), None
+    if value == "own input":
+        return Path(inputs[0]) if inputs else ws.src, None
+    assert value == "run checkpoint"
+    return ws.run / "checkpoints" / "checkpoint_last.pt", None
+
+
+def with_value(args: list[str], opts: list[str], value: str, positional_index: int | None) -> list[str]:
+    """`args` with the option (or the positional argument at `positional_index`) set to `value`."""
+    args = list(args)
+    if positional_index is not None:
+        args[positional_index] = value
+        return args
+    for i, word in enumerate(args):
+        if word in opts:
+            args[i + 1] = value
+            return args
+    return [*args, opts[0], value]
+
+
+def run_case(ws: Workspace, case_dir: Path, args: list[str]) -> None:
+    """Run `args` in this process; check the exit code, the message and the tree."""
+    stated = [ws.out, ws.run / "eval", ws.root / "tfm_cache"] + ([ws.run] if args[0] in ("train", "prepare") else [])
+    before = snapshot(ws.root, stated + [case_dir])
+    result = tfm_in_process(*args)
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, (args, output[-2000:])
+    allowed = (0, 1, 2) if args[0] == "evaluate" and "--min-bleu" in args else (0, 2)
+    assert result.exit_code in allowed, (args, result.exit_code, output[-2000:])
+    if result.exit_code == 2:
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, (args, result.stderr[-2000:])
+    assert snapshot(ws.root, stated + [case_dir]) == before, args
+
+
+def fuzz_option(ws: Workspace, tmp_path: Path, command: str, name: str, value: str) -> None:
+    base = good_invocations(ws)[command]
+    param = next(p for p in commands()[command].params if p.name == name)
+    positional = None
+    if param.param_type_name == "argument":
+        positional = 1  # the first positional argument follows the command's name
+    kind = kind_of(command, param)
+    fifo = None
+    if kind == "path":
+        inputs = [a for a in base[1:] if Path(a).exists() and ws.root in Path(a).parents]
+        path, fifo = hostile_path(ws, tmp_path, value, inputs, command_writes=name in OUTPUT_OPTIONS)
+        value = str(path)
+    try:
+        run_case(ws, tmp_path, with_value(base, param.opts, value, positional))
+    finally:
+        if fifo is not None:
+            fifo.release()
+        shutil.rmtree(ws.out, ignore_errors=True)
+
+
+ALL_CASES = cases()
+FAST_CASES = ALL_CASES[::3]  # a third of them in the fast tier, all of them in the slow one
+
+
+@pytest.mark.parametrize("command, name, value", FAST_CASES, ids=[f"{c}-{n}-{v}" for c, n, v in FAST_CASES])
+def test_every_option_with_a_hostile_value_fast(ws, tmp_path, command, name, value):
+    fuzz_option(ws, tmp_path, command, name, value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, name, value", ALL_CASES, ids=[f"{c}-{n}-{v}" for c, n, v in ALL_CASES])
+def test_every_option_with_a_hostile_value(ws, tmp_path, command, name, value):
+    fuzz_option(ws, tmp_path, command, name, value)
+
+
+# --------------------------------------------------------------------------- --set KEY=VALUE from the config
+
+
+def numeric_keys(section: str, model) -> list[str]:
+    keys = []
+    for key, field in model.model_fields.items():
+        text = str(field.annotation)
+        if "int" in text or "float" in text:
+            keys.append(f"{section}.{key}")
+    return keys
+
+
+DECODE_CASES = [(key, value) for key in numeric_keys("decode", DecodeConfig) for value in NUMBERS]
+TRAIN_CASES = [(key, value) for key in numeric_keys("train", TrainConfig) for value in NUMBERS]
+
+
+@pytest.mark.parametrize("key, value", DECODE_CASES, ids=[f"{k}={v}" for k, v in DECODE_CASES])
+def test_every_numeric_decode_setting_with_a_hostile_value(ws, tmp_path, key, value):
+    args = [*good_invocations(ws)["translate"], "--set", f"{key}={value}"]
+    try:
+        run_case(ws, tmp_path, args)
+    finally:
+        shutil.rmtree(ws.out, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key, value", TRAIN_CASES, ids=[f"{k}={v}" for k, v in TRAIN_CASES])
+def test_every_numeric_train_setting_with_a_hostile_value(ws, tmp_path, key, value):
+    """On a copy of the run (training writes it), bounded by a 3-second budget."""
+    run = tmp_path / "run"
+    shutil.copytree(ws.run, run)
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({**json.loads(ws.config.read_text()), "run_dir": str(run)}))
+    args = ["train", "--config", str(config), "--resume", "--set", "train.max_time=3", "--set", f"{key}={value}"]
+    before = snapshot(ws.root, [ws.root / "tfm_cache"])
+    result = tfm_in_process(*args)
+    assert "Traceback" not in result.stdout + result.stderr and result.exit_code in (0, 2, 3), \
+        (args, result.exit_code, result.stderr[-2000:])
+    assert snapshot(ws.root, [ws.root / "tfm_cache"]) == before

@@ -1,0 +1,297 @@
+"""`tfm serve` under abuse, as a real process on loopback: requests generated from its own OpenAPI
+schema (a field added to the API is fuzzed without a new row), one abusive client beside good ones,
+and the faults a server meets (a decoding process killed, the terminal hung up).
+
+Every generated request gets a JSON answer below 500 within a time bound while a good request
+sent beside it is answered correctly; the server's memory stays bounded."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import TFM
+from tests.test_serve import Server, free_port, post
+from transformer_cli.translate import Translator
+
+pytest.importorskip("fastapi", reason="tfm serve needs the [serve] extra (CI installs it with [test])")
+
+MAX_LINES, MAX_CHARS, MAX_BODY = 20, 300, 64_000
+GOOD = ["wa wb wc", "wd we", "wf wg wh wi"]
+
+
+def send(port: int, data: bytes, timeout: float = 60, headers: dict | None = None) -> tuple[int, dict, float]:
+    """POST raw bytes to /translate → (status, JSON answer, seconds)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/translate", data=data,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, json.loads(answer.read()), time.monotonic() - start
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), time.monotonic() - start
+
+
+def rss_kib(pid: int) -> int:
+    """Resident memory of a process and its children (the decoding workers)."""
+    total = 0
+    for p in [pid, *map(int, subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split())]:
+        try:
+            total += int(next(line.split()[1] for line in Path(f"/proc/{p}/status").read_text().splitlines()
+                              if line.startswith("VmRSS")))
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+@pytest.fixture(scope="module")
+def abused(reverse_model):
+    server = Server(reverse_model[1].best_checkpoint, "--workers", "2", "--max-lines", str(MAX_LINES),
+                    "--max-chars", str(MAX_CHARS), "--max-body-bytes", str(MAX_BODY))
+    translator = Translator.from_checkpoint(reverse_model[1].best_checkpoint, device="cpu",
+                                            overrides=["decode.precision=fp32"])
+    expected = [t[0].text for t in translator.translate(GOOD)]
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/openapi.json", timeout=10) as answer:
+        schema = json.loads(answer.read())
+    yield server, expected, schema
+    code, stderr = server.stop()
+    assert code == 0 and "Traceback" not in stderr, stderr
+
+
+# --------------------------------------------------------------------------- requests from the schema
+
+EDGE_NUMBERS = [0, -1, 1, 1e-300, 1e308, -1e308, 2**63, -(2**63), 10**30, 0.5, math.nan, math.inf, -math.inf]
+HOSTILE_TEXT = ["Ein \ud800 Hund", "\udfff", "\x00", "wa\nwb", "wa\rwb", "", " ", "\u202e wa", "🐕" * 50,
+                "wa " * (MAX_CHARS // 3 + 1), "a" * (MAX_CHARS + 1), "<unk> </s> <s> <pad>", "▁▁▁"]
+
+
+def strategy_for(schema: dict, components: dict) -> st.SearchStrategy:
+    """Values for one OpenAPI schema: valid ones inside its bounds, its bounds ± 1, and hostile ones."""
+    if "$ref" in schema:
+        return strategy_for(components[schema["$ref"].split("/")[-1]], components)
+    if "anyOf" in schema:
+        return st.one_of([strategy_for(s, components) for s in schema["anyOf"]])
+    kind = schema.get("type")
+    wrong = st.sampled_from([None, True, "5", [], {}, 3.5])
+    if kind == "integer":
+        low = schema.get("minimum", schema.get("exclusiveMinimum", -(2**63)))
+        high = schema.get("maximum", schema.get("exclusiveMaximum", 2**63))
+        return st.one_of(st.integers(low, min(high, low + 100)), st.sampled_from([low - 1, high + 1, *EDGE_NUMBERS]),
+                         wrong)
+    if kind == "number":
+        return st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(EDGE_NUMBERS), wrong)
+    if kind == "boolean":
+        return st.one_of(st.booleans(), wrong)
+    if kind == "string":
+        return st.one_of(st.sampled_from(HOSTILE_TEXT + GOOD), st.text(max_size=40), wrong)
+    if kind == "array":
+        items = strategy_for(schema.get("items", {}), components)
+        return st.one_of(st.lists(items, max_size=4), st.lists(st.sampled_from(GOOD), min_size=MAX_LINES,
+                                                               max_size=MAX_LINES + 1), wrong)
+    if kind == "null":
+        return st.none()
+    return st.one_of(wrong, st.text(max_size=5))
+
+
+def request_bodies(schema: dict) -> st.SearchStrategy[bytes]:
+    """Request bodies for POST /translate: objects built from the request schema (any subset of its
+    fields, sometimes an unknown one), and bodies that are not such objects at all."""
+    components = schema["components"]["schemas"]
+    body_ref = schema["paths"]["/translate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    fields = components[body_ref["$ref"].split("/")[-1]]["properties"]
+    objects = st.fixed_dictionaries(
+        {"text": st.one_of(strategy_for(fields["text"], components), st.sampled_from(GOOD))},
+        optional={**{name: strategy_for(field, components) for name, field in fields.items() if name != "text"},
+                  "unknown_setting": st.integers()})
+    as_json = objects.map(lambda body: json.dumps(body).encode())  # NaN/Infinity as JSON's extension writes them
+    raw = st.sampled_from([b"", b"not json", b"{", b"[]", b"null", b'"wa"', b'{"text": 1e999999}',
+                           b'{"text": "wa", "beam": 1e999999}', b'{"text": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+                           b'{"text": "wa", "beam": 1' + b"0" * 5000 + b"}",
+                           b'{"text": "\xff\xfe"}', b'{"text": "wa", "text": ["wb"]}', b"\x00" * 100])
+    return st.one_of(as_json, raw)
+
+
+def answered_well(status: int, answer: dict, body: bytes) -> None:
+    assert status < 500, (status, answer, body[:200])
+    if status == 200:
+        sent = json.loads(body)["text"]
+        assert len(answer["translations"]) == (1 if isinstance(sent, str) else len(sent))
+    else:
+        assert set(answer) == {"error"} and "\n" not in answer["error"] and len(answer["error"]) < 1000, answer
+
+
+def fuzz(abused, examples: int) -> None:
+    server, expected, schema = abused
+    before = rss_kib(server.process.pid)
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(request_bodies(schema))
+    def one_request_beside_a_good_one(body: bytes) -> None:
+        with ThreadPoolExecutor(2) as clients:
+            fuzzed = clients.submit(send, server.port, body)
+            good = clients.submit(send, server.port, json.dumps({"text": GOOD}).encode())
+            status, answer, seconds = fuzzed.result()
+            assert good.result()[:2] == (200, {"translations": expected})
+        answered_well(status, answer, body)
+        assert seconds < 30
+
+    one_request_beside_a_good_one()
+    assert server.process.poll() is None
+    grown = rss_kib(server.process.pid) - before
+    assert grown < 1_000_000, f"the server grew by {grown} KiB"
+
+
+def test_requests_generated_from_the_openapi_schema_never_hurt_a_good_one(abused):
+    fuzz(abused, examples=120)
+
+
+@pytest.mark.slow
+def test_requests_generated_from_the_openapi_schema_long_run(abused):
+    fuzz(abused, examples=1500)
+
+
+def test_the_schema_fuzzer_covers_every_request_field(abused):
+    """The fuzzer reads the fields from the schema the server publishes: every decode setting a
+    request may choose is there (a new field is fuzzed without a new row)."""
+    from transformer_cli.serve import REQUEST_SETTINGS
+
+    _, _, schema = abused
+    fields = schema["components"]["schemas"]["TranslateRequest"]["properties"]
+    assert set(REQUEST_SETTINGS) | {"text"} == set(fields)
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(abused):
+    server, _, _ = abused
+    huge = json.dumps({"text": "wa " * MAX_BODY}).encode()
+    status, answer, _ = send(server.port, huge)
+    assert status == 413 and "--max-body-bytes" in answer["error"]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:  # 1 GB announced, 10 bytes sent
+        s.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000\r\n\r\n{\"text\": ")
+        assert s.recv(1000).startswith(b"HTTP/1.1 413")
+
+
+def test_one_abusive_client_beside_fifteen_good_ones_costs_them_nothing(abused):
+    """15 good clients for 4 s while one client loops requests that once failed every request
+    batched with them (a lone surrogate, a non-string line) or cost the machine (huge bodies)."""
+    server, expected, _ = abused
+    stop = time.monotonic() + 4
+    bad_bodies = [json.dumps({"text": "Ein \ud800 Hund"}).encode(), b'{"text": ["wa", 5]}',
+                  b'{"text": ["wa", "\\udc00"]}', json.dumps({"text": ["wa"] * (MAX_LINES + 1)}).encode(),
+                  b'{"text": "' + b"a" * (MAX_BODY + 1) + b'"}', b'{"text": "wa", "beam": NaN}']
+
+    def good_client() -> list[tuple]:
+        answers = []
+        while time.monotonic() < stop:
+            answers.append(send(server.port, json.dumps({"text": GOOD}).encode())[:2])
+        return answers
+
+    def abusive_client() -> list[int]:
+        statuses, i = [], 0
+        while time.monotonic() < stop:
+            statuses.append(send(server.port, bad_bodies[i % len(bad_bodies)])[0])
+            i += 1
+        return statuses
+
+    with ThreadPoolExecutor(16) as clients:
+        abuse = clients.submit(abusive_client)
+        good = [clients.submit(good_client) for _ in range(15)]
+        answers = [a for g in good for a in g.result()]
+        statuses = abuse.result()
+    assert answers and all(a == (200, {"translations": expected}) for a in answers)
+    assert len(statuses) >= len(bad_bodies) and all(400 <= s < 500 for s in statuses), statuses
+
+
+# --------------------------------------------------------------------------- faults
+
+
+def worker_pids(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+@pytest.mark.slow
+def test_a_decoding_process_killed_mid_request_is_a_503_and_the_server_goes_on(reverse_model):
+    server = Server(reverse_model[1].best_checkpoint, "--workers", "2", "--max-lines", "400",
+                    "--set", "decode.batch_size=1")
+    try:
+        body = json.dumps({"text": ["wa wb wc wd we wf wg wh"] * 400, "beam": 4}).encode()
+        answer: list = []
+        request = threading.Thread(target=lambda: answer.append(send(server.port, body)))
+        request.start()
+        time.sleep(0.5)  # decoding
+        os.kill(worker_pids(server.process.pid)[0], signal.SIGKILL)
+        request.join(timeout=30)
+        assert answer and answer[0][0] == 503 and "SIGKILL" in answer[0][1]["error"], answer
+        assert post(server.port, {"text": GOOD})[0] == 200  # a fresh pool
+        os.kill(worker_pids(server.process.pid)[0], signal.SIGKILL)  # killed while idle: nothing is lost
+        time.sleep(0.3)
+        assert post(server.port, {"text": GOOD * 10})[0] == 200
+    finally:
+        code, stderr = server.stop()  # SIGTERM still stops it
+    assert code == 0 and "Traceback" not in stderr, stderr
+    assert stderr.count("503") == 1, stderr  # logged once, one line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGINT, signal.SIGTERM])
+def test_hangup_interrupt_and_terminate_stop_serve_and_free_its_port(reverse_model, signum):
+    server = Server(reverse_model[1].best_checkpoint, "--workers", "2")
+    server.process.send_signal(signum)
+    server.process.communicate(timeout=30)
+    assert server.process.returncode == 0
+    with socket.socket() as again:  # the port is free (closed connections may wait in TIME_WAIT: as servers do,
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # bind past those, never past a listener)
+        again.bind(("127.0.0.1", server.port))
+        again.listen()
+
+
+@pytest.mark.parametrize("host, says", [("", "--host is empty"), ("no-such-host.invalid", "--host 'no-such-host.invalid'")])
+def test_an_empty_or_unresolvable_host_is_an_error(reverse_model, host, says):
+    proc = subprocess.run([*TFM, "serve", "--checkpoint", str(reverse_model[1].best_checkpoint), "--host", host,
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_every_interface_is_served_only_with_a_warning(reverse_model):
+    server_args = [*TFM, "serve", "--checkpoint", str(reverse_model[1].best_checkpoint), "--host", "0.0.0.0",
+                   "--port", str(free_port()), "--workers", "1"]
+    proc = subprocess.Popen(server_args, stderr=subprocess.PIPE, text=True)
+    lines = [proc.stderr.readline(), proc.stderr.readline()]
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert lines[0].startswith("tfm serve: http://0.0.0.0:") and "no authentication" in lines[1], lines
+
+
+@pytest.mark.slow
+def test_translate_exits_with_a_message_when_a_decoding_process_is_killed(reverse_model, tmp_path):
+    source = tmp_path / "big.txt"
+    source.write_text("wa wb wc wd we wf wg wh\n" * 3000)
+    out = tmp_path / "out" / "out.txt"
+    proc = subprocess.Popen([*TFM, "translate", "--checkpoint", str(reverse_model[1].best_checkpoint), "-i",
+                             str(source), "-o", str(out), "--workers", "2", "--beam", "4", "--batch-size", "4",
+                             "--set", "decode.precision=fp32"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(worker_pids(proc.pid)) < 2:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.kill(worker_pids(proc.pid)[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=30)  # before: it waited forever
+    assert proc.returncode == 2 and "Traceback" not in stderr, stderr
+    assert "a decoding process died (SIGKILL)" in stderr.strip().splitlines()[-1]
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
