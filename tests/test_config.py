@@ -126,7 +126,7 @@ BOUNDS = [
     ("model.d_model", 8, 0), ("model.n_heads", 1, 0), ("model.enc_layers", 1, 0), ("model.dec_layers", 1, 0),
     ("model.d_ff", 1, 0), ("model.dropout", 0.0, 1.0), ("model.attention_dropout", 0.99, -0.1),
     ("model.max_positions", 4, 3),
-    ("train.seed", 0, -1), ("train.threads", 1, 0), ("train.max_tokens", 1, 0), ("train.accum_steps", 1, 0),
+    ("train.seed", 0, -1), ("train.threads", 1, 0), ("train.threads", 4096, 4097), ("train.max_tokens", 1, 0), ("train.accum_steps", 1, 0),
     ("train.max_steps", 1, 0), ("train.max_epochs", 1, 0), ("train.max_time", "1s", 0), ("train.lr_min", 0.0, -1e-9),
     ("train.lr_factor", 1e-9, 0.0), ("train.lr", 1e-9, 0.0), ("train.warmup", 0, -1), ("train.warmup_ratio", 1.0, 0.0),
     ("train.adam_betas", [0.0, 0.999], [0.9, 1.0]), ("train.adam_eps", 1e-12, 0.0), ("train.weight_decay", 0.0, -0.1),

@@ -325,7 +325,7 @@ def translate(
     decode_options = dict(batch_size=batch_size, batch_tokens=batch_tokens, workers=workers, sample=sample,
                           top_k=top_k, top_p=top_p, temperature=temperature, seed=seed, alignment=alignment)
     # Imports torch (seconds on a slow CPU): only after the checks above.
-    from .translate import read_decoded_lines, translate_stream
+    from .translate import Translator, read_decoded_lines, translate_stream
 
     if engine == "ctranslate2":
         from .ct2 import CT2Translator
@@ -355,7 +355,7 @@ def translate(
                        "and give the samples per line with --nbest")
     if engine == "ctranslate2" and translator.decode.sample:
         raise TfmError("--sample (decode.sample): sampling is done by tfm's own engine: use --engine torch")
-    if engine == "torch":
+    if isinstance(translator, Translator):
         from .budget import check_decoding_budget, decoding_memory_limit
 
         translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)

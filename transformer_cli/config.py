@@ -114,7 +114,7 @@ class TrainConfig(_Section):
     # auto = bf16 autocast on CUDA, AMX CPUs and CPUs whose bf16 matmuls measure >= 1.5x fp32; else fp32
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False
-    threads: int | None = Field(None, ge=1)  # torch intra-op threads on CPU (None = torch default)
+    threads: int | None = Field(None, ge=1, le=4096)  # torch intra-op threads on CPU (None = torch default)
     # `tfm train`'s malloc: auto = mimalloc where the cmeel-mimalloc package is installed (Linux),
     # else the C library's; less memory and faster CPU steps than glibc's (allocator.py)
     allocator: Literal["auto", "mimalloc", "system"] = "auto"

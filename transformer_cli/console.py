@@ -61,7 +61,8 @@ def write_fully(stream: IO[str], text: str) -> None:
     try:
         if isinstance(raw, io.RawIOBase):
             stream.flush()
-            data = memoryview(text.encode(stream.encoding, stream.errors or "strict"))
+            data = memoryview(text.encode(getattr(stream, "encoding", None) or "utf-8",
+                                          getattr(stream, "errors", None) or "strict"))
             while data:
                 data = data[raw.write(data) or 0:]  # None: a non-blocking file that is full for now
         else:

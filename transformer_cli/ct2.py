@@ -539,6 +539,7 @@ class CT2Translator(TranslationEngine):
             limit = max_len if max_len is not None else output_length_limit(
                 longest, decode.max_len_a, decode.max_len_b, self.max_input_length + 1)  # capped: no overflow
             # Asynchronous: with several workers (inter_threads) CTranslate2 decodes batches in parallel.
+            assert self._translator is not None
             submitted.append((batch, self._translator.translate_batch(
                 [pieces[i] for i in batch], beam_size=beam, num_hypotheses=nbest,
                 length_penalty=decode.length_penalty if beam > 1 else 0.0,

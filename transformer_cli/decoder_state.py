@@ -70,7 +70,7 @@ class KVCache:
     def index_select(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> KVCache:
         """A cache whose row i is this cache's row rows[i] (rows may repeat; `sentences` is not needed)."""
         t = self.length
-        return KVCache(*(self._copy_prefix(b, rows, t + 1) for b in (self.keys, self.values)), t)
+        return KVCache(self._copy_prefix(self.keys, rows, t + 1), self._copy_prefix(self.values, rows, t + 1), t)
 
     def drop_front(self, positions: int) -> None:
         """Forget the first `positions` cached positions of every row (no row attends to them any more)."""
@@ -289,7 +289,7 @@ class DecoderState:
         caches = [s.self_attn for s in self.layers]
         if isinstance(caches[0], BeamKVCache):  # the same rows for every layer: checked once
             BeamKVCache.check_rows(rows, caches[0].beams, sentences)
-            caches = [c.index_select(rows, sentences, checked=True) for c in caches]
+            caches = [c.index_select(rows, sentences, checked=True) for c in caches]  # type: ignore[call-arg]
         else:
             caches = [c.index_select(rows, sentences) for c in caches]
         layers = [LayerState(c, s.cross_attn if sentences is None else pick(s.cross_attn, sentences))

@@ -9,7 +9,8 @@ import torch
 
 from .errors import TfmError
 
-T, R = TypeVar("T"), TypeVar("R")
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -48,13 +48,16 @@ def _by_step(rows: list[dict]) -> list[dict]:
     return [latest[step] for step in sorted(latest)]
 
 
+MAX_PIXELS = 20_000  # a side; a picture's memory grows with width x height
+
+
 def read_metrics(run: Path, name: str | None = None) -> RunMetrics:
     """Train and valid rows of one run; a run without any is a TfmError."""
     path = metrics_file(run)
     if not path.is_file():
         raise TfmError(f"{run}: no metrics.jsonl (is this a run directory? train writes it)")
     train, valid = [], []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a line that is not text is skipped below
         for line in f:
             try:
                 row = json.loads(line)
@@ -95,6 +98,8 @@ def plot_runs(runs: list[Path], output: Path, width: int = 1200, height: int = 8
         raise TfmError("give at least one run directory")
     if width < 200 or height < 150:
         raise TfmError(f"--width/--height {width}x{height}: too small to draw (at least 200x150)")
+    if width > MAX_PIXELS or height > MAX_PIXELS:
+        raise TfmError(f"--width/--height {width}x{height}: larger than {MAX_PIXELS} pixels a side")
     figure_format(output)  # before any work
     data = [read_metrics(run, name) for run, name in zip(runs, unique_names(runs))]
     plt = import_pyplot()
