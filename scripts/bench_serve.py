@@ -16,7 +16,8 @@ batches: the most a server could reach if every sentence were in flight at once)
 `tfm translate` on random groups of as many sentences as there are clients, split over the
 decoding processes as the server splits a batch (decode.batching: balanced; the most it can reach
 when each client has one sentence in flight). Target: with 64 clients ≥ 0.8x the second; the first shows what one-sentence
-requests cost against whole-file translation.
+requests cost against whole-file translation. `--abusive` adds one client that sends bad requests
+throughout (target: 0 errors among the good clients, only 4xx for the bad ones).
 """
 
 from __future__ import annotations
@@ -65,8 +66,33 @@ def start_server(args, port: int) -> subprocess.Popen:
     raise SystemExit("tfm serve did not start within 120 s")
 
 
-def load(port: int, sentences: list[str], clients: int, requests: int, seconds: float) -> dict:
-    """`clients` threads, each sending one sentence a request until `requests` are sent or time is up."""
+# What one abusive client sends in turn (--abusive): requests that once failed every request batched
+# with them (a lone surrogate, a non-string line), cost the machine (a body over the limit, a beam the
+# memory budget refuses) or are not requests at all. Each must get a 4xx, and cost nobody else anything.
+ABUSE = [json.dumps({"text": "Ein \ud800 Hund"}), '{"text": ["Ein Hund", 5]}', '{"text": "Hund", "beam": NaN}',
+         json.dumps({"text": ["Ein Hund"] * 10_000}), '{"text": "' + "a" * (2 << 20) + '"}',
+         json.dumps({"text": "Ein Hund " * 1000, "beam": 64, "nbest": 64}), "not json", '{"text": ' + "[" * 20_000]
+
+
+def abusive_client(port: int, stop_at: float, statuses: list[int]) -> None:
+    i = 0
+    while time.monotonic() < stop_at:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            connection.request("POST", "/translate", ABUSE[i % len(ABUSE)], {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            statuses.append(response.status)
+        except (OSError, http.client.HTTPException):
+            statuses.append(0)  # the server closed the connection (a refused body): not an answer to count
+        finally:
+            connection.close()
+        i += 1
+
+
+def load(port: int, sentences: list[str], clients: int, requests: int, seconds: float, abusive: bool = False) -> dict:
+    """`clients` threads, each sending one sentence a request until `requests` are sent or time is up;
+    with `abusive`, one more thread sends the ABUSE requests meanwhile."""
     lock = threading.Lock()
     next_index = [0]
     latencies: list[float] = []
@@ -95,6 +121,9 @@ def load(port: int, sentences: list[str], clients: int, requests: int, seconds: 
                     errors[0] += 1
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
+    abuse: list[int] = []
+    if abusive:
+        threads.append(threading.Thread(target=abusive_client, args=(port, stop_at, abuse)))
     started = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -104,7 +133,7 @@ def load(port: int, sentences: list[str], clients: int, requests: int, seconds: 
     latencies.sort()
     return {"clients": clients, "requests": len(latencies), "errors": errors[0], "per_s": len(latencies) / elapsed,
             "p50": statistics.median(latencies), "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "answers": answers}
+            "answers": answers, "abuse": abuse}
 
 
 def grouped_rate(translator: Translator, sentences: list[str], group: int, limit: int = 256) -> float:
@@ -126,6 +155,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000, help="Requests per client count (at most).")
     parser.add_argument("--seconds", type=float, default=60.0, help="Sending time per client count (at most).")
     parser.add_argument("--set", action="append", default=[], help="decode.* settings for both (e.g. decode.beam=1).")
+    parser.add_argument("--abusive", action="store_true", help="One more client sending bad requests throughout "
+                        "(target: 0 errors among the good clients, a 4xx for every bad request).")
     args = parser.parse_args()
     sentences = read_lines(args.src)
     print(machine_line())
@@ -150,12 +181,16 @@ def main() -> None:
               "| answers ≠ translate |")
         print("|---|---|---|---|---|---|---|---|---|")
         for clients in client_counts:
-            result = load(port, sentences, clients, args.requests, args.seconds)
+            result = load(port, sentences, clients, args.requests, args.seconds, args.abusive)
             differ = sum(text != expected[i % len(sentences)] for i, text in result["answers"].items())
             print(f"| {clients} | {result['requests']} | {result['errors']} | {result['per_s']:.1f} | "
                   f"{result['per_s'] / translate_rate:.2f}x | {result['per_s'] / group_rates[clients]:.2f}x | "
                   f"{1000 * result['p50']:.0f} | {1000 * result['p99']:.0f} | "
                   f"{differ} |")
+            if args.abusive:
+                codes = sorted(set(result["abuse"]))
+                print(f"  abusive client: {len(result['abuse'])} bad requests, statuses {codes} "
+                      f"(target: 4xx only; 0 = connection closed after a refused body)")
     finally:
         server.terminate()
         server.wait(timeout=60)
