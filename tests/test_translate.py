@@ -464,12 +464,12 @@ def test_decoding_workers_translate_exactly_like_one_process(reverse_model, held
         for beam in (1, 4):
             in_process = one.translate(src, beam=beam)
             assert two.translate(src, beam=beam) == in_process
-        workers = [p.pid for p in two.workers._pool._pool]
+        workers = two.workers.pids
         assert len(workers) == 2 and os.getpid() not in workers
     finally:
         torch.set_num_threads(2)
         two.close()
-    assert one.workers.processes == 1 and one.workers._pool is None  # workers=1 never forks
+    assert one.workers.processes == 1 and not one.workers.started  # workers=1 never forks
 
 
 def test_workers_setting_resolves_per_device():

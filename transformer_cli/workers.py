@@ -131,6 +131,11 @@ class DecodingWorkers:
             self._pool = pool
 
     @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids (none before the pool starts)."""
+        return [process.pid for process in self._forked]
+
+    @property
     def started(self) -> bool:
         return self._pool is not None
 
