@@ -80,11 +80,13 @@ def check_vocab_matches(config: ExperimentConfig, manifest: dict) -> None:
     prepared = manifest.get("vocab_size", {})
     if any(size != config.vocab.size for size in prepared.values()):
         raise TfmError(f"key 'vocab.size': {config.vocab.size} in the config, but {config.run_dir} was prepared with "
-                       f"{sorted(set(prepared.values()))[0]}; re-run `tfm prepare --force` or change vocab.size")
+                       f"{sorted(set(prepared.values()))[0]}; re-run `tfm prepare` (on a trained run: "
+                       "with --discard-checkpoints) or change vocab.size")
     joint = manifest["vocab"]["src"] == manifest["vocab"]["tgt"]
     if joint != config.vocab.joint:
         raise TfmError(f"key 'vocab.joint': {config.vocab.joint} in the config, but {config.run_dir} was prepared "
-                       f"with joint={joint}; re-run `tfm prepare --force`")
+                       f"with joint={joint}; re-run `tfm prepare` (on a trained run: with "
+                       "--discard-checkpoints)")
 
 
 def gradient_norm(model: torch.nn.Module, clip_norm: float) -> float:
