@@ -195,9 +195,11 @@ class Batcher:
             return
         lines = [line for job in jobs for line in job.lines]
         decode = request_batch_decode(decode, len(lines), self.processes)
+        def call() -> list[list[Translation]]:  # long lines are cut silently: one client must not flood the log
+            return self.engine.translate(lines, nbest=decode.nbest, decode=decode, warn_long=False)
+
         try:
-            results = await self.runner(lambda: self.engine.translate(lines, nbest=decode.nbest, decode=decode,
-                                                                             warn_long=False))
+            results = await self.runner(call)
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             if len(jobs) > 1 and not isinstance(exc, DecodingProcessDied):
                 for job in jobs:  # isolation: only the request that fails alone gets the error
