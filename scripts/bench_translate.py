@@ -32,11 +32,8 @@ from transformer_cli.cpu_inference import pack_linear_layers
 from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData
 from transformer_cli.precision import choose_precision
 from transformer_cli.rundir import RunDirectory
-from transformer_cli.translate import (
-    decode_batches,
-    decode_in_batches,
-    length_sorted_batches,
-)
+from transformer_cli.translate import decode_batches, decode_in_batches
+from transformer_cli.translation import length_sorted_batches
 from transformer_cli.workers import DecodingWorkers, resolve_workers
 
 

@@ -217,7 +217,9 @@ def with_value(args: list[str], opts: list[str], value: str, positional_index: i
 
 def run_case(ws: Workspace, case_dir: Path, args: list[str]) -> None:
     """Run `args` in this process; check the exit code, the message and the tree."""
-    stated = [ws.out, ws.run / "eval", ws.root / "tfm_cache"] + ([ws.run] if args[0] in ("train", "prepare") else [])
+    # Written by design: outputs, evaluations, caches (the checkpoint's CTranslate2 conversion, ct2_cache.py).
+    stated = [ws.out, ws.run / "eval", ws.root / "tfm_cache", ws.run / "checkpoints" / "ctranslate2"] + (
+        [ws.run] if args[0] in ("train", "prepare") else [])
     before = snapshot(ws.root, stated + [case_dir])
     result = tfm_in_process(*args)
     output = result.stdout + result.stderr

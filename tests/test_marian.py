@@ -175,7 +175,8 @@ def test_the_imported_run_translates_from_the_command_line_and_fine_tunes(marian
     # ... and exported to CTranslate2, it translates the same
     assert tfm_in_process("export", "--checkpoint", run / "checkpoints/checkpoint_best.pt", "-o",
                           tmp_path / "ct2").exit_code == 0
-    ct2 = tfm_in_process("translate", "--engine", "ctranslate2", "--model", tmp_path / "ct2", "--beam", "1", "--set",
+    ct2 = tfm_in_process("translate", "--engine", "ctranslate2", "--model", tmp_path / "ct2", "--compute-type",
+                         "float32", "--beam", "1", "--set",
                          "decode.max_len_a=0", "--set", "decode.max_len_b=40", input=lines)
     assert ct2.exit_code == 0 and ct2.stdout == proc.stdout, ct2.stderr
 

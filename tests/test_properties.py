@@ -15,7 +15,8 @@ from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
 from transformer_cli.rundir import RunDirectory
 from transformer_cli.train import train
-from transformer_cli.translate import Translator, read_decoded_lines, translate_stream
+from transformer_cli.translate import Translator
+from transformer_cli.translation import read_decoded_lines, translate_stream
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,  # CI sees the same examples each run
                     suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -25,7 +25,9 @@ from transformer_cli.decoding import (
 from transformer_cli.errors import TfmError
 from transformer_cli.files import read_lines
 from transformer_cli.model import MultiHeadAttention, TransformerConfig
-from transformer_cli.translate import Translator, balanced_batches, format_nbest, length_sorted_batches
+from transformer_cli.translate import Translator
+from transformer_cli.translation import balanced_batches
+from transformer_cli.translation import format_nbest, length_sorted_batches
 from transformer_cli.workers import resolve_workers
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]

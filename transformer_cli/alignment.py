@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .data import BOS_ID, EOS_ID, pad_batch
-from .decoding import Hypothesis
+from .hypothesis import Hypothesis
 from .ensemble import Ensemble
 from .errors import TfmError
 from .model import Transformer

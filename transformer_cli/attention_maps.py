@@ -18,7 +18,7 @@ from .data import BOS_ID, EOS_ID, pad_batch
 from .decoding import greedy_search
 from .errors import TfmError
 from .model import Transformer
-from .translate import warn_long_lines
+from .translation import warn_long_lines
 
 
 @torch.inference_mode()

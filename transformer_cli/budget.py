@@ -16,13 +16,23 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
+from typing import Any, Protocol
 
 from .config import DecodeConfig, parse_size
-from .decoding import output_length_limit
 from .errors import TfmError
-from .model import TransformerConfig
+from .hypothesis import output_length_limit
+
+
+class ModelSizes(Protocol):
+    """The sizes the bound is computed from: a `model.TransformerConfig`, or what a CTranslate2
+    model directory shows of them (`ct2.ExportedSizes`; this module imports no torch)."""
+
+    d_model: int
+    n_heads: int
+    d_ff: int
+    dec_layers: int
+    tgt_vocab_size: int
+    max_positions: int
 
 FLOAT = 4  # bytes: fp32 bounds bf16 caches too, and int8 decoding keeps fp32 activations
 INDEX = 8  # bytes of a token id (int64)
@@ -48,7 +58,7 @@ class DecodingShape:
     processes: int  # processes decoding a batch each at the same time
 
 
-def decoding_shape(model_cfg: TransformerConfig, decode: DecodeConfig, n_lines: int, longest_source_tokens: int,
+def decoding_shape(model_cfg: ModelSizes, decode: DecodeConfig, n_lines: int, longest_source_tokens: int,
                    beam: int | None = None, nbest: int | None = None, processes: int = 1) -> DecodingShape:
     """The largest batch `n_lines` lines whose longest has `longest_source_tokens` tokens (</s>
     excluded) make under `decode` (its beam and nbest, or `beam`/`nbest` where given)."""
@@ -66,7 +76,7 @@ def decoding_shape(model_cfg: TransformerConfig, decode: DecodeConfig, n_lines: 
         sampling=decode.sample, processes=max(min(processes, batches), 1))
 
 
-def model_bytes(cfg: TransformerConfig, shape: DecodingShape) -> int:
+def model_bytes(cfg: ModelSizes, shape: DecodingShape) -> int:
     """An upper bound of the memory one model's search over one batch of `shape` allocates, every
     sentence running to its length limit."""
     d, heads, ff, vocab = cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.tgt_vocab_size
@@ -97,13 +107,13 @@ def model_bytes(cfg: TransformerConfig, shape: DecodingShape) -> int:
     return WORKSPACE + int(SLACK * tensors)
 
 
-def decoding_bytes(model_cfg: TransformerConfig | Sequence[TransformerConfig], shape: DecodingShape) -> int:
+def decoding_bytes(model_cfg: ModelSizes | Sequence[ModelSizes], shape: DecodingShape) -> int:
     """The bound for all processes decoding at once; an ensemble's members each keep their own caches."""
-    members = [model_cfg] if isinstance(model_cfg, TransformerConfig) else list(model_cfg)
+    members = list(model_cfg) if isinstance(model_cfg, Sequence) else [model_cfg]
     return shape.processes * sum(model_bytes(cfg, shape) for cfg in members)
 
 
-def check_decoding_budget(model_cfg: TransformerConfig | Sequence[TransformerConfig], decode: DecodeConfig,
+def check_decoding_budget(model_cfg: ModelSizes | Sequence[ModelSizes], decode: DecodeConfig,
                           n_lines: int, longest_source_tokens: int, limit_bytes: int | None, *,
                           beam: int | None = None, nbest: int | None = None, processes: int = 1) -> None:
     """Refuse (TfmError, one line naming the limit and the setting that raises the cost most) a
@@ -112,7 +122,7 @@ def check_decoding_budget(model_cfg: TransformerConfig | Sequence[TransformerCon
     processes that each take a batch at the same time (decode.workers)."""
     if limit_bytes is None:
         return
-    members = [model_cfg] if isinstance(model_cfg, TransformerConfig) else list(model_cfg)
+    members = list(model_cfg) if isinstance(model_cfg, Sequence) else [model_cfg]
     first = members[0]
     shape = decoding_shape(first, decode, n_lines, longest_source_tokens, beam, nbest, processes)
     need = decoding_bytes(members, shape)
@@ -125,7 +135,7 @@ def check_decoding_budget(model_cfg: TransformerConfig | Sequence[TransformerCon
                    f"the memory available): {remedy(members, shape)}")
 
 
-def remedy(members: list[TransformerConfig], shape: DecodingShape) -> str:
+def remedy(members: list[ModelSizes], shape: DecodingShape) -> str:
     """What to lower: of the settings that multiply the bound, the one whose smallest value cuts it
     most; the lines' length only where no setting multiplies it."""
     choices = [
@@ -173,12 +183,14 @@ def cgroup_headroom() -> list[int]:
     return []
 
 
-def decoding_memory_limit(decode: DecodeConfig, device: torch.device | None = None) -> int | None:
+def decoding_memory_limit(decode: DecodeConfig, device: Any = None) -> int | None:
     """The bytes a decoding call may take: decode.max_memory, else half of what is available now
     (the GPU's free memory on CUDA); None when that cannot be known."""
     if decode.max_memory is not None:
         return parse_size(decode.max_memory)
-    if device is not None and device.type == "cuda":
+    if getattr(device, "type", device) == "cuda":  # a torch.device, or "cuda" (CTranslate2's engine)
+        import torch
+
         free, _ = torch.cuda.mem_get_info(device)
         return free // 2
     available = available_memory()

@@ -6,7 +6,9 @@ import contextlib
 import functools
 import json
 import math
+import os
 import signal
+import stat
 import sys
 from pathlib import Path
 from typing import Optional
@@ -145,16 +147,6 @@ def _load_for_inference(config: Path, overrides: Optional[list[str]], checkpoint
     return cfg
 
 
-def model_files(cfg) -> list[Path]:
-    """The model(s) a config translates with: decode.checkpoints (several: an ensemble), else the
-    run's best-validated checkpoint."""
-    if cfg.decode.checkpoints:
-        return [Path(p) for p in cfg.decode.checkpoints]
-    from .rundir import RunDirectory  # imports torch: not before a command needs it
-
-    return [RunDirectory(cfg.run_path).default_checkpoint()]
-
-
 def open_input(path: Optional[Path]):
     """The bytes of `--input` (a file, a FIFO, `<(…)`), or standard input."""
     if path is None:
@@ -164,6 +156,14 @@ def open_input(path: Optional[Path]):
     if path.is_dir():
         raise TfmError(f"{path} is a directory, not an input file")
     return open(path, "rb")
+
+
+def is_regular_file(stream) -> bool:
+    """Input that is all there already (a file, stdin redirected from one), not a pipe or terminal."""
+    try:
+        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _version(value: bool) -> None:
@@ -255,35 +255,12 @@ TemperatureOpt = typer.Option(None, "--temperature", help="With --sample: divide
 SeedOpt = typer.Option(None, "--seed", help="With --sample: the random seed (same seed, same samples).")
 AlignmentOpt = typer.Option(None, "--alignment/--no-alignment", help="Also print word alignments: "
                             "'translation<TAB>i-j …' (Pharaoh format, 0-based whitespace words).")
-
-
-def torch_engine(cfg, set_: Optional[list[str]], checkpoint: Optional[list[Path]], device: str,
-                 quantize: Optional[str], **decode_updates):
-    """tfm's own engine for `translate`/`serve`: the checkpoint(s) given, else the config's; the
-    options' decode settings (None: unchanged) validated like the config file."""
-    from .translate import Translator
-
-    if quantize not in (None, "int8"):
-        raise TfmError(f"--quantize {quantize}: only int8 is supported")
-    if not checkpoint:
-        if cfg is None:
-            raise TfmError("give --checkpoint, or --config to use the run's best checkpoint")
-        checkpoint = model_files(cfg)
-    # Without --config, --set edits the settings the checkpoint carries.
-    translator = Translator.from_checkpoint(checkpoint, decode=cfg.decode if cfg else None, device=device,
-                                            overrides=None if cfg else set_, precision=quantize)
-    apply_decode_options(translator, decode_updates)
-    return translator
-
-
-def apply_decode_options(translator, updates: dict) -> None:
-    """Command-line decode settings (None: not given) into the engine's, validated like the config file."""
-    from .config import config_from_dict
-
-    updates = {k: v for k, v in updates.items() if v is not None}
-    if updates:
-        translator.decode = config_from_dict({"decode": {**translator.decode.model_dump(), **updates}},
-                                             "command line").decode
+ENGINES = ("auto", "torch", "ctranslate2")
+EngineOpt = typer.Option(None, "--engine", help="auto (decode.engine's default: CTranslate2 where the model and "
+                         "settings allow, its conversion cached beside the checkpoint; else tfm's own), torch "
+                         "(tfm's own) or ctranslate2.")
+ComputeTypeOpt = typer.Option(None, "--compute-type", help="CTranslate2's: auto (int8 on CPU, float16 on CUDA), "
+                              "int8, float32, bfloat16… (decode.compute_type).")
 
 
 @app.command(cls=OneValueOptions)
@@ -300,12 +277,10 @@ def translate(
     batch_tokens: Optional[int] = BatchTokensOpt,
     device: str = DeviceOpt,
     quantize: Optional[str] = QuantizeOpt,
-    engine: str = typer.Option("torch", "--engine", help="torch (tfm itself) or ctranslate2 (a directory "
-                               "from tfm export; needs pip install -e '.\\[ct2]')."),
-    model_dir: Optional[Path] = typer.Option(None, "--model", help="With --engine ctranslate2: the exported "
-                                             "model directory."),
-    compute_type: str = typer.Option("default", "--compute-type", help="With --engine ctranslate2: int8, "
-                                     "float32, bfloat16… (default: as exported, fp32)."),
+    engine: Optional[str] = EngineOpt,
+    model_dir: Optional[Path] = typer.Option(None, "--model", help="A CTranslate2 directory from tfm export, "
+                                             "instead of a checkpoint."),
+    compute_type: Optional[str] = ComputeTypeOpt,
     workers: Optional[str] = typer.Option(None, "--workers", help="CPU: processes decoding batches at once, one "
                                           "thread each (auto = one per core; 1 = this process, all threads)."),
     sample: Optional[bool] = SampleOpt,
@@ -318,33 +293,18 @@ def translate(
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
     refuse_output_among_inputs(output, {"-i": [input_], "--config": [config], "--checkpoint": checkpoint or []})
     cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
-    if engine not in ("torch", "ctranslate2"):
-        raise TfmError(f"--engine {engine}: choose torch or ctranslate2")
+    if engine is not None and engine not in ENGINES:
+        raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
     if quantize not in (None, "int8"):
         raise TfmError(f"--quantize {quantize}: only int8 is supported")
-    decode_options = dict(batch_size=batch_size, batch_tokens=batch_tokens, workers=workers, sample=sample,
-                          top_k=top_k, top_p=top_p, temperature=temperature, seed=seed, alignment=alignment)
-    # Imports torch (seconds on a slow CPU): only after the checks above.
-    from .translate import Translator, read_decoded_lines, translate_stream
+    # Imports torch only where tfm's own engine translates: after the checks above.
+    from .engine import open_engine
+    from .translation import read_decoded_lines, translate_stream
 
-    if engine == "ctranslate2":
-        from .ct2 import CT2Translator
-
-        if model_dir is None:
-            raise TfmError("--engine ctranslate2 needs --model DIR (from tfm export --format ctranslate2)")
-        if checkpoint or quantize is not None:
-            raise TfmError("--checkpoint/--quantize are for --engine torch; with ctranslate2 use --model "
-                           "and --compute-type")
-        decode = cfg.decode if cfg else None
-        if decode is not None and decode.checkpoints:
-            raise TfmError("decode.checkpoints (an ensemble) is for --engine torch")
-        translator = CT2Translator(model_dir, device=device, compute_type=compute_type, decode=decode,
-                                   overrides=None if cfg else set_)
-        apply_decode_options(translator, decode_options)
-    else:
-        if model_dir is not None or compute_type != "default":
-            raise TfmError("--model/--compute-type are for --engine ctranslate2")
-        translator = torch_engine(cfg, set_, checkpoint, device, quantize, **decode_options)
+    translator = open_engine(cfg, set_, checkpoint, device, quantize, engine=engine, compute_type=compute_type,
+                             model_dir=model_dir, batch_size=batch_size, batch_tokens=batch_tokens, workers=workers,
+                             sample=sample, top_k=top_k, top_p=top_p, temperature=temperature, seed=seed,
+                             alignment=alignment)
     nbest = translator.decode.nbest if nbest is None else nbest
     if nbest < 1 or (beam is not None and beam < 1):
         raise TfmError("--beam and --nbest must be at least 1")
@@ -353,14 +313,15 @@ def translate(
     if translator.decode.sample and beam is not None and beam > 1:
         raise TfmError(f"--beam {beam} does nothing with --sample (samples are drawn, not searched): drop --beam, "
                        "and give the samples per line with --nbest")
-    if engine == "ctranslate2" and translator.decode.sample:
-        raise TfmError("--sample (decode.sample): sampling is done by tfm's own engine: use --engine torch")
-    if isinstance(translator, Translator):
-        from .budget import check_decoding_budget, decoding_memory_limit
+    unsupported = translator.unsupported(translator.decode)
+    if unsupported:
+        raise TfmError(unsupported)
+    from .budget import check_decoding_budget, decoding_memory_limit
 
-        translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
-        # Before reading any input: settings that even one line of one token cannot afford are refused at
-        # once; each chunk of input is checked again with its own sizes before it is decoded.
+    translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
+    # Before reading any input: settings that even one line of one token cannot afford are refused at
+    # once; each chunk of input is checked again with its own sizes before it is decoded.
+    if translator.member_configs:
         check_decoding_budget(translator.member_configs, translator.decode, 1, 1, translator.memory_limit,
                               beam=beam, nbest=nbest)
     source = open_input(input_)
@@ -368,7 +329,8 @@ def translate(
 
     def run(out_stream):
         lines = read_decoded_lines(source, sys.stderr, str(input_) if input_ is not None else "standard input")
-        return translate_stream(translator, lines, out_stream, beam=beam, nbest=nbest, progress=sys.stderr.isatty())
+        return translate_stream(translator, lines, out_stream, beam=beam, nbest=nbest, progress=sys.stderr.isatty(),
+                                read_ahead=is_regular_file(source))
 
     if output is not None:
         with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -376,11 +338,9 @@ def translate(
     else:
         stats = run(sys.stdout)
     rate = stats.sentences / stats.seconds if stats.seconds else 0.0
-    precision = getattr(translator, "precision", None)
     processes = translator.decoding_processes
     warn(f"translated {stats.sentences} sentences in {stats.seconds:.1f}s: {rate:.1f} sentences/s, "
-         f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s"
-         f"{f'; {precision.describe()}' if precision is not None else ''}"
+         f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s; {translator.describe()}"
          f"{f'; {processes} decoding processes' if processes > 1 else ''}")
 
 
@@ -399,6 +359,10 @@ def serve(
     batch_tokens: Optional[int] = BatchTokensOpt,
     device: str = DeviceOpt,
     quantize: Optional[str] = QuantizeOpt,
+    engine: Optional[str] = EngineOpt,
+    model_dir: Optional[Path] = typer.Option(None, "--model", help="A CTranslate2 directory from tfm export, "
+                                             "instead of a checkpoint."),
+    compute_type: Optional[str] = ComputeTypeOpt,
     workers: Optional[str] = typer.Option(None, "--workers", help="CPU: processes decoding at once, one thread "
                                           "each, forked at start (auto = one per core; 1 = the server process)."),
     sample: Optional[bool] = SampleOpt,
@@ -426,13 +390,20 @@ def serve(
     except ImportError as exc:
         raise TfmError(f"tfm serve needs FastAPI and uvicorn: pip install -e '.[serve]' ({exc})") from None
     shown_host, loopback = listening_address(host)
-    translator = torch_engine(cfg, set_, checkpoint, device, quantize, batch_size=batch_size,
-                              batch_tokens=batch_tokens, workers=workers, beam=beam, nbest=nbest, sample=sample,
-                              top_k=top_k, top_p=top_p, temperature=temperature, seed=seed, alignment=alignment)
+    if engine is not None and engine not in ENGINES:
+        raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
+    from .engine import open_engine
+
+    # One engine for the whole server: a setting only tfm's engine has (an ensemble, alignments,
+    # sampling) chooses it for every request, and auto says so at start.
+    translator = open_engine(cfg, set_, checkpoint, device, quantize, engine=engine, compute_type=compute_type,
+                             model_dir=model_dir, batch_size=batch_size, batch_tokens=batch_tokens, workers=workers,
+                             beam=beam, nbest=nbest, sample=sample, top_k=top_k, top_p=top_p,
+                             temperature=temperature, seed=seed, alignment=alignment)
     from .budget import decoding_memory_limit
 
     translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
-    banner = f"tfm serve: http://{shown_host}:{port}/translate (docs: /docs); {translator.precision.describe()}"
+    banner = f"tfm serve: http://{shown_host}:{port}/translate (docs: /docs); {translator.describe()}"
     if not loopback:
         banner += (f"\nwarning: --host {host} reaches beyond this machine and the API has no authentication: "
                    "anyone who can reach it can use it (keep it behind a firewall or a proxy that checks)")
@@ -458,6 +429,8 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     min_bleu: Optional[float] = typer.Option(None, "--min-bleu", help="Exit 1 when BLEU is below this (CI gate)."),
     confidence: bool = typer.Option(False, "--confidence", help="Bootstrap 95% confidence intervals."),
+    engine: Optional[str] = EngineOpt,
+    compute_type: Optional[str] = ComputeTypeOpt,
 ) -> None:
     """Score translations with sacreBLEU: files (--hyp/--ref) or a model on a split (--config)."""
     from .evaluate import (
@@ -501,8 +474,13 @@ def evaluate(
     elif config is not None:
         if split not in ("valid", "test"):
             raise TfmError(f"--split {split!r}: choose valid or test")
+        if engine is not None and engine not in ENGINES:
+            raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
+        from .engine import model_files
+
         cfg = _load_for_inference(config, set_, checkpoint)
-        result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, beam, confidence)
+        result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, beam, confidence, engine=engine,
+                                compute_type=compute_type)
     else:
         raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")
 
@@ -514,7 +492,8 @@ def evaluate(
             say(f"{s.text}{ci}\n  {s.signature}")
         if result.extra:
             say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
-                 f"{result.extra['sentences_per_s']} sentences/s; hypotheses: {result.extra['hyp_file']}")
+                 f"{result.extra['sentences_per_s']} sentences/s ({result.extra['engine']}); "
+                 f"hypotheses: {result.extra['hyp_file']}")
     if min_bleu is not None:
         bleu = result.scores["bleu"].score
         if bleu < min_bleu:

@@ -209,6 +209,16 @@ class DecodeConfig(_Section):
     # quantize): faster at equal BLEU there (docs/translation.md). int8 = dynamic int8 quantization
     # of the Linear layers (CPU only).
     precision: Literal["auto", "fp32", "bf16", "int8"] = "auto"
+    # Which engine translates (translate, evaluate, serve): auto = CTranslate2 wherever the package
+    # is installed, the model converts and every setting is one it has (its int8 search is 1.3–2x
+    # tfm's on CPU: docs/performance.md), the conversion cached beside the checkpoint; else tfm's
+    # own (ensembles, alignments, sampling, a precision setting), with the reason on stderr.
+    # torch = tfm's own; ctranslate2 = CTranslate2 or an error saying why not.
+    engine: Literal["auto", "torch", "ctranslate2"] = "auto"
+    # CTranslate2's weights and arithmetic: auto = int8 on CPU, float16 on CUDA (bfloat16, then
+    # float32, where the GPU lacks it); default = as converted (float32). `decode.precision` is tfm's.
+    compute_type: Literal["auto", "default", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
+                          "float16", "bfloat16", "float32"] = "auto"
     # CPU: batches decoded at once by forked processes of one thread each (auto = one per core):
     # faster than one process with all threads (docs/performance.md). 1 = in this process, with
     # all threads (lowest latency for a single batch). GPU: always 1.

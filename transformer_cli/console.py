@@ -13,9 +13,10 @@ import io
 import os
 import sys
 from collections.abc import Callable
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-from tqdm import tqdm
+if TYPE_CHECKING:  # tqdm is imported where a bar is drawn: translating needs none
+    from tqdm import tqdm
 
 from .errors import describe_os_error
 
@@ -98,6 +99,8 @@ class TrainingConsole:
 
     def start_bar(self, total: int, initial: int) -> None:
         if self.active:
+            from tqdm import tqdm
+
             self.bar = tqdm(total=total, initial=initial, desc="train", unit="step",
                             disable=not self.progress_bar, dynamic_ncols=True)
 
@@ -112,6 +115,8 @@ class TrainingConsole:
 
     def print(self, message: str) -> None:
         if self.active:
+            from tqdm import tqdm
+
             self._write(tqdm.write, message, file=sys.stderr)
 
     def _write(self, write: Callable[..., object], *args, **kwargs) -> None:

@@ -11,7 +11,6 @@ import os
 import sys
 from collections.abc import Iterator
 
-import torch
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _configured = False
@@ -98,6 +97,8 @@ def denormals_flushed_to_zero() -> Iterator[None]:
     they become 0, a change far below bf16/fp32 rounding of any probability that can matter to the
     search.
     """
+    import torch  # cpu.py's other helpers serve commands that never load torch
+
     changed = torch.set_flush_denormal(True)  # False where the CPU does not support it
     try:
         yield

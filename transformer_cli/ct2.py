@@ -20,33 +20,40 @@ How tfm's conventions map onto CTranslate2's:
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import struct
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import sentencepiece as spm
-import torch
 
-from .checkpoint import load_trained_model
 from .config import (
     DecodeConfig,
     apply_override,
     check_inference_overrides,
     config_from_dict,
 )
-from .data import BOS_ID, EOS_ID, UNK_ID
-from .decoding import Hypothesis, output_length_limit
 from .errors import TfmError
 from .files import staging_directory
-from .model import Transformer, TransformerConfig
-from .translate import TranslationEngine
+from .hypothesis import Hypothesis, output_length_limit
+from .special_tokens import BOS_ID, EOS_ID, UNK_ID
+from .translation import TranslationEngine, balanced_batches, length_sorted_batches
 from .workers import resolve_workers
+
+if TYPE_CHECKING:  # this module imports neither torch nor numpy: CTranslate2 translates without them
+    import numpy as np
+    import torch
+
+    from .model import Transformer, TransformerConfig
 
 INSTALL_HINT = "ctranslate2 is not installed: pip install -e '.[ct2]' (or pip install ctranslate2)"
 SRC_SPM, TGT_SPM, TFM_JSON = "source.spm.model", "target.spm.model", "tfm_decode.json"
@@ -61,9 +68,9 @@ def import_ctranslate2() -> Any:
     return ctranslate2
 
 
-def check_convertible(cfg: TransformerConfig, src_sp: spm.SentencePieceProcessor,
-                      tgt_sp: spm.SentencePieceProcessor) -> None:
-    """Refuse, with the reason, what a CTranslate2 TransformerSpec cannot express."""
+def convertible_problems(cfg: TransformerConfig, src_sp: spm.SentencePieceProcessor,
+                         tgt_sp: spm.SentencePieceProcessor) -> list[str]:
+    """What a CTranslate2 TransformerSpec cannot express of this model (empty: it converts)."""
     problems = []
     if cfg.activation not in ("relu", "gelu", "swish"):
         problems.append(f"activation {cfg.activation!r} (CTranslate2 export supports relu, gelu and swish)")
@@ -77,6 +84,13 @@ def check_convertible(cfg: TransformerConfig, src_sp: spm.SentencePieceProcessor
         problems.append(f"pad_id {cfg.pad_id} (CTranslate2 pads with id 0)")
     for side, sp in (("source", src_sp), ("target", tgt_sp)):
         problems += _special_piece_problems(side, sp)
+    return problems
+
+
+def check_convertible(cfg: TransformerConfig, src_sp: spm.SentencePieceProcessor,
+                      tgt_sp: spm.SentencePieceProcessor) -> None:
+    """Refuse, with the reason, what a CTranslate2 TransformerSpec cannot express."""
+    problems = convertible_problems(cfg, src_sp, tgt_sp)
     if problems:
         raise TfmError("cannot export to CTranslate2: " + "; ".join(problems))
 
@@ -95,11 +109,17 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().cpu().numpy().copy()
 
 
+def _concatenate(arrays: list[np.ndarray]) -> np.ndarray:
+    import numpy as np  # converting only
+
+    return np.concatenate(arrays)
+
+
 def _linear(spec: Any, *layers: torch.nn.Linear) -> None:
     """One LinearSpec from one Linear, or from several stacked along the output dimension."""
-    spec.weight = np.concatenate([_np(layer.weight) for layer in layers])  # (out, in)
+    spec.weight = _concatenate([_np(layer.weight) for layer in layers])  # (out, in)
     if all(layer.bias is not None for layer in layers):
-        spec.bias = np.concatenate([_np(layer.bias) for layer in layers])
+        spec.bias = _concatenate([_np(layer.bias) for layer in layers])
 
 
 def _feed_forward(ffn_spec: Any, layer: torch.nn.Module) -> None:
@@ -205,36 +225,55 @@ def check_output_directory(output: Path, checkpoint: Path, force: bool) -> None:
         raise TfmError(f"{output} already holds an export (--force to replace it)")
 
 
+class NotConvertible(TfmError):
+    """The checkpoint's model is one CTranslate2 cannot express (the reasons, joined)."""
+
+
+def write_conversion(checkpoint: Path, directory: Path) -> None:
+    """Convert `checkpoint` into the existing, empty `directory`: model.bin (float32 weights: the
+    compute type is chosen when it is loaded), the vocabularies, both sentencepiece models and
+    tfm_decode.json (the checkpoint's decode settings, its positions). NotConvertible, naming what
+    CTranslate2 cannot express, before anything is written."""
+    import_ctranslate2()
+    from .checkpoint import load_trained_model  # torch: only to convert
+
+    trained = load_trained_model(checkpoint)
+    model, config, src_sp, tgt_sp = trained.model.float(), trained.config, trained.src_sp, trained.tgt_sp
+    problems = convertible_problems(model.cfg, src_sp, tgt_sp)
+    if problems:
+        raise NotConvertible("; ".join(problems))
+    spec = build_spec(model, _pieces(src_sp), _pieces(tgt_sp))
+    try:
+        spec.validate()
+    except ValueError as exc:  # a spec variable we left unset or gave the wrong shape: a tfm bug
+        raise RuntimeError(f"CTranslate2 spec validation failed: {exc}") from exc
+    spec.optimize(quantization=None)  # weights stay fp32; the compute type picks int8 etc. at load time
+    spec.save(str(directory))
+    (directory / SRC_SPM).write_bytes(trained.spm_files["src"])
+    (directory / TGT_SPM).write_bytes(trained.spm_files["tgt"])
+    (directory / TFM_JSON).write_text(json.dumps({"decode": config.decode.model_dump(mode="json"),
+                                                  "max_positions": model.cfg.max_positions,
+                                                  "checkpoint": str(checkpoint),
+                                                  "config": config.model_dump(mode="json")}, indent=2) + "\n")
+
+
 def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool = False) -> Path:
-    """Write a CTranslate2 model directory: model.bin, the vocabularies, both sentencepiece
-    models and tfm's decode settings (beam, length limits) for `tfm translate --engine ctranslate2`.
+    """Write a CTranslate2 model directory (`write_conversion`) for `tfm translate --engine
+    ctranslate2 --model DIR` or for shipping.
 
     The export is built in a staging directory beside `output` and moved into place only once it
     is complete; a previous export that `force` replaces is removed after that."""
     output, checkpoint = Path(output), Path(checkpoint)
     check_output_directory(output, checkpoint, force)
     import_ctranslate2()
-    trained = load_trained_model(checkpoint)
-    model, config, src_sp, tgt_sp = trained.model.float(), trained.config, trained.src_sp, trained.tgt_sp
-    src_bytes, tgt_bytes = trained.spm_files["src"], trained.spm_files["tgt"]
-    check_convertible(model.cfg, src_sp, tgt_sp)
-    spec = build_spec(model, _pieces(src_sp), _pieces(tgt_sp))
-    try:
-        spec.validate()
-    except ValueError as exc:  # a spec variable we left unset or gave the wrong shape: a tfm bug
-        raise RuntimeError(f"CTranslate2 spec validation failed: {exc}") from exc
-    spec.optimize(quantization=None)  # weights stay fp32; `--compute-type` picks int8 etc. at load time
-
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_directory(output)  # names this process: a killed export's is removed by the next
     replaced = staging.with_name(staging.name + ".old")
     try:
-        spec.save(str(staging))
-        (staging / SRC_SPM).write_bytes(src_bytes)
-        (staging / TGT_SPM).write_bytes(tgt_bytes)
-        (staging / TFM_JSON).write_text(json.dumps({"decode": config.decode.model_dump(mode="json"),
-                                                    "max_positions": model.cfg.max_positions,
-                                                    "checkpoint": str(checkpoint)}, indent=2) + "\n")
+        try:
+            write_conversion(checkpoint, staging)
+        except NotConvertible as exc:
+            raise TfmError(f"cannot export to CTranslate2: {exc}") from None
         if output.exists():  # an empty directory, or a previous export (checked above)
             output.rename(replaced)
         try:
@@ -263,20 +302,35 @@ NEEDED_CONFIG = {"unk_token": SPECIAL_PIECES[UNK_ID], "bos_token": SPECIAL_PIECE
 OPTIONAL_CONFIG = {"multi_query_attention"}  # older CTranslate2 versions did not write it
 MAX_LAYER_NORM_EPSILON = 1e-3  # tfm's models use torch's 1e-5; a much larger one computes another model
 CT2_TYPE_SIZES = (4, 1, 2, 4, 2, 2)  # bytes of CTranslate2's type ids: float32, int8, int16, int32, float16, bfloat16
+INTEGER_TYPES = (1, 2, 3)
+KNOWN_BINARY_VERSION = 6  # CTranslate2 4.x's
 # model.bin's variables whose rows are the vocabulary's tokens: (variable, source or target side)
 VOCABULARY_ROWS = (("encoder/embeddings_0/weight", 0), ("decoder/embeddings/weight", 1),
                    ("decoder/projection/weight", 1))
 POSITIONS = "encoder/position_encodings/encodings"
 
 
+@dataclass(frozen=True)
+class ExportedSizes:
+    """The model's sizes as model.bin shows them: what budget.py bounds a search's memory with
+    (a `budget.ModelSizes`, like tfm's TransformerConfig)."""
+    d_model: int
+    n_heads: int
+    d_ff: int
+    dec_layers: int
+    tgt_vocab_size: int
+    max_positions: int
+
+
 @dataclass
 class ExportedModel:
-    """A CTranslate2 model directory, read and checked: its sentencepiece models, tfm_decode.json and
-    the number of positions its model has."""
+    """A CTranslate2 model directory, read and checked: its sentencepiece models, tfm_decode.json,
+    the number of positions its model has and its sizes (None: an older CTranslate2 binary)."""
     src_sp: spm.SentencePieceProcessor
     tgt_sp: spm.SentencePieceProcessor
     settings: dict[str, Any]
     max_positions: int
+    sizes: ExportedSizes | None = None
 
 
 def _json_file(path: Path, what: str) -> Any:
@@ -288,11 +342,27 @@ def _json_file(path: Path, what: str) -> Any:
         raise TfmError(f"{path}: not readable JSON ({exc})") from None
 
 
-def read_model_variables(model_bin: Path) -> dict[str, tuple[int, ...]] | None:
+@functools.lru_cache(maxsize=1)
+def ct2_binary_version() -> int:
+    """The model.bin version this CTranslate2 writes and reads at most, read from its source:
+    importing `ctranslate2.specs` would import torch, which a translation through CTranslate2 never
+    needs (and which takes longer to import than the translation of a test set takes)."""
+    package = importlib.util.find_spec("ctranslate2")  # (finding ctranslate2.specs.model_spec would import specs)
+    try:
+        source = (Path(package.origin).parent / "specs" / "model_spec.py").read_text(encoding="utf-8") \
+            if package and package.origin else ""
+    except OSError:
+        source = ""
+    found = re.search(r"^CURRENT_BINARY_VERSION = (\d+)", source, re.MULTILINE)
+    return int(found[1]) if found else KNOWN_BINARY_VERSION
+
+
+def read_model_variables(model_bin: Path, scalars: dict[str, int] | None = None) -> dict[str, tuple[int, ...]] | None:
     """The shape of each variable of model.bin (aliases included), once the file is known to be
     whole: every record inside the file, each payload the size its shape and type make, nothing
-    after the last. None for an older binary version, which CTranslate2's own loader checks."""
-    from ctranslate2.specs.model_spec import CURRENT_BINARY_VERSION
+    after the last. None for an older binary version, which CTranslate2's own loader checks.
+    `scalars`, where given, receives the value of each integer scalar (e.g. 'decoder/num_heads')."""
+    CURRENT_BINARY_VERSION = ct2_binary_version()
 
     def broken(why: str) -> TfmError:
         return TfmError(f"{model_bin}: not a whole CTranslate2 model ({why}): export it again with tfm export")
@@ -335,7 +405,10 @@ def read_model_variables(model_bin: Path) -> dict[str, tuple[int, ...]] | None:
                 raise broken(f"variable '{name}' runs past the end of the file ({size:,} bytes)")
             if name in shapes:
                 raise broken(f"variable '{name}' twice")
-            f.seek(payload, os.SEEK_CUR)
+            if scalars is not None and shape == () and type_id in INTEGER_TYPES:
+                scalars[name] = int.from_bytes(f.read(payload), sys.byteorder, signed=True)
+            else:
+                f.seek(payload, os.SEEK_CUR)
             shapes[name] = shape
         for _ in range(number("I")):
             alias, name = string(), string()
@@ -435,8 +508,9 @@ def read_export(model_dir: Path) -> ExportedModel:
     vocabularies = read_vocabularies(model_dir)
     src_sp = _sentencepiece(model_dir / SRC_SPM, vocabularies[0], "source")
     tgt_sp = _sentencepiece(model_dir / TGT_SPM, vocabularies[1], "target")
+    scalars: dict[str, int] = {}
     try:
-        shapes = read_model_variables(model_bin)
+        shapes = read_model_variables(model_bin, scalars)
     except OSError as exc:
         raise TfmError(f"{model_bin}: cannot be read ({exc.strerror or exc})") from None
     positions = None
@@ -457,15 +531,53 @@ def read_export(model_dir: Path) -> ExportedModel:
     if type(max_positions) is not int or not 4 <= max_positions <= (positions or max_positions):
         bound = f"from 4 to the model's {positions}" if positions else "at least 4"
         raise TfmError(f"{model_dir / TFM_JSON}: max_positions={max_positions!r}: give an integer {bound}")
-    return ExportedModel(src_sp, tgt_sp, settings, max_positions)
+    return ExportedModel(src_sp, tgt_sp, settings, max_positions, _sizes(shapes, scalars, max_positions))
+
+
+def _sizes(shapes: dict[str, tuple[int, ...]] | None, scalars: dict[str, int], max_positions: int) -> ExportedSizes | None:
+    if shapes is None:
+        return None
+    layers = [name for name in shapes if name.startswith("decoder/layer_") and name.endswith("/ffn/linear_0/weight")]
+    projection = shapes["decoder/projection/weight"]  # (V, D): checked above
+    d_model = projection[1] if len(projection) == 2 else 1
+    d_ff = max((shapes[name][0] for name in layers), default=4 * d_model)
+    heads = scalars.get("decoder/num_heads") or max(d_model // 32, 1)  # the bound grows with heads
+    return ExportedSizes(d_model, max(heads, 1), d_ff, len(layers), projection[0], max_positions)
 
 
 # --------------------------------------------------------------------------- translating
 
 
+def exported_decode(model_dir: Path, settings: dict[str, Any], overrides: list[str]) -> DecodeConfig:
+    """tfm_decode.json's decode settings edited by `overrides` (--set), checked as tfm's engine checks
+    them against the checkpoint's whole config where the directory keeps it (newer exports)."""
+    trained = None
+    if isinstance(settings.get("config"), dict):
+        try:
+            trained = config_from_dict(settings["config"], str(model_dir / TFM_JSON))
+        except TfmError:  # written by another tfm version: its decode settings alone are used
+            trained = None
+    check_inference_overrides(overrides, trained)
+    raw = trained.model_dump(mode="json") if trained is not None else {"decode": settings.get("decode", {})}
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return config_from_dict(raw, f"{model_dir / TFM_JSON} (with --set)").decode
+
+
+def resolve_compute_type(compute_type: str, device: str, supported: set[str]) -> str:
+    """decode.compute_type → what CTranslate2 loads the weights as. auto: int8 on CPU (the fastest
+    there at tfm's BLEU: docs/translation.md), float16 on CUDA (bfloat16, then float32, where the
+    device has not got it); default: as converted (float32)."""
+    if compute_type != "auto":
+        return compute_type
+    preferred = ("int8", "float32") if device == "cpu" else ("float16", "bfloat16", "float32")
+    return next((c for c in preferred if c in supported), "default")
+
+
 class CT2Translator(TranslationEngine):
-    """An exported directory as a TranslationEngine, so `translate_stream` gives the same
-    streaming, order, empty-line and long-line behaviour as tfm's own engine.
+    """A CTranslate2 model directory (`tfm export`, or the conversion `decode.engine: auto` caches:
+    ct2_cache.py) as a TranslationEngine, so `translate_stream` gives the same streaming, order,
+    empty-line and long-line behaviour as tfm's own engine.
 
     Differences from tfm's own search, by design of CTranslate2:
     - length penalty: CTranslate2 divides the score by len**alpha, tfm by ((5 + len) / 6)**alpha
@@ -475,32 +587,87 @@ class CT2Translator(TranslationEngine):
       one limit per call, so each batch gets the limit of its longest source.
     """
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", compute_type: str = "default",
+    name = "ctranslate2"
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", compute_type: str | None = None,
                  threads: int = 0, decode: DecodeConfig | None = None, overrides: list[str] | None = None):
-        """`decode` replaces the exported decode settings; `overrides` (`decode.beam=4`…) edit them."""
+        """`decode` replaces the exported decode settings; `overrides` (`decode.beam=4`…) edit them.
+        `compute_type` (decode.compute_type's values; None: decode.compute_type): auto is int8 on
+        CPU, float16 on CUDA."""
         ctranslate2 = import_ctranslate2()
         model_dir = Path(model_dir)
         model = read_export(model_dir)
+        if decode is None:
+            decode = exported_decode(model_dir, model.settings, overrides or [])
+        if device not in ("auto", "cpu", "cuda"):
+            raise TfmError(f"--device {device}: CTranslate2 runs on cpu or cuda")
         device = "cuda" if device == "auto" and ctranslate2.get_cuda_device_count() > 0 else (
             "cpu" if device == "auto" else device)
-        supported = ctranslate2.get_supported_compute_types(device)
+        try:
+            supported = ctranslate2.get_supported_compute_types(device)
+        except (RuntimeError, ValueError) as exc:  # no CUDA device, or no CUDA support in this build
+            raise TfmError(f"CTranslate2 cannot run on {device} here ({str(exc).splitlines()[0]})") from None
+        compute_type = resolve_compute_type(compute_type or decode.compute_type, device, supported)
         if compute_type != "default" and compute_type not in supported:
             raise TfmError(f"--compute-type {compute_type} is not supported on this {device} "
                            f"(supported: {', '.join(sorted(supported))})")
-        exported = model.settings
-        if decode is None:
-            raw = {"decode": exported.get("decode", {})}
-            check_inference_overrides(overrides or [])
-            for assignment in overrides or []:
-                apply_override(raw, assignment)
-            decode = config_from_dict(raw, f"{model_dir / TFM_JSON} (with --set)").decode
         self.decode = decode
-        self._settings = {"model_path": str(model_dir), "device": device, "compute_type": compute_type}
-        self.threads, self.decoding_processes = threads, 1
-        self._translator = None  # opened by the first translation, with the decode.workers set by then
+        self.model_dir, self.device, self.compute_type = model_dir, device, compute_type
+        self.threads = threads
+        self._translator: Any = None  # opened by `open()` or the first translation, with decode.workers as set by then
+        self._workers = 1
         self.src_sp, self.tgt_sp = model.src_sp, model.tgt_sp
+        self.sizes = model.sizes
         # tfm keeps at most max_positions - 1 source tokens, </s> included (decode_in_batches).
         self.max_input_length, self.max_source_tokens = model.max_positions - 1, model.max_positions - 2
+
+    def describe(self) -> str:
+        return f"CTranslate2 {self.compute_type} on {self.device}"
+
+    @property
+    def member_configs(self) -> list:
+        return [self.sizes] if self.sizes is not None else []
+
+    def first_chunk_lines(self) -> int:
+        # A batch for each thread: one batch alone would leave the other threads idle until it is done.
+        return self.decode.batch_size * self.budget_processes()
+
+    def unsupported(self, decode: DecodeConfig) -> str | None:
+        if decode.sample:
+            return "sampling (--sample) is done by tfm's own engine: use --engine torch"
+        if decode.alignment:
+            return "word alignments (--alignment) come from tfm's own engine: use --engine torch"
+        return None
+
+    def budget_processes(self) -> int:
+        return resolve_workers(self.decode.workers, self.device)  # inter_threads: batches decoded at once
+
+    @property
+    def decoding_processes(self) -> int:  # type: ignore[override]
+        return self._workers if self._translator is not None else 1
+
+    def open(self) -> None:
+        """Load the model (done by the first translation otherwise): decode.workers → CTranslate2's
+        inter_threads (batches decoded at once), one thread each. A TfmError where CTranslate2
+        cannot load it (a CUDA library it needs is missing)."""
+        if self._translator is not None:
+            return
+        workers = resolve_workers(self.decode.workers, self.device)
+        # CTranslate2 sets the calling thread's OpenMP thread count to intra_threads, which is
+        # torch's too: torch's own work in this process (training, tfm's engine) keeps its count.
+        loaded_torch = sys.modules.get("torch")
+        torch_threads = loaded_torch.get_num_threads() if loaded_torch is not None else None
+        try:
+            self._translator = import_ctranslate2().Translator(
+                str(self.model_dir), device=self.device, compute_type=self.compute_type,
+                inter_threads=workers, intra_threads=1 if workers > 1 else self.threads)
+        except (RuntimeError, ValueError, OSError) as exc:  # what read_export could not see
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise TfmError(f"{self.model_dir}: CTranslate2 cannot load this model ({reason})") from None
+        finally:
+            if loaded_torch is not None:
+                loaded_torch.set_num_threads(torch_threads)
+        self._workers = workers
 
     def tokenize(self, lines: list[str]) -> list[list[str]]:
         return self.src_sp.encode(lines, out_type=str)
@@ -511,42 +678,39 @@ class CT2Translator(TranslationEngine):
     def search(self, pieces: list[list[str]], beam: int, nbest: int = 1, decode: DecodeConfig | None = None,
                max_len: int | None = None) -> list[list[Hypothesis]]:
         """Sentencepiece pieces (no </s>) → per sentence its n-best hypotheses (pieces, score), in input order."""
-        decode = decode or self.decode
-        if decode.sample:
-            raise TfmError("sampling (--sample) is done by tfm's own engine: use --engine torch")
-        if self._translator is None:
-            # decode.workers → CTranslate2's inter_threads (batches decoded at once), one thread each.
-            workers = resolve_workers(self.decode.workers, torch.device(self._settings["device"]))
-            # CTranslate2 sets the calling thread's OpenMP thread count to intra_threads, which is
-            # torch's too: torch's own work in this process (training, tfm's engine) keeps its count.
-            torch_threads = torch.get_num_threads()
-            try:
-                self._translator = import_ctranslate2().Translator(
-                    **self._settings, inter_threads=workers, intra_threads=1 if workers > 1 else self.threads)
-            except (RuntimeError, ValueError, OSError) as exc:  # what read_export could not see
-                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise TfmError(f"{self._settings['model_path']}: CTranslate2 cannot load this model ({reason})") from None
-            finally:
-                torch.set_num_threads(torch_threads)
-            self.decoding_processes = workers
-        results: list[list[Hypothesis]] = [[] for _ in pieces]
-        order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))  # similar lengths together
-        step = decode.batch_size
+        return self.search_later(pieces, beam, nbest, decode or self.decode, max_len)()
+
+    def search_later(self, pieces: list[list[str]], beam: int, nbest: int, decode: DecodeConfig,
+                     max_len: int | None = None) -> Callable[[], list[list[Hypothesis]]]:
+        """The batches submitted to CTranslate2's threads now; what it returns waits for them."""
+        unsupported = self.unsupported(decode)
+        if unsupported:
+            raise TfmError(unsupported)
+        self.check_search_budget(pieces, beam, nbest, decode)
+        self.open()
+        # Batches of similar lengths (decode.batch_size, decode.batch_tokens), as tfm's engine makes them.
+        lengths = [min(len(p), self.max_source_tokens) + 1 for p in pieces]  # + the </s> CTranslate2 appends
+        batches = length_sorted_batches(lengths, decode.batch_size, decode.batch_tokens)
+        if decode.batching == "balanced" and len(batches) > 1:  # tfm serve: a batch per thread, finishing together
+            batches = balanced_batches(batches, decode.batch_tokens, lengths)
         submitted = []
-        for start in range(0, len(order), step):
-            batch = order[start : start + step]
-            longest = max(len(pieces[i]) for i in batch) + 1  # + the </s> CTranslate2 appends
+        for batch in batches:
             limit = max_len if max_len is not None else output_length_limit(
-                longest, decode.max_len_a, decode.max_len_b, self.max_input_length + 1)  # capped: no overflow
+                max(lengths[i] for i in batch), decode.max_len_a, decode.max_len_b,
+                self.max_input_length + 1)  # capped: no overflow
             # Asynchronous: with several workers (inter_threads) CTranslate2 decodes batches in parallel.
-            assert self._translator is not None
             submitted.append((batch, self._translator.translate_batch(
                 [pieces[i] for i in batch], beam_size=beam, num_hypotheses=nbest,
                 length_penalty=decode.length_penalty if beam > 1 else 0.0,
                 max_decoding_length=max(limit, 1), max_input_length=self.max_input_length,
                 return_scores=True, asynchronous=True)))
-        for batch, futures in submitted:
-            for i, future in zip(batch, futures):
-                result = future.result()
-                results[i] = [Hypothesis(tokens, score) for tokens, score in zip(result.hypotheses, result.scores)]
-        return results
+
+        def collect() -> list[list[Hypothesis]]:
+            results: list[list[Hypothesis]] = [[] for _ in pieces]
+            for batch, futures in submitted:
+                for i, future in zip(batch, futures):
+                    result = future.result()
+                    results[i] = [Hypothesis(tokens, score) for tokens, score in zip(result.hypotheses, result.scores)]
+            return results
+
+        return collect

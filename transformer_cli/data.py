@@ -41,9 +41,9 @@ from .errors import TfmError
 from .files import atomic_path, atomic_write_bytes, atomic_write_text, iter_raw_lines, remove_stale_temps
 from .rundir import SIDES, SPLITS, RunDirectory
 from .runlock import RunLock
+from .special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 # Fixed special ids, the same in every tfm vocabulary.
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
 def corpus_file(prefix: str, lang: str) -> Path:

@@ -12,13 +12,8 @@ from typing import TypeVar
 import torch
 
 from .decoder_state import DecoderState
+from .hypothesis import Hypothesis
 from .model import Transformer
-
-
-@dataclass
-class Hypothesis:
-    tokens: list[int]  # without <bos>/<eos>
-    score: float  # length-normalised log-probability (greedy: plain sum of log-probs)
 
 
 Search = TypeVar("Search", bound=Callable)
@@ -131,12 +126,6 @@ def max_output_lengths(src: torch.Tensor, pad_id: int, a: float, b: int, min_len
     # overflows a float or an int64 on the way (max_len_a 1e308, max_len_b 1e20).
     a, b = min(a, float(cap)), min(b, cap)
     return ((a * src_len.float()).long() + b).clamp(min=min_len).clamp(min=1, max=cap)
-
-
-def output_length_limit(src_len: int, a: float, b: int, max_positions: int) -> int:
-    """`max_output_lengths` of one sentence of `src_len` tokens (<eos> included), without min_len."""
-    cap = max_positions - 1
-    return max(min(int(min(a, float(cap)) * src_len) + min(b, cap), cap), 1)
 
 
 def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | float:

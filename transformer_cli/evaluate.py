@@ -107,18 +107,22 @@ def evaluate_files(hyp_path: Path, ref_path: Path, metrics: list[str], confidenc
 
 
 def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: list[str], beam: int | None,
-                   confidence: bool = False) -> EvalResult:
+                   confidence: bool = False, engine: str | None = None, compute_type: str | None = None) -> EvalResult:
     """Translate the configured split's raw source with the model (several checkpoints: their
-    ensemble) and score it against the raw reference."""
+    ensemble) through the engine `tfm translate` would choose (`engine`, `compute_type`: the
+    command line's; None: the config's decode.engine, decode.compute_type) and score it against
+    the raw reference."""
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
     from .data import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .rundir import RunDirectory
-    from .translate import Translator, translate_texts
+    from .engine import open_engine
+    from .translation import translate_texts
 
     src_path, ref_path = split_files(config, split)
     src, refs = read_lines(src_path), read_lines(ref_path)
     check_aligned(src, refs, str(src_path), str(ref_path))
-    translator = Translator.from_checkpoint(checkpoints, decode=config.decode, device=config.train.device)
+    translator = open_engine(config, None, checkpoints, device=config.train.device, engine=engine,
+                             compute_type=compute_type)
     started = time.perf_counter()
     try:
         hyps = translate_texts(translator, src, beam)  # as `tfm translate` would: the same chunks and batches
@@ -127,7 +131,8 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
     seconds = time.perf_counter() - started
     result = score(hyps, refs, metrics, confidence)
     beam_used = config.decode.beam if beam is None else beam
-    result.extra = {"split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": beam_used, "source": str(src_path),
+    result.extra = {"split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": beam_used,
+                    "engine": translator.describe(), "source": str(src_path),
                     "reference": str(ref_path), "decode_seconds": round(seconds, 2),
                     "sentences_per_s": round(len(src) / seconds, 2)}
     out_dir = RunDirectory(config.run_path).eval_dir

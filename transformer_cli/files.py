@@ -271,12 +271,15 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
             tmp_path.unlink()
 
 
-def staging_directory(target: str | Path) -> Path:
+def staging_directory(target: str | Path, run_cache: bool = False) -> Path:
     """A new, empty hidden directory beside `target` to build the directory `target` in (an
     export, an import), named after this process like `atomic_path`'s temporaries; dead writers'
-    leftovers there are removed first. The caller renames it into place, or removes it."""
+    leftovers there are removed first. The caller renames it into place, or removes it.
+    `run_cache`: `target` is a cache that any command may keep inside a run (ct2_cache.py), not one
+    of the files only the run's writer writes."""
     target = Path(target)
-    refuse_run_files(target)
+    if not run_cache:
+        refuse_run_files(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_writers_temps(target.parent)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{writer_tag()}.", suffix=STAGING_SUFFIX,

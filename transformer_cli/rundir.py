@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import save_checkpoint
 from .errors import TfmError
 from .files import CONFIG_NAME, MANIFEST_NAME, atomic_write_text, run_owning
 from .runlock import RunLock
@@ -75,7 +74,7 @@ class RunDirectory:
 
     def save(self, name: str, payload: dict[str, Any]) -> Path:
         path = self.checkpoints / name
-        save_checkpoint(path, payload)
+        _save_checkpoint(path, payload)
         return path
 
     def prune_step_checkpoints(self, keep_last: int) -> None:
@@ -166,7 +165,7 @@ def save_checkpoint_file(output: Path, make_payload: Callable[[], dict[str, Any]
     (its data, vocabulary, settings) is refused."""
     root = run_owning(output)
     if root is None:
-        save_checkpoint(output, make_payload())
+        _save_checkpoint(output, make_payload())
         return
     run = RunDirectory(root)
     if run.checkpoints.resolve() not in output.resolve().parents:
@@ -181,5 +180,11 @@ def save_checkpoint_file(output: Path, make_payload: Callable[[], dict[str, Any]
         raise TfmError(f"-o {output} is in the run directory {root}'s checkpoints/: pass --force to write it "
                        "there (the run's --config then may translate with it), or choose another output path")
     with RunLock(root, command):
-        save_checkpoint(output, make_payload())
+        _save_checkpoint(output, make_payload())
         run.forget_score(output.name)
+
+
+def _save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    from .checkpoint import save_checkpoint  # torch: this module also serves commands that never load it
+
+    save_checkpoint(path, payload)

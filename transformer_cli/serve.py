@@ -45,7 +45,7 @@ from .config import DecodeConfig
 from .console import discard_writes, warn
 from .errors import TfmError
 from .signals import outputs_a_hangup_takes
-from .translate import TranslationEngine, Translation
+from .translation import Translation, TranslationEngine
 from .workers import DecodingProcessDied
 
 class TranslateRequest(BaseModel):
@@ -368,6 +368,9 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
                 decode = request_decode(engine.decode, request)
             except ValueError as exc:
                 raise RequestError(422, str(exc)) from None
+            unsupported = engine.unsupported(decode)
+            if unsupported:
+                raise RequestError(422, f"{unsupported} (this server decodes with {engine.describe()})")
             if budget is not None:
                 try:
                     budget(lines, decode)
@@ -420,7 +423,8 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
     if ready is not None:
         ready()
     decoder = MainThreadDecoder()
-    app = create_app(engine, decoder.run, processes=workers.processes if workers is not None else 1, debug=debug,
+    app = create_app(engine, decoder.run, processes=workers.processes if workers is not None else engine.budget_processes(),
+                     debug=debug,
                      budget=getattr(engine, "check_budget", None), **limits)
     server = uvicorn.Server(uvicorn.Config(BodyLimit(app, max_body_bytes), host=host, port=port,
                                            log_level="debug" if debug else "critical", access_log=False))

@@ -1,25 +1,15 @@
-"""Stage 4, prediction: a trained model → translations; batched, order-preserving, streaming.
-
-Two engines translate: tfm's own (`Translator`, torch) and CTranslate2 (ct2.py). Both are a
-`TranslationEngine`: they tokenize, search and detokenize in their own way, and share everything
-around that here: empty lines, over-long lines, the n-best record, chunked streaming.
-"""
+"""Stage 4, prediction, with tfm's own engine: a trained model (or an ensemble) decoded by tfm's
+search in torch, in length-sorted batches, on worker processes. What every engine shares (the
+`TranslationEngine` interface, streaming) is in translation.py; CTranslate2's engine in ct2.py."""
 
 from __future__ import annotations
 
-import sys
-import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import IO
 
 import torch
-from tqdm import tqdm
 
 from .alignment import word_alignments
-from .budget import check_decoding_budget
 from .checkpoint import load_trained_model
 from .config import (
     DecodeConfig,
@@ -27,89 +17,19 @@ from .config import (
     check_inference_overrides,
     config_from_dict,
 )
-from .console import warn, write_fully
+from .console import warn
 from .cpu import denormals_flushed_to_zero, keep_freed_memory
 from .cpu_inference import pack_linear_layers, quantize_int8
 from .data import BOS_ID, EOS_ID, pad_batch
-from .decoding import Hypothesis, Sampling, beam_search, greedy_search, greedy_search_continuous, sample_search
+from .decoding import Sampling, beam_search, greedy_search, greedy_search_continuous, sample_search
 from .devices import is_out_of_memory, resolve_device, split_on_out_of_memory
 from .ensemble import load_ensemble
 from .errors import TfmError
+from .hypothesis import Hypothesis
 from .model import Transformer, TransformerConfig
 from .precision import choose_decoding_precision
+from .translation import TranslationEngine, balanced_batches, length_sorted_batches
 from .workers import DecodingWorkers, resolve_workers
-
-
-@dataclass
-class Translation:
-    text: str
-    score: float  # the search's score: length-normalised log-probability (greedy: the plain sum)
-    n_tokens: int
-    alignment: str | None = None  # "i-j i-j …" source word i ~ target word j (0-based), when asked for
-
-
-class TranslationEngine:
-    """Raw text in, detokenized text out. An engine provides `tokenize`, `search` and `detokenize`,
-    its `decode` settings and `max_source_tokens`; `translate` is the same for every engine."""
-
-    decode: DecodeConfig
-    max_source_tokens: int  # per line, </s> excluded: longer lines are cut, with a warning
-    decoding_processes: int = 1  # processes that have decoded so far
-
-    def tokenize(self, lines: list[str]) -> list[list]:
-        raise NotImplementedError
-
-    def search(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig) -> list[list[Hypothesis]]:
-        """Tokenized sources → per sentence its n-best hypotheses (tokens as `tokenize` gives them),
-        under `decode`'s settings (sampling, length limits)."""
-        raise NotImplementedError
-
-    def align(self, lines: list[str], sources: list[list], hyps: list[list[Hypothesis]],
-              decode: DecodeConfig) -> list[list[str]]:
-        """Per sentence, per hypothesis its word alignment in Pharaoh format ("i-j …")."""
-        raise TfmError("word alignments (--alignment) come from tfm's own engine: use --engine torch")
-
-    def detokenize(self, tokens: list) -> str:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release what the engine started (worker processes, threads); it also ends at exit."""
-
-    def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
-                  first_line: int = 1, decode: DecodeConfig | None = None,
-                  warn_long: bool = True) -> list[list[Translation]]:
-        """Per input line its n-best translations (n samples with decode.sample); empty (or blank)
-        lines give empty output. `decode` replaces the engine's settings for this call.
-
-        A line longer than the model's positions is cut with a warning naming it (`first_line` is
-        the number of `lines[0]` in the user's input; `warn_long=False`: silently, as a server does,
-        whose log one client must not flood).
-        """
-        decode = self.decode if decode is None else decode
-        beam = decode.beam if beam is None else beam
-        nonempty = [i for i, line in enumerate(lines) if line.strip()]
-        sources = self.tokenize([lines[i] for i in nonempty]) if nonempty else []
-        if warn_long:
-            warn_long_lines(nonempty, sources, self.max_source_tokens, first_line)
-        hyps = self.search(sources, max(beam, 1), nbest, decode) if sources else []
-        alignments = (self.align([lines[i] for i in nonempty], sources, hyps, decode) if decode.alignment and sources
-                      else [[None] * len(h) for h in hyps])
-        empty = Translation("", 0.0, 0, "" if decode.alignment else None)
-        out: list[list[Translation]] = [[empty] * max(nbest, 1) for _ in lines]
-        for i, h, a in zip(nonempty, hyps, alignments):
-            out[i] = [Translation(self.detokenize(x.tokens), x.score, len(x.tokens), pairs) for x, pairs in zip(h, a)]
-        return out
-
-
-def warn_long_lines(numbers: list[int], encoded: list[list], limit: int, first_line: int) -> None:
-    """A warning for each input line with more than `limit` tokens (decoding keeps the first `limit`)."""
-    for i, tokens in zip(numbers, encoded):
-        if len(tokens) > limit:
-            warn(f"warning: input line {first_line + i} has {len(tokens)} tokens, more than the model's "
-                 f"{limit}: only the first {limit} are translated")
-
-
-# --------------------------------------------------------------------------- tfm's own engine
 
 
 class Translator(TranslationEngine):
@@ -118,6 +38,8 @@ class Translator(TranslationEngine):
     The model is moved to `device` and prepared for inference in place (bf16 cast, packed or int8
     linear layers): pass a model of its own, not one still being trained.
     """
+
+    name = "torch"
 
     def __init__(self, model: Transformer, src_sp, tgt_sp, decode: DecodeConfig, device: torch.device):
         self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
@@ -137,8 +59,6 @@ class Translator(TranslationEngine):
         if device.type == "cpu":
             keep_freed_memory()
         self.workers: DecodingWorkers | None = None  # started by the first search
-        # Bytes a search may take (budget.py); None: no check. `tfm translate` sets it.
-        self.memory_limit: int | None = None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | list[str | Path], decode: DecodeConfig | None = None,
@@ -189,20 +109,15 @@ class Translator(TranslationEngine):
     def search(self, sources: list[list[int]], beam: int, nbest: int,
                decode: DecodeConfig | None = None) -> list[list[Hypothesis]]:
         decode = decode or self.decode
-        check_decoding_budget(self.member_configs, decode, len(sources), max(map(len, sources), default=0),
-                              self.memory_limit, beam=beam, nbest=nbest, processes=self.decoding_workers().processes)
+        self.check_search_budget(sources, beam, nbest, decode)
         return decode_in_batches(self.model, sources, decode, self.device, beam, nbest,
                                  workers=self.decoding_workers())
 
-    def check_budget(self, lines: list[str], decode: DecodeConfig) -> None:
-        """A TfmError, naming the setting, where `translate(lines, decode=decode)` could take more than
-        `memory_limit` (budget.py); checked before the call joins a batch (`tfm serve`)."""
-        if self.memory_limit is None:
-            return
-        sources = self.tokenize([line for line in lines if line.strip()])
-        check_decoding_budget(self.member_configs, decode, len(sources), max(map(len, sources), default=0),
-                              self.memory_limit, beam=decode.beam, nbest=decode.nbest,
-                              processes=self.decoding_workers().processes)
+    def budget_processes(self) -> int:
+        return self.decoding_workers().processes
+
+    def describe(self) -> str:
+        return f"tfm's engine (torch), {self.precision.describe()}"
 
     @property
     def member_configs(self) -> list[TransformerConfig]:
@@ -212,34 +127,6 @@ class Translator(TranslationEngine):
     def align(self, lines: list[str], sources: list[list[int]], hyps: list[list[Hypothesis]],
               decode: DecodeConfig) -> list[list[str]]:
         return word_alignments(self.model, lines, sources, hyps, self.src_sp, self.tgt_sp, decode, self.device)
-
-
-def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
-    """Indices grouped into batches of similar length (longest first), capped by sentences and tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        width = lengths[current[0]] if current else lengths[i]  # longest in batch comes first
-        too_many_tokens = batch_tokens is not None and current and width * (len(current) + 1) > batch_tokens
-        if current and (len(current) >= batch_size or too_many_tokens):
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def balanced_batches(batches: list[list[int]], batch_tokens: int | None, lengths: list[int]) -> list[list[int]]:
-    """As many batches as `batches`, each dealt every len(batches)-th sentence of their length order
-    (longest first), so that each holds long and short ones alike and batches decoded in parallel
-    take about as long. `batches` as they are where that would break the token cap."""
-    order = [i for batch in batches for i in batch]
-    dealt = [order[j :: len(batches)] for j in range(len(batches))]
-    if batch_tokens is not None and any(lengths[b[0]] * len(b) > batch_tokens for b in dealt):
-        return batches
-    return dealt
 
 
 def decode_in_batches(
@@ -333,96 +220,3 @@ def decode_batches(model: Transformer, device: torch.device, batches: list[list[
                 raise
             return one_by_one()  # the batches alone, halved where they still do not fit
         return [[[h] for h in hyps] for hyps in found]
-
-
-# --------------------------------------------------------------------------- streaming
-
-
-def read_decoded_lines(stream: IO[bytes], warnings: IO[str], name: str = "standard input") -> Iterator[str]:
-    """Lines of a byte stream as text; invalid UTF-8 is replaced (U+FFFD) with a warning, never a
-    crash. UTF-16 (a byte-order mark at the start) is refused: read as UTF-8 it would be garbage."""
-    for number, raw in enumerate(stream, start=1):
-        if number == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-            raise TfmError(f"{name} is UTF-16 text (it starts with a UTF-16 byte-order mark): tfm reads UTF-8; "
-                           f"convert it first, e.g. iconv -f UTF-16 -t UTF-8")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            text = raw.decode("utf-8", errors="replace")
-            warn(f"warning: input line {number} is not valid UTF-8 ({exc.reason}); "
-                 "invalid bytes replaced with U+FFFD", warnings)
-        if number == 1 and text.startswith("\ufeff"):
-            text = text[1:]  # a UTF-8 byte-order mark (Windows editors) is not part of the text
-        yield text.rstrip("\r\n")
-
-
-def chunks(lines: Iterable[str], first: int, rest: int) -> Iterator[list[str]]:
-    """The first chunk small (output starts early), later ones larger (better length sorting)."""
-    chunk: list[str] = []
-    size = first
-    for line in lines:
-        chunk.append(line)
-        if len(chunk) >= size:
-            yield chunk
-            chunk, size = [], rest
-    if chunk:
-        yield chunk
-
-
-@dataclass
-class StreamStats:
-    sentences: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-
-
-def with_alignment(translation: Translation) -> str:
-    """The translation, and after a tab its word alignment when there is one."""
-    return translation.text if translation.alignment is None else f"{translation.text}\t{translation.alignment}"
-
-
-def format_nbest(index: int, translations: list[Translation]) -> list[str]:
-    """n-best format: `<0-based input line>\\t<rank>\\t<score>\\t<translation>[\\t<alignment>]`, one
-    hypothesis a line."""
-    return [f"{index}\t{rank}\t{t.score:.4f}\t{with_alignment(t)}" for rank, t in enumerate(translations, start=1)]
-
-
-CHUNK_LINES = 1000  # lines translated together (length-sorted into batches) after the first batch
-
-
-def input_chunks(engine: TranslationEngine, lines: Iterable[str]) -> Iterator[list[str]]:
-    """The chunks every command translates a text in: the first one batch (output starts early),
-    then CHUNK_LINES lines. Batching depends on this, and bf16 results on batching: `translate` and
-    `evaluate` take the same chunks, so they give the same translations."""
-    return chunks(lines, min(CHUNK_LINES, engine.decode.batch_size), CHUNK_LINES)
-
-
-def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO[str], beam: int | None = None,
-                     nbest: int = 1, progress: bool = False) -> StreamStats:
-    """Translate an (endless) stream of lines chunk by chunk, writing and flushing after each."""
-    stats = StreamStats()
-    started = time.perf_counter()
-    bar = tqdm(desc="translate", unit="sent", file=sys.stderr, disable=not progress)
-    for chunk in input_chunks(engine, lines):
-        results = engine.translate(chunk, beam=beam, nbest=nbest, first_line=stats.sentences + 1)
-        texts = []
-        for offset, translations in enumerate(results):
-            if nbest > 1:
-                texts.extend(format_nbest(stats.sentences + offset, translations))
-            else:
-                texts.append(with_alignment(translations[0]))
-            stats.tokens += translations[0].n_tokens
-        write_fully(output, "\n".join(texts) + "\n")  # a full disk: an OSError naming the file
-        stats.sentences += len(chunk)
-        bar.update(len(chunk))
-    bar.close()
-    stats.seconds = time.perf_counter() - started
-    return stats
-
-
-def translate_texts(engine: TranslationEngine, lines: list[str], beam: int | None = None) -> list[str]:
-    """The best translation of each line, in the chunks `translate_stream` takes."""
-    texts: list[str] = []
-    for chunk in input_chunks(engine, lines):
-        texts += [t[0].text for t in engine.translate(chunk, beam=beam, first_line=len(texts) + 1)]
-    return texts

@@ -18,23 +18,24 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-import torch
-
 from .cpu import usable_cores
 from .errors import TfmError
 
 _TASK: Callable[..., Any] | None = None  # set in the parent just before forking; inherited by the workers
 
 
-def resolve_workers(setting: int | str, device: torch.device) -> int:
-    """decode.workers → processes: `auto` = one per usable core on CPU; 1 on a GPU, or where
-    processes cannot be forked (Windows)."""
-    if device.type != "cpu" or "fork" not in multiprocessing.get_all_start_methods():
+def resolve_workers(setting: int | str, device: Any) -> int:
+    """decode.workers → processes (or CTranslate2's inter_threads): `auto` = one per usable core on
+    CPU; 1 on a GPU, or where processes cannot be forked (Windows). `device`: a torch.device or its
+    type's name (this module imports no torch: CTranslate2's engine runs without it)."""
+    if getattr(device, "type", device) != "cpu" or "fork" not in multiprocessing.get_all_start_methods():
         return 1
     return usable_cores() if setting == "auto" else int(setting)
 
 
 def _start_worker() -> None:
+    import torch  # loaded already: the workers fork from tfm's own engine
+
     torch.set_num_threads(1)
     # Ctrl-C reaches the whole process group: the parent stops the workers and reports it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,28 @@
+"""The peer `tfm translate` is timed against (scripts/bench_default_engine.py): the shortest script
+a CTranslate2 user writes to translate a file with a model directory (`tfm export` or the
+conversion tfm caches), sentencepiece in and out, the same beam, batch and threads as tfm's.
+
+    python scripts/ct2_reference.py MODEL_DIR INPUT OUTPUT --beam 5 --batch-size 64 --length-penalty 1.0
+"""
+
+import argparse
+import os
+
+import ctranslate2
+import sentencepiece as spm
+
+parser = argparse.ArgumentParser()
+parser.add_argument("model_dir"), parser.add_argument("input"), parser.add_argument("output")
+parser.add_argument("--beam", type=int, default=5), parser.add_argument("--batch-size", type=int, default=64)
+parser.add_argument("--length-penalty", type=float, default=1.0), parser.add_argument("--compute-type", default="int8")
+args = parser.parse_args()
+cores = len(os.sched_getaffinity(0))
+translator = ctranslate2.Translator(args.model_dir, compute_type=args.compute_type, inter_threads=cores, intra_threads=1)
+source = spm.SentencePieceProcessor(model_file=f"{args.model_dir}/source.spm.model")
+target = spm.SentencePieceProcessor(model_file=f"{args.model_dir}/target.spm.model")
+with open(args.input, encoding="utf-8") as f:
+    lines = f.read().splitlines()
+results = translator.translate_batch(source.encode(lines, out_type=str), beam_size=args.beam, max_batch_size=args.batch_size,
+                                     length_penalty=args.length_penalty if args.beam > 1 else 0.0)
+with open(args.output, "w", encoding="utf-8") as f:
+    f.write("".join(target.decode_pieces(r.hypotheses[0]) + "\n" for r in results))

@@ -1,0 +1,19 @@
+"""What a search returns, and how long its output may be: shared by every engine (tfm's own search,
+CTranslate2) and by the memory budget, without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Hypothesis:
+    tokens: list  # ids (tfm's engine) or pieces (CTranslate2), without <bos>/<eos>
+    score: float  # length-normalised log-probability (greedy: plain sum of log-probs)
+
+
+def output_length_limit(src_len: int, a: float, b: int, max_positions: int) -> int:
+    """The most output tokens a sentence of `src_len` tokens (<eos> included) may get:
+    a · src_len + b, at most what the position table holds (min_len aside)."""
+    cap = max_positions - 1
+    return max(min(int(min(a, float(cap)) * src_len) + min(b, cap), cap), 1)

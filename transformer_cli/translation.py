@@ -1,0 +1,308 @@
+"""Stage 4, prediction, whatever the engine: raw lines in, translations out; batched,
+order-preserving, streaming.
+
+Two engines translate: tfm's own (`translate.Translator`, torch) and CTranslate2
+(`ct2.CT2Translator`). Both are a `TranslationEngine`: they tokenize, search and detokenize in their
+own way, and share everything around that here: empty lines, over-long lines, the n-best record,
+chunked streaming. Nothing here imports torch: a CTranslate2 translation starts without it
+(importing torch takes longer than translating a test set through CTranslate2).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import IO
+
+from .budget import check_decoding_budget
+from .config import DecodeConfig
+from .console import warn, write_fully
+from .errors import TfmError
+from .hypothesis import Hypothesis
+
+
+@dataclass
+class Translation:
+    text: str
+    score: float  # the search's score: length-normalised log-probability (greedy: the plain sum)
+    n_tokens: int
+    alignment: str | None = None  # "i-j i-j …" source word i ~ target word j (0-based), when asked for
+
+
+class TranslationEngine:
+    """Raw text in, detokenized text out. An engine provides `tokenize`, `search` and `detokenize`,
+    its `decode` settings and `max_source_tokens`; `translate` is the same for every engine."""
+
+    name: str  # "torch" (tfm's own) or "ctranslate2"
+    decode: DecodeConfig
+    max_source_tokens: int  # per line, </s> excluded: longer lines are cut, with a warning
+    decoding_processes: int = 1  # processes that have decoded so far
+    # Bytes a search may take (budget.py); None: no check. `tfm translate` and `tfm serve` set it.
+    memory_limit: int | None = None
+
+    def describe(self) -> str:
+        """The engine and what it computes in, for the line commands print (`tfm translate`'s last)."""
+        raise NotImplementedError
+
+    def first_chunk_lines(self) -> int:
+        """Lines of a stream's first chunk: one batch. (tfm's engine keeps one whatever decode.workers
+        is, so that every workers setting batches the same lines together.)"""
+        return self.decode.batch_size
+
+    def unsupported(self, decode: DecodeConfig) -> str | None:
+        """Why this engine cannot decode with `decode` (a request's settings); None: it can."""
+        return None
+
+    @property
+    def member_configs(self) -> list:
+        """The sizes of the model, or of each of an ensemble's (budget.ModelSizes); empty: unknown."""
+        return []
+
+    def budget_processes(self) -> int:
+        """Searches that run at once, each over a batch of its own (decode.workers)."""
+        return 1
+
+    def check_search_budget(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig) -> None:
+        """A TfmError, naming the setting, where searching `sources` could take more than
+        `memory_limit` (budget.py)."""
+        if self.memory_limit is None or not self.member_configs:
+            return
+        check_decoding_budget(self.member_configs, decode, len(sources), max(map(len, sources), default=0),
+                              self.memory_limit, beam=beam, nbest=nbest, processes=self.budget_processes())
+
+    def check_budget(self, lines: list[str], decode: DecodeConfig) -> None:
+        """`check_search_budget` for `translate(lines, decode=decode)`, before the call joins a
+        batch (`tfm serve`)."""
+        if self.memory_limit is not None:
+            sources = self.tokenize([line for line in lines if line.strip()])
+            self.check_search_budget(sources, decode.beam, decode.nbest, decode)
+
+    def tokenize(self, lines: list[str]) -> list[list]:
+        raise NotImplementedError
+
+    def search(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig) -> list[list[Hypothesis]]:
+        """Tokenized sources → per sentence its n-best hypotheses (tokens as `tokenize` gives them),
+        under `decode`'s settings (sampling, length limits)."""
+        raise NotImplementedError
+
+    def align(self, lines: list[str], sources: list[list], hyps: list[list[Hypothesis]],
+              decode: DecodeConfig) -> list[list[str]]:
+        """Per sentence, per hypothesis its word alignment in Pharaoh format ("i-j …")."""
+        raise TfmError("word alignments (--alignment) come from tfm's own engine: use --engine torch")
+
+    def detokenize(self, tokens: list) -> str:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the engine started (worker processes, threads); it also ends at exit."""
+
+    def search_later(self, sources: list[list], beam: int, nbest: int,
+                     decode: DecodeConfig) -> Callable[[], list[list[Hypothesis]]]:
+        """`search`, started now and collected by calling what it returns. An engine that decodes
+        in the background (CTranslate2) returns at once, so that the next chunk can be started
+        before this one is collected; tfm's engine searches here."""
+        hyps = self.search(sources, beam, nbest, decode)
+        return lambda: hyps
+
+    def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
+                  first_line: int = 1, decode: DecodeConfig | None = None,
+                  warn_long: bool = True) -> list[list[Translation]]:
+        """Per input line its n-best translations (n samples with decode.sample); empty (or blank)
+        lines give empty output. `decode` replaces the engine's settings for this call.
+
+        A line longer than the model's positions is cut with a warning naming it (`first_line` is
+        the number of `lines[0]` in the user's input; `warn_long=False`: silently, as a server does,
+        whose log one client must not flood).
+        """
+        return self.translate_later(lines, beam, nbest, first_line, decode, warn_long)()
+
+    def translate_later(self, lines: list[str], beam: int | None = None, nbest: int = 1,
+                        first_line: int = 1, decode: DecodeConfig | None = None,
+                        warn_long: bool = True) -> Callable[[], list[list[Translation]]]:
+        """`translate`, started now (`search_later`) and finished by calling what it returns."""
+        decode = self.decode if decode is None else decode
+        beam = decode.beam if beam is None else beam
+        nonempty = [i for i, line in enumerate(lines) if line.strip()]
+        sources = self.tokenize([lines[i] for i in nonempty]) if nonempty else []
+        if warn_long:
+            warn_long_lines(nonempty, sources, self.max_source_tokens, first_line)
+        collect = self.search_later(sources, max(beam, 1), nbest, decode) if sources else list
+
+        def finish() -> list[list[Translation]]:
+            hyps = collect()
+            alignments = (self.align([lines[i] for i in nonempty], sources, hyps, decode)
+                          if decode.alignment and sources else [[None] * len(h) for h in hyps])
+            empty = Translation("", 0.0, 0, "" if decode.alignment else None)
+            out: list[list[Translation]] = [[empty] * max(nbest, 1) for _ in lines]
+            for i, h, a in zip(nonempty, hyps, alignments):
+                out[i] = [Translation(self.detokenize(x.tokens), x.score, len(x.tokens), pairs)
+                          for x, pairs in zip(h, a)]
+            return out
+
+        return finish
+
+
+def warn_long_lines(numbers: list[int], encoded: list[list], limit: int, first_line: int) -> None:
+    """A warning for each input line with more than `limit` tokens (decoding keeps the first `limit`)."""
+    for i, tokens in zip(numbers, encoded):
+        if len(tokens) > limit:
+            warn(f"warning: input line {first_line + i} has {len(tokens)} tokens, more than the model's "
+                 f"{limit}: only the first {limit} are translated")
+
+
+def length_sorted_batches(lengths: list[int], batch_size: int, batch_tokens: int | None) -> list[list[int]]:
+    """Indices grouped into batches of similar length (longest first), capped by sentences and tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = lengths[current[0]] if current else lengths[i]  # longest in batch comes first
+        too_many_tokens = batch_tokens is not None and current and width * (len(current) + 1) > batch_tokens
+        if current and (len(current) >= batch_size or too_many_tokens):
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def balanced_batches(batches: list[list[int]], batch_tokens: int | None, lengths: list[int]) -> list[list[int]]:
+    """As many batches as `batches`, each dealt every len(batches)-th sentence of their length order
+    (longest first), so that each holds long and short ones alike and batches decoded in parallel
+    take about as long. `batches` as they are where that would break the token cap."""
+    order = [i for batch in batches for i in batch]
+    dealt = [order[j :: len(batches)] for j in range(len(batches))]
+    if batch_tokens is not None and any(lengths[b[0]] * len(b) > batch_tokens for b in dealt):
+        return batches
+    return dealt
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def read_decoded_lines(stream: IO[bytes], warnings: IO[str], name: str = "standard input") -> Iterator[str]:
+    """Lines of a byte stream as text; invalid UTF-8 is replaced (U+FFFD) with a warning, never a
+    crash. UTF-16 (a byte-order mark at the start) is refused: read as UTF-8 it would be garbage."""
+    for number, raw in enumerate(stream, start=1):
+        if number == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+            raise TfmError(f"{name} is UTF-16 text (it starts with a UTF-16 byte-order mark): tfm reads UTF-8; "
+                           f"convert it first, e.g. iconv -f UTF-16 -t UTF-8")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            text = raw.decode("utf-8", errors="replace")
+            warn(f"warning: input line {number} is not valid UTF-8 ({exc.reason}); "
+                 "invalid bytes replaced with U+FFFD", warnings)
+        if number == 1 and text.startswith("\ufeff"):
+            text = text[1:]  # a UTF-8 byte-order mark (Windows editors) is not part of the text
+        yield text.rstrip("\r\n")
+
+
+def chunks(lines: Iterable[str], first: int, rest: int) -> Iterator[list[str]]:
+    """The first chunk small (output starts early), later ones larger (better length sorting)."""
+    chunk: list[str] = []
+    size = first
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) >= size:
+            yield chunk
+            chunk, size = [], rest
+    if chunk:
+        yield chunk
+
+
+@dataclass
+class StreamStats:
+    sentences: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def with_alignment(translation: Translation) -> str:
+    """The translation, and after a tab its word alignment when there is one."""
+    return translation.text if translation.alignment is None else f"{translation.text}\t{translation.alignment}"
+
+
+def format_nbest(index: int, translations: list[Translation]) -> list[str]:
+    """n-best format: `<0-based input line>\\t<rank>\\t<score>\\t<translation>[\\t<alignment>]`, one
+    hypothesis a line."""
+    return [f"{index}\t{rank}\t{t.score:.4f}\t{with_alignment(t)}" for rank, t in enumerate(translations, start=1)]
+
+
+CHUNK_LINES = 1000  # lines translated together (length-sorted into batches) after the first batch
+
+
+def input_chunks(engine: TranslationEngine, lines: Iterable[str]) -> Iterator[list[str]]:
+    """The chunks every command translates a text in: the first one small (`first_chunk_lines`:
+    output starts early), then CHUNK_LINES lines. Batching depends on this, and bf16 results on
+    batching: `translate` and `evaluate` take the same chunks, so they give the same translations."""
+    return chunks(lines, min(CHUNK_LINES, engine.first_chunk_lines()), CHUNK_LINES)
+
+
+def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO[str], beam: int | None = None,
+                     nbest: int = 1, progress: bool = False, read_ahead: bool = False) -> StreamStats:
+    """Translate an (endless) stream of lines chunk by chunk, writing and flushing after each.
+
+    `read_ahead`: the next chunk is read and started before this one is written, so that an engine
+    decoding in the background (CTranslate2) never waits at the end of a chunk for its last batch.
+    Only for input that is all there already (a file): from a pipe, reading ahead would hold back
+    each chunk's output until the next chunk has arrived."""
+    stats = StreamStats()
+    started = time.perf_counter()
+    # (A disabled tqdm still starts its monitor thread, which costs every short run a tenth of a second at exit.)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="translate", unit="sent", file=sys.stderr)
+
+    def write(chunk: list[str], finish: Callable[[], list[list[Translation]]]) -> None:
+        texts = []
+        for offset, translations in enumerate(finish()):
+            if nbest > 1:
+                texts.extend(format_nbest(stats.sentences + offset, translations))
+            else:
+                texts.append(with_alignment(translations[0]))
+            stats.tokens += translations[0].n_tokens
+        write_fully(output, "\n".join(texts) + "\n")  # a full disk: an OSError naming the file
+        stats.sentences += len(chunk)
+        if bar is not None:
+            bar.update(len(chunk))
+
+    pending: tuple[list[str], Callable[[], list[list[Translation]]]] | None = None
+    read = 0
+    for chunk in input_chunks(engine, lines):
+        started_chunk = (chunk, engine.translate_later(chunk, beam=beam, nbest=nbest, first_line=read + 1))
+        read += len(chunk)
+        if pending is not None:
+            write(*pending)
+        pending = started_chunk
+        if not read_ahead:
+            write(*pending)
+            pending = None
+    if pending is not None:
+        write(*pending)
+    if bar is not None:
+        bar.close()
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def translate_texts(engine: TranslationEngine, lines: list[str], beam: int | None = None) -> list[str]:
+    """The best translation of each line, in the chunks `translate_stream` takes (each chunk
+    started before the one before it is collected, as translate_stream's `read_ahead`)."""
+    texts: list[str] = []
+    pending = None
+    read = 0
+    for chunk in input_chunks(engine, lines):
+        started = engine.translate_later(chunk, beam=beam, first_line=read + 1)
+        read += len(chunk)
+        if pending is not None:
+            texts += [t[0].text for t in pending()]
+        pending = started
+    if pending is not None:
+        texts += [t[0].text for t in pending()]
+    return texts
