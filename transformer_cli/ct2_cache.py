@@ -181,5 +181,5 @@ def _temporary_conversion(checkpoint: Path, cache: Path, why: OSError) -> Conver
     write_conversion(checkpoint, temporary)
     reason = why.strerror or type(why).__name__
     return Conversion(temporary, f"warning: {cache} cannot be written ({reason}): the CTranslate2 conversion of "
-                                 f"{checkpoint.name} went to a temporary directory, removed at exit (made again "
-                                 "by every command)", converted=True)
+                                 f"{checkpoint.name} went to the temporary directory {temporary}, removed at exit "
+                                 "(made again by every command)", converted=True)

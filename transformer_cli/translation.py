@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 from .budget import check_decoding_budget
 from .config import DecodeConfig
@@ -36,6 +36,7 @@ class TranslationEngine:
     its `decode` settings and `max_source_tokens`; `translate` is the same for every engine."""
 
     name: str  # "torch" (tfm's own) or "ctranslate2"
+    device: Any  # a torch.device (tfm's engine) or "cpu"/"cuda" (CTranslate2's)
     decode: DecodeConfig
     max_source_tokens: int  # per line, </s> excluded: longer lines are cut, with a warning
     decoding_processes: int = 1  # processes that have decoded so far

@@ -1,0 +1,259 @@
+"""decode.engine auto: CTranslate2 by default where it applies, its conversion cached beside the
+checkpoint; tfm's own engine, with the reason, where it does not.
+
+The tiny model is trained here for a few steps: the tests compare engines and files with each other,
+never with fixed strings, so they hold whichever CPU trained it.
+"""
+
+import gzip
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+from transformer_cli.checkpoint import bytes_to_tensor, load_checkpoint, save_checkpoint  # noqa: E402
+from transformer_cli.config import load_config  # noqa: E402
+from transformer_cli.ct2_cache import CACHE_NAME, cached_conversion  # noqa: E402
+from transformer_cli.train import train  # noqa: E402
+
+from .conftest import TFM, tfm_in_process, tiny_run  # noqa: E402
+
+LINES = "a b c d\nd c b a\n\nb b a c d\nc\n"
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_prepared, tmp_path_factory):
+    """(config file, checkpoint) of a tiny run trained for a few steps."""
+    root = tmp_path_factory.mktemp("engine")
+    config = tiny_run(tiny_prepared, root, max_steps=20, eval_every=20)
+    train(load_config(config), progress_bar=False)
+    return config, root / "run/checkpoints/checkpoint_last.pt"
+
+
+@pytest.fixture
+def checkpoint(trained, tmp_path):
+    """A private copy of the checkpoint (its cache starts empty)."""
+    own = tmp_path / "checkpoints" / "model.pt"
+    own.parent.mkdir()
+    shutil.copy(trained[1], own)
+    return own
+
+
+def conversions(checkpoint: Path) -> list[str]:
+    cache = checkpoint.parent / CACHE_NAME
+    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+
+
+def test_auto_translates_through_ctranslate2_as_the_exported_directory_does(checkpoint, tmp_path):
+    auto = tfm_in_process("translate", "--checkpoint", checkpoint, input=LINES)
+    assert auto.exit_code == 0, auto.stderr
+    assert "CTranslate2 int8 on cpu" in auto.stderr.splitlines()[-1]
+    assert "engine: torch" not in auto.stderr
+    [conversion] = conversions(checkpoint)
+    assert tfm_in_process("export", "--checkpoint", checkpoint, "-o", tmp_path / "exported").exit_code == 0
+    exported = tfm_in_process("translate", "--engine", "ctranslate2", "--model", tmp_path / "exported", input=LINES)
+    assert exported.exit_code == 0, exported.stderr
+    assert auto.stdout == exported.stdout and len(auto.stdout.splitlines()) == 5
+    greedy = [tfm_in_process("translate", *args, "--beam", "1", input=LINES).stdout for args in
+              (["--checkpoint", checkpoint], ["--engine", "ctranslate2", "--model", tmp_path / "exported"])]
+    assert greedy[0] == greedy[1]
+    assert conversions(checkpoint) == [conversion]  # reused, not converted again
+
+
+def test_the_cache_is_reused_and_follows_the_checkpoints_content(checkpoint, trained, tmp_path):
+    first = cached_conversion(checkpoint)
+    assert first.converted and first.directory.parent == checkpoint.parent / CACHE_NAME
+    again = cached_conversion(checkpoint)
+    assert not again.converted and again.directory == first.directory
+    os.utime(checkpoint, ns=(1, 1))  # same content, another identity: hashed, found, remembered
+    assert cached_conversion(checkpoint).directory == first.directory
+    assert len(json.loads((first.directory / "tfm_source.json").read_text())["identities"]) == 2
+    # A new checkpoint replaces the old by a rename, as training writes one: a new conversion, the old one gone.
+    payload = load_checkpoint(checkpoint)
+    payload["model"] = {name: tensor * 1.5 if name.endswith("weight") else tensor
+                        for name, tensor in payload["model"].items()}
+    save_checkpoint(tmp_path / "new.pt", payload)
+    os.replace(tmp_path / "new.pt", checkpoint)
+    changed = cached_conversion(checkpoint)
+    assert changed.converted and changed.directory != first.directory
+    assert conversions(checkpoint) == [changed.directory.name]
+
+
+def test_a_kill_mid_conversion_leaves_no_half_model(checkpoint):
+    converting = subprocess.Popen([sys.executable, "-c", "import sys; from transformer_cli.ct2_cache import "
+                                   "cached_conversion; cached_conversion(sys.argv[1])", str(checkpoint)])
+    cache = checkpoint.parent / CACHE_NAME
+    deadline = time.monotonic() + 60
+
+    def writing() -> bool:  # the first file of the conversion is in its staging directory
+        staging = [p for p in (cache.iterdir() if cache.exists() else []) if p.name.endswith(".staging")]
+        return any(any(s.iterdir()) for s in staging)
+
+    while not writing():
+        assert time.monotonic() < deadline and converting.poll() is None, "the conversion never started writing"
+        time.sleep(0.001)
+    converting.send_signal(signal.SIGKILL)
+    converting.wait()
+    assert not [n for n in conversions(checkpoint) if not n.startswith(".")], "a half conversion took the name"
+    done = cached_conversion(checkpoint)
+    assert done.converted and conversions(checkpoint) == [done.directory.name]  # the dead writer's staging removed
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, input=LINES)
+    assert result.exit_code == 0 and "CTranslate2" in result.stderr
+
+
+def test_two_first_uses_at_once_end_with_one_good_conversion(checkpoint, tmp_path):
+    source = tmp_path / "in.txt"
+    source.write_text(LINES * 20)
+    runs = [subprocess.Popen([*TFM, "translate", "--checkpoint", str(checkpoint), "-i", str(source), "-o",
+                              str(tmp_path / f"out{i}")], stderr=subprocess.PIPE, text=True) for i in range(2)]
+    errors = [run.communicate()[1] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], errors
+    assert all("CTranslate2 int8" in e for e in errors), errors
+    assert (tmp_path / "out0").read_text() == (tmp_path / "out1").read_text()
+    assert len(conversions(checkpoint)) == 1  # one conversion, no staging directory left
+
+
+def test_an_unwritable_checkpoint_directory_converts_into_a_temporary_one(checkpoint):
+    (checkpoint.parent / CACHE_NAME).write_text("not a directory")  # the cache cannot be made there
+    proc = subprocess.run([*TFM, "translate", "--checkpoint", str(checkpoint)], input=LINES, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "cannot be written" in proc.stderr and "CTranslate2 int8" in proc.stderr
+    temporary = next(w for w in proc.stderr.split() if "tfm-ctranslate2-" in w)
+    assert not Path(temporary.rstrip(",:")).exists()  # removed at exit
+    assert (checkpoint.parent / CACHE_NAME).read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--checkpoint", "{ckpt}", "--checkpoint", "{ckpt}"], "engine: torch (ensembles are tfm's own)"),
+    (["--checkpoint", "{ckpt}", "--alignment"], "engine: torch (word alignments are tfm's own)"),
+    (["--checkpoint", "{ckpt}", "--sample", "--nbest", "2"], "engine: torch (sampling is tfm's own"),
+    (["--checkpoint", "{ckpt}", "--quantize", "int8"], "engine: torch (--quantize is tfm's own int8"),
+    (["--checkpoint", "{ckpt}", "--set", "decode.precision=fp32"], "engine: torch (decode.precision fp32"),
+])
+def test_settings_only_tfm_has_fall_back_to_its_engine_and_say_why(checkpoint, args, reason):
+    args = [a.replace("{ckpt}", str(checkpoint)) for a in args]
+    result = tfm_in_process("translate", *args, input=LINES)
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count(reason) == 1, result.stderr
+    assert "tfm's engine (torch)" in result.stderr.splitlines()[-1]
+    explicit = tfm_in_process("translate", "--engine", "ctranslate2", *args, input=LINES)
+    assert explicit.exit_code == 2 and f"--engine ctranslate2: {reason.split('(', 1)[1].rstrip(')')}" in explicit.stderr
+
+
+def test_without_ctranslate2_tfm_translates_with_its_engine_and_says_how_to_get_it(checkpoint, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # `import ctranslate2` raises ImportError
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, input=LINES)
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("engine: torch (CTranslate2 is not installed: pip install ctranslate2") == 1
+    assert not conversions(checkpoint)
+    explicit = tfm_in_process("translate", "--engine", "ctranslate2", "--checkpoint", checkpoint, input=LINES)
+    assert explicit.exit_code == 2 and "not installed" in explicit.stderr
+
+
+def test_a_model_ctranslate2_cannot_express_falls_back(checkpoint, tiny_prepared, tmp_path):
+    """A vocabulary whose special pieces sit at other ids (CTranslate2 finds them by their text)."""
+    payload = load_checkpoint(checkpoint)
+    size = payload["model_config"]["tgt_vocab_size"]
+    text = tmp_path / "text.txt"
+    text.write_text(gzip.decompress((tiny_prepared[0] / "train.src.gz").read_bytes()).decode())
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(input=str(text), model_writer=model, vocab_size=size, model_type="bpe",
+                                   pad_id=3, unk_id=1, bos_id=2, eos_id=0, minloglevel=2)
+    assert spm.SentencePieceProcessor(model_proto=model.getvalue()).vocab_size() == size
+    payload["spm_src"] = payload["spm_tgt"] = bytes_to_tensor(model.getvalue())
+    save_checkpoint(checkpoint, payload)
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, input=LINES)
+    assert result.exit_code == 0, result.stderr
+    assert "engine: torch (CTranslate2 cannot express this model: source vocabulary id 3 is '<pad>'" in result.stderr
+    assert not [n for n in conversions(checkpoint) if not n.startswith(".")]
+
+
+def test_evaluate_uses_the_same_engine(trained, tmp_path):
+    config, _ = trained
+    result = tfm_in_process("evaluate", "--config", config, "--split", "test", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["engine"].startswith("CTranslate2 int8")
+    torch_run = json.loads(tfm_in_process("evaluate", "--config", config, "--split", "test", "--json",
+                                          "--engine", "torch").stdout)
+    assert torch_run["engine"].startswith("tfm's engine (torch)")
+
+
+def test_settings_and_options_of_the_engine_are_checked():
+    bad = tfm_in_process("translate", "--engine", "onnx", "--checkpoint", "x.pt", input="a\n")
+    assert bad.exit_code == 2 and "--engine onnx: choose auto, torch, ctranslate2" in bad.stderr
+
+
+def test_without_quantize_dynamic_the_torch_fallback_ends_in_fp32_with_a_message(monkeypatch):
+    """torch.ao.quantization is deprecated: its removal must leave tfm working (fp32, saying why)."""
+    import torch.ao.quantization
+
+    from transformer_cli import cpu_inference, precision
+
+    monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")
+    cpu_inference.int8_quantization_works.cache_clear()
+    monkeypatch.setattr(precision, "choose_precision",  # a CPU where auto would pick int8 (no fast bf16)
+                        lambda *a, **k: precision.PrecisionChoice(False, "no fast bf16 on this CPU"))
+    monkeypatch.delenv(precision.PRECISION_ENV, raising=False)
+    try:
+        choice = precision.choose_decoding_precision("auto", torch.device("cpu"))
+        assert not choice.int8 and not choice.bf16 and "int8 quantization unavailable" in choice.reason
+    finally:
+        cpu_inference.int8_quantization_works.cache_clear()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/translate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_serve_decodes_through_ctranslate2_as_translate_does(checkpoint):
+    """The same answers as `tfm translate`, where the length limit is the same for every line (CTranslate2
+    takes one limit per batch, and the server batches lines otherwise than translate does)."""
+    lines = [line for line in LINES.splitlines()]
+    fixed_limit = ["--set", "decode.max_len_a=0", "--set", "decode.max_len_b=12"]
+    expected = tfm_in_process("translate", "--checkpoint", checkpoint, *fixed_limit, input=LINES).stdout.splitlines()
+    port = free_port()
+    server = subprocess.Popen([*TFM, "serve", "--checkpoint", str(checkpoint), "--port", str(port), *fixed_limit],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        banner = server.stderr.readline()
+        assert "CTranslate2 int8" in banner, banner
+        for _ in range(100):
+            try:
+                status, body = post(port, {"text": lines})
+                break
+            except (ConnectionError, urllib.error.URLError):
+                time.sleep(0.1)
+        assert status == 200 and body["translations"] == expected
+        status, body = post(port, {"text": lines[:1], "sample": True})
+        assert status == 422 and "sampling" in body["error"] and "CTranslate2" in body["error"]
+        assert post(port, {"text": lines[:2]})[1]["translations"] == expected[:2]  # the server goes on
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
