@@ -6,7 +6,11 @@
 
 Systems: tfm fp32, tfm bf16 (where precision: auto picks it, or with --bf16), tfm int8
 (dynamic int8 Linear layers), CTranslate2 float32 and int8 (the checkpoint exported with
-`tfm export`). Greedy and beam 5, batches of --batch-size sentences, natural output lengths (each
+`tfm export`), "tfm default" (what `tfm translate --checkpoint` runs: decode.engine auto through
+tfm's own translate path, chunks, tokenization and detokenization included) and "CT2 direct"
+(ctranslate2.Translator.translate_batch called directly on the sentencepiece pieces, max_batch_size
+= --batch-size, one thread per core, as a CTranslate2 user would write it). Target: tfm default /
+CT2 direct ≥ 0.95x (CPU: int8; CUDA: float16) for greedy and beam 5. Greedy and beam 5, batches of --batch-size sentences, natural output lengths (each
 system stops at </s>). Each system's settings are the checkpoint's decode settings; CTranslate2's
 length penalty is len^alpha where tfm's is GNMT's ((5+len)/6)^alpha (docs/translation.md), so beam-5 BLEU
 may differ slightly between the two engines. Prints one markdown table row per system and beam
@@ -38,9 +42,55 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import machine_line  # noqa: E402
 
+from transformer_cli.cpu import usable_cores  # noqa: E402
+from transformer_cli.engine import open_engine  # noqa: E402
 from transformer_cli.files import read_lines  # noqa: E402
+from transformer_cli.translation import Translation, translate_texts  # noqa: E402
 from transformer_cli.precision import choose_decoding_precision  # noqa: E402
 from transformer_cli.translate import Translator  # noqa: E402
+
+
+class DefaultPath:
+    """`tfm translate --checkpoint CKPT`'s engine (decode.engine auto) through tfm's translate path."""
+
+    def __init__(self, checkpoint: str, device: str, overrides: list[str]):
+        self.engine = open_engine(None, overrides, [Path(checkpoint)], device=device)
+        self.decode, self.name = self.engine.decode, f"tfm default ({self.engine.describe()})"
+
+    @property
+    def decoding_processes(self) -> int:
+        return self.engine.decoding_processes
+
+    def translate(self, lines: list[str], beam: int) -> list[list[Translation]]:
+        self.engine.decode = self.decode
+        return [[Translation(text, 0.0, 0)] for text in translate_texts(self.engine, lines, beam=beam)]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class DirectCT2:
+    """ctranslate2.Translator.translate_batch on the pieces, with sentencepiece around it."""
+
+    def __init__(self, folder: Path, device: str, batch_size: int, length_penalty: float):
+        import ctranslate2
+        import sentencepiece as spm
+
+        cores = usable_cores() if device == "cpu" else 1
+        self.translator = ctranslate2.Translator(str(folder), device=device, compute_type="int8" if device == "cpu"
+                                                 else "float16", inter_threads=cores, intra_threads=1)
+        self.src = spm.SentencePieceProcessor(model_file=str(folder / "source.spm.model"))
+        self.tgt = spm.SentencePieceProcessor(model_file=str(folder / "target.spm.model"))
+        self.batch_size, self.length_penalty, self.decoding_processes = batch_size, length_penalty, cores
+
+    def translate(self, lines: list[str], beam: int) -> list[list[Translation]]:
+        results = self.translator.translate_batch(self.src.encode(lines, out_type=str), beam_size=beam,
+                                                  max_batch_size=self.batch_size,
+                                                  length_penalty=self.length_penalty if beam > 1 else 0.0)
+        return [[Translation(self.tgt.decode_pieces(r.hypotheses[0]), 0.0, 0)] for r in results]
+
+
+SINGLE = ("tfm default", "CT2 direct")  # run as they come: their threads are their own choice
 
 
 def main() -> None:
@@ -91,6 +141,10 @@ def main() -> None:
                     folder, device=args.device, compute_type=ct, threads=args.threads, overrides=overrides))
         if gpu and not supported:
             print("this CTranslate2 build sees no CUDA device: CT2 left out", file=sys.stderr)
+        else:
+            length_penalty = Translator.from_checkpoint(args.checkpoint, device="cpu").decode.length_penalty
+            systems["tfm default"] = lambda: DefaultPath(args.checkpoint, args.device, overrides)
+            systems["CT2 direct"] = lambda: DirectCT2(folder, args.device, args.batch_size, length_penalty)
     except ImportError:
         print("ctranslate2 not installed: skipping CT2 (pip install -e '.[ct2]')", file=sys.stderr)
 
@@ -100,11 +154,12 @@ def main() -> None:
           f"{args.threads} threads); fastest of {args.rounds} alternating rounds; tfm's default here: {default}")
     # tfm first: its workers fork before CTranslate2 starts any thread in this process.
     entries = []  # (system, workers, translator)
-    for name, make in sorted(systems.items(), key=lambda item: item[0].startswith("CT2")):
-        for workers in ("auto",) if gpu else ("auto", 1):  # a GPU is driven by one process
+    for name, make in sorted(systems.items(), key=lambda item: item[0].startswith("CT2") or item[0] in SINGLE):
+        for workers in ("auto",) if gpu or name in SINGLE else ("auto", 1):  # a GPU is driven by one process
             try:
                 translator = make()
-                translator.decode = translator.decode.model_copy(update={"workers": workers})
+                if name not in SINGLE:
+                    translator.decode = translator.decode.model_copy(update={"workers": workers})
                 translator.translate(src[: 2 * args.batch_size], beam=1)  # starts the workers
             except Exception as error:  # noqa: BLE001 - e.g. a CUDA library this CT2 build needs is missing
                 print(f"{name}: could not run on {args.device}: {str(error).splitlines()[0][:200]}", file=sys.stderr)
@@ -116,10 +171,12 @@ def main() -> None:
     # The pairs behind the target ratios (workers auto) run next to each other, first in a round;
     # the order flips every round. Targets: tfm's default precision ≥ 1.0x CTranslate2 float32 (beam 5:
     # ≥ 1.3x where the default is bf16), tfm int8 ≥ 1.0x CTranslate2 int8.
-    pairs = [(default, "CT2 float32", {1: 1.0, 5: 1.3 if default == "tfm bf16" else 1.0}),
+    pairs = [("tfm default", "CT2 direct", {1: 0.95, 5: 0.95}),
+             (default, "CT2 float32", {1: 1.0, 5: 1.3 if default == "tfm bf16" else 1.0}),
              ("tfm int8", "CT2 int8", {1: 1.0, 5: 1.0})]
     if gpu:  # no stated target on a GPU: the ratios against CT2's half-precision types
-        pairs = [(default, "CT2 bfloat16", {}), (default, "CT2 float16", {})]
+        pairs = [("tfm default", "CT2 direct", {1: 0.95, 5: 0.95}), (default, "CT2 bfloat16", {}),
+                 (default, "CT2 float16", {})]
     running = {e[0] for e in entries}
     pairs = [(ours, theirs, target) for ours, theirs, target in pairs if ours in running and theirs in running]
     in_pairs = {name for ours, theirs, _ in pairs for name in (ours, theirs)}
@@ -143,7 +200,7 @@ def main() -> None:
     for beam in beams:
         for ours, theirs, targets in pairs:
             ratios = [t / o for o, t in zip(seconds[(ours, "auto", beam)], seconds[(theirs, "auto", beam)])]
-            target = f", target ≥ {targets[beam]:.1f}x" if beam in targets else ""
+            target = f", target ≥ {targets[beam]:.2f}x" if beam in targets else ""
             print(f"beam {beam}: {ours} / {theirs} (workers auto) {statistics.median(ratios):.2f}x, median of "
                   f"{len(ratios)} rounds ({', '.join(f'{r:.2f}' for r in ratios)}){target}")
     for _, _, translator in entries:

@@ -7,8 +7,8 @@
 
 Each client sends one sentence per request, over its own kept-alive connection, and waits for the
 answer before sending the next. Per client count: --requests requests (at most --seconds of
-sending), requests/s, p50/p99 latency, and how many answers differ from `tfm translate`'s for the
-same sentence (dynamic batching puts a sentence beside other sentences than `tfm translate`
+sending), requests/s, p50/p99 latency, and how many answers differ from `tfm translate`'s (with the
+same engine) for the same sentence (dynamic batching puts a sentence beside other sentences than `tfm translate`
 does; in bf16 that may change a word now and then, in fp32 it should not).
 
 Two peers, measured before the server starts: `tfm translate` on the whole file (length-sorted full
@@ -18,6 +18,10 @@ decoding processes as the server splits a batch (decode.batching: balanced; the 
 when each client has one sentence in flight). Target: with 64 clients ≥ 0.8x the second; the first shows what one-sentence
 requests cost against whole-file translation. `--abusive` adds one client that sends bad requests
 throughout (target: 0 errors among the good clients, only 4xx for the bad ones).
+
+`--engines torch,auto` measures a server on each engine in turn (tfm's own; the default, CTranslate2
+where it applies) and prints auto's requests/s over torch's per client count. Target: ≥ 1.5x with
+64 clients.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import machine_line  # noqa: E402
 
+from transformer_cli.engine import open_engine  # noqa: E402
 from transformer_cli.files import read_lines  # noqa: E402
 from transformer_cli.serve import request_batch_decode  # noqa: E402
-from transformer_cli.translate import Translator  # noqa: E402
+from transformer_cli.translation import TranslationEngine  # noqa: E402
 
 
 def free_port() -> int:
@@ -48,9 +53,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int) -> subprocess.Popen:
+def start_server(args, port: int, engine: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "transformer_cli.cli", "serve", "--checkpoint", args.checkpoint,
-               "--port", str(port), *[a for s in args.set for a in ("--set", s)]]
+               "--port", str(port), "--engine", engine, *[a for s in args.set for a in ("--set", s)]]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -142,7 +147,7 @@ def load(port: int, sentences: list[str], clients: int, requests: int, seconds: 
             "answers": answers, "abuse": abuse}
 
 
-def grouped_rate(translator: Translator, sentences: list[str], group: int, limit: int = 256) -> float:
+def grouped_rate(translator: TranslationEngine, sentences: list[str], group: int, limit: int = 256) -> float:
     """Sentences/s of `translator` on random groups of `group` sentences (at most `limit` in all,
     a fixed shuffle), each group's batches split over the decoding processes as `tfm serve` does."""
     lines = random.Random(0).sample(sentences, min(limit, len(sentences)))
@@ -163,24 +168,38 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="decode.* settings for both (e.g. decode.beam=1).")
     parser.add_argument("--abusive", action="store_true", help="One more client sending bad requests throughout "
                         "(target: 0 errors among the good clients, a 4xx for every bad request).")
+    parser.add_argument("--engines", default="auto", help="Comma-separated engines, each served in turn "
+                        "(torch, auto, ctranslate2); with torch and auto, auto's requests/s over torch's.")
     args = parser.parse_args()
     sentences = read_lines(args.src)
     print(machine_line())
+    client_counts = [int(c) for c in args.clients.split(",")]
+    rates: dict[str, dict[int, float]] = {}
+    for engine in args.engines.split(","):
+        rates[engine] = measure(args, engine, sentences, client_counts)
+    if "torch" in rates and "auto" in rates:
+        for clients in client_counts:
+            target = ", target ≥ 1.5x" if clients == 64 else ""
+            print(f"{clients} clients: auto / torch {rates['auto'][clients] / rates['torch'][clients]:.2f}x "
+                  f"requests/s{target}")
 
-    translator = Translator.from_checkpoint(args.checkpoint, device="cpu", overrides=args.set or None)
+
+def measure(args, engine: str, sentences: list[str], client_counts: list[int]) -> dict[int, float]:
+    """The table for a server on `engine`; its requests/s per client count."""
+    translator = open_engine(None, args.set or None, [Path(args.checkpoint)], device="cpu", engine=engine)
     translator.translate(sentences[:64])  # warm-up (starts the decoding workers)
     started = time.perf_counter()
     expected = [t[0].text for t in translator.translate(sentences)]
     translate_rate = len(sentences) / (time.perf_counter() - started)
-    client_counts = [int(c) for c in args.clients.split(",")]
     group_rates = {c: grouped_rate(translator, sentences, c) for c in client_counts}
     translator.close()
-    print(f"tfm translate: {len(sentences)} sentences, {translate_rate:.1f} sentences/s "
-          f"(beam {translator.decode.beam}, {translator.precision.describe()}); in random groups of "
+    print(f"\n--engine {engine}: tfm translate: {len(sentences)} sentences, {translate_rate:.1f} sentences/s "
+          f"(beam {translator.decode.beam}, {translator.describe()}); in random groups of "
           + ", ".join(f"{c}: {rate:.1f}" for c, rate in group_rates.items()))
 
     port = free_port()
-    server = start_server(args, port)
+    server = start_server(args, port, engine)
+    rates = {}
     try:
         load(port, sentences, 4, 64, 30)  # warm-up
         print("| clients | requests | errors | requests/s | vs tfm translate | vs groups of as many | p50 ms | p99 ms "
@@ -188,6 +207,7 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|")
         for clients in client_counts:
             result = load(port, sentences, clients, args.requests, args.seconds, args.abusive)
+            rates[clients] = result["per_s"]
             differ = sum(text != expected[i % len(sentences)] for i, text in result["answers"].items())
             print(f"| {clients} | {result['requests']} | {result['errors']} | {result['per_s']:.1f} | "
                   f"{result['per_s'] / translate_rate:.2f}x | {result['per_s'] / group_rates[clients]:.2f}x | "
@@ -202,6 +222,7 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=60)
     print(f"server exit code after SIGTERM: {server.returncode}")
+    return rates
 
 
 if __name__ == "__main__":

@@ -533,6 +533,25 @@ CASES = [
     Case("translate: decode.alignment_layer past the last layer", translate_input(
         b"wa\n", "--alignment", "--set", "decode.alignment_layer=9"), 2,
          "decode.alignment_layer=9: the model has 1 decoder layer(s)", needs_checkpoint=True),
+    # the engine (decode.engine auto: CTranslate2 where it applies)
+    *[Case(f"translate: {name}", lambda case, d, r, ck, args=args: (
+        ["translate", "--checkpoint", ck, *[ck if a == "{again}" else a for a in args]], b"wa\n"),
+           2, message, needs_checkpoint=True) for name, args, message in (
+        ("decode.engine=onnx", ["--set", "decode.engine=onnx"], "key 'decode.engine'"),
+        ("decode.compute_type=int4", ["--set", "decode.compute_type=int4"], "key 'decode.compute_type'"),
+        ("--engine onnx", ["--engine", "onnx"], "--engine onnx: choose auto, torch, ctranslate2"),
+        ("--compute-type with --engine torch", ["--engine", "torch", "--compute-type", "int8"],
+         "--compute-type is CTranslate2's"),
+        ("--compute-type float8", ["--compute-type", "float8"], "--compute-type float8 is not supported on this cpu"),
+        ("--engine ctranslate2 --sample", ["--engine", "ctranslate2", "--sample"],
+         "--engine ctranslate2: sampling is tfm's own"),
+        ("--engine ctranslate2 with an ensemble", ["--engine", "ctranslate2", "--checkpoint", "{again}"],
+         "--engine ctranslate2: ensembles are tfm's own"),
+        ("--model of no directory", ["--model", "nowhere"], "--checkpoint/--quantize are for tfm's engine"),
+    )],
+    Case("translate: --model with --engine torch", lambda case, d, r, ck: (
+        ["translate", "--engine", "torch", "--model", case], b"wa\n"), 2,
+         "--model DIR is a CTranslate2 directory", needs_checkpoint=True),
     *[Case(f"serve: {option} {value}", lambda case, d, r, ck, option=option, value=value: (
         ["serve", "--checkpoint", ck, option, value], None), 2, "", usage_error(option), needs_checkpoint=True)
       for option, value in (("--port", "70000"), ("--max-lines", "0"), ("--max-wait-ms", "-1"))],

@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # this module imports neither torch nor numpy: CTranslate2 tr
 
     from .model import Transformer, TransformerConfig
 
-INSTALL_HINT = "ctranslate2 is not installed: pip install -e '.[ct2]' (or pip install ctranslate2)"
+INSTALL_HINT = "ctranslate2 is not installed: pip install ctranslate2 (a dependency of tfm where its wheels exist)"
 SRC_SPM, TGT_SPM, TFM_JSON = "source.spm.model", "target.spm.model", "tfm_decode.json"
 SPECIAL_PIECES = {UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
 

@@ -276,7 +276,12 @@ def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO
     pending: tuple[list[str], Callable[[], list[list[Translation]]]] | None = None
     read = 0
     for chunk in input_chunks(engine, lines):
-        started_chunk = (chunk, engine.translate_later(chunk, beam=beam, nbest=nbest, first_line=read + 1))
+        try:
+            started_chunk = (chunk, engine.translate_later(chunk, beam=beam, nbest=nbest, first_line=read + 1))
+        except BaseException:
+            if pending is not None:  # what was translated before the failure is written first
+                write(*pending)
+            raise
         read += len(chunk)
         if pending is not None:
             write(*pending)
