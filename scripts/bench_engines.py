@@ -104,6 +104,7 @@ def main() -> None:
                         help="also time tfm bf16 where tfm's auto precision does not pick it")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--only", help="comma-separated systems to run (e.g. 'tfm default,CT2 direct')")
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs per system and beam, in alternating rounds; the table prints the fastest")
     args = parser.parse_args()
@@ -148,6 +149,8 @@ def main() -> None:
     except ImportError:
         print("ctranslate2 not installed: skipping CT2 (pip install -e '.[ct2]')", file=sys.stderr)
 
+    if args.only:
+        systems = {name: make for name, make in systems.items() if name in args.only.split(",")}
     print(machine_line(device))
     print(f"{len(src)} sentences, batch {args.batch_size}, {args.device}, {args.threads} threads; each system with decode.workers "
           f"auto (one process, or CT2 inter_thread, per core; one thread each) and 1 (one process, "

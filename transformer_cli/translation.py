@@ -26,7 +26,8 @@ from .hypothesis import Hypothesis
 @dataclass
 class Translation:
     text: str
-    score: float  # the search's score: length-normalised log-probability (greedy: the plain sum)
+    score: float  # the search's score: length-normalised log-probability (greedy: the plain sum); NaN where not
+    # computed (CTranslate2 with one hypothesis: nothing prints it, and it costs 4% of greedy's time)
     n_tokens: int
     alignment: str | None = None  # "i-j i-j …" source word i ~ target word j (0-based), when asked for
 
