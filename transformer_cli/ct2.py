@@ -588,6 +588,7 @@ class CT2Translator(TranslationEngine):
     """
 
     name = "ctranslate2"
+    decodes_in_background = True  # its threads: search_later submits and returns
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", compute_type: str | None = None,
                  threads: int = 0, decode: DecodeConfig | None = None, overrides: list[str] | None = None):

@@ -102,6 +102,7 @@ class Job:
 
 
 Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a call of the engine off the event loop
+IN_FLIGHT = 2  # request batches decoding at once (Batcher.run)
 
 
 class MainThreadDecoder:
@@ -172,9 +173,17 @@ class Batcher:
         return await job.done
 
     async def run(self) -> None:
-        """Collect and decode batches until cancelled (two at once measured slower: smaller batches)."""
+        """Collect and decode batches until cancelled. A batch is started on the decoding thread and
+        finished off it (`TranslationEngine.translate_later`), so that an engine decoding in the
+        background (CTranslate2) gets the next batch while it finishes this one and its threads never
+        wait at a batch's end; at most IN_FLIGHT batches at once. tfm's engine decodes the whole batch
+        when it is started: for it one batch at a time, collected while the last one decoded (two at
+        once measured slower: smaller batches)."""
         loop = asyncio.get_running_loop()
+        in_flight = asyncio.Semaphore(IN_FLIGHT if self.engine.decodes_in_background else 1)
+        finishing: set[asyncio.Task] = set()
         while True:
+            await in_flight.acquire()  # a batch is collected once it can start: as large as it can be
             jobs = [await self.queue.get()]
             deadline = loop.time() + self.max_wait
             while sum(len(j.lines) for j in jobs) < self.max_batch_lines:
@@ -186,8 +195,14 @@ class Batcher:
             groups: dict[str, list[Job]] = {}  # requests with the same settings decode together
             for job in jobs:
                 groups.setdefault(job.decode.model_dump_json(), []).append(job)
-            for same in groups.values():
-                await self._decode_together(same, same[0].decode)
+            for number, same in enumerate(groups.values()):
+                if number:
+                    await in_flight.acquire()
+                task = asyncio.create_task(self._decode_together(same, same[0].decode))
+                finishing.add(task)
+                task.add_done_callback(finishing.discard)
+                task.add_done_callback(lambda _: in_flight.release())
+                await asyncio.sleep(0)  # the task starts its batch before the next is collected
 
     async def _decode_together(self, jobs: list[Job], decode: DecodeConfig) -> None:
         jobs = [job for job in jobs if not job.done.done()]  # a client that went away cancelled its future
@@ -195,11 +210,14 @@ class Batcher:
             return
         lines = [line for job in jobs for line in job.lines]
         decode = request_batch_decode(decode, len(lines), self.processes)
-        def call() -> list[list[Translation]]:  # long lines are cut silently: one client must not flood the log
-            return self.engine.translate(lines, nbest=decode.nbest, decode=decode, warn_long=False)
+        def start() -> Callable[[], list[list[Translation]]]:  # long lines are cut silently: one client must not flood the log
+            return self.engine.translate_later(lines, nbest=decode.nbest, decode=decode, warn_long=False)
 
         try:
-            results = await self.runner(call)
+            if self.engine.decodes_in_background:  # waited for off the decoding thread, which starts the next batch
+                results = await asyncio.to_thread(await self.runner(start))
+            else:
+                results = await self.runner(lambda: start()())
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             if len(jobs) > 1 and not isinstance(exc, DecodingProcessDied):
                 for job in jobs:  # isolation: only the request that fails alone gets the error

@@ -43,6 +43,7 @@ class TranslationEngine:
     decoding_processes: int = 1  # processes that have decoded so far
     # Bytes a search may take (budget.py); None: no check. `tfm translate` and `tfm serve` set it.
     memory_limit: int | None = None
+    decodes_in_background = False  # `search_later` returns before the search is done (CTranslate2)
 
     def describe(self) -> str:
         """The engine and what it computes in, for the line commands print (`tfm translate`'s last)."""
