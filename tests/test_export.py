@@ -155,7 +155,7 @@ def test_cli_export_and_translate_stream(reverse_model, tmp_path):
             assert proc.stdout == torch_out.stdout  # same order, same empty lines, same words
     for args, message in ((["--model", str(tmp_path / "nothing")], "not a CTranslate2 model directory"),
                           (["--model", str(out), "--compute-type", "float8"], "--compute-type float8"),
-                          ([], "needs --model")):
+                          ([], "give --checkpoint, or --config")):
         result = tfm_in_process("translate", "--engine", "ctranslate2", *args, input="wa\n")
         assert result.exit_code == 2 and message in result.stderr
 

@@ -562,7 +562,7 @@ def test_a_full_disk_under_stdout_or_output_is_one_line_exit_2(reverse_model, he
     text = ("\n".join(src) + "\n").encode()
     env = {**os.environ, "PYTHONUNBUFFERED": unbuffered}
     args = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "1", "--workers", "1",
-            "--set", "decode.precision=fp32"]
+            "--engine", "torch", "--set", "decode.precision=fp32"]
     full = subprocess.run(args, input=text, capture_output=True, env=env)
     assert full.returncode == 0, full.stderr.decode()
     limit = len(full.stdout) - 5
