@@ -32,7 +32,7 @@ from transformer_cli.cpu_inference import pack_linear_layers
 from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData
 from transformer_cli.precision import choose_precision
 from transformer_cli.rundir import RunDirectory
-from transformer_cli.translate import decode_batches, decode_in_batches
+from transformer_cli.translate import decode_task, decode_in_batches
 from transformer_cli.translation import length_sorted_batches
 from transformer_cli.workers import DecodingWorkers, resolve_workers
 
@@ -115,8 +115,8 @@ def main() -> None:
     # tfm as `tfm translate` runs by default (decode.workers: auto, one process of one thread per
     # core), and in one process with all threads (decode.workers: 1), as HF generate runs.
     processes = resolve_workers(args.workers, device)
-    pool = DecodingWorkers(partial(decode_batches, tfm, device), processes)
-    single = DecodingWorkers(partial(decode_batches, tfm, device), 1)
+    pool = DecodingWorkers(partial(decode_task, tfm, device), processes)
+    single = DecodingWorkers(partial(decode_task, tfm, device), 1)
 
     def run_tfm(beam: int, workers: DecodingWorkers) -> None:
         decode_in_batches(tfm, sources, decode, device, beam=beam, min_len=args.length, max_len=args.length,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -338,3 +339,40 @@ def initial_decoder_state(memory: torch.Tensor, src_mask: torch.Tensor, cross_at
     # inverting a boolean mask and filling a copy of the scores, per layer and step.
     additive = torch.zeros(src_mask.shape, device=src_mask.device).masked_fill_(~src_mask, float("-inf"))
     return DecoderState(layers, additive)
+
+
+class SearchState(Protocol):
+    """What a search does with a decoder state: a `DecoderState`, or an ensemble's
+    (`ensemble.EnsembleState`), which applies each operation to every member's."""
+
+    @property
+    def length(self) -> int: ...
+
+    positions: torch.Tensor | None
+
+    @property
+    def self_mask(self) -> torch.Tensor | None: ...
+
+    @property
+    def source_width(self) -> int: ...
+
+    def admit(self, rows: torch.Tensor, joining: Any, sentences: torch.Tensor) -> None: ...
+
+    def narrow_sources(self, width: int) -> None: ...
+
+    def drop_front(self, slots: int) -> None: ...
+
+    def reorder(self, rows: torch.Tensor, sentences: torch.Tensor | None = None) -> SearchState: ...
+
+
+class SearchModel(Protocol):
+    """What a search calls: a `model.Transformer`, or an `ensemble.Ensemble` of them."""
+
+    @property
+    def cfg(self) -> Any: ...  # pad_id, max_positions
+
+    def encode(self, src: torch.Tensor) -> tuple[Any, torch.Tensor]: ...
+
+    def init_state(self, memory: Any, src_mask: torch.Tensor, beams: int = 1, max_len: int = 32) -> SearchState: ...
+
+    def decode_step(self, tokens: torch.Tensor, state: Any) -> torch.Tensor: ...

@@ -1,4 +1,6 @@
-"""Search: greedy and beam decoding over the model's incremental API (encode once, cached steps)."""
+"""Search: greedy, sampling and beam decoding over the model's incremental API (encode once,
+cached steps). What a search is asked for travels as one `SearchSettings`; greedy and sampling are
+one loop (`greedy_search_continuous`) that differs only in how it picks each token (`PickRule`)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,54 @@ import gc
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from .decoder_state import DecoderState
+from .decoder_state import SearchModel, SearchState
 from .hypothesis import Hypothesis
-from .model import Transformer
+
+if TYPE_CHECKING:
+    from .config import DecodeConfig
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Random sampling instead of search (back-translation): each token is drawn from the model's
+    distribution at `temperature`, restricted to the `top_k` most probable tokens (0: all) and to
+    the smallest set whose probability reaches `top_p` (nucleus sampling, Holtzman et al., 2020)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """What one search is asked for, built once from the decode settings (`from_decode`) and handed
+    unchanged to every worker and batch."""
+
+    beam: int = 1  # 1: greedy (or sampling)
+    nbest: int = 1  # hypotheses per sentence (samples, when sampling)
+    length_penalty: float = 0.6  # GNMT alpha (beam search)
+    max_len_a: float = 1.5  # output tokens at most a · source length + b
+    max_len_b: int = 10
+    min_len: int = 0  # output tokens at least (benchmarks that force lengths)
+    sampling: Sampling | None = None  # draw tokens instead of searching
+
+    @classmethod
+    def from_decode(cls, decode: DecodeConfig, beam: int | None = None, nbest: int = 1, min_len: int = 0,
+                    max_len: int | None = None) -> SearchSettings:
+        """`decode`'s settings; `beam` replaces its beam, `max_len` forces the length limit to a constant."""
+        a, b = (0.0, max_len) if max_len is not None else (decode.max_len_a, decode.max_len_b)
+        sampling = Sampling(decode.temperature, decode.top_k, decode.top_p, decode.seed) if decode.sample else None
+        return cls(decode.beam if beam is None else beam, nbest, decode.length_penalty, a, b, min_len, sampling)
+
+    @property
+    def continuous(self) -> bool:
+        """Greedy: a task's batches decode together, with continuous batching."""
+        return self.beam <= 1 and self.sampling is None
 
 
 Search = TypeVar("Search", bound=Callable)
@@ -133,8 +176,22 @@ def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | f
     return ((5.0 + length) / 6.0) ** alpha
 
 
+class PickRule(Protocol):
+    """How a one-token-a-step search picks: log-probabilities (A, V) of the live rows and the
+    sentence (row of the whole input) each decodes → the picked tokens' log-probabilities (A,) and
+    the tokens (A,)."""
+
+    def __call__(self, logprobs: torch.Tensor, sentences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def most_probable(logprobs: torch.Tensor, sentences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy search's pick rule: the arg-max."""
+    best, tokens = top_k(logprobs, 1)
+    return best.squeeze(1), tokens.squeeze(1)
+
+
 def greedy_search(
-    model: Transformer, src: torch.Tensor, bos: int, eos: int,
+    model: SearchModel, src: torch.Tensor, bos: int, eos: int,
     max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
 ) -> list[Hypothesis]:
     """Arg-max decoding of a (B, S) source batch; finished rows leave the batch."""
@@ -144,8 +201,8 @@ def greedy_search(
 @without_cyclic_gc
 @torch.inference_mode()
 def greedy_search_continuous(
-    model: Transformer, batches: list[torch.Tensor], bos: int, eos: int,
-    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
+    model: SearchModel, batches: list[torch.Tensor], bos: int, eos: int,
+    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0, pick: PickRule = most_probable,
 ) -> list[list[Hypothesis]]:
     """greedy_search over several (B_i, S_i) source batches with continuous batching: up to B_0 rows
     decode at once, and a row whose sentence is done takes the next waiting sentence at the next
@@ -158,7 +215,8 @@ def greedy_search_continuous(
     sentence is needed; batches should come longest first (`length_sorted_batches`), so a joining
     sentence's source fits the rows' (it is padded; a longer one widens them all).
     Results equal greedy_search's per batch up to rounding: a row that joined later attends over
-    the cache slots written before it with an additive −inf mask.
+    the cache slots written before it with an additive −inf mask. `pick` chooses each token: the
+    arg-max, or a draw (`SamplingPick`: sampling is this loop with another rule).
     """
     pad = model.cfg.pad_id
     device = batches[0].device
@@ -173,7 +231,7 @@ def greedy_search_continuous(
     scores = torch.zeros(total, device=device)
     firsts = [sum(counts[:i]) for i in range(len(counts))]  # each batch's first sentence number
 
-    def encode(i: int, capacity: int) -> DecoderState:
+    def encode(i: int, capacity: int) -> SearchState:
         memory, src_mask = model.encode(batches[i])
         return model.init_state(memory, src_mask, max_len=capacity)
 
@@ -193,7 +251,7 @@ def greedy_search_continuous(
         positions = state.positions - 1  # the position each row just decoded
         if min_len:
             logprobs[:, eos].masked_fill_(positions < min_len, float("-inf"))
-        best, tokens = (t.squeeze(1) for t in top_k(logprobs, 1))
+        best, tokens = pick(logprobs, sentence)
         outputs.index_put_((sentence, positions), tokens)
         scores.index_add_(0, sentence, best)
         finished = (tokens == eos) | (positions + 1 >= limits)
@@ -274,7 +332,7 @@ def done_sentences(beam_scores: torch.Tensor, history: torch.Tensor, alive: list
 @without_cyclic_gc
 @torch.inference_mode()
 def beam_search(
-    model: Transformer, src: torch.Tensor, bos: int, eos: int, beam: int = 5,
+    model: SearchModel, src: torch.Tensor, bos: int, eos: int, beam: int = 5,
     alpha: float = 0.6, max_len_a: float = 1.5, max_len_b: int = 10, nbest: int = 1, min_len: int = 0,
 ) -> list[list[Hypothesis]]:
     """Beam search with GNMT length penalty; returns the `nbest` best hypotheses per sentence.
@@ -369,18 +427,6 @@ def beam_search(
 # --------------------------------------------------------------------------- sampling
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Random sampling instead of search (back-translation): each token is drawn from the model's
-    distribution at `temperature`, restricted to the `top_k` most probable tokens (0: all) and to
-    the smallest set whose probability reaches `top_p` (nucleus sampling, Holtzman et al., 2020)."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-
 def sampling_generators(src: torch.Tensor, pad_id: int, seed: int, samples: int) -> list[torch.Generator]:
     """One random generator per decoding row (sentence × sample), seeded by the seed, the sample's
     number and the sentence's own ids: a sentence draws the same sample whatever batch it is in,
@@ -429,41 +475,26 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
     return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.size(-1) - 1)
 
 
-@without_cyclic_gc
-@torch.inference_mode()
+class SamplingPick:
+    """Sampling's pick rule: each row draws from `sampling_distribution`, with its sentence's own
+    generator (`sampling_generators`, one per row of the whole input)."""
+
+    def __init__(self, sampling: Sampling, generators: list[torch.Generator]):
+        self.sampling, self.generators = sampling, generators
+
+    def __call__(self, logprobs: torch.Tensor, sentences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = draw(sampling_distribution(logprobs, self.sampling), [self.generators[s] for s in sentences.tolist()])
+        return logprobs.gather(1, tokens[:, None]).squeeze(1), tokens  # scored untempered
+
+
 def sample_search(
-    model: Transformer, src: torch.Tensor, bos: int, eos: int, sampling: Sampling, samples: int = 1,
+    model: SearchModel, src: torch.Tensor, bos: int, eos: int, sampling: Sampling, samples: int = 1,
     max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
 ) -> list[list[Hypothesis]]:
     """`samples` random translations per sentence of a (B, S) source batch (see `Sampling`), in the
-    order drawn; each scored by the model's own log-probability of its tokens (untempered, unnormalised)."""
-    src = src.repeat_interleave(samples, dim=0)  # row = sentence * samples + sample
-    generators = sampling_generators(src[::samples], model.cfg.pad_id, sampling.seed, samples)
-    limits = max_output_lengths(src, model.cfg.pad_id, max_len_a, max_len_b, min_len, model.cfg.max_positions)
-    memory, src_mask = model.encode(src)
-    state = model.init_state(memory, src_mask, max_len=int(limits.max()))
-    rows = list(range(src.size(0)))  # the original row of each live row
-    tokens = torch.full((len(rows),), bos, dtype=torch.long, device=src.device)
-    outputs: list[list[int]] = [[] for _ in rows]
-    scores = [0.0] * len(rows)
-    for step in range(int(limits.max())):
-        logprobs = log_probs(model.decode_step(tokens, state))  # (R, V)
-        if step < min_len:
-            logprobs[:, eos] = float("-inf")
-        tokens = draw(sampling_distribution(logprobs, sampling), [generators[r] for r in rows])
-        picked = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        keep = []
-        for i, (row, token) in enumerate(zip(rows, tokens.tolist())):
-            scores[row] += picked[i]
-            if token != eos:
-                outputs[row].append(token)
-            if token != eos and step + 1 < int(limits[row]):
-                keep.append(i)
-        if not keep:
-            break
-        if len(keep) < len(rows):
-            index = torch.tensor(keep, device=src.device)
-            rows, tokens = [rows[i] for i in keep], tokens.index_select(0, index)
-            state = state.reorder(index, index)
-    hyps = [Hypothesis(tokens, score) for tokens, score in zip(outputs, scores)]
-    return [hyps[first : first + samples] for first in range(0, len(hyps), samples)]
+    order drawn; each scored by the model's own log-probability of its tokens (untempered, unnormalised).
+    The greedy loop, each row drawing its token instead of taking the arg-max."""
+    rows = src.repeat_interleave(samples, dim=0)  # row = sentence * samples + sample
+    pick = SamplingPick(sampling, sampling_generators(src, model.cfg.pad_id, sampling.seed, samples))
+    [drawn] = greedy_search_continuous(model, [rows], bos, eos, max_len_a, max_len_b, min_len, pick=pick)
+    return [drawn[first : first + samples] for first in range(0, len(drawn), samples)]

@@ -23,7 +23,8 @@ from .model import Transformer
 
 class EnsembleState:
     """The members' decoder states, moved together: every search operation on a state (reorder,
-    admitting sentences, dropping cache slots, narrowing sources) is applied to each member's."""
+    admitting sentences, dropping cache slots, narrowing sources) is applied to each member's. A
+    `decoder_state.SearchState`, as each member's `DecoderState` is."""
 
     def __init__(self, members: list[DecoderState]):
         self.members = members
@@ -66,8 +67,9 @@ class EnsembleState:
 
 
 class Ensemble(nn.Module):
-    """Models sharing one vocabulary, decoding together. `cfg` is the first member's, with the
-    position table of the shortest: the searches read `pad_id` and `max_positions` from it."""
+    """Models sharing one vocabulary, decoding together: a `decoder_state.SearchModel`, as each
+    member is. `cfg` is the first member's, with the position table of the shortest: the searches
+    read `pad_id` and `max_positions` from it."""
 
     def __init__(self, members: list[Transformer]):
         super().__init__()

@@ -21,7 +21,7 @@ from .console import warn
 from .cpu import denormals_flushed_to_zero, keep_freed_memory
 from .cpu_inference import pack_linear_layers, quantize_int8
 from .data import BOS_ID, EOS_ID, pad_batch
-from .decoding import Sampling, beam_search, greedy_search, greedy_search_continuous, sample_search
+from .decoding import SearchSettings, beam_search, greedy_search, greedy_search_continuous, sample_search
 from .devices import is_out_of_memory, resolve_device, split_on_out_of_memory
 from .ensemble import load_ensemble
 from .errors import TfmError
@@ -103,7 +103,7 @@ class Translator(TranslationEngine):
         or more batches, or with `.start()`."""
         if self.workers is None:  # decode.workers is read here: the CLI edits decode after loading
             processes = resolve_workers(self.decode.workers, self.device)
-            self.workers = DecodingWorkers(partial(decode_batches, self.model, self.device), processes)
+            self.workers = DecodingWorkers(partial(decode_task, self.model, self.device), processes)
         return self.workers
 
     def search(self, sources: list[list[int]], beam: int, nbest: int,
@@ -136,29 +136,27 @@ def decode_in_batches(
 ) -> list[list[Hypothesis]]:
     """Translate id sequences (no <eos>) → per sentence its n-best hypotheses, in input order:
     sources longer than the model's positions are cut, the rest grouped into length-sorted batches
-    (`decode.batch_size`, `decode.batch_tokens`) and decoded by `workers` (CPU processes made for this
-    `model`; None: this process). `min_len`/`max_len` force the output length (benchmarks with
-    untrained weights).
+    (`decode.batch_size`, `decode.batch_tokens`), the batches into tasks (`group_into_tasks`), and
+    each task decoded by `decode_task` on `workers` (CPU processes made for this `model`; None: this
+    process). `beam` replaces decode.beam; `min_len`/`max_len` force the output length (benchmarks
+    with untrained weights).
     """
-    beam = decode.beam if beam is None else beam
+    settings = SearchSettings.from_decode(decode, beam, nbest, min_len, max_len)
     limit_positions = model.cfg.max_positions - 1
     sources = [s[: limit_positions - 1] + [EOS_ID] for s in sources]  # source too long → truncated
     results: list[list[Hypothesis]] = [[] for _ in sources]
-    max_len_a, max_len_b = (0.0, max_len) if max_len is not None else (decode.max_len_a, decode.max_len_b)
-    sampling = Sampling(decode.temperature, decode.top_k, decode.top_p, decode.seed) if decode.sample else None
-    search = (beam, decode.length_penalty, max_len_a, max_len_b, nbest, min_len, sampling)
     batches = length_sorted_batches([len(s) for s in sources], decode.batch_size, decode.batch_tokens)
     if decode.batching == "balanced" and len(batches) > 1:
         batches = balanced_batches(batches, decode.batch_tokens, [len(s) for s in sources])
         tasks = [[b] for b in batches]  # one batch per task: they decode side by side
     else:
-        tasks = decoding_tasks(batches, continuous=beam <= 1 and sampling is None)
+        tasks = group_into_tasks(batches, continuous=settings.continuous)
     if workers is None:
-        workers = DecodingWorkers(partial(decode_batches, model, device), processes=1)
+        workers = DecodingWorkers(partial(decode_task, model, device), processes=1)
     was_training = model.training
     model.eval()
     try:
-        for task, task_hyps in zip(tasks, workers.map(([[sources[i] for i in b] for b in task], *search)
+        for task, task_hyps in zip(tasks, workers.map(([[sources[i] for i in b] for b in task], settings)
                                                       for task in tasks)):
             for batch, hyps in zip(task, task_hyps):
                 for i, h in zip(batch, hyps):
@@ -171,36 +169,38 @@ def decode_in_batches(
 CONTINUOUS_BATCHES = 8  # batches per continuous-batching task (greedy)
 
 
-def decoding_tasks(batches: list[list[int]], continuous: bool) -> list[list[list[int]]]:
-    """Batches (longest first) → tasks of batches for the workers. Greedy decodes a task's batches
-    with continuous batching, so tasks hold up to CONTINUOUS_BATCHES batches, dealt out in turn
-    (task j gets batches j, j + T, …: every task has long and short sentences, still longest
-    first); beam search decodes one batch per task. The tasks depend only on the batches, not on
-    the number of processes, so every decode.workers setting computes the same rows together."""
+def group_into_tasks(batches: list[list[int]], continuous: bool) -> list[list[list[int]]]:
+    """Batches (longest first) → the tasks `decode_task` decodes, one at a time per worker. Greedy
+    decodes a task's batches with continuous batching, so tasks hold up to CONTINUOUS_BATCHES
+    batches, dealt out in turn (task j gets batches j, j + T, …: every task has long and short
+    sentences, still longest first); beam search decodes one batch per task. The tasks depend only
+    on the batches, not on the number of processes, so every decode.workers setting computes the
+    same rows together."""
     if not continuous:
         return [[b] for b in batches]
     count = -(-len(batches) // CONTINUOUS_BATCHES)
     return [batches[j::count] for j in range(count)]
 
 
-def decode_batches(model: Transformer, device: torch.device, batches: list[list[list[int]]], beam: int,
-                   alpha: float, max_len_a: float, max_len_b: int, nbest: int,
-                   min_len: int, sampling: Sampling | None = None) -> list[list[list[Hypothesis]]]:
-    """A task: batches of id sequences (each ending in <eos>), longest first → per batch, per sentence its
-    n-best hypotheses (`nbest` samples with `sampling`). Greedy decodes them with continuous batching
-    (`greedy_search_continuous`), beam search and sampling one batch after the other; a batch that runs
-    out of memory is retried in halves."""
+def decode_task(model: Transformer, device: torch.device, batches: list[list[list[int]]],
+                settings: SearchSettings) -> list[list[list[Hypothesis]]]:
+    """One task, in a worker: batches of id sequences (each ending in <eos>), longest first → per
+    batch, per sentence its n-best hypotheses (`nbest` samples when sampling). Greedy decodes them
+    with continuous batching (`greedy_search_continuous`), beam search and sampling one batch after
+    the other; a batch that runs out of memory is retried in halves."""
+    s = settings
 
     def padded(rows: list[list[int]]) -> torch.Tensor:
         return pad_batch(rows).to(device)
 
     def search(sources: list[list[int]], rows: list[int]) -> list[list[Hypothesis]]:
         src = padded([sources[i] for i in rows])
-        if sampling is not None:
-            return sample_search(model, src, BOS_ID, EOS_ID, sampling, nbest, max_len_a, max_len_b, min_len)
-        if beam <= 1:
-            return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, max_len_a, max_len_b, min_len)]
-        return beam_search(model, src, BOS_ID, EOS_ID, beam, alpha, max_len_a, max_len_b, nbest, min_len)
+        if s.sampling is not None:
+            return sample_search(model, src, BOS_ID, EOS_ID, s.sampling, s.nbest, s.max_len_a, s.max_len_b, s.min_len)
+        if s.beam <= 1:
+            return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
+        return beam_search(model, src, BOS_ID, EOS_ID, s.beam, s.length_penalty, s.max_len_a, s.max_len_b,
+                           s.nbest, s.min_len)
 
     def halved(size: int) -> None:
         warn(f"warning: out of memory translating a batch of {size} sentences: retrying it in halves "
@@ -210,11 +210,11 @@ def decode_batches(model: Transformer, device: torch.device, batches: list[list[
         return [split_on_out_of_memory(partial(search, b), list(range(len(b))), halved) for b in batches]
 
     with denormals_flushed_to_zero():
-        if beam > 1 or sampling is not None or len(batches) == 1:
+        if not s.continuous or len(batches) == 1:
             return one_by_one()
         srcs = [padded(b) for b in batches]
         try:
-            found = greedy_search_continuous(model, srcs, BOS_ID, EOS_ID, max_len_a, max_len_b, min_len)
+            found = greedy_search_continuous(model, srcs, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
