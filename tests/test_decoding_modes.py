@@ -200,3 +200,26 @@ def test_translate_prints_alignments_after_a_tab(checkpoint):
     nbest = tfm_in_process("translate", "--checkpoint", checkpoint, "--set", "decode.precision=fp32", "--alignment",
                            "--beam", "3", "--nbest", "2", input="wa wb wc\n")
     assert [len(row.split("\t")) for row in nbest.stdout.splitlines()] == [5, 5]
+
+
+def test_sampling_is_the_greedy_loop_with_a_draw_and_keeps_each_sentences_samples(checkpoint, held_out):
+    """Sampling picks by drawing inside the greedy loop (`SamplingPick`): decoding several batches at
+    once with continuous batching, rows changing sentences as they finish, draws for every sentence
+    what it draws alone; and a draw whose distribution keeps only the best token is the greedy pick."""
+    from transformer_cli.data import BOS_ID, EOS_ID, pad_batch
+    from transformer_cli.decoding import SamplingPick, greedy_search_continuous, sample_search, sampling_generators
+
+    model = engine(checkpoint).model
+    ids = [engine(checkpoint).src_sp.encode(line) + [EOS_ID] for line in held_out[0][:12]]
+    sampling = Sampling(temperature=1.5, seed=3)
+    alone = [sample_search(model, pad_batch([row]), BOS_ID, EOS_ID, sampling, 2, 1.0, 5)[0] for row in ids]
+    rows = [row for row in ids for _ in range(2)]  # two samples per sentence, as sample_search lays them out
+    batches = [pad_batch(rows[i : i + 6]) for i in range(0, len(rows), 6)]
+    generators = sampling_generators(pad_batch(ids), model.cfg.pad_id, sampling.seed, 2)
+    together = [h for batch in greedy_search_continuous(model, batches, BOS_ID, EOS_ID, 1.0, 5,
+                                                        pick=SamplingPick(sampling, generators)) for h in batch]
+    assert [h.tokens for h in together] == [h.tokens for pair in alone for h in pair]
+    cold = sample_search(model, pad_batch(ids), BOS_ID, EOS_ID, Sampling(top_k=1), 1, 1.0, 5)
+    greedy = greedy_search_continuous(model, [pad_batch(ids)], BOS_ID, EOS_ID, 1.0, 5)[0]
+    assert [h[0].tokens for h in cold] == [h.tokens for h in greedy]
+    assert len({tuple(h.tokens) for pair in alone for h in pair}) > len(ids) // 2  # it does draw
