@@ -223,3 +223,39 @@ def test_sampling_is_the_greedy_loop_with_a_draw_and_keeps_each_sentences_sample
     greedy = greedy_search_continuous(model, [pad_batch(ids)], BOS_ID, EOS_ID, 1.0, 5)[0]
     assert [h[0].tokens for h in cold] == [h.tokens for h in greedy]
     assert len({tuple(h.tokens) for pair in alone for h in pair}) > len(ids) // 2  # it does draw
+
+
+
+@pytest.mark.parametrize("beam, nbest, sample", [(1, 1, False), (4, 1, False), (4, 3, False), (1, 2, True)])
+def test_a_prefix_starts_every_hypothesis_of_its_own_line(checkpoint, held_out, beam, nbest, sample):
+    """Lines with a prefix (the reference's first words, or a word the model would not choose) and
+    lines without, in one batch: each hypothesis of a prefixed line starts with its prefix; the
+    others are what they are without any prefix in the batch (fp32: batch-invariant)."""
+    src, ref = held_out
+    lines = src[:16]
+    prefixes = ["" if i % 2 else (" ".join(ref[i].split()[:2]) if i % 4 == 0 else "wp wp") for i in range(len(lines))]
+    settings = {"sample": True, "seed": 5} if sample else {}
+    translator = engine(checkpoint, **settings)
+    plain = translator.translate(lines, beam=beam, nbest=nbest)
+    forced = translator.translate(lines, beam=beam, nbest=nbest, prefixes=prefixes)
+    for i, hyps in enumerate(forced):
+        assert len(hyps) == nbest
+        if prefixes[i]:
+            assert all(h.text.startswith(prefixes[i]) for h in hyps), (prefixes[i], [h.text for h in hyps])
+        else:
+            assert [h.text for h in hyps] == [h.text for h in plain[i]]
+    unlikely = [i for i in range(2, len(lines), 4) if not plain[i][0].text.startswith("wp wp")]
+    assert unlikely and all(forced[i][0].text != plain[i][0].text for i in unlikely)  # the prefix steered them
+
+
+def test_translate_prefix_from_the_command_line(checkpoint, held_out):
+    src, _ = held_out
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--prefix", "wp wo", "--beam", "2",
+                            input="\n".join(src[:5]) + "\n\n")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 6 and all(line.startswith("wp wo") for line in lines[:5]) and lines[5] == ""
+    bad = tfm_in_process("translate", "--checkpoint", checkpoint, "--prefix", " ", input="wa\n")
+    assert bad.exit_code == 2 and "--prefix: give one line of text" in bad.stderr
+    unknown = tfm_in_process("translate", "--checkpoint", checkpoint, "--prefix", "wz", input="wa\n")
+    assert unknown.exit_code == 2 and "prefix 'wz': the model's target vocabulary cannot spell" in unknown.stderr

@@ -257,3 +257,19 @@ def test_serve_decodes_through_ctranslate2_as_translate_does(checkpoint):
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def test_a_prefix_through_ctranslate2_is_tfms_prefix(checkpoint):
+    """--prefix becomes CTranslate2's target_prefix: in float32 greedy the same tokens as tfm's fp32
+    search forced through the prefix; in the default int8 every line starts with it."""
+    same = ["--beam", "1", "--prefix", "wa wb", "--set", "decode.max_len_a=0", "--set", "decode.max_len_b=12"]
+    ct2 = tfm_in_process("translate", "--checkpoint", checkpoint, "--compute-type", "float32", *same, input=LINES)
+    ours = tfm_in_process("translate", "--checkpoint", checkpoint, "--engine", "torch", "--set",
+                          "decode.precision=fp32", *same, input=LINES)
+    assert ct2.exit_code == ours.exit_code == 0, ct2.stderr + ours.stderr
+    assert "CTranslate2 float32" in ct2.stderr and ct2.stdout == ours.stdout
+    default = tfm_in_process("translate", "--checkpoint", checkpoint, "--prefix", "wa wb", "--nbest", "2",
+                             input=LINES)
+    assert default.exit_code == 0 and "CTranslate2 int8" in default.stderr
+    texts = [line.split("\t")[3] for line in default.stdout.splitlines()]
+    assert len(texts) == 10 and all(t.startswith("wa wb") or t == "" for t in texts) and texts.count("") == 2

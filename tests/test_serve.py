@@ -104,6 +104,9 @@ def test_concurrent_clients_get_what_translate_gives(server, reverse_model, sent
     (None, {"text": "wa", "sample": True, "top_p": 2}, 422, "top_p"),
     (None, {"text": "wa", "temperature": -1}, 422, "temperature"),
     (None, {"text": "wa", "precision": "int8"}, 422, "precision"),
+    (None, {"text": ["wa", "wb"], "prefix": ["wa"]}, 422, "1 prefixes for 2 lines"),
+    (None, {"text": "wa", "prefix": "wa\nwb"}, 422, "line break"),
+    (None, {"text": "wa", "prefix": 5}, 422, "prefix"),
 ])
 def test_bad_requests_get_an_error_and_the_server_goes_on(server, raw, body, status, says):
     got, answer = post(server.port, body, raw=raw)
@@ -173,3 +176,25 @@ def test_the_server_runs_the_model_on_the_main_thread_only():
     loop_thread.join()
     assert threading.current_thread() is threading.main_thread()
     assert answers == {"ok": [(0, True), (2, True), (4, True), (6, True), (8, True)], "error": "negative"}
+
+
+def test_a_prefix_per_line_stays_with_its_line(server, reverse_model, sentences):
+    """Requests with and without prefixes, batched together: each translation starts with its own
+    line's prefix, and lines without one translate as they do alone."""
+    translator = Translator.from_checkpoint(reverse_model[1].best_checkpoint, device="cpu",
+                                            overrides=["decode.precision=fp32"])
+    lines = sentences[:12]
+    plain = [t[0].text for t in translator.translate(lines)]
+    prefixes = [line.split()[0] if i % 3 == 0 else "" for i, line in enumerate(lines)]  # another line's word
+    with ThreadPoolExecutor(max_workers=6) as clients:
+        answers = list(clients.map(lambda i: post(server.port, {"text": lines[i], "prefix": prefixes[i]}),
+                                   range(len(lines))))
+    for i, (status, body) in enumerate(answers):
+        assert status == 200
+        if prefixes[i]:
+            assert body["translations"][0].startswith(prefixes[i])
+        else:
+            assert body["translations"] == [plain[i]]
+    status, body = post(server.port, {"text": lines[:3], "prefix": prefixes[:3], "beam": 3, "nbest": 2})
+    assert status == 200 and all(h["text"].startswith(prefixes[0]) for h in body["nbest"][0])
+    assert body["translations"][1:] == plain[1:3]

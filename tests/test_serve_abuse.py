@@ -172,7 +172,7 @@ def test_the_schema_fuzzer_covers_every_request_field(abused):
 
     _, _, schema = abused
     fields = schema["components"]["schemas"]["TranslateRequest"]["properties"]
-    assert set(REQUEST_SETTINGS) | {"text"} == set(fields)
+    assert set(REQUEST_SETTINGS) | {"text", "prefix"} == set(fields)  # text and its prefixes, and the settings
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(abused):

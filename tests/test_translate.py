@@ -697,11 +697,11 @@ def test_continuous_greedy_out_of_memory_falls_back_to_batch_by_batch(translator
         real = translate_module.greedy_search_continuous
         calls = []
 
-        def tight_memory(model, batches, *args):
+        def tight_memory(model, batches, *args, **kwargs):
             calls.append(len(batches))
             if len(batches) > 1:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return real(model, batches, *args)
+            return real(model, batches, *args, **kwargs)
 
         monkeypatch.setattr(translate_module, "greedy_search_continuous", tight_memory)
         assert [t[0].text for t in translator.translate(lines, beam=1)] == expected

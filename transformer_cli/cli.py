@@ -289,6 +289,8 @@ def translate(
     temperature: Optional[float] = TemperatureOpt,
     seed: Optional[int] = SeedOpt,
     alignment: Optional[bool] = AlignmentOpt,
+    prefix: Optional[str] = typer.Option(None, "--prefix", help="Every translation starts with this text "
+                                         "(target language): the search is forced through it, then goes on."),
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
     refuse_output_among_inputs(output, {"-i": [input_], "--config": [config], "--checkpoint": checkpoint or []})
@@ -297,6 +299,8 @@ def translate(
         raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
     if quantize not in (None, "int8"):
         raise TfmError(f"--quantize {quantize}: only int8 is supported")
+    if prefix is not None and (not prefix.strip() or "\n" in prefix or "\r" in prefix):
+        raise TfmError("--prefix: give one line of text, not empty, that every translation starts with")
     # Imports torch only where tfm's own engine translates: after the checks above.
     from .engine import open_engine
     from .translation import read_decoded_lines, translate_stream
@@ -316,6 +320,8 @@ def translate(
     unsupported = translator.unsupported(translator.decode)
     if unsupported:
         raise TfmError(unsupported)
+    if prefix is not None:
+        translator.prefix_tokens(prefix)  # a prefix it cannot spell: refused before any input is read
     from .budget import check_decoding_budget, decoding_memory_limit
 
     translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
@@ -330,7 +336,7 @@ def translate(
     def run(out_stream):
         lines = read_decoded_lines(source, sys.stderr, str(input_) if input_ is not None else "standard input")
         return translate_stream(translator, lines, out_stream, beam=beam, nbest=nbest, progress=sys.stderr.isatty(),
-                                read_ahead=is_regular_file(source))
+                                read_ahead=is_regular_file(source), prefix=prefix)
 
     if output is not None:
         with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as f:

@@ -673,17 +673,25 @@ class CT2Translator(TranslationEngine):
     def tokenize(self, lines: list[str]) -> list[list[str]]:
         return self.src_sp.encode(lines, out_type=str)
 
+    def unknown_in_target(self, text: str) -> bool:
+        return self.tgt_sp.unk_id() in self.tgt_sp.encode(text)
+
+    def tokenize_target(self, texts: list[str]) -> list[list[str]]:
+        return self.tgt_sp.encode(texts, out_type=str)
+
     def detokenize(self, tokens: list[str]) -> str:
         return self.tgt_sp.decode_pieces(tokens)
 
     def search(self, pieces: list[list[str]], beam: int, nbest: int = 1, decode: DecodeConfig | None = None,
-               max_len: int | None = None) -> list[list[Hypothesis]]:
+               prefixes: list[list[str]] | None = None, max_len: int | None = None) -> list[list[Hypothesis]]:
         """Sentencepiece pieces (no </s>) → per sentence its n-best hypotheses (pieces, score), in input order."""
-        return self.search_later(pieces, beam, nbest, decode or self.decode, max_len)()
+        return self.search_later(pieces, beam, nbest, decode or self.decode, prefixes, max_len)()
 
     def search_later(self, pieces: list[list[str]], beam: int, nbest: int, decode: DecodeConfig,
+                     prefixes: list[list[str]] | None = None,
                      max_len: int | None = None) -> Callable[[], list[list[Hypothesis]]]:
-        """The batches submitted to CTranslate2's threads now; what it returns waits for them."""
+        """The batches submitted to CTranslate2's threads now; what it returns waits for them.
+        `prefixes` become CTranslate2's `target_prefix` (hypotheses include them)."""
         unsupported = self.unsupported(decode)
         if unsupported:
             raise TfmError(unsupported)
@@ -699,12 +707,15 @@ class CT2Translator(TranslationEngine):
             limit = max_len if max_len is not None else output_length_limit(
                 max(lengths[i] for i in batch), decode.max_len_a, decode.max_len_b,
                 self.max_input_length + 1)  # capped: no overflow
+            forced = [prefixes[i] for i in batch] if prefixes else None  # each sentence's own
+            if forced:
+                limit = min(max(limit, max(map(len, forced)) + 1), self.max_input_length)
             # Asynchronous: with several workers (inter_threads) CTranslate2 decodes batches in parallel.
             submitted.append((batch, self._translator.translate_batch(
                 [pieces[i] for i in batch], beam_size=beam, num_hypotheses=nbest,
                 length_penalty=decode.length_penalty if beam > 1 else 0.0,
                 max_decoding_length=max(limit, 1), max_input_length=self.max_input_length,
-                return_scores=nbest > 1, asynchronous=True)))  # scores cost ~4% of greedy's time
+                target_prefix=forced, return_scores=nbest > 1, asynchronous=True)))  # scores cost ~4% of greedy's time
 
         def collect() -> list[list[Hypothesis]]:
             results: list[list[Hypothesis]] = [[] for _ in pieces]

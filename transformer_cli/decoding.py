@@ -177,25 +177,63 @@ def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | f
 
 
 class PickRule(Protocol):
-    """How a one-token-a-step search picks: log-probabilities (A, V) of the live rows and the
-    sentence (row of the whole input) each decodes → the picked tokens' log-probabilities (A,) and
-    the tokens (A,)."""
+    """How a one-token-a-step search picks: log-probabilities (A, V) of the live rows, the sentence
+    (row of the whole input) each decodes and the output position it decodes (A,) → the picked
+    tokens' log-probabilities (A,) and the tokens (A,)."""
 
-    def __call__(self, logprobs: torch.Tensor, sentences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __call__(self, logprobs: torch.Tensor, sentences: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def most_probable(logprobs: torch.Tensor, sentences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def most_probable(logprobs: torch.Tensor, sentences: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy search's pick rule: the arg-max."""
     best, tokens = top_k(logprobs, 1)
     return best.squeeze(1), tokens.squeeze(1)
 
 
+def prefix_table(prefixes: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sentence its forced target ids, padded with -1 (N, max length ≥ 1), and their lengths (N,)."""
+    width = max(max(map(len, prefixes), default=0), 1)
+    table = torch.full((len(prefixes), width), -1, dtype=torch.long)
+    for row, ids in enumerate(prefixes):
+        table[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return table.to(device), torch.tensor([len(p) for p in prefixes], device=device)
+
+
+class PrefixPick:
+    """A pick rule that takes each sentence's prefix token while the sentence is within its prefix,
+    and `inner`'s pick after it (target prefixes: interactive translation, autocompletion)."""
+
+    def __init__(self, inner: PickRule, prefixes: list[list[int]], device: torch.device):
+        self.inner = inner
+        self.table, self.lengths = prefix_table(prefixes, device)
+
+    def __call__(self, logprobs: torch.Tensor, sentences: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        best, tokens = self.inner(logprobs, sentences, positions)
+        forced = positions < self.lengths.index_select(0, sentences)  # (A,)
+        if bool(forced.any()):
+            column = positions.clamp(max=self.table.size(1) - 1)
+            tokens = torch.where(forced, self.table[sentences, column], tokens)
+            best = torch.where(forced, logprobs.gather(1, tokens[:, None]).squeeze(1), best)
+        return best, tokens
+
+
+def with_prefixes(limits: torch.Tensor, prefixes: list[list[int]] | None, max_positions: int) -> torch.Tensor:
+    """Per-sentence output limits (N,) raised to leave room after each prefix (capped by positions)."""
+    if not prefixes:
+        return limits
+    room = torch.tensor([len(p) + 1 for p in prefixes], device=limits.device)
+    return torch.maximum(limits, room).clamp(max=max_positions - 1)
+
+
 def greedy_search(
     model: SearchModel, src: torch.Tensor, bos: int, eos: int,
-    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
+    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0, prefixes: list[list[int]] | None = None,
 ) -> list[Hypothesis]:
     """Arg-max decoding of a (B, S) source batch; finished rows leave the batch."""
-    return greedy_search_continuous(model, [src], bos, eos, max_len_a, max_len_b, min_len)[0]
+    return greedy_search_continuous(model, [src], bos, eos, max_len_a, max_len_b, min_len, prefixes=prefixes)[0]
 
 
 @without_cyclic_gc
@@ -203,6 +241,7 @@ def greedy_search(
 def greedy_search_continuous(
     model: SearchModel, batches: list[torch.Tensor], bos: int, eos: int,
     max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0, pick: PickRule = most_probable,
+    prefixes: list[list[int]] | None = None,
 ) -> list[list[Hypothesis]]:
     """greedy_search over several (B_i, S_i) source batches with continuous batching: up to B_0 rows
     decode at once, and a row whose sentence is done takes the next waiting sentence at the next
@@ -216,13 +255,17 @@ def greedy_search_continuous(
     sentence's source fits the rows' (it is padded; a longer one widens them all).
     Results equal greedy_search's per batch up to rounding: a row that joined later attends over
     the cache slots written before it with an additive −inf mask. `pick` chooses each token: the
-    arg-max, or a draw (`SamplingPick`: sampling is this loop with another rule).
+    arg-max, or a draw (`SamplingPick`: sampling is this loop with another rule). `prefixes`: per
+    sentence of all the batches, the target ids it must start with (`PrefixPick`).
     """
     pad = model.cfg.pad_id
     device = batches[0].device
     counts = [b.size(0) for b in batches]
-    limits_all = torch.cat([max_output_lengths(b, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions)
-                            for b in batches])
+    limits_all = with_prefixes(torch.cat([max_output_lengths(b, pad, max_len_a, max_len_b, min_len,
+                                                             model.cfg.max_positions) for b in batches]),
+                               prefixes, model.cfg.max_positions)
+    if prefixes and any(prefixes):
+        pick = PrefixPick(pick, prefixes, device)
     # each source's length up to its last real token: the positions after it are padding
     source_lengths = torch.cat([((b != pad) * torch.arange(1, b.size(1) + 1, device=device)).amax(dim=1)
                                 for b in batches])
@@ -251,7 +294,7 @@ def greedy_search_continuous(
         positions = state.positions - 1  # the position each row just decoded
         if min_len:
             logprobs[:, eos].masked_fill_(positions < min_len, float("-inf"))
-        best, tokens = pick(logprobs, sentence)
+        best, tokens = pick(logprobs, sentence, positions)
         outputs.index_put_((sentence, positions), tokens)
         scores.index_add_(0, sentence, best)
         finished = (tokens == eos) | (positions + 1 >= limits)
@@ -329,13 +372,28 @@ def done_sentences(beam_scores: torch.Tensor, history: torch.Tensor, alive: list
     return done
 
 
+def force_prefix(logprobs: torch.Tensor, tokens: torch.Tensor, rows_per_sentence: int) -> None:
+    """In place: the rows (sentence × beam) of each sentence whose prefix token at this step is
+    `tokens[sentence]` (≥ 0; -1: past its prefix) keep only that token's log-probability."""
+    per_row = tokens.repeat_interleave(rows_per_sentence)
+    rows = (per_row >= 0).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return
+    kept = logprobs[rows, per_row[rows]]
+    logprobs[rows] = float("-inf")
+    logprobs[rows, per_row[rows]] = kept
+
+
 @without_cyclic_gc
 @torch.inference_mode()
 def beam_search(
     model: SearchModel, src: torch.Tensor, bos: int, eos: int, beam: int = 5,
     alpha: float = 0.6, max_len_a: float = 1.5, max_len_b: int = 10, nbest: int = 1, min_len: int = 0,
+    prefixes: list[list[int]] | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search with GNMT length penalty; returns the `nbest` best hypotheses per sentence.
+    `prefixes`: per sentence, target ids every hypothesis starts with (while a sentence is in its
+    prefix, every other token scores -inf, so its beams hold the prefix, then spread).
 
     Each step scores all K·V continuations of the K live beams and keeps the 2K best: those ending
     in <eos> among the top K are finished (score / lp(len)); the K best others stay alive, so the
@@ -353,7 +411,9 @@ def beam_search(
     k = beam
     memory, src_mask = model.encode(src)
     # Decoding rows: row = sent * K + beam; the K beams of a sentence share its cross-attention K/V.
-    limits = max_output_lengths(src, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions).tolist()
+    limits = with_prefixes(max_output_lengths(src, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions),
+                           prefixes, model.cfg.max_positions).tolist()
+    forced = prefix_table(prefixes, device)[0] if prefixes and any(prefixes) else None
     state = model.init_state(memory, src_mask, beams=k, max_len=max(limits))
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     best_finished = [float("-inf")] * n_sent  # best finished score per sentence
@@ -381,6 +441,8 @@ def beam_search(
         vocab = logprobs.size(-1)
         if step < min_len:
             logprobs[:, eos] = float("-inf")
+        if forced is not None and step < forced.size(1):
+            force_prefix(logprobs, forced[torch.tensor(alive_list, device=device), step], 1 if step == 0 else k)
         if step == 0:  # only beam 0 exists; -inf for the others where the vocabulary is under 2K
             candidates = logprobs if vocab >= 2 * k else torch.cat(
                 [logprobs, logprobs.new_full((n, (k - 1) * vocab), float("-inf"))], dim=1)
@@ -482,19 +544,22 @@ class SamplingPick:
     def __init__(self, sampling: Sampling, generators: list[torch.Generator]):
         self.sampling, self.generators = sampling, generators
 
-    def __call__(self, logprobs: torch.Tensor, sentences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logprobs: torch.Tensor, sentences: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = draw(sampling_distribution(logprobs, self.sampling), [self.generators[s] for s in sentences.tolist()])
         return logprobs.gather(1, tokens[:, None]).squeeze(1), tokens  # scored untempered
 
 
 def sample_search(
     model: SearchModel, src: torch.Tensor, bos: int, eos: int, sampling: Sampling, samples: int = 1,
-    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
+    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0, prefixes: list[list[int]] | None = None,
 ) -> list[list[Hypothesis]]:
     """`samples` random translations per sentence of a (B, S) source batch (see `Sampling`), in the
     order drawn; each scored by the model's own log-probability of its tokens (untempered, unnormalised).
     The greedy loop, each row drawing its token instead of taking the arg-max."""
     rows = src.repeat_interleave(samples, dim=0)  # row = sentence * samples + sample
     pick = SamplingPick(sampling, sampling_generators(src, model.cfg.pad_id, sampling.seed, samples))
-    [drawn] = greedy_search_continuous(model, [rows], bos, eos, max_len_a, max_len_b, min_len, pick=pick)
+    forced = [p for p in prefixes for _ in range(samples)] if prefixes else None
+    [drawn] = greedy_search_continuous(model, [rows], bos, eos, max_len_a, max_len_b, min_len, pick=pick,
+                                       prefixes=forced)
     return [drawn[first : first + samples] for first in range(0, len(drawn), samples)]

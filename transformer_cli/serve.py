@@ -59,11 +59,15 @@ class TranslateRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     temperature: float | None = Field(None, gt=0.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
+    # Text each translation starts with (target language): one for every line, or one per line ("": none).
+    prefix: str | list[str] | None = None
 
-    @field_validator("text")
+    @field_validator("text", "prefix")
     @classmethod
-    def _valid_unicode(cls, text: str | list[str]) -> str | list[str]:
+    def _valid_unicode(cls, text: str | list[str] | None) -> str | list[str] | None:
         """JSON may carry lone surrogates (`"\\ud800"`): no tokenizer takes them."""
+        if text is None:
+            return text
         for number, line in enumerate([text] if isinstance(text, str) else text, start=1):
             try:
                 line.encode("utf-8")
@@ -90,7 +94,7 @@ def error_status(exc: BaseException) -> int:
 
 
 # Per-request decode settings a client may choose; the rest (lengths, precision, batching) is the server's.
-REQUEST_SETTINGS = tuple(name for name in TranslateRequest.model_fields if name != "text")
+REQUEST_SETTINGS = tuple(name for name in TranslateRequest.model_fields if name not in ("text", "prefix"))
 SAMPLING_SETTINGS = ("top_k", "top_p", "temperature", "seed")  # meaningful only with sample
 
 
@@ -99,6 +103,7 @@ class Job:
     lines: list[str]
     decode: DecodeConfig
     done: asyncio.Future = field(repr=False)
+    prefixes: list[str] | None = None  # per line ("": none)
 
 
 Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a call of the engine off the event loop
@@ -167,8 +172,9 @@ class Batcher:
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.runner = runner
 
-    async def translate(self, lines: list[str], decode: DecodeConfig) -> list[list[Translation]]:
-        job = Job(lines, decode, asyncio.get_running_loop().create_future())
+    async def translate(self, lines: list[str], decode: DecodeConfig,
+                        prefixes: list[str] | None = None) -> list[list[Translation]]:
+        job = Job(lines, decode, asyncio.get_running_loop().create_future(), prefixes)
         await self.queue.put(job)
         return await job.done
 
@@ -209,9 +215,12 @@ class Batcher:
         if not jobs:
             return
         lines = [line for job in jobs for line in job.lines]
+        prefixes = ([p for job in jobs for p in (job.prefixes or [""] * len(job.lines))]
+                    if any(job.prefixes for job in jobs) else None)  # each line keeps its request's prefix
         decode = request_batch_decode(decode, len(lines), self.processes)
         def start() -> Callable[[], list[list[Translation]]]:  # long lines are cut silently: one client must not flood the log
-            return self.engine.translate_later(lines, nbest=decode.nbest, decode=decode, warn_long=False)
+            return self.engine.translate_later(lines, nbest=decode.nbest, decode=decode, warn_long=False,
+                                               prefixes=prefixes)
 
         try:
             if self.engine.decodes_in_background:  # waited for off the decoding thread, which starts the next batch
@@ -244,6 +253,21 @@ def request_decode(base: DecodeConfig, request: TranslateRequest) -> DecodeConfi
         return DecodeConfig.model_validate({**settings, **chosen})
     except ValidationError as exc:
         raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+
+
+def request_prefixes(request: TranslateRequest, lines: list[str]) -> list[str] | None:
+    """The request's prefix per line: one for every line, or one per line (a RequestError otherwise)."""
+    prefix = request.prefix
+    if prefix is None:
+        return None
+    prefixes = [prefix] * len(lines) if isinstance(prefix, str) else prefix
+    if len(prefixes) != len(lines):
+        raise RequestError(422, f"prefix: {len(prefixes)} prefixes for {len(lines)} lines of text (give one string "
+                                "for every line, or a list as long as text)")
+    for number, text in enumerate(prefixes, start=1):
+        if "\n" in text or "\r" in text:
+            raise RequestError(422, f"prefix line {number}: a line break (a prefix is one line)")
+    return prefixes if any(p.strip() for p in prefixes) else None
 
 
 def response(results: list[list[Translation]], decode: DecodeConfig) -> dict:
@@ -394,7 +418,7 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
                     budget(lines, decode)
                 except TfmError as exc:
                     raise RequestError(413, str(exc)) from None
-            results = await batcher.translate(lines, decode)
+            results = await batcher.translate(lines, decode, request_prefixes(request, lines))
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             status = error_status(exc)
             log_failure(status, exc, debug)

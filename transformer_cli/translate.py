@@ -95,6 +95,12 @@ class Translator(TranslationEngine):
     def tokenize(self, lines: list[str]) -> list[list[int]]:
         return self.src_sp.encode(lines, out_type=int)
 
+    def unknown_in_target(self, text: str) -> bool:
+        return self.tgt_sp.unk_id() in self.tgt_sp.encode(text)
+
+    def tokenize_target(self, texts: list[str]) -> list[list[int]]:
+        return self.tgt_sp.encode(texts, out_type=int)
+
     def detokenize(self, tokens: list[int]) -> str:
         return self.tgt_sp.decode(tokens)
 
@@ -107,11 +113,11 @@ class Translator(TranslationEngine):
         return self.workers
 
     def search(self, sources: list[list[int]], beam: int, nbest: int,
-               decode: DecodeConfig | None = None) -> list[list[Hypothesis]]:
+               decode: DecodeConfig | None = None, prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         decode = decode or self.decode
         self.check_search_budget(sources, beam, nbest, decode)
         return decode_in_batches(self.model, sources, decode, self.device, beam, nbest,
-                                 workers=self.decoding_workers())
+                                 workers=self.decoding_workers(), prefixes=prefixes)
 
     def budget_processes(self) -> int:
         return self.decoding_workers().processes
@@ -132,14 +138,15 @@ class Translator(TranslationEngine):
 def decode_in_batches(
     model: Transformer, sources: list[list[int]], decode: DecodeConfig, device: torch.device,
     beam: int | None = None, nbest: int = 1, min_len: int = 0, max_len: int | None = None,
-    workers: DecodingWorkers | None = None,
+    workers: DecodingWorkers | None = None, prefixes: list[list[int]] | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate id sequences (no <eos>) → per sentence its n-best hypotheses, in input order:
     sources longer than the model's positions are cut, the rest grouped into length-sorted batches
     (`decode.batch_size`, `decode.batch_tokens`), the batches into tasks (`group_into_tasks`), and
     each task decoded by `decode_task` on `workers` (CPU processes made for this `model`; None: this
     process). `beam` replaces decode.beam; `min_len`/`max_len` force the output length (benchmarks
-    with untrained weights).
+    with untrained weights). `prefixes`: per source, the target ids its hypotheses start with ([]:
+    none); each travels with its source through batches and tasks.
     """
     settings = SearchSettings.from_decode(decode, beam, nbest, min_len, max_len)
     limit_positions = model.cfg.max_positions - 1
@@ -156,8 +163,11 @@ def decode_in_batches(
     was_training = model.training
     model.eval()
     try:
-        for task, task_hyps in zip(tasks, workers.map(([[sources[i] for i in b] for b in task], settings)
-                                                      for task in tasks)):
+        def prefixes_of(task: list[list[int]]) -> list[list[list[int]]] | None:
+            return [[prefixes[i] for i in b] for b in task] if prefixes else None
+
+        for task, task_hyps in zip(tasks, workers.map(([[sources[i] for i in b] for b in task], settings,
+                                                       prefixes_of(task)) for task in tasks)):
             for batch, hyps in zip(task, task_hyps):
                 for i, h in zip(batch, hyps):
                     results[i] = h
@@ -183,38 +193,43 @@ def group_into_tasks(batches: list[list[int]], continuous: bool) -> list[list[li
 
 
 def decode_task(model: Transformer, device: torch.device, batches: list[list[list[int]]],
-                settings: SearchSettings) -> list[list[list[Hypothesis]]]:
+                settings: SearchSettings, prefixes: list[list[list[int]]] | None = None) -> list[list[list[Hypothesis]]]:
     """One task, in a worker: batches of id sequences (each ending in <eos>), longest first → per
     batch, per sentence its n-best hypotheses (`nbest` samples when sampling). Greedy decodes them
     with continuous batching (`greedy_search_continuous`), beam search and sampling one batch after
-    the other; a batch that runs out of memory is retried in halves."""
+    the other; a batch that runs out of memory is retried in halves. `prefixes`: per batch, per
+    sentence the target ids its hypotheses start with (None: none anywhere)."""
     s = settings
 
     def padded(rows: list[list[int]]) -> torch.Tensor:
         return pad_batch(rows).to(device)
 
-    def search(sources: list[list[int]], rows: list[int]) -> list[list[Hypothesis]]:
-        src = padded([sources[i] for i in rows])
+    def search(number: int, rows: list[int]) -> list[list[Hypothesis]]:
+        src = padded([batches[number][i] for i in rows])
+        forced = [prefixes[number][i] for i in rows] if prefixes else None  # each row's own
         if s.sampling is not None:
-            return sample_search(model, src, BOS_ID, EOS_ID, s.sampling, s.nbest, s.max_len_a, s.max_len_b, s.min_len)
+            return sample_search(model, src, BOS_ID, EOS_ID, s.sampling, s.nbest, s.max_len_a, s.max_len_b, s.min_len,
+                                 prefixes=forced)
         if s.beam <= 1:
-            return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)]
+            return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len,
+                                               prefixes=forced)]
         return beam_search(model, src, BOS_ID, EOS_ID, s.beam, s.length_penalty, s.max_len_a, s.max_len_b,
-                           s.nbest, s.min_len)
+                           s.nbest, s.min_len, prefixes=forced)
 
     def halved(size: int) -> None:
         warn(f"warning: out of memory translating a batch of {size} sentences: retrying it in halves "
              "(lower decode.batch_size to avoid this)")
 
     def one_by_one() -> list[list[list[Hypothesis]]]:
-        return [split_on_out_of_memory(partial(search, b), list(range(len(b))), halved) for b in batches]
+        return [split_on_out_of_memory(partial(search, n), list(range(len(b))), halved) for n, b in enumerate(batches)]
 
     with denormals_flushed_to_zero():
         if not s.continuous or len(batches) == 1:
             return one_by_one()
         srcs = [padded(b) for b in batches]
         try:
-            found = greedy_search_continuous(model, srcs, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len)
+            found = greedy_search_continuous(model, srcs, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len,
+                                             prefixes=[p for batch in prefixes for p in batch] if prefixes else None)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

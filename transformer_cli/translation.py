@@ -85,9 +85,27 @@ class TranslationEngine:
     def tokenize(self, lines: list[str]) -> list[list]:
         raise NotImplementedError
 
-    def search(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig) -> list[list[Hypothesis]]:
+    def tokenize_target(self, texts: list[str]) -> list[list]:
+        """Target-language text (a prefix the output must start with) → tokens as the search outputs them."""
+        raise NotImplementedError
+
+    def unknown_in_target(self, text: str) -> bool:
+        """Whether the target vocabulary cannot spell `text` (a piece would be <unk>)."""
+        raise NotImplementedError
+
+    def prefix_tokens(self, text: str) -> list:
+        """The tokens a translation starting with `text` starts with; a TfmError where the model's
+        target vocabulary cannot spell it (the output would start with ' ⁇ ', not with `text`)."""
+        if self.unknown_in_target(text):
+            raise TfmError(f"prefix {text!r}: the model's target vocabulary cannot spell it (a character it has "
+                           "never seen would decode as ' ⁇ ')")
+        return self.tokenize_target([text])[0]
+
+    def search(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
+               prefixes: list[list] | None = None) -> list[list[Hypothesis]]:
         """Tokenized sources → per sentence its n-best hypotheses (tokens as `tokenize` gives them),
-        under `decode`'s settings (sampling, length limits)."""
+        under `decode`'s settings (sampling, length limits); each starting with its sentence's
+        prefix (`prefixes`: target tokens per sentence, [] for none)."""
         raise NotImplementedError
 
     def align(self, lines: list[str], sources: list[list], hyps: list[list[Hypothesis]],
@@ -101,29 +119,31 @@ class TranslationEngine:
     def close(self) -> None:
         """Release what the engine started (worker processes, threads); it also ends at exit."""
 
-    def search_later(self, sources: list[list], beam: int, nbest: int,
-                     decode: DecodeConfig) -> Callable[[], list[list[Hypothesis]]]:
+    def search_later(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
+                     prefixes: list[list] | None = None) -> Callable[[], list[list[Hypothesis]]]:
         """`search`, started now and collected by calling what it returns. An engine that decodes
         in the background (CTranslate2) returns at once, so that the next chunk can be started
         before this one is collected; tfm's engine searches here."""
-        hyps = self.search(sources, beam, nbest, decode)
+        hyps = self.search(sources, beam, nbest, decode, prefixes)
         return lambda: hyps
 
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
                   first_line: int = 1, decode: DecodeConfig | None = None,
-                  warn_long: bool = True) -> list[list[Translation]]:
+                  warn_long: bool = True, prefixes: list[str] | None = None) -> list[list[Translation]]:
         """Per input line its n-best translations (n samples with decode.sample); empty (or blank)
         lines give empty output. `decode` replaces the engine's settings for this call.
 
         A line longer than the model's positions is cut with a warning naming it (`first_line` is
         the number of `lines[0]` in the user's input; `warn_long=False`: silently, as a server does,
-        whose log one client must not flood).
+        whose log one client must not flood). `prefixes`: per line, text its translations start with
+        ("" for none): the search is forced through its tokens, then goes on (interactive translation,
+        autocompletion).
         """
-        return self.translate_later(lines, beam, nbest, first_line, decode, warn_long)()
+        return self.translate_later(lines, beam, nbest, first_line, decode, warn_long, prefixes)()
 
     def translate_later(self, lines: list[str], beam: int | None = None, nbest: int = 1,
-                        first_line: int = 1, decode: DecodeConfig | None = None,
-                        warn_long: bool = True) -> Callable[[], list[list[Translation]]]:
+                        first_line: int = 1, decode: DecodeConfig | None = None, warn_long: bool = True,
+                        prefixes: list[str] | None = None) -> Callable[[], list[list[Translation]]]:
         """`translate`, started now (`search_later`) and finished by calling what it returns."""
         decode = self.decode if decode is None else decode
         beam = decode.beam if beam is None else beam
@@ -131,7 +151,10 @@ class TranslationEngine:
         sources = self.tokenize([lines[i] for i in nonempty]) if nonempty else []
         if warn_long:
             warn_long_lines(nonempty, sources, self.max_source_tokens, first_line)
-        collect = self.search_later(sources, max(beam, 1), nbest, decode) if sources else list
+        forced = None
+        if prefixes is not None and any(prefixes[i] for i in nonempty):
+            forced = [self.prefix_tokens(prefixes[i]) if prefixes[i] else [] for i in nonempty]
+        collect = self.search_later(sources, max(beam, 1), nbest, decode, forced) if sources else list
 
         def finish() -> list[list[Translation]]:
             hyps = collect()
@@ -246,13 +269,14 @@ def input_chunks(engine: TranslationEngine, lines: Iterable[str]) -> Iterator[li
 
 
 def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO[str], beam: int | None = None,
-                     nbest: int = 1, progress: bool = False, read_ahead: bool = False) -> StreamStats:
+                     nbest: int = 1, progress: bool = False, read_ahead: bool = False,
+                     prefix: str | None = None) -> StreamStats:
     """Translate an (endless) stream of lines chunk by chunk, writing and flushing after each.
 
     `read_ahead`: the next chunk is read and started before this one is written, so that an engine
     decoding in the background (CTranslate2) never waits at the end of a chunk for its last batch.
     Only for input that is all there already (a file): from a pipe, reading ahead would hold back
-    each chunk's output until the next chunk has arrived."""
+    each chunk's output until the next chunk has arrived. `prefix`: every translation starts with it."""
     stats = StreamStats()
     started = time.perf_counter()
     # (A disabled tqdm still starts its monitor thread, which costs every short run a tenth of a second at exit.)
@@ -279,7 +303,8 @@ def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO
     read = 0
     for chunk in input_chunks(engine, lines):
         try:
-            started_chunk = (chunk, engine.translate_later(chunk, beam=beam, nbest=nbest, first_line=read + 1))
+            started_chunk = (chunk, engine.translate_later(chunk, beam=beam, nbest=nbest, first_line=read + 1,
+                                                           prefixes=[prefix] * len(chunk) if prefix else None))
         except BaseException:
             if pending is not None:  # what was translated before the failure is written first
                 write(*pending)
