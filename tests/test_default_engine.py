@@ -273,3 +273,12 @@ def test_a_prefix_through_ctranslate2_is_tfms_prefix(checkpoint):
     assert default.exit_code == 0 and "CTranslate2 int8" in default.stderr
     texts = [line.split("\t")[3] for line in default.stdout.splitlines()]
     assert len(texts) == 10 and all(t.startswith("wa wb") or t == "" for t in texts) and texts.count("") == 2
+
+
+def test_device_cuda_without_a_gpu_is_one_line(checkpoint):
+    from transformer_cli.engine import gpu_present
+
+    if gpu_present():
+        pytest.skip("this machine has a GPU")
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--device", "cuda", input=LINES)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "CUDA" in result.stderr, result.stderr

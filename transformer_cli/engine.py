@@ -130,7 +130,8 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
                                               **{k: v for k, v in updates.items() if v is not None}}},
                                   "command line").decode
     choice = engine or (decode.engine if decode is not None else "auto")
-    if choice == "torch":
+    if choice == "torch" or (choice == "auto" and device.startswith("cuda") and not gpu_present()):
+        # (--device cuda without a GPU: tfm's engine says what is wrong with the device, in one line)
         return torch_engine(cfg, overrides, checkpoints, device, quantize, updates)
     explicit = choice == "ctranslate2"
 
