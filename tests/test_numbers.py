@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import TFM, tfm_in_process, tiny_run
-from transformer_cli.budget import check_decoding_budget
+from transformer_cli.budget import check_decoding_budget, decoding_bytes, decoding_shape
 from transformer_cli.config import DecodeConfig, load_config
 from transformer_cli.data import BOS_ID, EOS_ID
 from transformer_cli.decoding import Sampling, greedy_search, max_output_lengths, sample_search, sampling_distribution
@@ -184,3 +184,22 @@ def test_the_bound_holds_a_real_decode_within_a_small_factor(checkpoint):
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout.splitlines()[-1])
     assert found["used"] <= found["estimate"] <= 4 * found["used"], found
+
+
+
+def test_a_long_target_prefix_raises_the_bound():
+    """A prefix forces the output through its tokens: a 1-token source with a 500-token prefix may
+    decode 501 tokens, not a · 2 + b; the bound (and so the refusal) follows."""
+    from transformer_cli.config import DecodeConfig
+    from transformer_cli.model import TransformerConfig
+
+    cfg = TransformerConfig(src_vocab_size=8000, tgt_vocab_size=8000, max_positions=1024)
+    decode = DecodeConfig(beam=4)
+    plain = decoding_shape(cfg, decode, 1, 1)
+    forced = decoding_shape(cfg, decode, 1, 1, longest_prefix=500)
+    assert plain.output < 20 and forced.output == 501
+    assert decoding_bytes([cfg], forced) > 4 * decoding_bytes([cfg], plain)  # (32 MB of it is fixed workspace)
+    limit = 2 * decoding_bytes([cfg], plain)
+    check_decoding_budget(cfg, decode, 1, 1, limit)  # fits without the prefix
+    with pytest.raises(TfmError, match="up to 501 output tokens"):
+        check_decoding_budget(cfg, decode, 1, 1, limit, longest_prefix=500)

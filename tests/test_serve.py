@@ -107,6 +107,7 @@ def test_concurrent_clients_get_what_translate_gives(server, reverse_model, sent
     (None, {"text": ["wa", "wb"], "prefix": ["wa"]}, 422, "1 prefixes for 2 lines"),
     (None, {"text": "wa", "prefix": "wa\nwb"}, 422, "line break"),
     (None, {"text": "wa", "prefix": 5}, 422, "prefix"),
+    (None, {"text": "wa", "prefix": "wa " * 200}, 413, "prefix line 1: 600 characters"),
 ])
 def test_bad_requests_get_an_error_and_the_server_goes_on(server, raw, body, status, says):
     got, answer = post(server.port, body, raw=raw)

@@ -59,9 +59,11 @@ class DecodingShape:
 
 
 def decoding_shape(model_cfg: ModelSizes, decode: DecodeConfig, n_lines: int, longest_source_tokens: int,
-                   beam: int | None = None, nbest: int | None = None, processes: int = 1) -> DecodingShape:
+                   beam: int | None = None, nbest: int | None = None, processes: int = 1,
+                   longest_prefix: int = 0) -> DecodingShape:
     """The largest batch `n_lines` lines whose longest has `longest_source_tokens` tokens (</s>
-    excluded) make under `decode` (its beam and nbest, or `beam`/`nbest` where given)."""
+    excluded) make under `decode` (its beam and nbest, or `beam`/`nbest` where given); a target
+    prefix of `longest_prefix` tokens raises the output limit to leave room after it."""
     source = min(max(longest_source_tokens, 0), model_cfg.max_positions - 2) + 1  # decoding cuts longer lines
     lines = max(min(n_lines, decode.batch_size), 1)
     if decode.batch_tokens is not None:  # length_sorted_batches: width × sentences ≤ batch_tokens
@@ -71,7 +73,8 @@ def decoding_shape(model_cfg: ModelSizes, decode: DecodeConfig, n_lines: int, lo
     batches = -(-max(n_lines, 1) // lines)
     return DecodingShape(
         lines=lines, batches=batches, source=source,
-        output=output_length_limit(source, decode.max_len_a, decode.max_len_b, model_cfg.max_positions),
+        output=min(max(output_length_limit(source, decode.max_len_a, decode.max_len_b, model_cfg.max_positions),
+                       longest_prefix + 1), model_cfg.max_positions - 1),
         beams=1 if decode.sample else max(beam, 1), samples=max(nbest, 1) if decode.sample else 1,
         sampling=decode.sample, processes=max(min(processes, batches), 1))
 
@@ -115,16 +118,18 @@ def decoding_bytes(model_cfg: ModelSizes | Sequence[ModelSizes], shape: Decoding
 
 def check_decoding_budget(model_cfg: ModelSizes | Sequence[ModelSizes], decode: DecodeConfig,
                           n_lines: int, longest_source_tokens: int, limit_bytes: int | None, *,
-                          beam: int | None = None, nbest: int | None = None, processes: int = 1) -> None:
+                          beam: int | None = None, nbest: int | None = None, processes: int = 1,
+                          longest_prefix: int = 0) -> None:
     """Refuse (TfmError, one line naming the limit and the setting that raises the cost most) a
     decoding call of `n_lines` lines, the longest `longest_source_tokens` tokens, whose bound is
     over `limit_bytes` (None: no limit). `beam`/`nbest` replace decode's; `processes`: decoding
-    processes that each take a batch at the same time (decode.workers)."""
+    processes that each take a batch at the same time (decode.workers); `longest_prefix`: target
+    prefix tokens the output is forced through."""
     if limit_bytes is None:
         return
     members = list(model_cfg) if isinstance(model_cfg, Sequence) else [model_cfg]
     first = members[0]
-    shape = decoding_shape(first, decode, n_lines, longest_source_tokens, beam, nbest, processes)
+    shape = decoding_shape(first, decode, n_lines, longest_source_tokens, beam, nbest, processes, longest_prefix)
     need = decoding_bytes(members, shape)
     if need <= limit_bytes:
         return

@@ -695,7 +695,7 @@ class CT2Translator(TranslationEngine):
         unsupported = self.unsupported(decode)
         if unsupported:
             raise TfmError(unsupported)
-        self.check_search_budget(pieces, beam, nbest, decode)
+        self.check_search_budget(pieces, beam, nbest, decode, prefixes)
         self.open()
         # Batches of similar lengths (decode.batch_size, decode.batch_tokens), as tfm's engine makes them.
         lengths = [min(len(p), self.max_source_tokens) + 1 for p in pieces]  # + the </s> CTranslate2 appends

@@ -270,6 +270,14 @@ def request_prefixes(request: TranslateRequest, lines: list[str]) -> list[str] |
     return prefixes if any(p.strip() for p in prefixes) else None
 
 
+def check_prefixes(prefixes: list[str], max_chars: int) -> None:
+    """A prefix is held to a line's limit (413 naming it)."""
+    for number, text in enumerate(prefixes, start=1):
+        if len(text) > max_chars:
+            raise RequestError(413, f"prefix line {number}: {len(text)} characters, more than the limit of "
+                                    f"{max_chars} (tfm serve --max-chars)")
+
+
 def response(results: list[list[Translation]], decode: DecodeConfig) -> dict:
     body: dict = {"translations": [r[0].text for r in results]}
     if decode.alignment:
@@ -361,9 +369,9 @@ def log_failure(status: int, exc: BaseException, debug: bool) -> None:
 
 def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, max_chars: int = 10_000,
                max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1,
-               budget: Callable[[list[str], DecodeConfig], None] | None = None, debug: bool = False):
+               budget: Callable[[list[str], DecodeConfig, list[str] | None], None] | None = None, debug: bool = False):
     """The FastAPI application serving `engine`, which decodes in `processes` processes, its calls
-    made by `runner` (MainThreadDecoder.run). `budget(lines, decode)` raises RequestError for a
+    made by `runner` (MainThreadDecoder.run). `budget(lines, decode, prefixes)` raises a TfmError for a
     request that would cost more than the server allows."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -413,12 +421,15 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
             unsupported = engine.unsupported(decode)
             if unsupported:
                 raise RequestError(422, f"{unsupported} (this server decodes with {engine.describe()})")
+            prefixes = request_prefixes(request, lines)
+            if prefixes:
+                check_prefixes(prefixes, max_chars)
             if budget is not None:
                 try:
-                    budget(lines, decode)
+                    budget(lines, decode, prefixes)
                 except TfmError as exc:
                     raise RequestError(413, str(exc)) from None
-            results = await batcher.translate(lines, decode, request_prefixes(request, lines))
+            results = await batcher.translate(lines, decode, prefixes)
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             status = error_status(exc)
             log_failure(status, exc, debug)

@@ -115,7 +115,7 @@ class Translator(TranslationEngine):
     def search(self, sources: list[list[int]], beam: int, nbest: int,
                decode: DecodeConfig | None = None, prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         decode = decode or self.decode
-        self.check_search_budget(sources, beam, nbest, decode)
+        self.check_search_budget(sources, beam, nbest, decode, prefixes)
         return decode_in_batches(self.model, sources, decode, self.device, beam, nbest,
                                  workers=self.decoding_workers(), prefixes=prefixes)
 

@@ -67,20 +67,23 @@ class TranslationEngine:
         """Searches that run at once, each over a batch of its own (decode.workers)."""
         return 1
 
-    def check_search_budget(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig) -> None:
-        """A TfmError, naming the setting, where searching `sources` could take more than
-        `memory_limit` (budget.py)."""
+    def check_search_budget(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
+                            prefixes: list[list] | None = None) -> None:
+        """A TfmError, naming the setting, where searching `sources` (forced through `prefixes`)
+        could take more than `memory_limit` (budget.py)."""
         if self.memory_limit is None or not self.member_configs:
             return
         check_decoding_budget(self.member_configs, decode, len(sources), max(map(len, sources), default=0),
-                              self.memory_limit, beam=beam, nbest=nbest, processes=self.budget_processes())
+                              self.memory_limit, beam=beam, nbest=nbest, processes=self.budget_processes(),
+                              longest_prefix=max(map(len, prefixes or []), default=0))
 
-    def check_budget(self, lines: list[str], decode: DecodeConfig) -> None:
-        """`check_search_budget` for `translate(lines, decode=decode)`, before the call joins a
-        batch (`tfm serve`)."""
+    def check_budget(self, lines: list[str], decode: DecodeConfig, prefixes: list[str] | None = None) -> None:
+        """`check_search_budget` for `translate(lines, decode=decode, prefixes=prefixes)`, before the
+        call joins a batch (`tfm serve`)."""
         if self.memory_limit is not None:
             sources = self.tokenize([line for line in lines if line.strip()])
-            self.check_search_budget(sources, decode.beam, decode.nbest, decode)
+            forced = [self.tokenize_target([p])[0] for p in prefixes or [] if p]
+            self.check_search_budget(sources, decode.beam, decode.nbest, decode, forced)
 
     def tokenize(self, lines: list[str]) -> list[list]:
         raise NotImplementedError
