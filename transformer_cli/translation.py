@@ -271,15 +271,41 @@ def input_chunks(engine: TranslationEngine, lines: Iterable[str]) -> Iterator[li
     return chunks(lines, min(CHUNK_LINES, engine.first_chunk_lines()), CHUNK_LINES)
 
 
+def translated_chunks(engine: TranslationEngine, lines: Iterable[str], beam: int | None = None, nbest: int = 1,
+                      read_ahead: bool = False, prefix: str | None = None) -> Iterator[tuple[list[str], list[list[Translation]]]]:
+    """Each chunk of `lines` (`input_chunks`) with its translations, in order.
+
+    `read_ahead`: the next chunk is read and started before this one is collected, so that an engine
+    decoding in the background (CTranslate2) never waits at the end of a chunk for its last batch.
+    Only for input that is all there already (a file, a list): from a pipe, reading ahead would hold
+    back each chunk's output until the next chunk has arrived. Where starting a chunk fails, the chunk
+    before it still comes out first. `prefix`: every translation starts with it."""
+    pending: tuple[list[str], Callable[[], list[list[Translation]]]] | None = None
+    read = 0
+    for chunk in input_chunks(engine, lines):
+        try:
+            started = (chunk, engine.translate_later(chunk, beam=beam, nbest=nbest, first_line=read + 1,
+                                                     prefixes=[prefix] * len(chunk) if prefix else None))
+        except BaseException:
+            if pending is not None:  # what was translated before the failure comes out first
+                yield pending[0], pending[1]()
+            raise
+        read += len(chunk)
+        if pending is not None:
+            yield pending[0], pending[1]()
+        pending = started
+        if not read_ahead:
+            yield pending[0], pending[1]()
+            pending = None
+    if pending is not None:
+        yield pending[0], pending[1]()
+
+
 def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO[str], beam: int | None = None,
                      nbest: int = 1, progress: bool = False, read_ahead: bool = False,
                      prefix: str | None = None) -> StreamStats:
-    """Translate an (endless) stream of lines chunk by chunk, writing and flushing after each.
-
-    `read_ahead`: the next chunk is read and started before this one is written, so that an engine
-    decoding in the background (CTranslate2) never waits at the end of a chunk for its last batch.
-    Only for input that is all there already (a file): from a pipe, reading ahead would hold back
-    each chunk's output until the next chunk has arrived. `prefix`: every translation starts with it."""
+    """Translate an (endless) stream of lines chunk by chunk (`translated_chunks`), writing and
+    flushing after each."""
     stats = StreamStats()
     started = time.perf_counter()
     # (A disabled tqdm still starts its monitor thread, which costs every short run a tenth of a second at exit.)
@@ -288,10 +314,9 @@ def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO
         from tqdm import tqdm
 
         bar = tqdm(desc="translate", unit="sent", file=sys.stderr)
-
-    def write(chunk: list[str], finish: Callable[[], list[list[Translation]]]) -> None:
+    for chunk, results in translated_chunks(engine, lines, beam, nbest, read_ahead, prefix):
         texts = []
-        for offset, translations in enumerate(finish()):
+        for offset, translations in enumerate(results):
             if nbest > 1:
                 texts.extend(format_nbest(stats.sentences + offset, translations))
             else:
@@ -301,26 +326,6 @@ def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO
         stats.sentences += len(chunk)
         if bar is not None:
             bar.update(len(chunk))
-
-    pending: tuple[list[str], Callable[[], list[list[Translation]]]] | None = None
-    read = 0
-    for chunk in input_chunks(engine, lines):
-        try:
-            started_chunk = (chunk, engine.translate_later(chunk, beam=beam, nbest=nbest, first_line=read + 1,
-                                                           prefixes=[prefix] * len(chunk) if prefix else None))
-        except BaseException:
-            if pending is not None:  # what was translated before the failure is written first
-                write(*pending)
-            raise
-        read += len(chunk)
-        if pending is not None:
-            write(*pending)
-        pending = started_chunk
-        if not read_ahead:
-            write(*pending)
-            pending = None
-    if pending is not None:
-        write(*pending)
     if bar is not None:
         bar.close()
     stats.seconds = time.perf_counter() - started
@@ -328,17 +333,5 @@ def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO
 
 
 def translate_texts(engine: TranslationEngine, lines: list[str], beam: int | None = None) -> list[str]:
-    """The best translation of each line, in the chunks `translate_stream` takes (each chunk
-    started before the one before it is collected, as translate_stream's `read_ahead`)."""
-    texts: list[str] = []
-    pending = None
-    read = 0
-    for chunk in input_chunks(engine, lines):
-        started = engine.translate_later(chunk, beam=beam, first_line=read + 1)
-        read += len(chunk)
-        if pending is not None:
-            texts += [t[0].text for t in pending()]
-        pending = started
-    if pending is not None:
-        texts += [t[0].text for t in pending()]
-    return texts
+    """The best translation of each line, in the chunks `translate_stream` takes (reading ahead)."""
+    return [t[0].text for _, results in translated_chunks(engine, lines, beam, read_ahead=True) for t in results]
