@@ -18,6 +18,7 @@ from transformer_cli.decoding import Sampling, draw, sampling_distribution
 from transformer_cli.ensemble import Ensemble
 from transformer_cli.files import read_lines
 from transformer_cli.train import train
+from transformer_cli.terms import LineTerms
 from transformer_cli.translate import Translator
 
 FP32 = ["decode.precision=fp32"]
@@ -237,7 +238,7 @@ def test_a_prefix_starts_every_hypothesis_of_its_own_line(checkpoint, held_out, 
     settings = {"sample": True, "seed": 5} if sample else {}
     translator = engine(checkpoint, **settings)
     plain = translator.translate(lines, beam=beam, nbest=nbest)
-    forced = translator.translate(lines, beam=beam, nbest=nbest, prefixes=prefixes)
+    forced = translator.translate(lines, beam=beam, nbest=nbest, terms=[LineTerms(prefix=p) for p in prefixes])
     for i, hyps in enumerate(forced):
         assert len(hyps) == nbest
         if prefixes[i]:

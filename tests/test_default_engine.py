@@ -253,6 +253,8 @@ def test_serve_decodes_through_ctranslate2_as_translate_does(checkpoint):
         assert status == 200 and body["translations"] == expected
         status, body = post(port, {"text": lines[:1], "sample": True})
         assert status == 422 and "sampling" in body["error"] and "CTranslate2" in body["error"]
+        status, body = post(port, {"text": lines[:1], "constraints": [["wa"]]})
+        assert status == 422 and "--engine torch" in body["error"] and "CTranslate2" in body["error"]
         assert post(port, {"text": lines[:2]})[1]["translations"] == expected[:2]  # the server goes on
     finally:
         server.send_signal(signal.SIGTERM)

@@ -104,10 +104,23 @@ def test_concurrent_clients_get_what_translate_gives(server, reverse_model, sent
     (None, {"text": "wa", "sample": True, "top_p": 2}, 422, "top_p"),
     (None, {"text": "wa", "temperature": -1}, 422, "temperature"),
     (None, {"text": "wa", "precision": "int8"}, 422, "precision"),
-    (None, {"text": ["wa", "wb"], "prefix": ["wa"]}, 422, "1 prefixes for 2 lines"),
+    (None, {"text": ["wa", "wb"], "prefix": ["wa"]}, 422, "prefix: 1 given for 2 lines"),
     (None, {"text": "wa", "prefix": "wa\nwb"}, 422, "line break"),
     (None, {"text": "wa", "prefix": 5}, 422, "prefix"),
     (None, {"text": "wa", "prefix": "wa " * 200}, 413, "prefix line 1: 600 characters"),
+    (None, {"text": ["wa", "wb"], "constraints": [["wa"]]}, 422, "constraints: 1 given for 2 lines"),
+    (None, {"text": "wa", "constraints": ["wa"]}, 422, "constraints"),
+    (None, {"text": "wa", "constraints": [[""]]}, 422, "constraints line 1: an empty term"),
+    (None, {"text": "wa", "constraints": [["wa\twb"]]}, 422, "constraints line 1: a tab"),
+    (None, {"text": "wa", "constraints": [["wa\nwb"]]}, 422, "line break"),
+    (None, {"text": "wa", "constraints": [[5]]}, 422, "constraints"),
+    (None, {"text": "wa", "constraints": [["wb"] * 33]}, 413, "constraints line 1: 33 terms"),
+    (None, {"text": "wa", "constraints": [["wb " * 200]]}, 413, "constraints line 1: 600 characters"),
+    (None, {"text": "wa", "constraints": [["wb"]], "beam": 1}, 422, "need beam search"),
+    (None, {"text": "wa", "constraints": [["wb wc"]], "avoid": ["wc"]}, 422, "contains the avoided term 'wc'"),
+    (None, {"text": ["wa", "wb"], "avoid": [["wa"]]}, 422, "avoid: 1 given for 2 lines"),
+    (None, {"text": "wa", "avoid": [["wa"], "wb"]}, 422, "avoid"),
+    (None, {"text": "wa", "avoid": ["wa", " "]}, 422, "avoid line 1: an empty term"),
 ])
 def test_bad_requests_get_an_error_and_the_server_goes_on(server, raw, body, status, says):
     got, answer = post(server.port, body, raw=raw)
@@ -177,6 +190,41 @@ def test_the_server_runs_the_model_on_the_main_thread_only():
     loop_thread.join()
     assert threading.current_thread() is threading.main_thread()
     assert answers == {"ok": [(0, True), (2, True), (4, True), (6, True), (8, True)], "error": "negative"}
+
+
+def test_constraints_and_avoided_terms_per_line(server, reverse_model, sentences):
+    """Requests with constraints, avoided terms and none, batched together: each line gets its own
+    terms, the others translate as they do alone; a term that cannot be placed is reported."""
+    translator = Translator.from_checkpoint(reverse_model[1].best_checkpoint, device="cpu",
+                                            overrides=["decode.precision=fp32"])
+    lines = sentences[:12]
+    plain = [t[0].text for t in translator.translate(lines)]
+    words = [f"w{c}" for c in "abcdefghijklmnop"]
+    wanted = [next(w for w in words if w not in p.split()) if i % 3 == 0 else None for i, p in enumerate(plain)]
+    avoided = [p.split()[0] if i % 3 == 1 else None for i, p in enumerate(plain)]
+
+    def request(i: int) -> dict:
+        body: dict = {"text": [lines[i]]}
+        if wanted[i]:
+            body["constraints"] = [[wanted[i]]]
+        if avoided[i]:
+            body["avoid"] = [avoided[i]]
+        return body
+
+    with ThreadPoolExecutor(max_workers=6) as clients:
+        answers = list(clients.map(lambda i: post(server.port, request(i)), range(len(lines))))
+    for i, (status, body) in enumerate(answers):
+        assert status == 200, body
+        text = body["translations"][0]
+        if wanted[i]:
+            assert wanted[i] in text.split() and body["unmet"] == [[]]
+        elif avoided[i]:
+            assert avoided[i] not in text.split()
+        else:
+            assert text == plain[i] and "unmet" not in body
+    status, body = post(server.port, {"text": lines[:2], "constraints": [["wa"], ["w\u00e4"]], "nbest": 2})
+    assert status == 200 and "wa" in body["translations"][0].split() and body["unmet"][1] == ["w\u00e4"]
+    assert all("wa" in h["text"].split() for h in body["nbest"][0])
 
 
 def test_a_prefix_per_line_stays_with_its_line(server, reverse_model, sentences):

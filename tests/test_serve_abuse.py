@@ -168,11 +168,11 @@ def test_requests_generated_from_the_openapi_schema_long_run(abused):
 def test_the_schema_fuzzer_covers_every_request_field(abused):
     """The fuzzer reads the fields from the schema the server publishes: every decode setting a
     request may choose is there (a new field is fuzzed without a new row)."""
-    from transformer_cli.serve import REQUEST_SETTINGS
+    from transformer_cli.serve import REQUEST_SETTINGS, TERM_FIELDS
 
     _, _, schema = abused
     fields = schema["components"]["schemas"]["TranslateRequest"]["properties"]
-    assert set(REQUEST_SETTINGS) | {"text", "prefix"} == set(fields)  # text and its prefixes, and the settings
+    assert set(REQUEST_SETTINGS) | {"text", *TERM_FIELDS} == set(fields)  # text, its terms, and the settings
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(abused):

@@ -291,6 +291,14 @@ def translate(
     alignment: Optional[bool] = AlignmentOpt,
     prefix: Optional[str] = typer.Option(None, "--prefix", help="Every translation starts with this text "
                                          "(target language): the search is forced through it, then goes on."),
+    constraints: bool = typer.Option(False, "--constraints", help="Input lines are source<TAB>term<TAB>…: each "
+                                     "term appears in the translation (^text: its prefix; !text: a term to avoid)."),
+    avoid: Optional[Path] = typer.Option(None, "--avoid", help="A file of target words or phrases, one a line, that "
+                                         "no translation contains."),
+    glossary: Optional[Path] = typer.Option(None, "--glossary", help="A file of source term<TAB>target term lines: "
+                                            "where a source term occurs in a line, its target term is a constraint."),
+    as_json: bool = typer.Option(False, "--json", help="Write one JSON object a line: translations, scores, "
+                                 "constraints not met, glossary entries used."),
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
     refuse_output_among_inputs(output, {"-i": [input_], "--config": [config], "--checkpoint": checkpoint or []})
@@ -301,12 +309,18 @@ def translate(
         raise TfmError(f"--quantize {quantize}: only int8 is supported")
     if prefix is not None and (not prefix.strip() or "\n" in prefix or "\r" in prefix):
         raise TfmError("--prefix: give one line of text, not empty, that every translation starts with")
+    from .terms import Glossary, Terminology, read_term_list
+
+    terminology = Terminology(constraints, prefix or "", read_term_list(avoid) if avoid is not None else (),
+                              Glossary.read(glossary) if glossary is not None else None,
+                              str(input_) if input_ is not None else "standard input")
     # Imports torch only where tfm's own engine translates: after the checks above.
     from .engine import open_engine
     from .translation import read_decoded_lines, translate_stream
 
     translator = open_engine(cfg, set_, checkpoint, device, quantize, engine=engine, compute_type=compute_type,
-                             model_dir=model_dir, batch_size=batch_size, batch_tokens=batch_tokens, workers=workers,
+                             model_dir=model_dir, lexical=bool(constraints or avoid or glossary),
+                             batch_size=batch_size, batch_tokens=batch_tokens, workers=workers,
                              sample=sample, top_k=top_k, top_p=top_p, temperature=temperature, seed=seed,
                              alignment=alignment)
     nbest = translator.decode.nbest if nbest is None else nbest
@@ -322,6 +336,9 @@ def translate(
         raise TfmError(unsupported)
     if prefix is not None:
         translator.prefix_tokens(prefix)  # a prefix it cannot spell: refused before any input is read
+    if constraints or avoid or glossary:  # settings that cannot apply them: refused before any input is read
+        translator.check_lexical(constraints or glossary is not None, avoid is not None, beam or translator.decode.beam,
+                                 translator.decode)
     from .budget import check_decoding_budget, decoding_memory_limit
 
     translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
@@ -334,9 +351,11 @@ def translate(
     from .files import atomic_path
 
     def run(out_stream):
-        lines = read_decoded_lines(source, sys.stderr, str(input_) if input_ is not None else "standard input")
+        lines = read_decoded_lines(source, sys.stderr, str(input_) if input_ is not None else "standard input",
+                                   strict=constraints)
         return translate_stream(translator, lines, out_stream, beam=beam, nbest=nbest, progress=sys.stderr.isatty(),
-                                read_ahead=is_regular_file(source), prefix=prefix)
+                                read_ahead=is_regular_file(source), terms=terminology if terminology.active else None,
+                                as_json=as_json)
 
     if output is not None:
         with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -437,6 +456,9 @@ def evaluate(
     confidence: bool = typer.Option(False, "--confidence", help="Bootstrap 95% confidence intervals."),
     engine: Optional[str] = EngineOpt,
     compute_type: Optional[str] = ComputeTypeOpt,
+    constraints: Optional[Path] = typer.Option(None, "--constraints", help="With --config: a file of the split's "
+                                               "source<TAB>term<TAB>… lines, translated with its terms instead of "
+                                               "the source; reports the share of terms used."),
 ) -> None:
     """Score translations with sacreBLEU: files (--hyp/--ref) or a model on a split (--config)."""
     from .evaluate import (
@@ -448,6 +470,8 @@ def evaluate(
 
     if min_bleu is not None and not math.isfinite(min_bleu):
         raise TfmError(f"--min-bleu {min_bleu}: give a finite score (a gate against {min_bleu} can never fail)")
+    if constraints is not None and (config is None or hyp):
+        raise TfmError("--constraints goes with --config (a model translates the split with the terms)")
     names = parse_metrics(metrics)
     if min_bleu is not None and "bleu" not in names:
         names.insert(0, "bleu")
@@ -486,7 +510,7 @@ def evaluate(
 
         cfg = _load_for_inference(config, set_, checkpoint)
         result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, beam, confidence, engine=engine,
-                                compute_type=compute_type)
+                                compute_type=compute_type, constraints=constraints)
     else:
         raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")
 
@@ -496,6 +520,10 @@ def evaluate(
         for s in result.scores.values():
             ci = f" (95% CI ± {s.ci:.2f})" if s.ci is not None else ""
             say(f"{s.text}{ci}\n  {s.signature}")
+        use = result.extra.get("term_use")
+        if use and use["constraints"]:
+            say(f"constraints: {use['met']} of {use['constraints']} terms in the translations "
+                f"({100 * use['rate']:.1f}%)")
         if result.extra:
             say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
                  f"{result.extra['sentences_per_s']} sentences/s ({result.extra['engine']}); "

@@ -46,6 +46,7 @@ from .errors import TfmError
 from .files import staging_directory
 from .hypothesis import Hypothesis, output_length_limit
 from .special_tokens import BOS_ID, EOS_ID, UNK_ID
+from .terms import TermIds
 from .translation import TranslationEngine, balanced_batches, length_sorted_batches
 from .workers import resolve_workers
 
@@ -683,19 +684,23 @@ class CT2Translator(TranslationEngine):
         return self.tgt_sp.decode_pieces(tokens)
 
     def search(self, pieces: list[list[str]], beam: int, nbest: int = 1, decode: DecodeConfig | None = None,
-               prefixes: list[list[str]] | None = None, max_len: int | None = None) -> list[list[Hypothesis]]:
+               terms: list[TermIds] | None = None, max_len: int | None = None) -> list[list[Hypothesis]]:
         """Sentencepiece pieces (no </s>) → per sentence its n-best hypotheses (pieces, score), in input order."""
-        return self.search_later(pieces, beam, nbest, decode or self.decode, prefixes, max_len)()
+        return self.search_later(pieces, beam, nbest, decode or self.decode, terms, max_len)()
 
     def search_later(self, pieces: list[list[str]], beam: int, nbest: int, decode: DecodeConfig,
-                     prefixes: list[list[str]] | None = None,
+                     terms: list[TermIds] | None = None,
                      max_len: int | None = None) -> Callable[[], list[list[Hypothesis]]]:
         """The batches submitted to CTranslate2's threads now; what it returns waits for them.
-        `prefixes` become CTranslate2's `target_prefix` (hypotheses include them)."""
+        The prefixes of `terms` become CTranslate2's `target_prefix` (hypotheses include them);
+        constraints and avoided terms are tfm's engine's (`check_terms` refuses them)."""
         unsupported = self.unsupported(decode)
         if unsupported:
             raise TfmError(unsupported)
-        self.check_search_budget(pieces, beam, nbest, decode, prefixes)
+        if terms and any(t.constraints or t.avoid for t in terms):
+            raise TfmError("constraints and avoided terms are applied by tfm's own engine: use --engine torch")
+        self.check_search_budget(pieces, beam, nbest, decode, terms)
+        prefixes = [t.prefix for t in terms] if terms and any(t.prefix for t in terms) else None
         self.open()
         # Batches of similar lengths (decode.batch_size, decode.batch_tokens), as tfm's engine makes them.
         lengths = [min(len(p), self.max_source_tokens) + 1 for p in pieces]  # + the </s> CTranslate2 appends

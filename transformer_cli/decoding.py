@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
+from .constraints import AvoidedSequences, ConstrainedBeams, recent_tokens
 from .decoder_state import SearchModel, SearchState
 from .hypothesis import Hypothesis
 
 if TYPE_CHECKING:
     from .config import DecodeConfig
+    from .terms import TermIds
 
 
 @dataclass(frozen=True)
@@ -220,20 +222,38 @@ class PrefixPick:
         return best, tokens
 
 
-def with_prefixes(limits: torch.Tensor, prefixes: list[list[int]] | None, max_positions: int) -> torch.Tensor:
-    """Per-sentence output limits (N,) raised to leave room after each prefix (capped by positions)."""
-    if not prefixes:
+def with_room(limits: torch.Tensor, terms: list[TermIds] | None, max_positions: int) -> torch.Tensor:
+    """Per-sentence output limits (N,) raised to leave room for each sentence's prefix and
+    constraints (`TermIds.room`), capped by positions."""
+    if not terms:
         return limits
-    room = torch.tensor([len(p) + 1 for p in prefixes], device=limits.device)
+    room = torch.tensor([t.room() for t in terms], device=limits.device)
     return torch.maximum(limits, room).clamp(max=max_positions - 1)
+
+
+def prefixes_of(terms: list[TermIds] | None) -> list[list[int]] | None:
+    """Per sentence its forced target ids; None where no sentence has any."""
+    return [t.prefix for t in terms] if terms and any(t.prefix for t in terms) else None
+
+
+def avoided_sequences(terms: list[TermIds] | None, device: torch.device) -> AvoidedSequences | None:
+    return AvoidedSequences([t.avoid for t in terms], device) if terms and any(t.avoid for t in terms) else None
+
+
+def recent_outputs(outputs: torch.Tensor, sentences: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+    """The `width` tokens each row output before `positions` (A,), from `outputs` (sentences, steps)
+    → (A, width); -2 before the start (what `AvoidedSequences.ban` reads)."""
+    columns = positions[:, None] - torch.arange(width, 0, -1, device=positions.device)  # (A, width)
+    recent = outputs[sentences[:, None], columns.clamp(min=0)]
+    return recent.masked_fill_(columns < 0, -2)
 
 
 def greedy_search(
     model: SearchModel, src: torch.Tensor, bos: int, eos: int,
-    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0, prefixes: list[list[int]] | None = None,
+    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0, terms: list[TermIds] | None = None,
 ) -> list[Hypothesis]:
     """Arg-max decoding of a (B, S) source batch; finished rows leave the batch."""
-    return greedy_search_continuous(model, [src], bos, eos, max_len_a, max_len_b, min_len, prefixes=prefixes)[0]
+    return greedy_search_continuous(model, [src], bos, eos, max_len_a, max_len_b, min_len, terms=terms)[0]
 
 
 @without_cyclic_gc
@@ -241,7 +261,7 @@ def greedy_search(
 def greedy_search_continuous(
     model: SearchModel, batches: list[torch.Tensor], bos: int, eos: int,
     max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0, pick: PickRule = most_probable,
-    prefixes: list[list[int]] | None = None,
+    terms: list[TermIds] | None = None,
 ) -> list[list[Hypothesis]]:
     """greedy_search over several (B_i, S_i) source batches with continuous batching: up to B_0 rows
     decode at once, and a row whose sentence is done takes the next waiting sentence at the next
@@ -255,17 +275,23 @@ def greedy_search_continuous(
     sentence's source fits the rows' (it is padded; a longer one widens them all).
     Results equal greedy_search's per batch up to rounding: a row that joined later attends over
     the cache slots written before it with an additive −inf mask. `pick` chooses each token: the
-    arg-max, or a draw (`SamplingPick`: sampling is this loop with another rule). `prefixes`: per
-    sentence of all the batches, the target ids it must start with (`PrefixPick`).
+    arg-max, or a draw (`SamplingPick`: sampling is this loop with another rule). `terms`: per
+    sentence of all the batches, the target ids it must start with (`PrefixPick`) and the
+    sequences it must not contain (their last token is barred where the rest precedes it);
+    positive constraints need beam search.
     """
     pad = model.cfg.pad_id
     device = batches[0].device
     counts = [b.size(0) for b in batches]
-    limits_all = with_prefixes(torch.cat([max_output_lengths(b, pad, max_len_a, max_len_b, min_len,
-                                                             model.cfg.max_positions) for b in batches]),
-                               prefixes, model.cfg.max_positions)
-    if prefixes and any(prefixes):
+    if terms and any(t.constraints for t in terms):
+        raise ValueError("positive constraints need beam search (beam ≥ 2)")
+    limits_all = with_room(torch.cat([max_output_lengths(b, pad, max_len_a, max_len_b, min_len,
+                                                         model.cfg.max_positions) for b in batches]),
+                           terms, model.cfg.max_positions)
+    prefixes = prefixes_of(terms)
+    if prefixes:
         pick = PrefixPick(pick, prefixes, device)
+    avoided = avoided_sequences(terms, device)
     # each source's length up to its last real token: the positions after it are padding
     source_lengths = torch.cat([((b != pad) * torch.arange(1, b.size(1) + 1, device=device)).amax(dim=1)
                                 for b in batches])
@@ -294,6 +320,8 @@ def greedy_search_continuous(
         positions = state.positions - 1  # the position each row just decoded
         if min_len:
             logprobs[:, eos].masked_fill_(positions < min_len, float("-inf"))
+        if avoided is not None:
+            avoided.ban(logprobs, sentence, recent_outputs(outputs, sentence, positions, avoided.width))
         best, tokens = pick(logprobs, sentence, positions)
         outputs.index_put_((sentence, positions), tokens)
         scores.index_add_(0, sentence, best)
@@ -356,17 +384,18 @@ def finish_eos_choices(eos_in_top_k: torch.Tensor, top_scores: torch.Tensor, top
 
 def done_sentences(beam_scores: torch.Tensor, history: torch.Tensor, alive: list[int], at_limit: list[bool],
                    k: int, lp: float, finished: list[list[Hypothesis]], best_finished: list[float],
-                   min_finished: int) -> list[bool]:
+                   min_finished: int, complete: torch.Tensor | None = None) -> list[bool]:
     """Beam search: per live sentence, whether it is done. At its length limit its live beams
-    (sorted best first in `beam_scores` (N, K)) finish too; otherwise it is done once `min_finished`
-    hypotheses have finished and the best of them beats its best live beam ended now."""
-    best_alive = [score / lp for score in beam_scores[:, 0].tolist()]
+    (`beam_scores` (N, K)) finish too, those that are `complete` (N, K) (every constraint placed;
+    None: all); otherwise it is done once `min_finished` hypotheses have finished and the best of
+    them beats its best live beam ended now."""
+    best_alive = [score / lp for score in beam_scores.amax(dim=1).tolist()]
     done = []
     for r, sent in enumerate(alive):
         if at_limit[r]:
             for b in range(k):
                 score = float(beam_scores[r, b])
-                if score != float("-inf"):
+                if score != float("-inf") and (complete is None or bool(complete[r, b])):
                     finished[sent].append(Hypothesis(history[r * k + b].tolist(), score / lp))
         done.append(at_limit[r] or (len(finished[sent]) >= min_finished and best_finished[sent] >= best_alive[r]))
     return done
@@ -389,11 +418,9 @@ def force_prefix(logprobs: torch.Tensor, tokens: torch.Tensor, rows_per_sentence
 def beam_search(
     model: SearchModel, src: torch.Tensor, bos: int, eos: int, beam: int = 5,
     alpha: float = 0.6, max_len_a: float = 1.5, max_len_b: int = 10, nbest: int = 1, min_len: int = 0,
-    prefixes: list[list[int]] | None = None,
+    terms: list[TermIds] | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search with GNMT length penalty; returns the `nbest` best hypotheses per sentence.
-    `prefixes`: per sentence, target ids every hypothesis starts with (while a sentence is in its
-    prefix, every other token scores -inf, so its beams hold the prefix, then spread).
 
     Each step scores all K·V continuations of the K live beams and keeps the 2K best: those ending
     in <eos> among the top K are finished (score / lp(len)); the K best others stay alive, so the
@@ -404,6 +431,12 @@ def beam_search(
     (fairseq's rule) loses the best translation of a confident model, whose K finished hypotheses
     can all be improbable early <eos> picks made while the one good beam is still running.
     Done sentences leave the batch, so no compute is spent on them.
+
+    `terms`: per sentence, target ids every hypothesis starts with (while a sentence is in its
+    prefix, every other token scores -inf, so its beams hold the prefix, then spread), token
+    sequences none may contain, and terms each must contain (constraints.py: the candidates then
+    include each beam's next constraint tokens, and the beam is filled across progress banks). A
+    sentence whose terms cannot all be placed within its length limit gets no hypothesis ([]).
     """
     pad = model.cfg.pad_id
     device = src.device
@@ -411,9 +444,11 @@ def beam_search(
     k = beam
     memory, src_mask = model.encode(src)
     # Decoding rows: row = sent * K + beam; the K beams of a sentence share its cross-attention K/V.
-    limits = with_prefixes(max_output_lengths(src, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions),
-                           prefixes, model.cfg.max_positions).tolist()
-    forced = prefix_table(prefixes, device)[0] if prefixes and any(prefixes) else None
+    limits = with_room(max_output_lengths(src, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions),
+                       terms, model.cfg.max_positions).tolist()
+    prefixes = prefixes_of(terms)
+    forced = prefix_table(prefixes, device)[0] if prefixes else None
+    avoided = avoided_sequences(terms, device)
     state = model.init_state(memory, src_mask, beams=k, max_len=max(limits))
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     best_finished = [float("-inf")] * n_sent  # best finished score per sentence
@@ -424,6 +459,8 @@ def beam_search(
 
     alive = torch.arange(n_sent, device=device)  # original sentence index of each active sentence
     alive_list = alive.tolist()
+    constrained = (ConstrainedBeams([t.constraints for t in terms], alive, k)
+                   if terms and any(t.constraints for t in terms) else None)
     beam_scores = torch.zeros(n_sent, k, device=device)  # cumulative log-probs (N, K)
     history = torch.full((n_sent * k, 0), bos, dtype=torch.long, device=device)
     # All K beams of a sentence start identical: the first step decodes one row per sentence
@@ -434,6 +471,7 @@ def beam_search(
 
     for step in range(max(limits)):
         n = len(alive_list)
+        rows_per_sentence = 1 if step == 0 else k
         logits = model.decode_step(tokens, state)  # (N*K, V); the first step (N, V)
         if buffer is None:
             buffer = logits_buffer(n_sent * k, logits)
@@ -442,13 +480,22 @@ def beam_search(
         if step < min_len:
             logprobs[:, eos] = float("-inf")
         if forced is not None and step < forced.size(1):
-            force_prefix(logprobs, forced[torch.tensor(alive_list, device=device), step], 1 if step == 0 else k)
+            force_prefix(logprobs, forced[alive, step], rows_per_sentence)
+        if avoided is not None:
+            avoided.ban(logprobs, alive.repeat_interleave(rows_per_sentence),
+                        recent_tokens(history[::k] if step == 0 else history, avoided.width))
+        extra = None
+        if constrained is not None:
+            constrained.bar_unfinished_ends(logprobs, eos, rows_per_sentence)
+            extra = constrained.extra_candidates(logprobs, beam_scores, alive, rows_per_sentence)
         if step == 0:  # only beam 0 exists; -inf for the others where the vocabulary is under 2K
             candidates = logprobs if vocab >= 2 * k else torch.cat(
                 [logprobs, logprobs.new_full((n, (k - 1) * vocab), float("-inf"))], dim=1)
             top_scores, top_ids = top_k(candidates, 2 * k)  # (N, 2K)
         else:
             top_scores, top_ids = beam_top_k(logprobs, beam_scores, 2 * k)  # (N, 2K)
+        if constrained is not None and extra is not None:  # the candidates in the order the beam is filled
+            top_scores, top_ids = constrained.arrange(top_scores, top_ids, extra, alive, vocab)
         top_beams, top_tokens = top_ids // vocab, top_ids % vocab
         is_eos = top_tokens == eos
         at_limit = [step + 1 >= limits[s] for s in alive_list]
@@ -458,10 +505,12 @@ def beam_search(
                            length_penalty(step + 1, alpha), finished, best_finished)
 
         # 2) The K best non-<eos> candidates stay alive: a stable sort of the <eos> flags puts the
-        #    others first, in score order.
-        pick = is_eos.to(torch.uint8).argsort(dim=1, stable=True)[:, :k]  # (N, K) positions within the 2K
+        #    others first, in score order (constrained: in the banks' filling order).
+        pick = is_eos.to(torch.uint8).argsort(dim=1, stable=True)[:, :k]  # (N, K) positions among the candidates
         beam_scores = top_scores.gather(1, pick)
         next_tokens = top_tokens.gather(1, pick)
+        if constrained is not None:
+            constrained.select(pick)
         if first_row.size(0) != n:
             first_row = torch.arange(n, device=device)[:, None] * k  # (N, 1) each sentence's first row
         source_rows = (top_beams.gather(1, pick) + first_row).view(-1)
@@ -471,15 +520,19 @@ def beam_search(
         # 3) Sentences at their length limit finish their live beams; a sentence whose best finished
         #    hypothesis beats its best live beam ended now is done.
         done = done_sentences(beam_scores, history, alive_list, at_limit, k, length_penalty(step + 1, alpha),
-                              finished, best_finished, min_finished)
+                              finished, best_finished, min_finished,
+                              constrained.complete() if constrained is not None else None)
         if all(done):
             break
         if any(done):
             keep_sent = torch.tensor([r for r, d in enumerate(done) if not d], device=device)
             keep_rows = (keep_sent[:, None] * k + torch.arange(k, device=device)).view(-1)
             alive_list = [alive_list[r] for r in keep_sent.tolist()]
+            alive = alive.index_select(0, keep_sent)
             beam_scores = beam_scores.index_select(0, keep_sent)
             history, tokens = history.index_select(0, keep_rows), tokens.index_select(0, keep_rows)
+            if constrained is not None:
+                constrained.keep(keep_rows)
             state = state.reorder(source_rows.index_select(0, keep_rows), keep_sent)
         else:
             state = state.reorder(source_rows)  # beams move only within their sentence
@@ -552,14 +605,14 @@ class SamplingPick:
 
 def sample_search(
     model: SearchModel, src: torch.Tensor, bos: int, eos: int, sampling: Sampling, samples: int = 1,
-    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0, prefixes: list[list[int]] | None = None,
+    max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0, terms: list[TermIds] | None = None,
 ) -> list[list[Hypothesis]]:
     """`samples` random translations per sentence of a (B, S) source batch (see `Sampling`), in the
     order drawn; each scored by the model's own log-probability of its tokens (untempered, unnormalised).
     The greedy loop, each row drawing its token instead of taking the arg-max."""
     rows = src.repeat_interleave(samples, dim=0)  # row = sentence * samples + sample
     pick = SamplingPick(sampling, sampling_generators(src, model.cfg.pad_id, sampling.seed, samples))
-    forced = [p for p in prefixes for _ in range(samples)] if prefixes else None
+    per_row = [t for t in terms for _ in range(samples)] if terms else None
     [drawn] = greedy_search_continuous(model, [rows], bos, eos, max_len_a, max_len_b, min_len, pick=pick,
-                                       prefixes=forced)
+                                       terms=per_row)
     return [drawn[first : first + samples] for first in range(0, len(drawn), samples)]

@@ -32,10 +32,14 @@ CUDA_HINT = ("CTranslate2 sees no CUDA device: its wheel needs CUDA 12's cuBLAS 
              "supplies it)")
 
 
-def torch_only_reason(decode: DecodeConfig | None, models: int, quantize: str | None) -> str | None:
-    """Why these settings need tfm's own engine (None: CTranslate2 has every one of them)."""
+def torch_only_reason(decode: DecodeConfig | None, models: int, quantize: str | None,
+                      lexical: bool = False) -> str | None:
+    """Why these settings need tfm's own engine (None: CTranslate2 has every one of them).
+    `lexical`: the input has constraints or avoided terms."""
     if models > 1:
         return "ensembles are tfm's own"
+    if lexical:
+        return "constraints and avoided terms are tfm's own; CTranslate2 offers target prefixes only"
     if quantize is not None:
         return "--quantize is tfm's own int8 (CTranslate2's is --compute-type int8)"
     if decode is None:
@@ -106,11 +110,12 @@ def torch_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, chec
 def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, checkpoints: list[Path] | None,
                 device: str = "auto", quantize: str | None = None, engine: str | None = None,
                 compute_type: str | None = None, model_dir: Path | None = None,
-                announce: Callable[[str], None] = warn, **updates: Any) -> TranslationEngine:
+                announce: Callable[[str], None] = warn, lexical: bool = False, **updates: Any) -> TranslationEngine:
     """The engine `tfm translate`/`evaluate`/`serve` decode with. `engine`/`compute_type` (the
     command line's; None: decode.engine/decode.compute_type) choose; `updates` are the command line's
     decode settings (None: not given). `announce` receives the one line that says why auto chose
-    tfm's engine, or that the conversion went to a temporary directory."""
+    tfm's engine, or that the conversion went to a temporary directory. `lexical`: the input has
+    constraints or avoided terms (tfm's engine applies them)."""
     if engine is not None and engine not in ("auto", "torch", "ctranslate2"):
         raise TfmError(f"--engine {engine}: choose auto, torch or ctranslate2")
     if model_dir is not None:
@@ -141,7 +146,7 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
         announce(f"engine: torch ({reason})")
         return torch_engine(cfg, overrides, checkpoints, device, quantize, updates)
 
-    reason = torch_only_reason(decode, len(checkpoints), quantize)
+    reason = torch_only_reason(decode, len(checkpoints), quantize, lexical)
     ct2_device, device_reason = ctranslate2_device(device) if reason is None else (None, None)
     if reason or device_reason:
         return fall_back(reason or device_reason or "")
@@ -160,7 +165,7 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
         apply_decode_options(translator, updates)
         if translator.decode.engine == "torch" and engine is None:
             return torch_engine(cfg, overrides, checkpoints, device, quantize, updates)
-        reason = torch_only_reason(translator.decode, 1, quantize)
+        reason = torch_only_reason(translator.decode, 1, quantize, lexical)
         if reason:
             return fall_back(reason)
     try:

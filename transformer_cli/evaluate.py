@@ -12,6 +12,7 @@ from sacrebleu.significance import PairedTest
 
 from .errors import TfmError
 from .files import atomic_write_text, read_lines
+from .terms import LineTerms, avoided_present, missing_constraints, split_constraints_line
 
 METRICS = {"bleu": BLEU, "chrf": CHRF, "ter": TER}
 
@@ -106,12 +107,24 @@ def evaluate_files(hyp_path: Path, ref_path: Path, metrics: list[str], confidenc
     return score(hyps, refs, metrics, confidence)
 
 
+def term_use(hyps: list[str], terms: list[LineTerms]) -> dict:
+    """How many of the lines' constraints their translations contain (verbatim), and of their
+    avoided terms (as whole words)."""
+    wanted = sum(len(t.constraints) for t in terms)
+    met = sum(len(t.constraints) - len(missing_constraints(h, t)) for h, t in zip(hyps, terms))
+    avoided = sum(len(avoided_present(h, t)) for h, t in zip(hyps, terms))
+    return {"constraints": wanted, "met": met, "rate": round(met / wanted, 4) if wanted else None,
+            "avoided_present": avoided}
+
+
 def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: list[str], beam: int | None,
-                   confidence: bool = False, engine: str | None = None, compute_type: str | None = None) -> EvalResult:
+                   confidence: bool = False, engine: str | None = None, compute_type: str | None = None,
+                   constraints: Path | None = None) -> EvalResult:
     """Translate the configured split's raw source with the model (several checkpoints: their
     ensemble) through the engine `tfm translate` would choose (`engine`, `compute_type`: the
     command line's; None: the config's decode.engine, decode.compute_type) and score it against
-    the raw reference."""
+    the raw reference. `constraints`: a `tfm translate --constraints` file of the split's source
+    lines with their terms, translated instead of the source; the result adds the term-use rate."""
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
     from .data import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .rundir import RunDirectory
@@ -121,11 +134,17 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
     src_path, ref_path = split_files(config, split)
     src, refs = read_lines(src_path), read_lines(ref_path)
     check_aligned(src, refs, str(src_path), str(ref_path))
+    terms = None
+    if constraints is not None:
+        pairs = [split_constraints_line(line, f"{constraints}: line {n}")
+                 for n, line in enumerate(read_lines(constraints), start=1)]
+        check_aligned([p[0] for p in pairs], refs, str(constraints), str(ref_path))
+        src, terms = [p[0] for p in pairs], [p[1] for p in pairs]
     translator = open_engine(config, None, checkpoints, device=config.train.device, engine=engine,
-                             compute_type=compute_type)
+                             compute_type=compute_type, lexical=terms is not None)
     started = time.perf_counter()
     try:
-        hyps = translate_texts(translator, src, beam)  # as `tfm translate` would: the same chunks and batches
+        hyps = translate_texts(translator, src, beam, terms)  # as `tfm translate` would: the same chunks and batches
     finally:
         translator.close()
     seconds = time.perf_counter() - started
@@ -135,8 +154,10 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
                     "engine": translator.describe(), "source": str(src_path),
                     "reference": str(ref_path), "decode_seconds": round(seconds, 2),
                     "sentences_per_s": round(len(src) / seconds, 2)}
+    if terms is not None:
+        result.extra.update({"constraints_file": str(constraints), "term_use": term_use(hyps, terms)})
     out_dir = RunDirectory(config.run_path).eval_dir
-    stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam_used}"
+    stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam_used}{'.constrained' if terms else ''}"
     atomic_write_text(out_dir / f"{stem}.hyp", "\n".join(hyps) + "\n")
     atomic_write_text(out_dir / f"{stem}.json", json.dumps(result.to_json(), indent=2))
     result.extra["hyp_file"] = str(out_dir / f"{stem}.hyp")

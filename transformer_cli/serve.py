@@ -45,6 +45,7 @@ from .config import DecodeConfig
 from .console import discard_writes, warn
 from .errors import TfmError
 from .signals import outputs_a_hangup_takes
+from .terms import LineTerms, conflicts, unique
 from .translation import Translation, TranslationEngine
 from .workers import DecodingProcessDied
 
@@ -61,18 +62,23 @@ class TranslateRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     # Text each translation starts with (target language): one for every line, or one per line ("": none).
     prefix: str | list[str] | None = None
+    # Per line, the terms its translation must contain (beam search, tfm's engine).
+    constraints: list[list[str]] | None = None
+    # Terms no translation may contain: one list for every line, or one list per line.
+    avoid: list[str] | list[list[str]] | None = None
 
-    @field_validator("text", "prefix")
+    @field_validator("text", "prefix", "constraints", "avoid")
     @classmethod
-    def _valid_unicode(cls, text: str | list[str] | None) -> str | list[str] | None:
+    def _valid_unicode(cls, text: str | list | None) -> str | list | None:
         """JSON may carry lone surrogates (`"\\ud800"`): no tokenizer takes them."""
         if text is None:
             return text
         for number, line in enumerate([text] if isinstance(text, str) else text, start=1):
-            try:
-                line.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(f"line {number}: not valid Unicode ({exc.reason} at character {exc.start})") from None
+            for item in [line] if isinstance(line, str) else line:
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"line {number}: not valid Unicode ({exc.reason} at character {exc.start})") from None
         return text
 
 
@@ -94,7 +100,9 @@ def error_status(exc: BaseException) -> int:
 
 
 # Per-request decode settings a client may choose; the rest (lengths, precision, batching) is the server's.
-REQUEST_SETTINGS = tuple(name for name in TranslateRequest.model_fields if name not in ("text", "prefix"))
+TERM_FIELDS = ("prefix", "constraints", "avoid")
+REQUEST_SETTINGS = tuple(name for name in TranslateRequest.model_fields if name not in ("text", *TERM_FIELDS))
+MAX_TERMS = 32  # constraints, and avoided terms, a line may have
 SAMPLING_SETTINGS = ("top_k", "top_p", "temperature", "seed")  # meaningful only with sample
 
 
@@ -103,7 +111,7 @@ class Job:
     lines: list[str]
     decode: DecodeConfig
     done: asyncio.Future = field(repr=False)
-    prefixes: list[str] | None = None  # per line ("": none)
+    terms: list[LineTerms] | None = None  # per line
 
 
 Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a call of the engine off the event loop
@@ -173,8 +181,8 @@ class Batcher:
         self.runner = runner
 
     async def translate(self, lines: list[str], decode: DecodeConfig,
-                        prefixes: list[str] | None = None) -> list[list[Translation]]:
-        job = Job(lines, decode, asyncio.get_running_loop().create_future(), prefixes)
+                        terms: list[LineTerms] | None = None) -> list[list[Translation]]:
+        job = Job(lines, decode, asyncio.get_running_loop().create_future(), terms)
         await self.queue.put(job)
         return await job.done
 
@@ -215,12 +223,12 @@ class Batcher:
         if not jobs:
             return
         lines = [line for job in jobs for line in job.lines]
-        prefixes = ([p for job in jobs for p in (job.prefixes or [""] * len(job.lines))]
-                    if any(job.prefixes for job in jobs) else None)  # each line keeps its request's prefix
+        terms = ([t for job in jobs for t in (job.terms or [LineTerms()] * len(job.lines))]
+                 if any(job.terms for job in jobs) else None)  # each line keeps its request's terms
         decode = request_batch_decode(decode, len(lines), self.processes)
         def start() -> Callable[[], list[list[Translation]]]:  # long lines are cut silently: one client must not flood the log
             return self.engine.translate_later(lines, nbest=decode.nbest, decode=decode, warn_long=False,
-                                               prefixes=prefixes)
+                                               terms=terms)
 
         try:
             if self.engine.decodes_in_background:  # waited for off the decoding thread, which starts the next batch
@@ -255,31 +263,55 @@ def request_decode(base: DecodeConfig, request: TranslateRequest) -> DecodeConfi
         raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
 
 
-def request_prefixes(request: TranslateRequest, lines: list[str]) -> list[str] | None:
-    """The request's prefix per line: one for every line, or one per line (a RequestError otherwise)."""
-    prefix = request.prefix
-    if prefix is None:
+def per_line(name: str, value: Any, lines: list[str], one_for_all: bool) -> list:
+    """A request field given once for every line (`one_for_all`) or as a list as long as text."""
+    values = [value] * len(lines) if one_for_all else value
+    if len(values) != len(lines):
+        raise RequestError(422, f"{name}: {len(values)} given for {len(lines)} lines of text (give "
+                                f"{'one for every line, or ' if name != 'constraints' else ''}a list as long as text)")
+    return values
+
+
+def request_terms(request: TranslateRequest, lines: list[str], max_chars: int) -> list[LineTerms] | None:
+    """Each line's prefix, constraints and avoided terms from the request; a RequestError (422, or
+    413 over the limits) naming the field and line otherwise."""
+    if all(getattr(request, name) is None for name in TERM_FIELDS):
         return None
-    prefixes = [prefix] * len(lines) if isinstance(prefix, str) else prefix
-    if len(prefixes) != len(lines):
-        raise RequestError(422, f"prefix: {len(prefixes)} prefixes for {len(lines)} lines of text (give one string "
-                                "for every line, or a list as long as text)")
-    for number, text in enumerate(prefixes, start=1):
-        if "\n" in text or "\r" in text:
-            raise RequestError(422, f"prefix line {number}: a line break (a prefix is one line)")
-    return prefixes if any(p.strip() for p in prefixes) else None
+    prefixes = per_line("prefix", request.prefix or "", lines, not isinstance(request.prefix, list))
+    constraints = per_line("constraints", request.constraints or [], lines, request.constraints is None)
+    avoid = request.avoid or []
+    avoids = per_line("avoid", avoid, lines, not avoid or all(isinstance(a, str) for a in avoid))
+    found = []
+    for number, (prefix, musts, avoided) in enumerate(zip(prefixes, constraints, avoids), start=1):
+        if not isinstance(prefix, str) or not isinstance(musts, list) or not isinstance(avoided, list) \
+                or not all(isinstance(t, str) for t in [*musts, *avoided]):
+            raise RequestError(422, f"line {number}: avoid is a list of strings, or one such list per line")
+        for name, texts in (("prefix", [prefix] if prefix else []), ("constraints", musts), ("avoid", avoided)):
+            if len(texts) > MAX_TERMS:
+                raise RequestError(413, f"{name} line {number}: {len(texts)} terms, more than the limit of {MAX_TERMS}")
+            for text in texts:
+                if len(text) > max_chars:
+                    raise RequestError(413, f"{name} line {number}: {len(text)} characters, more than the limit of "
+                                            f"{max_chars} (tfm serve --max-chars)")
+                if "\n" in text or "\r" in text:
+                    raise RequestError(422, f"{name} line {number}: a line break (a {name} term is one line)")
+                if name != "prefix" and "\t" in text:
+                    raise RequestError(422, f"{name} line {number}: a tab (a term is one line without tabs)")
+                if name != "prefix" and not text.strip():
+                    raise RequestError(422, f"{name} line {number}: an empty term")
+        terms = LineTerms(prefix if prefix.strip() else "", unique(t.strip() for t in musts),
+                          unique(t.strip() for t in avoided))
+        problem = conflicts(terms)
+        if problem:
+            raise RequestError(422, f"line {number}: {problem}")
+        found.append(terms)
+    return found if any(not t.empty for t in found) else None
 
 
-def check_prefixes(prefixes: list[str], max_chars: int) -> None:
-    """A prefix is held to a line's limit (413 naming it)."""
-    for number, text in enumerate(prefixes, start=1):
-        if len(text) > max_chars:
-            raise RequestError(413, f"prefix line {number}: {len(text)} characters, more than the limit of "
-                                    f"{max_chars} (tfm serve --max-chars)")
-
-
-def response(results: list[list[Translation]], decode: DecodeConfig) -> dict:
+def response(results: list[list[Translation]], decode: DecodeConfig, terms: list[LineTerms] | None = None) -> dict:
     body: dict = {"translations": [r[0].text for r in results]}
+    if terms is not None and any(t.constraints for t in terms):  # what did not fit a line's length limit
+        body["unmet"] = [list(r[0].unmet) for r in results]
     if decode.alignment:
         body["alignments"] = [r[0].alignment for r in results]
     if decode.nbest > 1:
@@ -369,9 +401,9 @@ def log_failure(status: int, exc: BaseException, debug: bool) -> None:
 
 def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, max_chars: int = 10_000,
                max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1,
-               budget: Callable[[list[str], DecodeConfig, list[str] | None], None] | None = None, debug: bool = False):
+               budget: Callable[[list[str], DecodeConfig, list[LineTerms] | None], None] | None = None, debug: bool = False):
     """The FastAPI application serving `engine`, which decodes in `processes` processes, its calls
-    made by `runner` (MainThreadDecoder.run). `budget(lines, decode, prefixes)` raises a TfmError for a
+    made by `runner` (MainThreadDecoder.run). `budget(lines, decode, terms)` raises a TfmError for a
     request that would cost more than the server allows."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -421,22 +453,25 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
             unsupported = engine.unsupported(decode)
             if unsupported:
                 raise RequestError(422, f"{unsupported} (this server decodes with {engine.describe()})")
-            prefixes = request_prefixes(request, lines)
-            if prefixes:
-                check_prefixes(prefixes, max_chars)
+            terms = request_terms(request, lines, max_chars)
+            if terms:
+                try:
+                    engine.check_terms(terms, decode.beam, decode)
+                except TfmError as exc:
+                    raise RequestError(422, f"{exc} (this server decodes with {engine.describe()})") from None
             if budget is not None:
                 try:
-                    budget(lines, decode, prefixes)
+                    budget(lines, decode, terms)
                 except TfmError as exc:
                     raise RequestError(413, str(exc)) from None
-            results = await batcher.translate(lines, decode, prefixes)
+            results = await batcher.translate(lines, decode, terms)
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             status = error_status(exc)
             log_failure(status, exc, debug)
             message = str(exc) if status < 500 or isinstance(exc, DecodingProcessDied) else \
                 f"internal error ({type(exc).__name__}); the server goes on"
             return error(status, message)
-        return response(results, decode)
+        return response(results, decode, terms)
 
     return app
 

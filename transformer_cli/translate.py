@@ -28,6 +28,7 @@ from .errors import TfmError
 from .hypothesis import Hypothesis
 from .model import Transformer, TransformerConfig
 from .precision import choose_decoding_precision
+from .terms import TermIds
 from .translation import TranslationEngine, balanced_batches, length_sorted_batches
 from .workers import DecodingWorkers, resolve_workers
 
@@ -40,6 +41,7 @@ class Translator(TranslationEngine):
     """
 
     name = "torch"
+    lexical_constraints = True
 
     def __init__(self, model: Transformer, src_sp, tgt_sp, decode: DecodeConfig, device: torch.device):
         self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
@@ -113,11 +115,16 @@ class Translator(TranslationEngine):
         return self.workers
 
     def search(self, sources: list[list[int]], beam: int, nbest: int,
-               decode: DecodeConfig | None = None, prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+               decode: DecodeConfig | None = None, terms: list[TermIds] | None = None) -> list[list[Hypothesis]]:
         decode = decode or self.decode
-        self.check_search_budget(sources, beam, nbest, decode, prefixes)
+        self.check_search_budget(sources, beam, nbest, decode, terms)
         return decode_in_batches(self.model, sources, decode, self.device, beam, nbest,
-                                 workers=self.decoding_workers(), prefixes=prefixes)
+                                 workers=self.decoding_workers(), terms=terms)
+
+    def target_pieces(self) -> dict[str, int]:
+        sp = self.tgt_sp
+        return {sp.id_to_piece(i): i for i in range(sp.get_piece_size())
+                if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))}
 
     def budget_processes(self) -> int:
         return self.decoding_workers().processes
@@ -138,15 +145,15 @@ class Translator(TranslationEngine):
 def decode_in_batches(
     model: Transformer, sources: list[list[int]], decode: DecodeConfig, device: torch.device,
     beam: int | None = None, nbest: int = 1, min_len: int = 0, max_len: int | None = None,
-    workers: DecodingWorkers | None = None, prefixes: list[list[int]] | None = None,
+    workers: DecodingWorkers | None = None, terms: list[TermIds] | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate id sequences (no <eos>) → per sentence its n-best hypotheses, in input order:
     sources longer than the model's positions are cut, the rest grouped into length-sorted batches
     (`decode.batch_size`, `decode.batch_tokens`), the batches into tasks (`group_into_tasks`), and
     each task decoded by `decode_task` on `workers` (CPU processes made for this `model`; None: this
     process). `beam` replaces decode.beam; `min_len`/`max_len` force the output length (benchmarks
-    with untrained weights). `prefixes`: per source, the target ids its hypotheses start with ([]:
-    none); each travels with its source through batches and tasks.
+    with untrained weights). `terms`: per source, the target ids its hypotheses start with, must
+    contain and must not contain (`TermIds`); each travels with its source through batches and tasks.
     """
     settings = SearchSettings.from_decode(decode, beam, nbest, min_len, max_len)
     limit_positions = model.cfg.max_positions - 1
@@ -163,11 +170,11 @@ def decode_in_batches(
     was_training = model.training
     model.eval()
     try:
-        def prefixes_of(task: list[list[int]]) -> list[list[list[int]]] | None:
-            return [[prefixes[i] for i in b] for b in task] if prefixes else None
+        def terms_of(task: list[list[int]]) -> list[list[TermIds]] | None:
+            return [[terms[i] for i in b] for b in task] if terms else None
 
         for task, task_hyps in zip(tasks, workers.map(([[sources[i] for i in b] for b in task], settings,
-                                                       prefixes_of(task)) for task in tasks)):
+                                                       terms_of(task)) for task in tasks)):
             for batch, hyps in zip(task, task_hyps):
                 for i, h in zip(batch, hyps):
                     results[i] = h
@@ -193,12 +200,14 @@ def group_into_tasks(batches: list[list[int]], continuous: bool) -> list[list[li
 
 
 def decode_task(model: Transformer, device: torch.device, batches: list[list[list[int]]],
-                settings: SearchSettings, prefixes: list[list[list[int]]] | None = None) -> list[list[list[Hypothesis]]]:
+                settings: SearchSettings, terms: list[list[TermIds]] | None = None) -> list[list[list[Hypothesis]]]:
     """One task, in a worker: batches of id sequences (each ending in <eos>), longest first → per
     batch, per sentence its n-best hypotheses (`nbest` samples when sampling). Greedy decodes them
     with continuous batching (`greedy_search_continuous`), beam search and sampling one batch after
-    the other; a batch that runs out of memory is retried in halves. `prefixes`: per batch, per
-    sentence the target ids its hypotheses start with (None: none anywhere)."""
+    the other; a batch that runs out of memory is retried in halves. `terms`: per batch, per
+    sentence its terminology (None: none anywhere). A sentence whose constraints cannot all be
+    placed within its length limit gets the best translation without them (its prefix and
+    avoided terms kept); the engine warns, naming the line."""
     s = settings
 
     def padded(rows: list[list[int]]) -> torch.Tensor:
@@ -206,15 +215,23 @@ def decode_task(model: Transformer, device: torch.device, batches: list[list[lis
 
     def search(number: int, rows: list[int]) -> list[list[Hypothesis]]:
         src = padded([batches[number][i] for i in rows])
-        forced = [prefixes[number][i] for i in rows] if prefixes else None  # each row's own
+        own = [terms[number][i] for i in rows] if terms else None  # each row's own
         if s.sampling is not None:
             return sample_search(model, src, BOS_ID, EOS_ID, s.sampling, s.nbest, s.max_len_a, s.max_len_b, s.min_len,
-                                 prefixes=forced)
+                                 terms=own)
         if s.beam <= 1:
             return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len,
-                                               prefixes=forced)]
-        return beam_search(model, src, BOS_ID, EOS_ID, s.beam, s.length_penalty, s.max_len_a, s.max_len_b,
-                           s.nbest, s.min_len, prefixes=forced)
+                                               terms=own)]
+        found = beam_search(model, src, BOS_ID, EOS_ID, s.beam, s.length_penalty, s.max_len_a, s.max_len_b,
+                            s.nbest, s.min_len, terms=own)
+        unmet = [i for i, hyps in enumerate(found) if not hyps and own and own[i].constraints]
+        if unmet:  # constraints that do not fit: the best translation without them
+            loose = [TermIds(own[i].prefix, [], own[i].avoid) for i in unmet]  # type: ignore[index]
+            again = beam_search(model, src[unmet], BOS_ID, EOS_ID, s.beam, s.length_penalty, s.max_len_a,
+                                s.max_len_b, s.nbest, s.min_len, terms=loose)
+            for i, hyps in zip(unmet, again):
+                found[i] = hyps
+        return found
 
     def halved(size: int) -> None:
         warn(f"warning: out of memory translating a batch of {size} sentences: retrying it in halves "
@@ -229,7 +246,7 @@ def decode_task(model: Transformer, device: torch.device, batches: list[list[lis
         srcs = [padded(b) for b in batches]
         try:
             found = greedy_search_continuous(model, srcs, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len,
-                                             prefixes=[p for batch in prefixes for p in batch] if prefixes else None)
+                                             terms=[t for batch in terms for t in batch] if terms else None)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

@@ -21,6 +21,7 @@ from .config import DecodeConfig
 from .console import warn, write_fully
 from .errors import TfmError
 from .hypothesis import Hypothesis
+from .terms import LineTerms, TermIds, avoided_present, conflicts, has_terms, missing_constraints, spellings
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Translation:
     # computed (CTranslate2 with one hypothesis: nothing prints it, and it costs 4% of greedy's time)
     n_tokens: int
     alignment: str | None = None  # "i-j i-j …" source word i ~ target word j (0-based), when asked for
+    unmet: tuple[str, ...] = ()  # the line's constraints it lacks (they did not fit its length limit)
 
 
 class TranslationEngine:
@@ -44,6 +46,7 @@ class TranslationEngine:
     # Bytes a search may take (budget.py); None: no check. `tfm translate` and `tfm serve` set it.
     memory_limit: int | None = None
     decodes_in_background = False  # `search_later` returns before the search is done (CTranslate2)
+    lexical_constraints = False  # terms a translation must contain or avoid (tfm's engine); prefixes: every engine
 
     def describe(self) -> str:
         """The engine and what it computes in, for the line commands print (`tfm translate`'s last)."""
@@ -68,22 +71,24 @@ class TranslationEngine:
         return 1
 
     def check_search_budget(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
-                            prefixes: list[list] | None = None) -> None:
-        """A TfmError, naming the setting, where searching `sources` (forced through `prefixes`)
-        could take more than `memory_limit` (budget.py)."""
+                            terms: list[TermIds] | None = None) -> None:
+        """A TfmError, naming the setting, where searching `sources` (with `terms`, which may raise
+        the output length) could take more than `memory_limit` (budget.py)."""
         if self.memory_limit is None or not self.member_configs:
             return
         check_decoding_budget(self.member_configs, decode, len(sources), max(map(len, sources), default=0),
                               self.memory_limit, beam=beam, nbest=nbest, processes=self.budget_processes(),
-                              longest_prefix=max(map(len, prefixes or []), default=0))
+                              longest_prefix=max((t.room() - 1 for t in terms or []), default=0))
 
-    def check_budget(self, lines: list[str], decode: DecodeConfig, prefixes: list[str] | None = None) -> None:
-        """`check_search_budget` for `translate(lines, decode=decode, prefixes=prefixes)`, before the
-        call joins a batch (`tfm serve`)."""
+    def check_budget(self, lines: list[str], decode: DecodeConfig, terms: list[LineTerms] | None = None) -> None:
+        """`check_search_budget` for `translate(lines, decode=decode, terms=terms)`, before the call
+        joins a batch (`tfm serve`)."""
         if self.memory_limit is not None:
             sources = self.tokenize([line for line in lines if line.strip()])
-            forced = [self.tokenize_target([p])[0] for p in prefixes or [] if p]
-            self.check_search_budget(sources, decode.beam, decode.nbest, decode, forced)
+            room = [TermIds(self.tokenize_target([t.prefix])[0] if t.prefix else [],
+                            self.tokenize_target(list(t.constraints)) if t.constraints else [])
+                    for t in terms or [] if not t.empty]
+            self.check_search_budget(sources, decode.beam, decode.nbest, decode, room)
 
     def tokenize(self, lines: list[str]) -> list[list]:
         raise NotImplementedError
@@ -104,11 +109,55 @@ class TranslationEngine:
                            "never seen would decode as ' ⁇ ')")
         return self.tokenize_target([text])[0]
 
+    def target_pieces(self) -> dict[str, int]:
+        """The target vocabulary's pieces → ids (`terms.spellings` of avoided terms)."""
+        raise NotImplementedError
+
+    def term_ids(self, terms: LineTerms, line: int, warn_unspellable: bool = True) -> TermIds:
+        """A line's terms as the search takes them. A prefix the vocabulary cannot spell is a
+        TfmError; such a constraint is dropped with a warning naming input line `line` (the line
+        is translated without it), an avoided term that cannot be spelled needs no barring."""
+        problem = conflicts(terms)
+        if problem:
+            raise TfmError(f"input line {line}: {problem}")
+        constraints = []
+        for term in terms.constraints:
+            if self.unknown_in_target(term):
+                if warn_unspellable:
+                    warn(f"warning: input line {line}: the constraint {term!r} cannot be spelled by the model's "
+                         "target vocabulary: translated without it")
+                continue
+            constraints.append(self.tokenize_target([term])[0])
+        avoid = []
+        if terms.avoid:
+            pieces = self.target_pieces()
+            for term in terms.avoid:
+                for text in ("\u2581" + term.replace(" ", "\u2581"), term.replace(" ", "\u2581")):
+                    avoid += spellings(text, pieces)
+        return TermIds(self.prefix_tokens(terms.prefix) if terms.prefix else [], constraints, avoid)
+
+    def check_terms(self, terms: list[LineTerms] | None, beam: int, decode: DecodeConfig) -> None:
+        """A TfmError where this engine or these settings cannot apply `terms`."""
+        if terms:
+            self.check_lexical(any(t.constraints for t in terms), any(t.avoid for t in terms), beam, decode)
+
+    def check_lexical(self, constraints: bool, avoid: bool, beam: int, decode: DecodeConfig) -> None:
+        """A TfmError where this engine or these settings cannot apply constraints or avoided terms."""
+        if not self.lexical_constraints and (constraints or avoid):
+            raise TfmError("constraints, glossaries and avoided terms are applied by tfm's own engine: use --engine "
+                           "torch (CTranslate2 offers target prefixes only)")
+        if constraints:
+            if decode.sample:
+                raise TfmError("constraints (--constraints, --glossary) need beam search, not --sample")
+            if beam < 2:
+                raise TfmError(f"constraints (--constraints, --glossary) need beam search: beam {beam} is greedy; "
+                               "use --beam 2 or more (decode.beam)")
+
     def search(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
-               prefixes: list[list] | None = None) -> list[list[Hypothesis]]:
+               terms: list[TermIds] | None = None) -> list[list[Hypothesis]]:
         """Tokenized sources → per sentence its n-best hypotheses (tokens as `tokenize` gives them),
-        under `decode`'s settings (sampling, length limits); each starting with its sentence's
-        prefix (`prefixes`: target tokens per sentence, [] for none)."""
+        under `decode`'s settings (sampling, length limits); each with its sentence's `terms`
+        (prefix, constraints, avoided sequences: `TermIds`)."""
         raise NotImplementedError
 
     def align(self, lines: list[str], sources: list[list], hyps: list[list[Hypothesis]],
@@ -123,30 +172,32 @@ class TranslationEngine:
         """Release what the engine started (worker processes, threads); it also ends at exit."""
 
     def search_later(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
-                     prefixes: list[list] | None = None) -> Callable[[], list[list[Hypothesis]]]:
+                     terms: list[TermIds] | None = None) -> Callable[[], list[list[Hypothesis]]]:
         """`search`, started now and collected by calling what it returns. An engine that decodes
         in the background (CTranslate2) returns at once, so that the next chunk can be started
         before this one is collected; tfm's engine searches here."""
-        hyps = self.search(sources, beam, nbest, decode, prefixes)
+        hyps = self.search(sources, beam, nbest, decode, terms)
         return lambda: hyps
 
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
                   first_line: int = 1, decode: DecodeConfig | None = None,
-                  warn_long: bool = True, prefixes: list[str] | None = None) -> list[list[Translation]]:
+                  warn_long: bool = True, terms: list[LineTerms] | None = None) -> list[list[Translation]]:
         """Per input line its n-best translations (n samples with decode.sample); empty (or blank)
         lines give empty output. `decode` replaces the engine's settings for this call.
 
         A line longer than the model's positions is cut with a warning naming it (`first_line` is
         the number of `lines[0]` in the user's input; `warn_long=False`: silently, as a server does,
-        whose log one client must not flood). `prefixes`: per line, text its translations start with
-        ("" for none): the search is forced through its tokens, then goes on (interactive translation,
-        autocompletion).
+        whose log one client must not flood). `terms`: per line, the text its translations start with
+        (the search is forced through its tokens, then goes on: interactive translation,
+        autocompletion), terms they must contain and terms they must not (`LineTerms`). A translation
+        that lacks a constraint (it did not fit the length limit) names it in `unmet`, with a warning
+        unless `warn_long` is False.
         """
-        return self.translate_later(lines, beam, nbest, first_line, decode, warn_long, prefixes)()
+        return self.translate_later(lines, beam, nbest, first_line, decode, warn_long, terms)()
 
     def translate_later(self, lines: list[str], beam: int | None = None, nbest: int = 1,
                         first_line: int = 1, decode: DecodeConfig | None = None, warn_long: bool = True,
-                        prefixes: list[str] | None = None) -> Callable[[], list[list[Translation]]]:
+                        terms: list[LineTerms] | None = None) -> Callable[[], list[list[Translation]]]:
         """`translate`, started now (`search_later`) and finished by calling what it returns."""
         decode = self.decode if decode is None else decode
         beam = decode.beam if beam is None else beam
@@ -154,23 +205,44 @@ class TranslationEngine:
         sources = self.tokenize([lines[i] for i in nonempty]) if nonempty else []
         if warn_long:
             warn_long_lines(nonempty, sources, self.max_source_tokens, first_line)
-        forced = None
-        if prefixes is not None and any(prefixes[i] for i in nonempty):
-            forced = [self.prefix_tokens(prefixes[i]) if prefixes[i] else [] for i in nonempty]
-        collect = self.search_later(sources, max(beam, 1), nbest, decode, forced) if sources else list
+        steering = None
+        if has_terms(terms) and any(not terms[i].empty for i in nonempty):  # type: ignore[index]
+            line_terms = [terms[i] for i in nonempty]  # type: ignore[index]
+            self.check_terms(line_terms, beam, decode)
+            steering = [self.term_ids(t, first_line + i, warn_long) for i, t in zip(nonempty, line_terms)]
+        collect = self.search_later(sources, max(beam, 1), nbest, decode, steering) if sources else list
 
         def finish() -> list[list[Translation]]:
             hyps = collect()
             alignments = (self.align([lines[i] for i in nonempty], sources, hyps, decode)
                           if decode.alignment and sources else [[None] * len(h) for h in hyps])
-            empty = Translation("", 0.0, 0, "" if decode.alignment else None)
-            out: list[list[Translation]] = [[empty] * max(nbest, 1) for _ in lines]
+            out: list[list[Translation]] = [[Translation("", 0.0, 0, "" if decode.alignment else None)
+                                             for _ in range(max(nbest, 1))] for _ in lines]
             for i, h, a in zip(nonempty, hyps, alignments):
                 out[i] = [Translation(self.detokenize(x.tokens), x.score, len(x.tokens), pairs)
                           for x, pairs in zip(h, a)]
+            if terms is not None:
+                for i, line_terms in enumerate(terms):
+                    if line_terms.constraints or line_terms.avoid:
+                        check_translations(out[i], line_terms, first_line + i, warn_long)
             return out
 
         return finish
+
+
+def check_translations(translations: list[Translation], terms: LineTerms, line: int, warnings: bool) -> None:
+    """In place: each translation's `unmet` constraints; a warning naming the line for the best
+    translation's, and for an avoided term in it (a spelling the search could not bar)."""
+    for rank, translation in enumerate(translations):
+        translation.unmet = tuple(missing_constraints(translation.text, terms))
+        if rank or not warnings:
+            continue
+        if translation.unmet:
+            warn(f"warning: input line {line}: the translation lacks {', '.join(map(repr, translation.unmet))}: "
+                 "the constraints did not fit its length limit, so it is the best translation without them")
+        present = avoided_present(translation.text, terms)
+        if present:
+            warn(f"warning: input line {line}: the translation contains the avoided {', '.join(map(repr, present))}")
 
 
 def warn_long_lines(numbers: list[int], encoded: list[list], limit: int, first_line: int) -> None:
@@ -212,9 +284,11 @@ def balanced_batches(batches: list[list[int]], batch_tokens: int | None, lengths
 # --------------------------------------------------------------------------- streaming
 
 
-def read_decoded_lines(stream: IO[bytes], warnings: IO[str], name: str = "standard input") -> Iterator[str]:
+def read_decoded_lines(stream: IO[bytes], warnings: IO[str], name: str = "standard input",
+                       strict: bool = False) -> Iterator[str]:
     """Lines of a byte stream as text; invalid UTF-8 is replaced (U+FFFD) with a warning, never a
-    crash. UTF-16 (a byte-order mark at the start) is refused: read as UTF-8 it would be garbage."""
+    crash, or with `strict` (terms must match what the user wrote) a TfmError naming the line.
+    UTF-16 (a byte-order mark at the start) is refused: read as UTF-8 it would be garbage."""
     for number, raw in enumerate(stream, start=1):
         if number == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
             raise TfmError(f"{name} is UTF-16 text (it starts with a UTF-16 byte-order mark): tfm reads UTF-8; "
@@ -222,6 +296,8 @@ def read_decoded_lines(stream: IO[bytes], warnings: IO[str], name: str = "standa
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
+            if strict:
+                raise TfmError(f"{name}: line {number} is not valid UTF-8 ({exc.reason})") from None
             text = raw.decode("utf-8", errors="replace")
             warn(f"warning: input line {number} is not valid UTF-8 ({exc.reason}); "
                  "invalid bytes replaced with U+FFFD", warnings)
@@ -272,40 +348,45 @@ def input_chunks(engine: TranslationEngine, lines: Iterable[str]) -> Iterator[li
 
 
 def translated_chunks(engine: TranslationEngine, lines: Iterable[str], beam: int | None = None, nbest: int = 1,
-                      read_ahead: bool = False, prefix: str | None = None) -> Iterator[tuple[list[str], list[list[Translation]]]]:
-    """Each chunk of `lines` (`input_chunks`) with its translations, in order.
+                      read_ahead: bool = False,
+                      terms: Callable[[list[str], int], tuple[list[str], list[LineTerms] | None]] | None = None,
+                      ) -> Iterator[tuple[list[str], list[LineTerms] | None, list[list[Translation]]]]:
+    """Each chunk of `lines` (`input_chunks`) → its sources, their terms and translations, in order.
 
     `read_ahead`: the next chunk is read and started before this one is collected, so that an engine
     decoding in the background (CTranslate2) never waits at the end of a chunk for its last batch.
     Only for input that is all there already (a file, a list): from a pipe, reading ahead would hold
     back each chunk's output until the next chunk has arrived. Where starting a chunk fails, the chunk
-    before it still comes out first. `prefix`: every translation starts with it."""
-    pending: tuple[list[str], Callable[[], list[list[Translation]]]] | None = None
+    before it still comes out first. `terms(chunk, first line number)` → the chunk's source lines
+    and their terms (`--constraints` input lines hold both; a prefix, `--avoid`, `--glossary`)."""
+    pending: tuple[list[str], list[LineTerms] | None, Callable[[], list[list[Translation]]]] | None = None
     read = 0
     for chunk in input_chunks(engine, lines):
         try:
-            started = (chunk, engine.translate_later(chunk, beam=beam, nbest=nbest, first_line=read + 1,
-                                                     prefixes=[prefix] * len(chunk) if prefix else None))
+            sources, line_terms = terms(chunk, read + 1) if terms is not None else (chunk, None)
+            started = (sources, line_terms, engine.translate_later(sources, beam=beam, nbest=nbest,
+                                                                   first_line=read + 1, terms=line_terms))
         except BaseException:
             if pending is not None:  # what was translated before the failure comes out first
-                yield pending[0], pending[1]()
+                yield pending[0], pending[1], pending[2]()
             raise
         read += len(chunk)
         if pending is not None:
-            yield pending[0], pending[1]()
+            yield pending[0], pending[1], pending[2]()
         pending = started
         if not read_ahead:
-            yield pending[0], pending[1]()
+            yield pending[0], pending[1], pending[2]()
             pending = None
     if pending is not None:
-        yield pending[0], pending[1]()
+        yield pending[0], pending[1], pending[2]()
 
 
 def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO[str], beam: int | None = None,
                      nbest: int = 1, progress: bool = False, read_ahead: bool = False,
-                     prefix: str | None = None) -> StreamStats:
-    """Translate an (endless) stream of lines chunk by chunk (`translated_chunks`), writing and
-    flushing after each."""
+                     terms: Callable[[list[str], int], tuple[list[str], list[LineTerms] | None]] | None = None,
+                     as_json: bool = False) -> StreamStats:
+    """Translate an (endless) stream of lines chunk by chunk (`translated_chunks`, `terms` as
+    there), writing and flushing after each: plain, n-best records, or JSON Lines (`as_json`)."""
     stats = StreamStats()
     started = time.perf_counter()
     # (A disabled tqdm still starts its monitor thread, which costs every short run a tenth of a second at exit.)
@@ -314,10 +395,13 @@ def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO
         from tqdm import tqdm
 
         bar = tqdm(desc="translate", unit="sent", file=sys.stderr)
-    for chunk, results in translated_chunks(engine, lines, beam, nbest, read_ahead, prefix):
+    for chunk, line_terms, results in translated_chunks(engine, lines, beam, nbest, read_ahead, terms):
         texts = []
         for offset, translations in enumerate(results):
-            if nbest > 1:
+            if as_json:
+                texts.append(json_record(stats.sentences + offset, translations,
+                                         line_terms[offset] if line_terms else None))
+            elif nbest > 1:
                 texts.extend(format_nbest(stats.sentences + offset, translations))
             else:
                 texts.append(with_alignment(translations[0]))
@@ -332,6 +416,40 @@ def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO
     return stats
 
 
-def translate_texts(engine: TranslationEngine, lines: list[str], beam: int | None = None) -> list[str]:
-    """The best translation of each line, in the chunks `translate_stream` takes (reading ahead)."""
-    return [t[0].text for _, results in translated_chunks(engine, lines, beam, read_ahead=True) for t in results]
+def translate_texts(engine: TranslationEngine, lines: list[str], beam: int | None = None,
+                    terms: list[LineTerms] | None = None) -> list[str]:
+    """The best translation of each line (with its `terms`), in the chunks `translate_stream` takes
+    (reading ahead)."""
+    chunk_terms = None
+    if terms is not None:
+        def chunk_terms(chunk: list[str], first: int) -> tuple[list[str], list[LineTerms] | None]:
+            return chunk, terms[first - 1 : first - 1 + len(chunk)]
+
+    return [t[0].text for _, _, results in translated_chunks(engine, lines, beam, read_ahead=True, terms=chunk_terms)
+            for t in results]
+
+
+def json_record(index: int, translations: list[Translation], terms: LineTerms | None) -> str:
+    """One input line's JSON Lines record: its translations (best first) and, where it has terms,
+    the constraints each lacks and the glossary entries that fired on it."""
+    import json
+    import math
+
+    def hypothesis(t: Translation) -> dict:
+        record: dict[str, Any] = {"text": t.text, "score": t.score if math.isfinite(t.score) else None}
+        if t.alignment is not None:
+            record["alignment"] = t.alignment
+        if terms is not None and terms.constraints:
+            record["unmet"] = list(t.unmet)
+        return record
+
+    record: dict[str, Any] = {"line": index, "translations": [hypothesis(t) for t in translations]}
+    if terms is not None and not terms.empty:
+        record["constraints"] = list(terms.constraints)
+        if terms.prefix:
+            record["prefix"] = terms.prefix
+        if terms.avoid:
+            record["avoid"] = list(terms.avoid)
+    if terms is not None and terms.glossary:
+        record["glossary"] = [{"source": s, "target": t} for s, t in terms.glossary]
+    return json.dumps(record, ensure_ascii=False)

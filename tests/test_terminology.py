@@ -1,0 +1,286 @@
+"""Terminology: positive lexical constraints (beam search with dynamic beam allocation), avoided
+terms, glossaries and their files, on the reverse task's trained model (target: the source's words
+reversed; every word is one piece, and also spellable from its characters)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import WORDS, tfm, tfm_in_process
+from transformer_cli.constraints import ConstraintTable, kmp_transitions
+from transformer_cli.files import read_lines
+from transformer_cli.terms import Glossary, LineTerms, spellings, split_constraints_line, whole_word_pattern
+from transformer_cli.translate import Translator
+
+FP32 = ["decode.precision=fp32"]  # batch-invariant results: a line's output must not depend on its neighbours
+
+
+@pytest.fixture(scope="module")
+def checkpoint(reverse_model):
+    return reverse_model[1].best_checkpoint
+
+
+@pytest.fixture(scope="module")
+def lines(reverse_model):
+    config, _ = reverse_model
+    return read_lines(f"{config.data.test}.src.gz")[:24]
+
+
+def engine(checkpoint, **decode) -> Translator:
+    overrides = FP32 + [f"decode.{k}={json.dumps(v)}" for k, v in decode.items()]
+    return Translator.from_checkpoint(checkpoint, device="cpu", overrides=overrides)
+
+
+def absent_words(text: str, count: int, seed: int) -> list[str]:
+    """`count` words of the vocabulary the text lacks (a constraint the plain output does not meet)."""
+    present = set(text.split())
+    return random.Random(seed).sample([w for w in WORDS if w not in present], count)
+
+
+def has_word(text: str, word: str) -> bool:
+    return bool(whole_word_pattern(word).search(text))
+
+
+# --------------------------------------------------------------------------- the automaton
+
+
+def longest_prefix_at_end(stream: list[int], pattern: list[int]) -> int:
+    return max(m for m in range(len(pattern) + 1) if m <= len(stream) and stream[len(stream) - m :] == pattern[:m])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_automaton_tracks_each_terms_longest_matched_prefix(seed):
+    """Against brute force, over patterns with repeated and self-overlapping tokens (a a b, a b a b):
+    a term's state is the longest prefix of it that the output ends with, and it is met once the
+    whole term has occurred, however the occurrence overlaps a false start."""
+    rng = random.Random(seed)
+    patterns = [[rng.randrange(3) for _ in range(rng.randint(1, 5))] for _ in range(3)]
+    table = ConstraintTable([patterns], torch.device("cpu"))
+    sentences = torch.zeros(1, dtype=torch.long)
+    matched, met = table.initial(sentences)
+    stream: list[int] = []
+    for _ in range(40):
+        token = rng.randrange(4)  # 3: a token in no pattern
+        stream.append(token)
+        matched, met = table.advance(sentences, matched, met, torch.tensor([token]))
+        for c, pattern in enumerate(patterns):
+            assert int(matched[0, c]) == longest_prefix_at_end(stream, pattern), (pattern, stream)
+            occurs = any(stream[i : i + len(pattern)] == pattern for i in range(len(stream)))
+            assert bool(met[0, c]) == occurs
+    assert kmp_transitions([0, 0, 1])[2] == [2, 2, 3]  # "a a" then "a": still "a a" matched, not a restart
+
+
+def test_spellings_are_the_ways_the_vocabulary_writes_a_term(checkpoint):
+    """Every spelling detokenizes to the term, the usual one among them, and a word is found in its
+    characters too (what a search reaches for when the usual spelling is barred)."""
+    translator = engine(checkpoint)
+    sp, pieces = translator.tgt_sp, translator.target_pieces()
+    ways = spellings("\u2581wa\u2581wb", pieces)
+    assert sp.encode("wa wb") in ways and len(ways) > 2
+    assert all(sp.decode(w) == "wa wb" for w in ways)
+    assert len({tuple(w) for w in ways}) == len(ways)
+    assert spellings("\u2581w\u00e4", pieces) == []  # a character the vocabulary lacks: no spelling
+
+
+# --------------------------------------------------------------------------- positive constraints
+
+
+def test_a_constraint_the_plain_output_lacks_appears(checkpoint, lines):
+    """One word, two words, and a repeated word (its pieces overlap themselves) each appear
+    verbatim where the plain translation has none of them; the rest of the translation stays the
+    reversed source."""
+    translator = engine(checkpoint)
+    plain = [t[0].text for t in translator.translate(lines)]
+    terms = []
+    for i, text in enumerate(plain):
+        one, two, three = absent_words(text, 3, i)
+        terms.append(LineTerms(constraints=[(one,), (f"{one} {two}",), (f"{three} {three}",)][i % 3]))
+    forced = translator.translate(lines, terms=terms)
+    for i, (t, hyps) in enumerate(zip(terms, forced)):
+        assert not any(c in plain[i] for c in t.constraints)
+        assert all(c in hyps[0].text for c in t.constraints), (t, hyps[0].text)
+        assert hyps[0].unmet == ()
+        kept = [w for w in plain[i].split() if w in hyps[0].text.split()]
+        assert 2 * len(kept) >= len(plain[i].split())  # the term is placed into the translation, not instead of it
+
+
+def test_each_line_keeps_its_own_constraints_in_a_mixed_batch(checkpoint, lines):
+    """Lines with different constraints and lines without any, of different lengths, in one batch:
+    each constrained line gets its own term and no other line's (a search that attached terms to the
+    wrong sentence, as fairseq's did, fails), and each unconstrained line is its plain translation."""
+    translator = engine(checkpoint, batch_size=64)
+    plain = [t[0].text for t in translator.translate(lines)]
+    terms = [LineTerms(constraints=(absent_words(plain[i], 1, i)[0],)) if i % 2 == 0 else LineTerms()
+             for i in range(len(lines))]
+    forced = translator.translate(lines, terms=terms)
+    for i, hyps in enumerate(forced):
+        if terms[i].constraints:
+            assert has_word(hyps[0].text, terms[i].constraints[0]), (terms[i], hyps[0].text)
+            others = {t.constraints[0] for j, t in enumerate(terms) if t.constraints and j != i}
+            assert not any(has_word(hyps[0].text, w) for w in others - set(terms[i].constraints) - set(plain[i].split()))
+        else:
+            assert hyps[0].text == plain[i]
+
+
+def test_every_nbest_hypothesis_and_every_ensemble_translation_has_the_terms(checkpoint, lines):
+    translator = engine(checkpoint)
+    plain = [t[0].text for t in translator.translate(lines[:8])]
+    terms = [LineTerms(constraints=tuple(absent_words(p, 2, i))) for i, p in enumerate(plain)]
+    nbest = translator.translate(lines[:8], beam=4, nbest=3, terms=terms)
+    assert all(len(h) == 3 and all(all(c in x.text for c in t.constraints) for x in h) for h, t in zip(nbest, terms))
+    ensemble = Translator.from_checkpoint([checkpoint, checkpoint], device="cpu", overrides=FP32)
+    together = ensemble.translate(lines[:8], terms=terms)
+    assert all(all(c in h[0].text for c in t.constraints) for h, t in zip(together, terms))
+
+
+def test_a_constraint_that_cannot_fit_warns_and_still_translates(checkpoint, lines, capsys):
+    """More constraint tokens than the model's positions hold, and a term the vocabulary cannot
+    spell: the line gets its best translation without them and a warning naming it."""
+    translator = engine(checkpoint)
+    plain = [t[0].text for t in translator.translate(lines[:3])]
+    too_long = " ".join(["wa"] * (translator.model.cfg.max_positions + 5))
+    terms = [LineTerms(), LineTerms(constraints=(too_long,)), LineTerms(constraints=("w\u00e4",))]
+    found = translator.translate(lines[:3], terms=terms, first_line=10)
+    assert [h[0].text for h in found] == plain
+    assert found[1][0].unmet == (too_long,) and found[2][0].unmet == ("w\u00e4",)
+    err = capsys.readouterr().err
+    assert "input line 11: the translation lacks" in err and "input line 12: the constraint 'wä' cannot be spelled" in err
+
+
+def test_constraints_need_beam_search_and_tfms_engine(checkpoint, lines):
+    translator = engine(checkpoint)
+    with pytest.raises(Exception, match="need beam search"):
+        translator.translate(lines[:2], beam=1, terms=[LineTerms(constraints=("wa",))] * 2)
+    sampler = engine(checkpoint, sample=True)
+    with pytest.raises(Exception, match="not --sample"):
+        sampler.translate(lines[:2], beam=1, terms=[LineTerms(constraints=("wa",))] * 2)
+
+
+# --------------------------------------------------------------------------- avoided terms
+
+
+@pytest.mark.parametrize("settings", [{"beam": 1}, {"beam": 4}, {"beam": 1, "sample": True, "seed": 3}])
+def test_avoided_words_appear_in_no_output(checkpoint, lines, settings):
+    """The words the plain outputs use most, avoided: none appears (in any spelling: the model can
+    write a word from its characters), in greedy, beam and sampling, and lines whose plain output
+    had none of them are unchanged."""
+    translator = engine(checkpoint, **settings)
+    plain = [t[0].text for t in translator.translate(lines)]
+    counts = {w: sum(has_word(p, w) for p in plain) for w in WORDS}
+    avoided = tuple(sorted(counts, key=lambda w: -counts[w])[:2])
+    found = translator.translate(lines, terms=[LineTerms(avoid=avoided)] * len(lines))
+    assert sum(counts[w] for w in avoided) > 0
+    for p, hyps in zip(plain, found):
+        assert not any(has_word(hyps[0].text, w) for w in avoided), hyps[0].text
+        if not any(has_word(p, w) for w in avoided) and not settings.get("sample"):
+            assert hyps[0].text == p
+
+
+# --------------------------------------------------------------------------- files and the command line
+
+
+def write(path: Path, data: bytes | str) -> Path:
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def test_translate_constraints_file_json_and_glossary_on_the_command_line(checkpoint, lines, tmp_path):
+    """A real `tfm translate --constraints --json` run (prefix and avoided fields, a line without
+    terms), then `--glossary`: its entries fire on whole words, case-insensitively, and are reported."""
+    src = [lines[0], lines[1], lines[2]]
+    first_word = src[0].split()[-1]  # the reverse task's translation starts with the source's last word
+    term = absent_words(src[1], 1, 0)[0]
+    data = f"{src[0]}\t^{first_word}\t{term}\n{src[1]}\t\n{src[2]}\t!{src[2].split()[0]}\n"
+    result = tfm("translate", "--checkpoint", checkpoint, "--set", "decode.precision=fp32", "--constraints", "--json",
+                 "-i", write(tmp_path / "in.tsv", data))
+    assert result.returncode == 0, result.stderr
+    assert "engine: torch (constraints and avoided terms are tfm's own" in result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["line"] for r in records] == [0, 1, 2]
+    first = records[0]["translations"][0]
+    assert first["text"].startswith(first_word) and term in first["text"] and first["unmet"] == []
+    assert "constraints" not in records[1]
+    assert not has_word(records[2]["translations"][0]["text"], src[2].split()[0])
+
+    source_word = src[1].split()[0]
+    glossary = write(tmp_path / "g.tsv", f"{source_word.upper()}\t{term}\nwz\twa\n")
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--glossary", glossary, "--json",
+                            input="\n".join(src) + "\n")
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    for record, line in zip(records, src):
+        fired = source_word in line.split()
+        assert (record.get("glossary") == [{"source": source_word.upper(), "target": term}]) == fired
+        assert (term in record["translations"][0]["text"]) or not fired
+
+
+@pytest.mark.parametrize("option, data, says", [
+    ("--constraints", "wa wb\twb\nwa wc\n", "line 2: no tab"),
+    ("--constraints", "wa wb\twb\t\twa\n", "line 1, field 3: an empty term"),
+    ("--constraints", "wa wb\t^wb\t^wa\n", "line 1, field 3: a second prefix"),
+    ("--constraints", b"wa wb\twb\nwa\twc\xff\n", "line 2 is not valid UTF-8"),
+    ("--constraints", "wa wb\twb wc\t!wc\n", "line 1: the constraint 'wb wc' contains the avoided term 'wc'"),
+    ("--avoid", "wa\n \n", "line 2: an empty term"),
+    ("--avoid", "\n\n", "no terms in it"),
+    ("--avoid", b"wa\n\xffwb\n", "line 2 is not valid UTF-8"),
+    ("--glossary", "wa\twb\nwc\n", "line 2: 1 fields"),
+    ("--glossary", "wa\twb\nWA\twc\n", "line 2: the source term 'WA' is also on line 1"),
+    ("--glossary", "wa\t \n", "line 1, target term: an empty term"),
+])
+def test_bad_terminology_files_are_one_line_errors_naming_the_line(checkpoint, tmp_path, option, data, says):
+    path = write(tmp_path / "terms", data)
+    if option == "--constraints":
+        args, given = ["-i", str(path), "--constraints"], None
+    else:
+        args, given = [option, str(path)], "wa wb\n"
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, *args, input=given)
+    assert result.exit_code == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and says in errors[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_settings_that_cannot_apply_constraints_are_refused_before_reading(checkpoint, tmp_path):
+    path = write(tmp_path / "in.tsv", "wa wb\twc\n")
+    greedy = tfm_in_process("translate", "--checkpoint", checkpoint, "--constraints", "-i", path, "--beam", "1")
+    assert greedy.exit_code == 2 and "need beam search" in greedy.stderr
+    ct2 = tfm_in_process("translate", "--checkpoint", checkpoint, "--constraints", "-i", path, "--engine", "ctranslate2")
+    assert ct2.exit_code == 2 and "--engine ctranslate2: constraints and avoided terms are tfm's own" in ct2.stderr
+
+
+def test_evaluate_with_a_constraints_file_reports_term_use(reverse_model, tmp_path):
+    """References' own words as constraints (the protocol of Post & Vilar): every term is used and
+    BLEU does not fall."""
+    config, summary = reverse_model
+    src = read_lines(f"{config.data.test}.src.gz")
+    ref = read_lines(f"{config.data.test}.tgt.gz")
+    rng = random.Random(0)
+    rows = []
+    for s, r in zip(src, ref):
+        words = r.split()
+        start = rng.randrange(len(words))
+        rows.append(f"{s}\t{' '.join(words[start : start + rng.randint(1, 2)])}")
+    constraints = write(tmp_path / "test.tsv", "\n".join(rows) + "\n")
+    config_file = write(tmp_path / "c.json", json.dumps({**config.model_dump(mode="json"), "run_dir": str(tmp_path / "run")}))
+    args = ["evaluate", "--config", config_file, "--checkpoint", summary.best_checkpoint, "--set",
+            "decode.precision=fp32", "--json"]
+    plain = json.loads(tfm_in_process(*args).stdout)
+    result = tfm_in_process(*args, "--constraints", constraints)
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["term_use"]["constraints"] == len(src) and report["term_use"]["rate"] == 1.0
+    assert report["scores"]["bleu"]["score"] >= plain["scores"]["bleu"]["score"] - 0.5
+    bad = tfm_in_process(*args, "--constraints", write(tmp_path / "short.tsv", rows[0] + "\n"))
+    assert bad.exit_code == 2 and "line counts differ" in bad.stderr
+
+
+def test_split_constraints_line_reads_escapes():
+    source, terms = split_constraints_line("a b\t\\^2\t\\!x\t^Pre\t!bad", "in")
+    assert source == "a b" and terms.constraints == ("^2", "!x") and terms.prefix == "Pre" and terms.avoid == ("bad",)
+    assert Glossary((("New York", "NYC"),)).matches("to new  york") == ()
+    assert Glossary((("New York", "NYC"),)).matches("to NEW YORK now") == (("New York", "NYC"),)
+    assert Glossary((("York", "Y"),)).matches("Yorkshire") == ()

@@ -1,0 +1,222 @@
+"""Terminology in the search, as batched tensors: terms an output must contain (positive lexical
+constraints, beam search with dynamic beam allocation) and token sequences it must not contain
+(avoided terms, any search). The text side — files, spellings, checks — is terms.py.
+
+Positive constraints follow Post & Vilar (2018), "Fast lexically constrained decoding with dynamic
+beam allocation", vectorised in the spirit of Hu et al. (2019): every step, besides the best
+continuations of the beam, each beam's next token of each unmet constraint and its own best token
+are candidates; each candidate's progress (constraint tokens met) is its bank, and the beam is
+filled across banks in turn (the best of each bank, most progress first, then the second of
+each…), so that hypotheses that have placed a term are not crowded out by cheaper ones that have
+not. Progress is tracked per decoding row and constraint by a KMP automaton (a term's state is the
+longest prefix of it that the output ends with), so terms may share pieces, repeat pieces, or lie
+inside one another. A hypothesis may end only when every term is in it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- avoided sequences
+
+
+def recent_tokens(history: torch.Tensor, width: int) -> torch.Tensor:
+    """The last `width` tokens of each row of `history` (R, T) → (R, width); -2 before the start."""
+    if width == 0:
+        return history.new_empty((history.size(0), 0))
+    if history.size(1) >= width:
+        return history[:, history.size(1) - width :]
+    return F.pad(history, (width - history.size(1), 0), value=-2)
+
+
+class AvoidedSequences:
+    """Per sentence, token sequences no output may contain (every spelling of every avoided term).
+    Before each pick, a row whose output ends with all but the last token of a sequence gets -inf
+    for that last token: a suffix test, with no state to carry through beam reordering."""
+
+    def __init__(self, sequences: list[list[list[int]]], device: torch.device):
+        count = max(max(map(len, sequences), default=0), 1)
+        self.width = max(max((len(s) for seqs in sequences for s in seqs), default=1), 1) - 1
+        # context: each sequence but its last token, right-aligned, -1 (matches anything) before it
+        context = torch.full((len(sequences), count, self.width), -1, dtype=torch.long)
+        last = torch.zeros((len(sequences), count), dtype=torch.long)
+        valid = torch.zeros((len(sequences), count), dtype=torch.bool)
+        for n, seqs in enumerate(sequences):
+            for m, seq in enumerate(seqs):
+                if len(seq) > 1:
+                    context[n, m, self.width - len(seq) + 1 :] = torch.tensor(seq[:-1])
+                last[n, m], valid[n, m] = seq[-1], True
+        self.context, self.last, self.valid = context.to(device), last.to(device), valid.to(device)
+
+    def ban(self, logprobs: torch.Tensor, sentences: torch.Tensor, recent: torch.Tensor) -> None:
+        """In place: logprobs (A, V) of rows decoding `sentences` (A,), whose outputs end with
+        `recent` (A, width) tokens (`recent_tokens`)."""
+        context = self.context.index_select(0, sentences)  # (A, M, width)
+        match = ((context == -1) | (context == recent[:, None, :])).all(dim=2) & self.valid.index_select(0, sentences)
+        rows, which = match.nonzero(as_tuple=True)
+        if rows.numel():
+            logprobs[rows, self.last[sentences[rows], which]] = NEG_INF
+
+
+# --------------------------------------------------------------------------- positive constraints
+
+
+def kmp_transitions(pattern: list[int]) -> list[list[int]]:
+    """KMP automaton of `pattern` restricted to its own tokens: [state j][k] = the state after
+    reading pattern[k] in state j (state: length of the longest prefix of `pattern` that the text
+    read so far ends with; any token not in `pattern` leads to state 0)."""
+    size = len(pattern)
+    border = [0] * (size + 1)  # border[j]: longest proper prefix of pattern[:j] that is also its suffix
+    for j in range(2, size + 1):
+        b = border[j - 1]
+        while b and pattern[b] != pattern[j - 1]:
+            b = border[b]
+        border[j] = b + 1 if pattern[b] == pattern[j - 1] else 0
+    table = []
+    for j in range(size + 1):
+        row = []
+        for token in pattern:
+            m = j
+            while m and (m == size or pattern[m] != token):
+                m = border[m]
+            row.append(m + 1 if pattern[m] == token else 0)
+        table.append(row)
+    return table
+
+
+class ConstraintTable:
+    """Per sentence its terms as token sequences (N, C, L) and their automata; the state of a row is
+    `matched` (R, C), each term's automaton state, and `met` (R, C), the terms already placed."""
+
+    def __init__(self, constraints: list[list[list[int]]], device: torch.device):
+        n = len(constraints)
+        self.count = max(max(map(len, constraints), default=0), 1)
+        self.width = max(max((len(c) for cs in constraints for c in cs), default=1), 1)
+        tokens = torch.full((n, self.count, self.width), -1, dtype=torch.long)
+        lengths = torch.zeros((n, self.count), dtype=torch.long)
+        goto = torch.zeros((n, self.count, (self.width + 1) * self.width), dtype=torch.long)
+        for s, terms in enumerate(constraints):
+            for c, term in enumerate(terms):
+                tokens[s, c, : len(term)] = torch.tensor(term)
+                lengths[s, c] = len(term)
+                for j, row in enumerate(kmp_transitions(term)):
+                    goto[s, c, j * self.width : j * self.width + len(row)] = torch.tensor(row)
+        self.tokens, self.lengths, self.goto = tokens.to(device), lengths.to(device), goto.to(device)
+        self.banks = int(lengths.sum(dim=1).max()) + 1  # progress 0 … the most constraint tokens a sentence has
+
+    def initial(self, sentences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state of rows decoding `sentences` (R,) before any output: nothing matched, empty slots met."""
+        matched = torch.zeros((len(sentences), self.count), dtype=torch.long, device=sentences.device)
+        return matched, self.lengths.index_select(0, sentences) == 0
+
+    def advance(self, sentences: torch.Tensor, matched: torch.Tensor, met: torch.Tensor,
+                tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state after rows (any shape S, with `matched`/`met` (*S, C)) decoding `sentences` (*S)
+        output `tokens` (*S)."""
+        terms = self.tokens[sentences]  # (*S, C, L)
+        equal = terms == tokens[..., None, None]
+        has = equal.any(dim=-1)  # (*S, C) the token is in the term
+        position = equal.to(torch.uint8).argmax(dim=-1)  # its first place there
+        goto = self.goto[sentences]  # (*S, C, (L+1)·L)
+        following = goto.gather(-1, (matched * self.width + position)[..., None]).squeeze(-1)
+        matched = torch.where(has, following, torch.zeros_like(following))
+        return matched, met | (matched == self.lengths[sentences])
+
+    def progress(self, sentences: torch.Tensor, matched: torch.Tensor, met: torch.Tensor) -> torch.Tensor:
+        """Constraint tokens placed (*S): the met terms' lengths plus the longest partial match."""
+        lengths = self.lengths[sentences]
+        return (lengths * met).sum(dim=-1) + matched.masked_fill(met, 0).amax(dim=-1)
+
+    def next_tokens(self, sentences: torch.Tensor, matched: torch.Tensor, met: torch.Tensor) -> torch.Tensor:
+        """(R, C): per row, the token that advances each unmet term (its first after the part
+        matched); -1 for met terms."""
+        terms = self.tokens[sentences]  # (R, C, L)
+        following = terms.gather(2, matched.clamp(max=self.width - 1)[:, :, None]).squeeze(2)
+        return following.masked_fill(met | (matched >= self.lengths[sentences]), -1)
+
+
+class ConstrainedBeams:
+    """The constraint state of a beam search's rows (sentence × beam) and the candidate selection
+    with dynamic beam allocation. Sentences without terms take the plain beam's choice."""
+
+    def __init__(self, constraints: list[list[list[int]]], alive: torch.Tensor, k: int):
+        self.table = ConstraintTable(constraints, alive.device)
+        self.k = k
+        self.matched, self.met = self.table.initial(alive.repeat_interleave(k))  # (N·K, C)
+        self.chosen: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def unfinished(self) -> torch.Tensor:
+        """(N·K,) rows with a term still to place."""
+        return ~self.met.all(dim=1)
+
+    def bar_unfinished_ends(self, logprobs: torch.Tensor, eos: int, rows_per_sentence: int) -> None:
+        """In place: <eos> is -inf for rows with a term still to place."""
+        unfinished = self.unfinished()[:: self.k] if rows_per_sentence == 1 else self.unfinished()
+        logprobs[:, eos].masked_fill_(unfinished, NEG_INF)
+
+    def extra_candidates(self, logprobs: torch.Tensor, beam_scores: torch.Tensor, alive: torch.Tensor,
+                         rows_per_sentence: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sentence: each row's token advancing each unmet term, and each row's best token →
+        scores (N, rows·(C+1)) and ids into the sentence's K·V candidates (beam · V + token). Read
+        before the top-k, which may add the beam scores into `logprobs` in place."""
+        rows, vocab = logprobs.shape
+        n, step = rows // rows_per_sentence, self.k // rows_per_sentence
+        matched, met = self.matched[::step], self.met[::step]  # the rows decoded this step
+        sentences = alive.repeat_interleave(rows_per_sentence)
+        advancing = self.table.next_tokens(sentences, matched, met)  # (R, C)
+        base = beam_scores[:, :rows_per_sentence].reshape(-1, 1)  # (R, 1)
+        advancing_scores = logprobs.gather(1, advancing.clamp(min=0)).masked_fill_(advancing < 0, NEG_INF) + base
+        best_scores, best_tokens = logprobs.max(dim=1)
+        beam = (torch.arange(rows, device=logprobs.device) % rows_per_sentence)[:, None] * vocab  # (R, 1)
+        scores = torch.cat([advancing_scores, best_scores[:, None] + base], dim=1).view(n, -1)
+        ids = torch.cat([advancing.clamp(min=0) + beam, best_tokens[:, None] + beam], dim=1).view(n, -1)
+        return scores, ids
+
+    def arrange(self, top_scores: torch.Tensor, top_ids: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor],
+                alive: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All candidates (the top 2K and `extra`), duplicates dropped, in the order the beam is
+        filled: the best of each bank (most progress first), then the second best of each, … →
+        scores and ids (N, M); invalid (-inf) candidates last."""
+        scores = torch.cat([top_scores, extra[0]], dim=1)
+        ids = torch.cat([top_ids, extra[1]], dim=1)
+        n, m = ids.shape
+        ordered_ids, order = ids.sort(dim=1)
+        repeated = torch.zeros_like(ordered_ids, dtype=torch.bool)
+        repeated[:, 1:] = ordered_ids[:, 1:] == ordered_ids[:, :-1]
+        scores = scores.masked_fill(torch.zeros_like(repeated).scatter_(1, order, repeated), NEG_INF)
+
+        beams, tokens = ids // vocab, ids % vocab
+        rows = torch.arange(n, device=ids.device)[:, None] * self.k + beams  # (N, M) the row each extends
+        sentences = alive[:, None].expand(n, m)
+        matched, met = self.table.advance(sentences, self.matched[rows], self.met[rows], tokens)  # (N, M, C)
+        bank = self.table.progress(sentences, matched, met)  # (N, M)
+
+        by_score = scores.argsort(dim=1, descending=True, stable=True)
+        bank_sorted = bank.gather(1, by_score)
+        one_hot = F.one_hot(bank_sorted, self.table.banks)  # (N, M, banks)
+        rank = (one_hot.cumsum(dim=1) * one_hot).sum(dim=2) - 1  # place within its bank, best first
+        key = rank * self.table.banks + (self.table.banks - 1 - bank_sorted)
+        key = key.masked_fill(scores.gather(1, by_score) == NEG_INF, m * self.table.banks)
+        filled = by_score.gather(1, key.argsort(dim=1, stable=True))  # (N, M) positions, in filling order
+        index = filled[:, :, None].expand(n, m, self.table.count)
+        self.chosen = (matched.gather(1, index), met.gather(1, index))
+        return scores.gather(1, filled), ids.gather(1, filled)
+
+    def select(self, picked: torch.Tensor) -> None:
+        """The live beams are the `picked` (N, K) positions of `arrange`'s order: their states."""
+        assert self.chosen is not None
+        index = picked[:, :, None].expand(*picked.shape, self.table.count)
+        self.matched = self.chosen[0].gather(1, index).view(-1, self.table.count)
+        self.met = self.chosen[1].gather(1, index).view(-1, self.table.count)
+        self.chosen = None
+
+    def complete(self) -> torch.Tensor:
+        """(N, K): live beams with every term placed."""
+        return self.met.all(dim=1).view(-1, self.k)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.matched, self.met = self.matched.index_select(0, rows), self.met.index_select(0, rows)
