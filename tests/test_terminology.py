@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import WORDS, tfm, tfm_in_process
-from transformer_cli.constraints import ConstraintTable, kmp_transitions
+from transformer_cli.constraints import AvoidedSequences, ConstraintTable, kmp_transitions, recent_tokens
 from transformer_cli.files import read_lines
 from transformer_cli.terms import Glossary, LineTerms, spellings, split_constraints_line, whole_word_pattern
 from transformer_cli.translate import Translator
@@ -73,6 +73,27 @@ def test_the_automaton_tracks_each_terms_longest_matched_prefix(seed):
             occurs = any(stream[i : i + len(pattern)] == pattern for i in range(len(stream)))
             assert bool(met[0, c]) == occurs
     assert kmp_transitions([0, 0, 1])[2] == [2, 2, 3]  # "a a" then "a": still "a a" matched, not a restart
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_barred_tokens_are_the_last_of_every_sequence_the_output_is_inside(seed):
+    """The automaton of avoided sequences against brute force: after any output, exactly the last
+    tokens of the sequences whose other tokens the output ends with are barred, per sentence (two
+    sentences with the same list share one automaton; a third has its own)."""
+    rng = random.Random(seed)
+    for _ in range(100):
+        lists = [[[rng.randrange(5) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 4))]
+                 for _ in range(2)]
+        table = AvoidedSequences([lists[0], lists[1], lists[0]], torch.device("cpu"))
+        for _ in range(10):
+            output = [rng.randrange(7) for _ in range(rng.randint(0, 6))]
+            for sentence, sequences in enumerate([lists[0], lists[1], lists[0]]):
+                logprobs = torch.randn(1, 8)
+                table.ban(logprobs, torch.tensor([sentence]),
+                          recent_tokens(torch.tensor(output, dtype=torch.long).view(1, -1), table.width))
+                expected = {q[-1] for q in sequences if len(output) >= len(q) - 1 and
+                            output[len(output) - len(q) + 1 :] == q[:-1]}
+                assert {i for i in range(8) if logprobs[0, i] == float("-inf")} == expected, (sequences, output)
 
 
 def test_spellings_are_the_ways_the_vocabulary_writes_a_term(checkpoint):

@@ -15,8 +15,12 @@ inside one another. A hypothesis may end only when every term is in it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from .top_k import top_k
 
 NEG_INF = float("-inf")
 
@@ -36,30 +40,88 @@ def recent_tokens(history: torch.Tensor, width: int) -> torch.Tensor:
 class AvoidedSequences:
     """Per sentence, token sequences no output may contain (every spelling of every avoided term).
     Before each pick, a row whose output ends with all but the last token of a sequence gets -inf
-    for that last token: a suffix test, with no state to carry through beam reordering."""
+    for that last token.
+
+    The sequences of a sentence form an Aho–Corasick automaton (a trie of their prefixes with
+    failure links, closed into full transitions over the tokens they use). The state after the last
+    `width` tokens of a row's output (the longest sequence but one) is the state after all of it, as
+    far as barring goes, so each step runs the automaton over those few tokens from the root: no
+    state to carry through beam reordering or continuous batching, and a step costs `width` small
+    gathers whatever the number of sequences (a suffix test against every sequence cost 2–6x the
+    search with 20 avoided words)."""
 
     def __init__(self, sequences: list[list[list[int]]], device: torch.device):
-        count = max(max(map(len, sequences), default=0), 1)
         self.width = max(max((len(s) for seqs in sequences for s in seqs), default=1), 1) - 1
-        # context: each sequence but its last token, right-aligned, -1 (matches anything) before it
-        context = torch.full((len(sequences), count, self.width), -1, dtype=torch.long)
-        last = torch.zeros((len(sequences), count), dtype=torch.long)
-        valid = torch.zeros((len(sequences), count), dtype=torch.bool)
-        for n, seqs in enumerate(sequences):
-            for m, seq in enumerate(seqs):
-                if len(seq) > 1:
-                    context[n, m, self.width - len(seq) + 1 :] = torch.tensor(seq[:-1])
-                last[n, m], valid[n, m] = seq[-1], True
-        self.context, self.last, self.valid = context.to(device), last.to(device), valid.to(device)
+        alphabet = tuple(sorted({t for seqs in sequences for s in seqs for t in s}))
+        keys = [tuple(sorted(set(map(tuple, seqs)))) for seqs in sequences]
+        distinct = list(dict.fromkeys(keys))  # equal lists (one --avoid file for every line) share an automaton
+        built = [automaton(key, alphabet) for key in distinct]
+        bases = [0]
+        for goto, _ in built[:-1]:
+            bases.append(bases[-1] + goto.size(0))
+        widest = max(barred.size(1) for _, barred in built)
+        self.goto = torch.cat([goto + base for (goto, _), base in zip(built, bases)]).to(device)  # (states, 1 + Σ)
+        self.barred = torch.cat([F.pad(barred, (0, widest - barred.size(1)), value=-1) if barred.size(1) else
+                                 barred.new_full((barred.size(0), widest), -1) for _, barred in built])
+        first = self.barred[:, :1]  # pad with the state's first barred token: scatter_ must see -inf for each copy
+        self.barred = torch.where(self.barred < 0, first, self.barred).to(device)
+        self.roots = torch.tensor([bases[distinct.index(k)] for k in keys], dtype=torch.long, device=device)
+        token_map = torch.zeros(max(alphabet, default=0) + 1, dtype=torch.long)
+        token_map[list(alphabet)] = torch.arange(1, len(alphabet) + 1)
+        self.token_map = token_map.to(device)  # token → its symbol (0: a token in no sequence)
 
     def ban(self, logprobs: torch.Tensor, sentences: torch.Tensor, recent: torch.Tensor) -> None:
         """In place: logprobs (A, V) of rows decoding `sentences` (A,), whose outputs end with
-        `recent` (A, width) tokens (`recent_tokens`)."""
-        context = self.context.index_select(0, sentences)  # (A, M, width)
-        match = ((context == -1) | (context == recent[:, None, :])).all(dim=2) & self.valid.index_select(0, sentences)
-        rows, which = match.nonzero(as_tuple=True)
-        if rows.numel():
-            logprobs[rows, self.last[sentences[rows], which]] = NEG_INF
+        `recent` (A, width) tokens (`recent_tokens`; -2 before the start)."""
+        roots = self.roots.index_select(0, sentences)
+        state = roots
+        known = self.token_map.size(0)
+        for j in range(self.width):
+            token = recent[:, j]
+            symbol = torch.where((token >= 0) & (token < known), self.token_map[token.clamp(0, known - 1)], 0)
+            state = torch.where(token < 0, roots, self.goto[state, symbol])
+        barred = self.barred.index_select(0, state)  # (A, B); -1: a state that bars nothing
+        if barred.size(1):
+            columns = barred.clamp(min=0)
+            logprobs.scatter_(1, columns, torch.where(barred >= 0, NEG_INF, logprobs.gather(1, columns)))
+
+
+@functools.lru_cache(maxsize=64)
+def automaton(sequences: tuple[tuple[int, ...], ...], alphabet: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Aho–Corasick automaton of `sequences` over the symbols of `alphabet` (symbol i + 1 is
+    alphabet[i]; 0 any other token) → transitions (states, 1 + len(alphabet)) and, per state, the
+    tokens that would complete a sequence (states, most of them; -1 padded). State 0 is the root.
+    Cached: a file of avoided terms builds its automaton once, not once a batch."""
+    symbol = {t: i + 1 for i, t in enumerate(alphabet)}
+    children: list[dict[int, int]] = [{}]
+    completes: list[set[int]] = [set()]
+    for seq in sequences:  # the trie of every sequence but its last token
+        node = 0
+        for token in seq[:-1]:
+            if token not in children[node]:
+                children[node][token] = len(children)
+                children.append({})
+                completes.append(set())
+            node = children[node][token]
+        completes[node].add(seq[-1])
+    size = len(alphabet) + 1
+    rows: list[list[int]] = [[0] * size for _ in children]
+    fail = [0] * len(children)
+    for token, child in children[0].items():
+        rows[0][symbol[token]] = child
+    order = list(children[0].values())
+    for node in order:  # breadth first: a node's failure state is shallower, so settled before it
+        completes[node] |= completes[fail[node]]  # a sequence ending in a suffix of this state bars here too
+        if node:
+            rows[node] = rows[fail[node]].copy()
+            for token, child in children[node].items():
+                rows[node][symbol[token]] = child
+        for token, child in children[node].items():
+            fail[child] = rows[fail[node]][symbol[token]] if node else 0
+            order.append(child)
+    widest = max(map(len, completes))
+    barred = [sorted(c) + [-1] * (widest - len(c)) for c in completes]
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(barred, dtype=torch.long).view(len(children), widest)
 
 
 # --------------------------------------------------------------------------- positive constraints
@@ -170,7 +232,7 @@ class ConstrainedBeams:
         advancing = self.table.next_tokens(sentences, matched, met)  # (R, C)
         base = beam_scores[:, :rows_per_sentence].reshape(-1, 1)  # (R, 1)
         advancing_scores = logprobs.gather(1, advancing.clamp(min=0)).masked_fill_(advancing < 0, NEG_INF) + base
-        best_scores, best_tokens = logprobs.max(dim=1)
+        best_scores, best_tokens = (x.squeeze(1) for x in top_k(logprobs, 1))  # vectorised, unlike max(dim)
         beam = (torch.arange(rows, device=logprobs.device) % rows_per_sentence)[:, None] * vocab  # (R, 1)
         scores = torch.cat([advancing_scores, best_scores[:, None] + base], dim=1).view(n, -1)
         ids = torch.cat([advancing.clamp(min=0) + beam, best_tokens[:, None] + beam], dim=1).view(n, -1)

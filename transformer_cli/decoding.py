@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 
 from .constraints import AvoidedSequences, ConstrainedBeams, recent_tokens
+from .top_k import top_k, top_k_in_chunks
 from .decoder_state import SearchModel, SearchState
 from .hypothesis import Hypothesis
 
@@ -83,37 +84,6 @@ def without_cyclic_gc(search: Search) -> Search:
                 gc.enable()
 
     return paused  # type: ignore[return-value]
-
-
-def top_k(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values of each row of `scores` (R, N) and their column indices, largest first:
-    torch.topk's result (up to the order of equal values), computed faster on CPU for small k.
-
-    torch.topk (and max with indices) walk each row with scalar code, while amax is vectorised:
-    per beam step, topk over all candidates costs as much as decoder layers do. Every one of a row's k largest values lies in a chunk whose maximum is among
-    the k largest chunk maxima, so only those k chunks need a real top-k.
-    """
-    rows, n = scores.shape
-    if scores.device.type != "cpu" or n < 8 * k * chunk:
-        return scores.topk(k, dim=1)
-    pad = -n % chunk
-    if pad:  # a ragged end: fill the last chunk with -inf, which never outranks a real value
-        scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
-    best_chunks = scores.view(rows, -1, chunk).amax(dim=2).topk(k, dim=1).indices  # (R, k) of C chunks
-    return top_k_in_chunks(scores, best_chunks, k, chunk)
-
-
-def top_k_in_chunks(scores: torch.Tensor, best_chunks: torch.Tensor, k: int, chunk: int,
-                    added: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest of the values of each row of `scores` (R, C·chunk) that lie in its chunks
-    `best_chunks` (R, k), plus `added` (R, k) per chunk if given → values and columns (R, k)."""
-    rows = scores.size(0)
-    columns = (best_chunks[:, :, None] * chunk + torch.arange(chunk, device=scores.device)).view(rows, -1)
-    values = scores.gather(1, columns)  # (R, k·chunk)
-    if added is not None:
-        values.add_(added.repeat_interleave(chunk, dim=1))
-    values, picked = values.topk(k, dim=1)
-    return values, columns.gather(1, picked)
 
 
 def beam_top_k(logprobs: torch.Tensor, beam_scores: torch.Tensor, k: int,
@@ -384,10 +354,10 @@ def finish_eos_choices(eos_in_top_k: torch.Tensor, top_scores: torch.Tensor, top
 
 def done_sentences(beam_scores: torch.Tensor, history: torch.Tensor, alive: list[int], at_limit: list[bool],
                    k: int, lp: float, finished: list[list[Hypothesis]], best_finished: list[float],
-                   min_finished: int, complete: torch.Tensor | None = None) -> list[bool]:
+                   min_finished: list[int], complete: torch.Tensor | None = None) -> list[bool]:
     """Beam search: per live sentence, whether it is done. At its length limit its live beams
     (`beam_scores` (N, K)) finish too, those that are `complete` (N, K) (every constraint placed;
-    None: all); otherwise it is done once `min_finished` hypotheses have finished and the best of
+    None: all); otherwise it is done once `min_finished[sentence]` hypotheses have finished and the best of
     them beats its best live beam ended now."""
     best_alive = [score / lp for score in beam_scores.amax(dim=1).tolist()]
     done = []
@@ -397,7 +367,7 @@ def done_sentences(beam_scores: torch.Tensor, history: torch.Tensor, alive: list
                 score = float(beam_scores[r, b])
                 if score != float("-inf") and (complete is None or bool(complete[r, b])):
                     finished[sent].append(Hypothesis(history[r * k + b].tolist(), score / lp))
-        done.append(at_limit[r] or (len(finished[sent]) >= min_finished and best_finished[sent] >= best_alive[r]))
+        done.append(at_limit[r] or (len(finished[sent]) >= min_finished[sent] and best_finished[sent] >= best_alive[r]))
     return done
 
 
@@ -455,7 +425,10 @@ def beam_search(
     # With alpha = 0 a live beam's score only falls, so beating the best live beam now is final.
     # With alpha > 0 a longer hypothesis can still overtake it (lp grows with length): also wait
     # for K finished hypotheses, as CTranslate2 does with a length penalty.
-    min_finished = nbest if alpha == 0 else max(nbest, k)
+    # A sentence with constraints waits for `nbest` only: its <eos> is barred until every term is
+    # placed (no improbable early ends to outwait), and beams that have placed them all are a few of
+    # the K, so K finished hypotheses took 1.6x the steps for no gain (docs/translation.md).
+    min_finished = [nbest if alpha == 0 or (terms and terms[s].constraints) else max(nbest, k) for s in range(n_sent)]
 
     alive = torch.arange(n_sent, device=device)  # original sentence index of each active sentence
     alive_list = alive.tolist()

@@ -128,13 +128,19 @@ class TranslationEngine:
                          "target vocabulary: translated without it")
                 continue
             constraints.append(self.tokenize_target([term])[0])
-        avoid = []
-        if terms.avoid:
-            pieces = self.target_pieces()
-            for term in terms.avoid:
-                for text in ("\u2581" + term.replace(" ", "\u2581"), term.replace(" ", "\u2581")):
-                    avoid += spellings(text, pieces)
+        avoid = [spelling for term in terms.avoid for spelling in self.spellings_of(term)]
         return TermIds(self.prefix_tokens(terms.prefix) if terms.prefix else [], constraints, avoid)
+
+    def spellings_of(self, term: str) -> list[list]:
+        """Every way the target vocabulary writes `term`, as a word of its own or inside one
+        (`terms.spellings`); remembered, since every line of a file shares its avoided terms."""
+        cache = self.__dict__.setdefault("_spellings", {})
+        if term not in cache:
+            if "_pieces" not in self.__dict__:
+                self._pieces = self.target_pieces()
+            cache[term] = [ways for text in ("\u2581" + term.replace(" ", "\u2581"), term.replace(" ", "\u2581"))
+                           for ways in spellings(text, self._pieces)]
+        return cache[term]
 
     def check_terms(self, terms: list[LineTerms] | None, beam: int, decode: DecodeConfig) -> None:
         """A TfmError where this engine or these settings cannot apply `terms`."""
