@@ -307,13 +307,7 @@ def translate(
         raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
     if quantize not in (None, "int8"):
         raise TfmError(f"--quantize {quantize}: only int8 is supported")
-    if prefix is not None and (not prefix.strip() or "\n" in prefix or "\r" in prefix):
-        raise TfmError("--prefix: give one line of text, not empty, that every translation starts with")
-    from .terms import Glossary, Terminology, read_term_list
-
-    terminology = Terminology(constraints, prefix or "", read_term_list(avoid) if avoid is not None else (),
-                              Glossary.read(glossary) if glossary is not None else None,
-                              str(input_) if input_ is not None else "standard input")
+    terminology = _terminology(constraints, prefix, avoid, glossary, input_)
     # Imports torch only where tfm's own engine translates: after the checks above.
     from .engine import open_engine
     from .translation import read_decoded_lines, translate_stream
@@ -367,6 +361,18 @@ def translate(
     warn(f"translated {stats.sentences} sentences in {stats.seconds:.1f}s: {rate:.1f} sentences/s, "
          f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s; {translator.describe()}"
          f"{f'; {processes} decoding processes' if processes > 1 else ''}")
+
+
+def _terminology(constraints: bool, prefix: str | None, avoid: Path | None, glossary: Path | None,
+                 input_: Path | None):
+    """`tfm translate`'s terminology options, read and checked before a model loads."""
+    from .terms import Glossary, Terminology, read_term_list
+
+    if prefix is not None and (not prefix.strip() or "\n" in prefix or "\r" in prefix):
+        raise TfmError("--prefix: give one line of text, not empty, that every translation starts with")
+    return Terminology(constraints, prefix or "", read_term_list(avoid) if avoid is not None else (),
+                       Glossary.read(glossary) if glossary is not None else None,
+                       str(input_) if input_ is not None else "standard input")
 
 
 @app.command(cls=OneValueOptions)

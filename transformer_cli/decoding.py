@@ -201,13 +201,14 @@ def with_room(limits: torch.Tensor, terms: list[TermIds] | None, max_positions: 
     return torch.maximum(limits, room).clamp(max=max_positions - 1)
 
 
-def prefixes_of(terms: list[TermIds] | None) -> list[list[int]] | None:
-    """Per sentence its forced target ids; None where no sentence has any."""
-    return [t.prefix for t in terms] if terms and any(t.prefix for t in terms) else None
-
-
-def avoided_sequences(terms: list[TermIds] | None, device: torch.device) -> AvoidedSequences | None:
-    return AvoidedSequences([t.avoid for t in terms], device) if terms and any(t.avoid for t in terms) else None
+def apply_terms(terms: list[TermIds] | None, limits: torch.Tensor, max_positions: int
+                ) -> tuple[torch.Tensor, list[list[int]] | None, AvoidedSequences | None]:
+    """What the sentences' terms make of a search: their output limits (N,) raised to leave them
+    room (`with_room`), their forced target ids (None where none has a prefix) and the sequences
+    their outputs must not contain (None where none avoids any)."""
+    prefixes = [t.prefix for t in terms] if terms and any(t.prefix for t in terms) else None
+    avoided = AvoidedSequences([t.avoid for t in terms], limits.device) if terms and any(t.avoid for t in terms) else None
+    return with_room(limits, terms, max_positions), prefixes, avoided
 
 
 def recent_outputs(outputs: torch.Tensor, sentences: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
@@ -255,13 +256,11 @@ def greedy_search_continuous(
     counts = [b.size(0) for b in batches]
     if terms and any(t.constraints for t in terms):
         raise ValueError("positive constraints need beam search (beam ≥ 2)")
-    limits_all = with_room(torch.cat([max_output_lengths(b, pad, max_len_a, max_len_b, min_len,
-                                                         model.cfg.max_positions) for b in batches]),
-                           terms, model.cfg.max_positions)
-    prefixes = prefixes_of(terms)
+    limits_all, prefixes, avoided = apply_terms(terms, torch.cat(
+        [max_output_lengths(b, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions) for b in batches]),
+        model.cfg.max_positions)
     if prefixes:
         pick = PrefixPick(pick, prefixes, device)
-    avoided = avoided_sequences(terms, device)
     # each source's length up to its last real token: the positions after it are padding
     source_lengths = torch.cat([((b != pad) * torch.arange(1, b.size(1) + 1, device=device)).amax(dim=1)
                                 for b in batches])
@@ -319,21 +318,26 @@ def greedy_search_continuous(
                 break
             sentence, limits, tokens = sentence[keep], limits[keep], tokens[keep]
             state = state.reorder(keep, keep)
-        # Batches come longest first and later sentences take the rows of finished ones, padded to
-        # the widest source so far: narrow the sources again once every row's fits in 3/4 of them.
-        longest = int(source_lengths.index_select(0, sentence).max())
-        if longest <= state.source_width * 3 // 4:
-            state.narrow_sources(longest)
-        if state.self_mask is None:  # no row has joined: every row attends from slot 0
-            continue
-        oldest = state.length - int(state.positions.max())  # the first cache slot any row attends to
-        if oldest >= 16 and 2 * oldest >= state.length:
-            state.drop_front(oldest)
+        compact(state, int(source_lengths.index_select(0, sentence).max()))
     hyps = []
     for row, score in zip(outputs.tolist(), scores.tolist()):
         end = row.index(eos) if eos in row else len(row)
         hyps.append(Hypothesis(row[:end], score))
     return [hyps[first : first + count] for first, count in zip(firsts, counts)]
+
+
+def compact(state: SearchState, longest_source: int) -> None:
+    """Continuous batching: shrink what the rows' caches no longer need. Batches come longest first
+    and later sentences take the rows of finished ones, padded to the widest source so far: narrow
+    the sources again once every row's (`longest_source`) fits in 3/4 of them; drop the cache slots
+    before the first one any row attends to, once they are half the cache."""
+    if longest_source <= state.source_width * 3 // 4:
+        state.narrow_sources(longest_source)
+    if state.self_mask is None:  # no row has joined: every row attends from slot 0
+        return
+    oldest = state.length - int(state.positions.max())  # the first cache slot any row attends to
+    if oldest >= 16 and 2 * oldest >= state.length:
+        state.drop_front(oldest)
 
 
 def finish_eos_choices(eos_in_top_k: torch.Tensor, top_scores: torch.Tensor, top_beams: torch.Tensor,
@@ -371,6 +375,56 @@ def done_sentences(beam_scores: torch.Tensor, history: torch.Tensor, alive: list
     return done
 
 
+def finished_needed(terms: list[TermIds] | None, n_sent: int, nbest: int, k: int, alpha: float) -> list[int]:
+    """Per sentence, the finished hypotheses beam search waits for before it may stop.
+
+    With alpha = 0 a live beam's score only falls, so beating the best live beam now is final:
+    `nbest`. With alpha > 0 a longer hypothesis can still overtake it (lp grows with length): K, as
+    CTranslate2 waits for with a length penalty. A sentence with constraints waits for `nbest`
+    only: its <eos> is barred until every term is placed (no improbable early ends to outwait), and
+    the beams that have placed them all are few of the K: K finished hypotheses took 1.6x the steps
+    for no gain in BLEU (docs/translation.md)."""
+    return [nbest if alpha == 0 or (terms and terms[s].constraints) else max(nbest, k) for s in range(n_sent)]
+
+
+def bar_tokens(logprobs: torch.Tensor, step: int, eos: int, min_len: int, forced: torch.Tensor | None,
+               avoided: AvoidedSequences | None, alive: torch.Tensor, history: torch.Tensor, k: int) -> None:
+    """In place, beam search's -inf before the candidates are chosen: <eos> before `min_len`;
+    while a sentence is in its prefix (`forced` (N, P) target ids, -1 after it), every token but
+    the prefix's (its beams hold the prefix, then spread); the last token of an avoided sequence
+    whose other tokens a row's `history` ends with."""
+    rows_per_sentence = 1 if step == 0 else k
+    if step < min_len:
+        logprobs[:, eos] = float("-inf")
+    if forced is not None and step < forced.size(1):
+        force_prefix(logprobs, forced[alive, step], rows_per_sentence)
+    if avoided is not None:
+        avoided.ban(logprobs, alive.repeat_interleave(rows_per_sentence),
+                    recent_tokens(history[::k] if step == 0 else history, avoided.width))
+
+
+def beam_candidates(logprobs: torch.Tensor, beam_scores: torch.Tensor, step: int, k: int, eos: int,
+                    alive: torch.Tensor, constrained: ConstrainedBeams | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Beam search's candidates for the next step, in the order the beam is filled: the 2K best of
+    each sentence's K·V continuations (first step: of beam 0's V) → scores (N, M) and ids (beam · V +
+    token); with constraints, also each beam's constraint tokens and best token, across the banks
+    (`ConstrainedBeams.arrange`; <eos> barred where a term is still to place)."""
+    n, vocab = beam_scores.size(0), logprobs.size(-1)
+    extra = None
+    if constrained is not None:
+        constrained.bar_unfinished_ends(logprobs, eos, 1 if step == 0 else k)
+        extra = constrained.extra_candidates(logprobs, beam_scores, alive, 1 if step == 0 else k)
+    if step == 0:  # only beam 0 exists; -inf for the others where the vocabulary is under 2K
+        candidates = logprobs if vocab >= 2 * k else torch.cat(
+            [logprobs, logprobs.new_full((n, (k - 1) * vocab), float("-inf"))], dim=1)
+        top_scores, top_ids = top_k(candidates, 2 * k)  # (N, 2K)
+    else:
+        top_scores, top_ids = beam_top_k(logprobs, beam_scores, 2 * k)  # (N, 2K)
+    if constrained is not None and extra is not None:
+        return constrained.arrange(top_scores, top_ids, extra, alive, vocab)
+    return top_scores, top_ids
+
+
 def force_prefix(logprobs: torch.Tensor, tokens: torch.Tensor, rows_per_sentence: int) -> None:
     """In place: the rows (sentence × beam) of each sentence whose prefix token at this step is
     `tokens[sentence]` (≥ 0; -1: past its prefix) keep only that token's log-probability."""
@@ -402,11 +456,9 @@ def beam_search(
     can all be improbable early <eos> picks made while the one good beam is still running.
     Done sentences leave the batch, so no compute is spent on them.
 
-    `terms`: per sentence, target ids every hypothesis starts with (while a sentence is in its
-    prefix, every other token scores -inf, so its beams hold the prefix, then spread), token
-    sequences none may contain, and terms each must contain (constraints.py: the candidates then
-    include each beam's next constraint tokens, and the beam is filled across progress banks). A
-    sentence whose terms cannot all be placed within its length limit gets no hypothesis ([]).
+    `terms`: per sentence, target ids every hypothesis starts with (`bar_tokens`), sequences none
+    may contain, and terms each must contain (`beam_candidates`); a sentence whose terms cannot all
+    be placed within its length limit gets no hypothesis ([]).
     """
     pad = model.cfg.pad_id
     device = src.device
@@ -414,21 +466,15 @@ def beam_search(
     k = beam
     memory, src_mask = model.encode(src)
     # Decoding rows: row = sent * K + beam; the K beams of a sentence share its cross-attention K/V.
-    limits = with_room(max_output_lengths(src, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions),
-                       terms, model.cfg.max_positions).tolist()
-    prefixes = prefixes_of(terms)
+    limit_tensor, prefixes, avoided = apply_terms(
+        terms, max_output_lengths(src, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions),
+        model.cfg.max_positions)
+    limits = limit_tensor.tolist()
     forced = prefix_table(prefixes, device)[0] if prefixes else None
-    avoided = avoided_sequences(terms, device)
     state = model.init_state(memory, src_mask, beams=k, max_len=max(limits))
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     best_finished = [float("-inf")] * n_sent  # best finished score per sentence
-    # With alpha = 0 a live beam's score only falls, so beating the best live beam now is final.
-    # With alpha > 0 a longer hypothesis can still overtake it (lp grows with length): also wait
-    # for K finished hypotheses, as CTranslate2 does with a length penalty.
-    # A sentence with constraints waits for `nbest` only: its <eos> is barred until every term is
-    # placed (no improbable early ends to outwait), and beams that have placed them all are a few of
-    # the K, so K finished hypotheses took 1.6x the steps for no gain (docs/translation.md).
-    min_finished = [nbest if alpha == 0 or (terms and terms[s].constraints) else max(nbest, k) for s in range(n_sent)]
+    min_finished = finished_needed(terms, n_sent, nbest, k, alpha)
 
     alive = torch.arange(n_sent, device=device)  # original sentence index of each active sentence
     alive_list = alive.tolist()
@@ -444,31 +490,13 @@ def beam_search(
 
     for step in range(max(limits)):
         n = len(alive_list)
-        rows_per_sentence = 1 if step == 0 else k
         logits = model.decode_step(tokens, state)  # (N*K, V); the first step (N, V)
         if buffer is None:
             buffer = logits_buffer(n_sent * k, logits)
         logprobs = log_probs(logits, buffer)
         vocab = logprobs.size(-1)
-        if step < min_len:
-            logprobs[:, eos] = float("-inf")
-        if forced is not None and step < forced.size(1):
-            force_prefix(logprobs, forced[alive, step], rows_per_sentence)
-        if avoided is not None:
-            avoided.ban(logprobs, alive.repeat_interleave(rows_per_sentence),
-                        recent_tokens(history[::k] if step == 0 else history, avoided.width))
-        extra = None
-        if constrained is not None:
-            constrained.bar_unfinished_ends(logprobs, eos, rows_per_sentence)
-            extra = constrained.extra_candidates(logprobs, beam_scores, alive, rows_per_sentence)
-        if step == 0:  # only beam 0 exists; -inf for the others where the vocabulary is under 2K
-            candidates = logprobs if vocab >= 2 * k else torch.cat(
-                [logprobs, logprobs.new_full((n, (k - 1) * vocab), float("-inf"))], dim=1)
-            top_scores, top_ids = top_k(candidates, 2 * k)  # (N, 2K)
-        else:
-            top_scores, top_ids = beam_top_k(logprobs, beam_scores, 2 * k)  # (N, 2K)
-        if constrained is not None and extra is not None:  # the candidates in the order the beam is filled
-            top_scores, top_ids = constrained.arrange(top_scores, top_ids, extra, alive, vocab)
+        bar_tokens(logprobs, step, eos, min_len, forced, avoided, alive, history, k)
+        top_scores, top_ids = beam_candidates(logprobs, beam_scores, step, k, eos, alive, constrained)
         top_beams, top_tokens = top_ids // vocab, top_ids % vocab
         is_eos = top_tokens == eos
         at_limit = [step + 1 >= limits[s] for s in alive_list]
