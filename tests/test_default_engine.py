@@ -253,12 +253,15 @@ def test_serve_decodes_through_ctranslate2_as_translate_does(checkpoint):
         assert status == 200 and body["translations"] == expected
         status, body = post(port, {"text": lines[:1], "sample": True})
         assert status == 422 and "sampling" in body["error"] and "CTranslate2" in body["error"]
-        status, body = post(port, {"text": lines[:1], "constraints": [["wa"]]})
-        assert status == 422 and "--engine torch" in body["error"] and "CTranslate2" in body["error"]
+        # constraints and avoided terms go to tfm's engine, made at the first such request
+        status, body = post(port, {"text": lines[:2], "constraints": [["b d"], []], "avoid": [[], ["n"]]})
+        assert status == 200 and "b d" in body["translations"][0] and body["unmet"] == [[], []], body
+        assert "n" not in body["translations"][1], body
         assert post(port, {"text": lines[:2]})[1]["translations"] == expected[:2]  # the server goes on
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
+    assert "requests with constraints or avoided terms decode with tfm's engine" in server.stderr.read()
 
 
 def test_a_prefix_through_ctranslate2_is_tfms_prefix(checkpoint):

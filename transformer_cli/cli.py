@@ -434,12 +434,17 @@ def serve(
     from .budget import decoding_memory_limit
 
     translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
+    from .engine import lexical_engine
+
+    lexical = lexical_engine(translator, cfg, set_, checkpoint, device, engine, model_dir, batch_size=batch_size,
+                             batch_tokens=batch_tokens, beam=beam, nbest=nbest, sample=sample, top_k=top_k,
+                             top_p=top_p, temperature=temperature, seed=seed, alignment=alignment)
     banner = f"tfm serve: http://{shown_host}:{port}/translate (docs: /docs); {translator.describe()}"
     if not loopback:
         banner += (f"\nwarning: --host {host} reaches beyond this machine and the API has no authentication: "
                    "anyone who can reach it can use it (keep it behind a firewall or a proxy that checks)")
     run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000,
-               max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner))
+               max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner), lexical_engine=lexical)
     warn("tfm serve: stopped")
 
 

@@ -107,6 +107,27 @@ def torch_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, chec
     return translator
 
 
+def lexical_engine(chosen: TranslationEngine, cfg: ExperimentConfig | None, overrides: list[str] | None,
+                   checkpoints: list[Path] | None, device: str, engine: str | None, model_dir: Path | None,
+                   **updates: Any) -> Callable[[], TranslationEngine] | None:
+    """For `tfm serve` whose auto choice is CTranslate2: what makes tfm's engine for the requests
+    with constraints or avoided terms (made at the first one; decoding in the server process, as
+    forking beside CTranslate2's threads is not safe). None where the server has tfm's engine, or
+    was told CTranslate2 (--engine ctranslate2, --model DIR: no checkpoint to load)."""
+    if chosen.lexical_constraints or engine == "ctranslate2" or model_dir is not None:
+        return None
+    if not checkpoints and cfg is None:
+        return None
+
+    def make() -> TranslationEngine:
+        translator = torch_engine(cfg, overrides, checkpoints or model_files(cfg), device, None,  # type: ignore[arg-type]
+                                  {**updates, "workers": "1"})
+        translator.memory_limit = chosen.memory_limit
+        return translator
+
+    return make
+
+
 def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, checkpoints: list[Path] | None,
                 device: str = "auto", quantize: str | None = None, engine: str | None = None,
                 compute_type: str | None = None, model_dir: Path | None = None,

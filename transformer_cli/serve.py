@@ -401,24 +401,45 @@ def log_failure(status: int, exc: BaseException, debug: bool) -> None:
 
 def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, max_chars: int = 10_000,
                max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1,
-               budget: Callable[[list[str], DecodeConfig, list[LineTerms] | None], None] | None = None, debug: bool = False):
+               budget: Callable[[list[str], DecodeConfig, list[LineTerms] | None], None] | None = None, debug: bool = False,
+               lexical_engine: Callable[[], TranslationEngine] | None = None):
     """The FastAPI application serving `engine`, which decodes in `processes` processes, its calls
     made by `runner` (MainThreadDecoder.run). `budget(lines, decode, terms)` raises a TfmError for a
-    request that would cost more than the server allows."""
+    request that would cost more than the server allows. `lexical_engine()` makes the engine that
+    requests with constraints or avoided terms go to where `engine` cannot apply them (tfm's,
+    beside CTranslate2), at the first such request; `app.state.engines` lists the engines made."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     batcher = Batcher(engine, max_wait, max_batch_lines, processes, runner)
+    tasks: list[asyncio.Task] = []
+    routed: list[tuple[TranslationEngine, Batcher]] = []
+    making = asyncio.Lock()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        task = asyncio.create_task(batcher.run())
+        tasks.append(asyncio.create_task(batcher.run()))
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
 
     app = FastAPI(title="tfm", description="Transformer translation (tfm serve)", lifespan=lifespan)
+    app.state.engines = []
+
+    async def lexical_route() -> tuple[TranslationEngine, Batcher]:
+        """tfm's engine and its batcher, made at the first request that needs them."""
+        async with making:
+            if not routed:
+                assert lexical_engine is not None
+                made = await runner(lexical_engine)  # loads the model on the decoding thread
+                app.state.engines.append(made)
+                routed.append((made, Batcher(made, max_wait, max_batch_lines, 1, runner)))
+                tasks.append(asyncio.create_task(routed[0][1].run()))
+                warn(f"tfm serve: requests with constraints or avoided terms decode with {made.describe()}: "
+                     "CTranslate2 offers target prefixes only")
+        return routed[0]
 
     def error(status: int, message: str) -> JSONResponse:
         headers = {"Retry-After": "1"} if status == 503 else None
@@ -454,17 +475,21 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
             if unsupported:
                 raise RequestError(422, f"{unsupported} (this server decodes with {engine.describe()})")
             terms = request_terms(request, lines, max_chars)
+            target, queue, check = engine, batcher, budget
+            if terms and lexical_engine is not None and any(t.constraints or t.avoid for t in terms):
+                target, queue = await lexical_route()
+                check = target.check_budget
             if terms:
                 try:
-                    engine.check_terms(terms, decode.beam, decode)
+                    target.check_terms(terms, decode.beam, decode)
                 except TfmError as exc:
-                    raise RequestError(422, f"{exc} (this server decodes with {engine.describe()})") from None
-            if budget is not None:
+                    raise RequestError(422, f"{exc} (this server decodes with {target.describe()})") from None
+            if check is not None:
                 try:
-                    budget(lines, decode, terms)
+                    check(lines, decode, terms)
                 except TfmError as exc:
                     raise RequestError(413, str(exc)) from None
-            results = await batcher.translate(lines, decode, terms)
+            results = await queue.translate(lines, decode, terms)
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             status = error_status(exc)
             log_failure(status, exc, debug)
@@ -493,9 +518,11 @@ def listening_address(host: str) -> tuple[str, bool]:
 
 
 def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], None] | None = None,
-          max_body_bytes: int = 1 << 20, debug: bool = False, **limits) -> None:
+          max_body_bytes: int = 1 << 20, debug: bool = False,
+          lexical_engine: Callable[[], TranslationEngine] | None = None, **limits) -> None:
     """Serve until SIGTERM, SIGINT or SIGHUP; requests in flight finish first. Returns normally (exit 0).
-    `ready()` is called once the address is known to be free (before that, a bad one is an error)."""
+    `ready()` is called once the address is known to be free (before that, a bad one is an error).
+    `lexical_engine`: see `create_app`."""
     import uvicorn
 
     workers = engine.decoding_workers() if hasattr(engine, "decoding_workers") else None
@@ -512,8 +539,8 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
         ready()
     decoder = MainThreadDecoder()
     app = create_app(engine, decoder.run, processes=workers.processes if workers is not None else engine.budget_processes(),
-                     debug=debug,
-                     budget=getattr(engine, "check_budget", None), **limits)
+                     debug=debug, budget=getattr(engine, "check_budget", None), lexical_engine=lexical_engine,
+                     **limits)
     server = uvicorn.Server(uvicorn.Config(BodyLimit(app, max_body_bytes), host=host, port=port,
                                            log_level="debug" if debug else "critical", access_log=False))
     failure: list[BaseException] = []
@@ -544,7 +571,8 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
         for s, handler in previous.items():
             signal.signal(s, handler)
         thread.join()
-        engine.close()
+        for made in [engine, *app.state.engines]:
+            made.close()
     if not server.started:
         reason = f": {failure[0]}" if failure and not isinstance(failure[0], SystemExit) and str(failure[0]) else ""
         raise TfmError(f"cannot serve on {host}:{port}: the HTTP server did not start{reason}")
