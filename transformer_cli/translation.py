@@ -128,14 +128,28 @@ class TranslationEngine:
                          "target vocabulary: translated without it")
                 continue
             constraints.append(self.tokenize_target([term])[0])
-        avoid = [spelling for term in terms.avoid for spelling in self.spellings_of(term)]
-        return TermIds(self.prefix_tokens(terms.prefix) if terms.prefix else [], constraints, avoid)
+        return TermIds(self.prefix_tokens(terms.prefix) if terms.prefix else [], constraints,
+                       self.avoided_spellings(terms.avoid))
+
+    def avoided_spellings(self, avoid: tuple[str, ...]) -> list[list]:
+        """Every spelling of every term of `avoid`; one list object per list of terms, so that the
+        lines of an `--avoid` file share it (the search builds its trie once)."""
+        if not avoid:
+            return []
+        cache = self.__dict__.setdefault("_avoided", {})
+        if avoid not in cache:
+            if len(cache) > 256:
+                cache.clear()
+            cache[avoid] = [spelling for term in avoid for spelling in self.spellings_of(term)]
+        return cache[avoid]
 
     def spellings_of(self, term: str) -> list[list]:
         """Every way the target vocabulary writes `term`, as a word of its own or inside one
         (`terms.spellings`); remembered, since every line of a file shares its avoided terms."""
         cache = self.__dict__.setdefault("_spellings", {})
         if term not in cache:
+            if len(cache) > 10_000:  # a server's clients send ever new terms
+                cache.clear()
             if "_pieces" not in self.__dict__:
                 self._pieces = self.target_pieces()
             cache[term] = [ways for text in ("\u2581" + term.replace(" ", "\u2581"), term.replace(" ", "\u2581"))
