@@ -246,6 +246,7 @@ def test_translate_constraints_file_json_and_glossary_on_the_command_line(checkp
     ("--constraints", "wa wb\t^wb\t^wa\n", "line 1, field 3: a second prefix"),
     ("--constraints", b"wa wb\twb\nwa\twc\xff\n", "line 2 is not valid UTF-8"),
     ("--constraints", "wa wb\twb wc\t!wc\n", "line 1: the constraint 'wb wc' contains the avoided term 'wc'"),
+    ("--constraints", "wa wb\t" + "\t".join(f"w{i}" for i in range(33)) + "\n", "line 1: 33 constraints, more than 32"),
     ("--avoid", "wa\n \n", "line 2: an empty term"),
     ("--avoid", "\n\n", "no terms in it"),
     ("--avoid", b"wa\n\xffwb\n", "line 2 is not valid UTF-8"),
@@ -305,3 +306,15 @@ def test_split_constraints_line_reads_escapes():
     assert Glossary((("New York", "NYC"),)).matches("to new  york") == ()
     assert Glossary((("New York", "NYC"),)).matches("to NEW YORK now") == (("New York", "NYC"),)
     assert Glossary((("York", "Y"),)).matches("Yorkshire") == ()
+
+
+def test_the_memory_bound_counts_the_constrained_beams_candidates(checkpoint):
+    """Each candidate of the constrained beam is compared with every piece of every term: the bound
+    grows with them, so that a server's limit refuses 32 long terms on many lines at beam 64."""
+    from transformer_cli.budget import decoding_bytes, decoding_shape
+
+    cfg = engine(checkpoint).model.cfg
+    decode = engine(checkpoint).decode
+    plain = decoding_bytes(cfg, decoding_shape(cfg, decode, 64, 20, beam=64))
+    constrained = decoding_bytes(cfg, decoding_shape(cfg, decode, 64, 20, beam=64, constraints=(32, 64)))
+    assert constrained > plain + 64 * 64 * 35 * 32 * 64

@@ -56,14 +56,17 @@ class DecodingShape:
     samples: int  # samples drawn per sentence (1 unless sampling)
     sampling: bool
     processes: int  # processes decoding a batch each at the same time
+    terms: int = 0  # the most constraints a line has (the constrained beam's candidates grow with them)
+    term_pieces: int = 0  # the longest constraint's target pieces
 
 
 def decoding_shape(model_cfg: ModelSizes, decode: DecodeConfig, n_lines: int, longest_source_tokens: int,
                    beam: int | None = None, nbest: int | None = None, processes: int = 1,
-                   longest_prefix: int = 0) -> DecodingShape:
+                   longest_prefix: int = 0, constraints: tuple[int, int] = (0, 0)) -> DecodingShape:
     """The largest batch `n_lines` lines whose longest has `longest_source_tokens` tokens (</s>
     excluded) make under `decode` (its beam and nbest, or `beam`/`nbest` where given); a target
-    prefix of `longest_prefix` tokens raises the output limit to leave room after it."""
+    prefix (or constraints) of `longest_prefix` tokens raises the output limit to leave room after
+    it; `constraints`: the most terms a line has, and the most pieces a term has."""
     source = min(max(longest_source_tokens, 0), model_cfg.max_positions - 2) + 1  # decoding cuts longer lines
     lines = max(min(n_lines, decode.batch_size), 1)
     if decode.batch_tokens is not None:  # length_sorted_batches: width × sentences ≤ batch_tokens
@@ -76,7 +79,8 @@ def decoding_shape(model_cfg: ModelSizes, decode: DecodeConfig, n_lines: int, lo
         output=min(max(output_length_limit(source, decode.max_len_a, decode.max_len_b, model_cfg.max_positions),
                        longest_prefix + 1), model_cfg.max_positions - 1),
         beams=1 if decode.sample else max(beam, 1), samples=max(nbest, 1) if decode.sample else 1,
-        sampling=decode.sample, processes=max(min(processes, batches), 1))
+        sampling=decode.sample, processes=max(min(processes, batches), 1), terms=constraints[0],
+        term_pieces=constraints[1])
 
 
 def model_bytes(cfg: ModelSizes, shape: DecodingShape) -> int:
@@ -106,7 +110,11 @@ def model_bytes(cfg: ModelSizes, shape: DecodingShape) -> int:
     logits = (8 if shape.sampling else 3) * vocab
     attention = 4 * heads * (room * shape.beams + shape.source)
     decoder_step = rows * (logits + ff + 6 * d + attention) * FLOAT
-    tensors = self_cache + beam_mask + cross_cache + memory + ids + max(encoder_step, decoder_step)
+    # The constrained beam compares each of its candidates (2K best, K per term, K own best) with
+    # every piece of every term (booleans), and keeps a state per candidate and term.
+    candidates = shape.lines * shape.beams * (3 + shape.terms) if shape.terms else 0
+    constrained = candidates * shape.terms * (shape.term_pieces + 6 * INDEX)
+    tensors = self_cache + beam_mask + cross_cache + memory + ids + max(encoder_step, decoder_step) + constrained
     return WORKSPACE + int(SLACK * tensors)
 
 
@@ -119,17 +127,18 @@ def decoding_bytes(model_cfg: ModelSizes | Sequence[ModelSizes], shape: Decoding
 def check_decoding_budget(model_cfg: ModelSizes | Sequence[ModelSizes], decode: DecodeConfig,
                           n_lines: int, longest_source_tokens: int, limit_bytes: int | None, *,
                           beam: int | None = None, nbest: int | None = None, processes: int = 1,
-                          longest_prefix: int = 0) -> None:
+                          longest_prefix: int = 0, constraints: tuple[int, int] = (0, 0)) -> None:
     """Refuse (TfmError, one line naming the limit and the setting that raises the cost most) a
     decoding call of `n_lines` lines, the longest `longest_source_tokens` tokens, whose bound is
     over `limit_bytes` (None: no limit). `beam`/`nbest` replace decode's; `processes`: decoding
     processes that each take a batch at the same time (decode.workers); `longest_prefix`: target
-    prefix tokens the output is forced through."""
+    prefix tokens the output is forced through; `constraints`: as `decoding_shape`'s."""
     if limit_bytes is None:
         return
     members = list(model_cfg) if isinstance(model_cfg, Sequence) else [model_cfg]
     first = members[0]
-    shape = decoding_shape(first, decode, n_lines, longest_source_tokens, beam, nbest, processes, longest_prefix)
+    shape = decoding_shape(first, decode, n_lines, longest_source_tokens, beam, nbest, processes, longest_prefix,
+                           constraints)
     need = decoding_bytes(members, shape)
     if need <= limit_bytes:
         return

@@ -194,16 +194,23 @@ class ConstraintTable:
 
     def advance(self, sentences: torch.Tensor, matched: torch.Tensor, met: torch.Tensor,
                 tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The state after rows (any shape S, with `matched`/`met` (*S, C)) decoding `sentences` (*S)
-        output `tokens` (*S)."""
-        terms = self.tokens[sentences]  # (*S, C, L)
-        equal = terms == tokens[..., None, None]
-        has = equal.any(dim=-1)  # (*S, C) the token is in the term
+        """The state after rows of `sentences` (N,) — one each, or M each (`tokens` (N, M),
+        `matched`/`met` (N, M, C)) — output `tokens`. The terms are compared by broadcasting, never
+        copied per candidate: (N, M, C, L) booleans are the largest tensor."""
+        per_row = tokens.dim() == 1
+        if per_row:
+            tokens, matched, met = tokens[:, None], matched[:, None], met[:, None]
+        terms = self.tokens.index_select(0, sentences)[:, None]  # (N, 1, C, L)
+        equal = terms == tokens[:, :, None, None]  # (N, M, C, L)
+        has = equal.any(dim=-1)  # (N, M, C) the token is in the term
         position = equal.to(torch.uint8).argmax(dim=-1)  # its first place there
-        goto = self.goto[sentences]  # (*S, C, (L+1)·L)
-        following = goto.gather(-1, (matched * self.width + position)[..., None]).squeeze(-1)
+        # goto[s, c, j · L + position], read from the flat table: no (N, M, C, (L+1)·L) copy
+        cells = (self.width + 1) * self.width
+        base = (sentences[:, None, None] * self.count + torch.arange(self.count, device=tokens.device)) * cells
+        following = self.goto.view(-1)[base + matched * self.width + position]
         matched = torch.where(has, following, torch.zeros_like(following))
-        return matched, met | (matched == self.lengths[sentences])
+        met = met | (matched == self.lengths.index_select(0, sentences)[:, None])
+        return (matched[:, 0], met[:, 0]) if per_row else (matched, met)
 
     def progress(self, sentences: torch.Tensor, matched: torch.Tensor, met: torch.Tensor) -> torch.Tensor:
         """Constraint tokens placed (*S): the met terms' lengths plus the longest partial match."""
@@ -270,9 +277,8 @@ class ConstrainedBeams:
 
         beams, tokens = ids // vocab, ids % vocab
         rows = torch.arange(n, device=ids.device)[:, None] * self.k + beams  # (N, M) the row each extends
-        sentences = alive[:, None].expand(n, m)
-        matched, met = self.table.advance(sentences, self.matched[rows], self.met[rows], tokens)  # (N, M, C)
-        bank = self.table.progress(sentences, matched, met)  # (N, M)
+        matched, met = self.table.advance(alive, self.matched[rows], self.met[rows], tokens)  # (N, M, C)
+        bank = self.table.progress(alive[:, None].expand(n, m), matched, met)  # (N, M)
 
         by_score = scores.argsort(dim=1, descending=True, stable=True)
         bank_sorted = bank.gather(1, by_score)

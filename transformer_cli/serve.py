@@ -46,7 +46,7 @@ from .console import discard_writes, warn
 from .errors import TfmError
 from .signals import outputs_a_hangup_takes
 from .terms import LineTerms, conflicts, unique
-from .translation import Translation, TranslationEngine
+from .translation import MAX_CONSTRAINTS, Translation, TranslationEngine
 from .workers import DecodingProcessDied
 
 class TranslateRequest(BaseModel):
@@ -102,7 +102,7 @@ def error_status(exc: BaseException) -> int:
 # Per-request decode settings a client may choose; the rest (lengths, precision, batching) is the server's.
 TERM_FIELDS = ("prefix", "constraints", "avoid")
 REQUEST_SETTINGS = tuple(name for name in TranslateRequest.model_fields if name not in ("text", *TERM_FIELDS))
-MAX_TERMS = 32  # constraints, and avoided terms, a line may have
+MAX_TERMS = MAX_CONSTRAINTS  # constraints, and avoided terms, a line may have
 SAMPLING_SETTINGS = ("top_k", "top_p", "temperature", "seed")  # meaningful only with sample
 
 

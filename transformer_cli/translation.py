@@ -34,6 +34,10 @@ class Translation:
     unmet: tuple[str, ...] = ()  # the line's constraints it lacks (they did not fit its length limit)
 
 
+MAX_CONSTRAINTS = 32  # terms one line may have to contain
+MAX_TERM_PIECES = 64  # target pieces of one such term (the search compares every candidate with every piece)
+
+
 class TranslationEngine:
     """Raw text in, detokenized text out. An engine provides `tokenize`, `search` and `detokenize`,
     its `decode` settings and `max_source_tokens`; `translate` is the same for every engine."""
@@ -78,7 +82,9 @@ class TranslationEngine:
             return
         check_decoding_budget(self.member_configs, decode, len(sources), max(map(len, sources), default=0),
                               self.memory_limit, beam=beam, nbest=nbest, processes=self.budget_processes(),
-                              longest_prefix=max((t.room() - 1 for t in terms or []), default=0))
+                              longest_prefix=max((t.room() - 1 for t in terms or []), default=0),
+                              constraints=(max((len(t.constraints) for t in terms or []), default=0),
+                                           max((len(c) for t in terms or [] for c in t.constraints), default=0)))
 
     def check_budget(self, lines: list[str], decode: DecodeConfig, terms: list[LineTerms] | None = None) -> None:
         """`check_search_budget` for `translate(lines, decode=decode, terms=terms)`, before the call
@@ -120,14 +126,18 @@ class TranslationEngine:
         problem = conflicts(terms)
         if problem:
             raise TfmError(f"input line {line}: {problem}")
+        if len(terms.constraints) > MAX_CONSTRAINTS:
+            raise TfmError(f"input line {line}: {len(terms.constraints)} constraints, more than {MAX_CONSTRAINTS} "
+                           "a line")
         constraints = []
         for term in terms.constraints:
-            if self.unknown_in_target(term):
-                if warn_unspellable:
-                    warn(f"warning: input line {line}: the constraint {term!r} cannot be spelled by the model's "
-                         "target vocabulary: translated without it")
-                continue
-            constraints.append(self.tokenize_target([term])[0])
+            pieces = self.tokenize_target([term])[0]
+            why = ("cannot be spelled by the model's target vocabulary" if self.unknown_in_target(term) else
+                   f"has {len(pieces)} pieces, more than {MAX_TERM_PIECES}" if len(pieces) > MAX_TERM_PIECES else None)
+            if why is None:
+                constraints.append(pieces)
+            elif warn_unspellable:
+                warn(f"warning: input line {line}: the constraint {term!r} {why}: translated without it")
         return TermIds(self.prefix_tokens(terms.prefix) if terms.prefix else [], constraints,
                        self.avoided_spellings(terms.avoid))
 
