@@ -66,6 +66,9 @@ def main() -> None:
                              "none on other devices)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                         help="for both toolkits; auto: as `tfm train` (bf16 autocast on CUDA and AMX CPUs)")
+    parser.add_argument("--synthetic", choices=["wmt"], default=None,
+                        help="random token ids with WMT14 en-de's sentence lengths instead of the prepared run's "
+                             "data (no corpus or run directory needed; vocabulary: the config's vocab.size)")
     parser.add_argument("--only", choices=["tfm", "hf"], default=None,
                         help="train only this toolkit's model and print its peak memory (the peak-RSS child runs)")
     args = parser.parse_args()
@@ -81,16 +84,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = load_config(args.config)
-    manifest = RunDirectory(config.run_path).load_manifest()
-    vocab = manifest["vocab_size"]["tgt"]
-    data = ParallelData(config.run_path, "train")
     needed = args.warmup + args.steps
-    order = []
-    epoch = 0
-    while len(order) < needed:
-        order += data.batches(args.max_tokens, seed=epoch)
-        epoch += 1
-    batches = [data.collate(b).to(device) for b in order[:needed]]
+    if args.synthetic:
+        vocab = config.vocab.size
+        host_batches = synthetic_wmt_batches(vocab, args.max_tokens, needed)
+    else:
+        vocab = RunDirectory(config.run_path).load_manifest()["vocab_size"]["tgt"]
+        data = ParallelData(config.run_path, "train")
+        order = []
+        epoch = 0
+        while len(order) < needed:
+            order += data.batches(args.max_tokens, seed=epoch)
+            epoch += 1
+        host_batches = [data.collate(b) for b in order[:needed]]
+    batches = [b.to(device) for b in host_batches]
     smoothing = config.train.label_smoothing
 
     tfm = tfm_model(config, vocab).to(device).train() if args.only != "hf" else None
@@ -147,7 +154,11 @@ def main() -> None:
         gpu = f", peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
         print(f"peak {args.only}: RSS {rss:.2f} GiB{gpu}")
         return
-    if args.steady_state:
+    # On a GPU, a batch shape's first step pays for allocator growth and kernel choice that a long
+    # run pays once per shape: timing first-seen shapes put tfm at a third of what `tfm train` logs
+    # over thousands of steps. So on CUDA every timed batch runs once first, and steps are timed
+    # with CUDA events.
+    if args.steady_state or device.type == "cuda":
         for i, batch in enumerate(batches[args.warmup:]):
             tfm_step(batch, i + 1)
             hf_step(batch, i + 1)
@@ -155,9 +166,19 @@ def main() -> None:
     seconds = {"tfm": 0.0, "hf": 0.0}
     tokens = 0
     flops = 0.0
+    events: dict[str, list] = {"tfm": [], "hf": []}
     for i, batch in enumerate(batches):
         timed = i >= args.warmup
         for name, fn in (("tfm", tfm_step), ("hf", hf_step)) if i % 2 == 0 else (("hf", hf_step), ("tfm", tfm_step)):
+            if device.type == "cuda":  # the step's time on the GPU's own clock
+                start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                sync()
+                start_event.record()
+                fn(batch, i + 1)
+                end_event.record()
+                if timed:
+                    events[name].append((start_event, end_event))
+                continue
             sync()
             start = time.perf_counter()
             fn(batch, i + 1)
@@ -170,26 +191,66 @@ def main() -> None:
         if (i + 1) % 20 == 0:
             print(f"  step {i + 1}/{needed}", flush=True)
 
+    sync()
+    for name, pairs in events.items():
+        if pairs:
+            seconds[name] = sum(start.elapsed_time(end) for start, end in pairs) / 1000
+    # As `tfm train` steps: one after the other, nothing waited for between them (its log divides
+    # the tokens of log_every steps by their wall time).
+    sync()
+    start = time.perf_counter()
+    for i, batch in enumerate(batches[args.warmup:]):
+        tfm_step(batch, i + 1)
+    sync()
+    back_to_back = tokens / (time.perf_counter() - start)
     tfm_rate, hf_rate = tokens / seconds["tfm"], tokens / seconds["hf"]
     print(f"timed {args.steps} steps each ({tokens:,} target tokens) after {args.warmup} warm-up steps")
     print(f"tfm           {tfm_rate:8.0f} target tokens/s")
     print(f"HF MarianMT   {hf_rate:8.0f} target tokens/s")
     print(f"ratio tfm/HF  {tfm_rate / hf_rate:8.2f}x")
+    print(f"tfm back to back, as `tfm train` steps (wall clock, no wait between steps): {back_to_back:.0f} "
+          f"target tokens/s ({back_to_back / tfm_rate:.2f}x the timed steps)")
     peak, source = args.peak_tflops, "given"
     if peak is None and device.type == "cuda" and any(n in torch.cuda.get_device_name(device) for n in ("H100", "H200")):
         peak, source = (989.0 if amp_dtype else 494.5), "data sheet, dense SXM"  # bf16 / tf32 tensor cores
     if peak is None and device.type == "cpu":
         peak, source = matmul_peak(amp_dtype or torch.float32), f"measured: {'bf16' if amp_dtype else 'fp32'} matmul"
     if peak:
+        matmul = matmul_parameters(config, vocab)
         for name in ("tfm", "hf"):
             achieved = flops / seconds[name] / 1e12
             print(f"MFU {name:<4} {achieved:7.3f} TFLOP/s of {peak:.3f} ({source}) = {100 * achieved / peak:5.1f}% "
                   "(model FLOPs: 3 x forward matmuls, see training_flops)")
+        for name, rate in (("tfm", tfm_rate), ("hf", hf_rate)):
+            print(f"MFU {name:<4} 6·N·tokens/s = {100 * 6 * matmul * rate / (peak * 1e12):5.1f}% (N = {matmul:,} matmul "
+                  "parameters: attention and FFN projections, the output projection once; no embeddings)")
     for name in ("tfm", "hf"):  # each alone in a child process, on the same batches
         child = [sys.executable, __file__, *sys.argv[1:], "--only", name]
         out = subprocess.run(child, capture_output=True, text=True)
         lines = [line for line in out.stdout.splitlines() if line.startswith("peak ")]
         print(lines[-1] if lines else f"peak {name}: the child failed: {out.stderr.strip()[-300:]}")
+
+
+# WMT14 en-de after a 32k joint BPE: sentence lengths in subword tokens average about 27, with a
+# long tail to the 250 that training keeps. A log-normal with these parameters has mean 27.0, a
+# median of 22.6 and 1.6% of sentences over 100 tokens; German targets run ~5% longer, ±15%.
+WMT_LOG_MEAN, WMT_LOG_SIGMA, WMT_MAX = 3.118, 0.6, 250
+
+
+def synthetic_wmt_batches(vocab: int, max_tokens: int, count: int, seed: int = 0) -> list:
+    """`count` batches of random ids (specials excluded) whose source and target lengths follow
+    WMT14 en-de's distribution, bucketed by length as `tfm train` buckets (token_batches)."""
+    import numpy as np
+
+    from transformer_cli.data import collate, token_batches
+
+    rng = np.random.default_rng(seed)
+    pairs = max(20 * count * max_tokens // 27, 10_000)
+    src_lens = np.clip(rng.lognormal(WMT_LOG_MEAN, WMT_LOG_SIGMA, pairs).round(), 1, WMT_MAX - 1).astype(np.int64)
+    tgt_lens = np.clip((src_lens * rng.lognormal(0.05, 0.15, pairs)).round(), 1, WMT_MAX - 1).astype(np.int64)
+    order = token_batches(src_lens, tgt_lens, max_tokens, seed)[:count]
+    ids = lambda n: rng.integers(4, vocab, n)  # noqa: E731 (0–3: pad, unk, bos, eos)
+    return [collate([ids(src_lens[i]) for i in batch], [ids(tgt_lens[i]) for i in batch]) for batch in order]
 
 
 def peak_rss_gib() -> float:
@@ -213,6 +274,15 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e12
+
+
+def matmul_parameters(config, vocab: int) -> int:
+    """The weights a token meets in matrix products: per encoder layer 4d² + 2df, per decoder
+    layer 8d² + 2df (self- and cross-attention), and the output projection d·V once (tied to the
+    embeddings or not: a lookup costs no FLOPs)."""
+    m = config.model
+    d, f = m.d_model, m.d_ff
+    return m.enc_layers * (4 * d * d + 2 * d * f) + m.dec_layers * (8 * d * d + 2 * d * f) + d * vocab
 
 
 def training_flops(config, batch, vocab: int) -> float:

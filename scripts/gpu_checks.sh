@@ -2,8 +2,11 @@
 # The GPU checks in one run, for a machine with one CUDA GPU and Multi30k under data/multi30k:
 #   env     the GPU, torch, the CPU
 #   tests   the CUDA DDP test (torchrun, nccl)
-#   bench   tfm prepare, then scripts/bench_train.py --device cuda, tfm vs HF MarianMT: configs/de-en.yaml (small) and
-#           configs/de-en-gpu.yaml (the paper's base shape, also --steady-state) — tokens/s, MFU, peak GPU memory
+#   bench   tfm prepare, then scripts/bench_train.py --device cuda (steady state, CUDA events), tfm vs HF
+#           MarianMT: configs/de-en.yaml (small), configs/de-en-gpu.yaml (the paper's base shape on Multi30k)
+#           and, without any corpus, the WMT14 shapes at WMT14 en-de's sentence lengths (--synthetic wmt):
+#           configs/wmt14-en-de-base.yaml and -big.yaml — tokens/s, MFU (targets: big ≥ 30%, base ≥ 15%,
+#           both ≥ 1.3x HF), `tfm train`-like back-to-back tokens/s, peak GPU memory
 #   train   tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (default 150s; after bench's
 #           prepare), then tfm evaluate on test2016, beam 5
 #   decode  scripts/bench_engines.py --device cuda on that checkpoint: tfm vs CTranslate2 on the GPU
@@ -46,11 +49,10 @@ for s in $sections; do
     bench)
         section prepare 120 "tfm prepare --config configs/de-en.yaml &
             tfm prepare --config configs/de-en-gpu.yaml & wait"
-        section bench_small 150 "python3 scripts/bench_train.py --config configs/de-en.yaml --device cuda --steps 100 --warmup 20"
-        section bench_base 150 "python3 scripts/bench_train.py --config configs/de-en-gpu.yaml --device cuda --max-tokens 8192 --steps 100 --warmup 20"
-        # The same after every timed batch ran once (--steady-state): first-use costs per batch shape
-        # (allocator growth, kernel choice) that a long run pays once; tfm train logs ~3x the first one.
-        section bench_base_steady 150 "python3 scripts/bench_train.py --config configs/de-en-gpu.yaml --device cuda --max-tokens 8192 --steps 100 --warmup 20 --steady-state"
+        section bench_small 120 "python3 scripts/bench_train.py --config configs/de-en.yaml --device cuda --steps 60 --warmup 20"
+        section bench_base 120 "python3 scripts/bench_train.py --config configs/de-en-gpu.yaml --device cuda --max-tokens 8192 --steps 60 --warmup 20"
+        section bench_wmt_base 120 "python3 scripts/bench_train.py --config configs/wmt14-en-de-base.yaml --synthetic wmt --device cuda --max-tokens 12288 --steps 40 --warmup 10"
+        section bench_wmt_big 150 "python3 scripts/bench_train.py --config configs/wmt14-en-de-big.yaml --synthetic wmt --device cuda --max-tokens 16384 --steps 40 --warmup 10"
         ;;
     train)
         section train 330 "tfm train --config configs/de-en-gpu.yaml --set train.max_time=$train_time &&

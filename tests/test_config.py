@@ -79,7 +79,8 @@ def test_every_shipped_config_is_tested():
     assert {p.name for p in (ROOT / "configs").glob("*.yaml")} == set(SHIPPED)
 
 
-SHIPPED = ["de-en.yaml", "en-de.yaml", "tiny.yaml", "base.yaml", "de-en-gpu.yaml", "ted-de-en.yaml"]
+SHIPPED = ["de-en.yaml", "en-de.yaml", "tiny.yaml", "base.yaml", "de-en-gpu.yaml", "ted-de-en.yaml",
+           "wmt14-en-de-base.yaml", "wmt14-en-de-big.yaml"]
 
 
 def test_the_fine_tuning_config_fits_its_parent():
@@ -97,6 +98,11 @@ def test_shipped_configs_validate(name):
     if name == "base.yaml":
         assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.enc_layers, cfg.model.dec_layers,
                 cfg.model.d_ff, cfg.model.dropout, cfg.train.warmup) == (512, 8, 6, 6, 2048, 0.1, 4000)
+    if name.startswith("wmt14"):  # the paper's shapes, a joint 32k BPE, 25k–100k target tokens an update
+        shape = (cfg.model.d_model, cfg.model.n_heads, cfg.model.enc_layers, cfg.model.dec_layers, cfg.model.d_ff)
+        assert shape == ((512, 8, 6, 6, 2048) if "base" in name else (1024, 16, 6, 6, 4096))
+        assert cfg.vocab.joint and cfg.vocab.size == 32000 and cfg.model.share_embeddings
+        assert 20_000 <= cfg.train.max_tokens * cfg.train.accum_steps <= 100_000
 
 
 @pytest.mark.parametrize("name", SHIPPED)

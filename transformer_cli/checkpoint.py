@@ -19,6 +19,8 @@ from .files import atomic_write_bytes
 from .model import Transformer, TransformerConfig
 
 FORMAT = "tfm-checkpoint-1"
+# What only checkpoint_last.pt holds (resuming needs it; translating does not).
+TRAINING_STATE = ("optimizer", "torch_rng", "torch_rng_ranks", "cuda_rng", "ema")
 
 
 def bytes_to_tensor(data: bytes) -> torch.Tensor:
@@ -39,6 +41,84 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     buffer = io.BytesIO()
     torch.save({"format": FORMAT, **payload}, buffer)
     atomic_write_bytes(path, buffer.getbuffer())
+
+
+def model_payload(model: Transformer, config: ExperimentConfig, spm_files: dict[str, bytes], progress: dict,
+                  **extra: Any) -> dict[str, Any]:
+    """What every checkpoint holds — the one place it is written: weights, the model's and the
+    run's configs, progress, both sentencepiece models (`spm_files`: side → the model file's bytes),
+    and `extra` keys (`data_digest`: the prepared data it learnt from; `imported_from`, `averaged`…)."""
+    return {"model": model.state_dict(), "model_config": asdict(model.cfg), "config": config.model_dump(mode="json"),
+            "progress": progress, "spm_src": bytes_to_tensor(spm_files["src"]),
+            "spm_tgt": bytes_to_tensor(spm_files["tgt"]), **extra}
+
+
+def training_payload(weights: dict[str, Any], optimizer: torch.optim.Optimizer, rank_rng_states: list[torch.Tensor],
+                     ema: dict | None) -> dict[str, Any]:
+    """checkpoint_last.pt: a `model_payload` plus everything resuming exactly needs — the optimizer,
+    the RNG states (`rank_rng_states`: one per torchrun process, where there are several) and the
+    weight average."""
+    payload = {**weights, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+    if len(rank_rng_states) > 1:
+        payload["torch_rng_ranks"] = rank_rng_states
+    if torch.cuda.is_available():
+        payload["cuda_rng"] = torch.cuda.get_rng_state_all()
+    if ema is not None:
+        payload["ema"] = ema
+    return payload
+
+
+@dataclass
+class TrainingState:
+    """checkpoint_last.pt as resuming reads it — the one place it is read."""
+
+    path: Path
+    model: dict[str, torch.Tensor]
+    model_config: TransformerConfig
+    optimizer: dict
+    progress: dict
+    spm_files: dict[str, bytes]
+    data_digest: str | None
+    torch_rng: torch.Tensor
+    rank_rng_states: list[torch.Tensor] | None
+    cuda_rng: list[torch.Tensor] | None
+    ema: dict | None
+
+    @classmethod
+    def read(cls, path: Path, map_location: str | torch.device = "cpu") -> TrainingState:
+        payload = load_checkpoint(path, map_location=map_location)
+        if "optimizer" not in payload or "progress" not in payload:
+            raise TfmError(f"--resume: {path} holds no training state (weights only: another command's output "
+                           "written over it); nothing to continue from")
+        return cls(path, payload["model"], TransformerConfig(**payload["model_config"]), payload["optimizer"],
+                   payload["progress"], {side: tensor_to_bytes(payload[f"spm_{side}"]) for side in ("src", "tgt")},
+                   payload.get("data_digest"), payload["torch_rng"].cpu(),
+                   payload.get("torch_rng_ranks"), payload.get("cuda_rng"), payload.get("ema"))
+
+    def check_made_for(self, spm_files: dict[str, bytes], data_digest: str | None, run: Path) -> None:
+        """The state must have been trained on this run's vocabulary (`spm_files`) and encoded data:
+        a run prepared again since (other ids) would go on training on what its ids now mean."""
+        for side, name in (("src", "source"), ("tgt", "target")):
+            if self.spm_files[side] != spm_files[side]:
+                raise TfmError(f"--resume: {self.path} was trained with another {name} vocabulary than {run} holds "
+                               "now (prepared again since?): prepare a new run_dir, or fine-tune from the "
+                               "checkpoint there (train.init_from, vocab.from_run)")
+        if self.data_digest and data_digest and self.data_digest != data_digest:
+            raise TfmError(f"--resume: {self.path} was trained on other encoded data than {run} holds now "
+                           "(prepared again since, with other data settings?): prepare it as it was, or train a "
+                           "new run (train.init_from to start from this checkpoint)")
+
+    def restore_random_states(self, rank: int, world_size: int, reseed: int) -> None:
+        """This process's RNG states as they were; a different number of torchrun processes than
+        saved them: rank 0 the saved state, the others fresh distinct streams (`reseed` + rank)."""
+        torch.set_rng_state(self.torch_rng)
+        if world_size > 1:
+            if self.rank_rng_states is not None and len(self.rank_rng_states) == world_size:
+                torch.set_rng_state(self.rank_rng_states[rank].cpu())
+            elif rank > 0:
+                torch.manual_seed(reseed + 7919 * rank)
+        if self.cuda_rng is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in self.cuda_rng])
 
 
 def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -217,7 +297,7 @@ def average_state_dicts(paths: list[Path]) -> dict[str, torch.Tensor]:
 def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
     """A weights-only checkpoint whose weights are the mean of `paths`'; config and vocab of the last."""
     payload = load_checkpoint(paths[-1])
-    for training_state in ("optimizer", "torch_rng", "torch_rng_ranks", "cuda_rng", "format"):
+    for training_state in (*TRAINING_STATE, "format"):
         payload.pop(training_state, None)
     payload["model"] = average_state_dicts(list(paths))
     payload["averaged"] = [str(p) for p in paths]

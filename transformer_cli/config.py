@@ -114,6 +114,10 @@ class TrainConfig(_Section):
     # auto = bf16 autocast on CUDA, AMX CPUs and CPUs whose bf16 matmuls measure >= 1.5x fp32; else fp32
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     compile: bool = False
+    # Collate the next update's batches on a background thread while this one trains (into pinned
+    # memory on CUDA). None: on CUDA, where the host must stay ahead of the GPU; off on CPU, whose
+    # cores all compute.
+    prefetch: bool | None = None
     threads: int | None = Field(None, ge=1, le=4096)  # torch intra-op threads on CPU (None = torch default)
     # `tfm train`'s malloc: auto = mimalloc where the cmeel-mimalloc package is installed (Linux),
     # else the C library's; less memory and faster CPU steps than glibc's (allocator.py)

@@ -450,10 +450,22 @@ class Batch:
     tgt_in: torch.Tensor  # (B, T) <bos> y
     tgt_out: torch.Tensor  # (B, T) y <eos>
     n_tgt_tokens: int  # non-pad target tokens (the loss normaliser)
+    n_src_tokens: int = 0  # non-pad source tokens
+    # The flat positions of the real target tokens in tgt_out and those tokens (N,), (N,): found on
+    # the host when the batch is made, so that the device never reports a count back mid-step.
+    rows: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(self.src.to(device, non_blocking=True), self.tgt_in.to(device, non_blocking=True),
-                     self.tgt_out.to(device, non_blocking=True), self.n_tgt_tokens)
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.src), move(self.tgt_in), move(self.tgt_out), self.n_tgt_tokens, self.n_src_tokens,
+                     move(self.rows), move(self.targets))
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory, so that `.to(cuda)` copies without blocking."""
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return Batch(pin(self.src), pin(self.tgt_in), pin(self.tgt_out), self.n_tgt_tokens, self.n_src_tokens,
+                     pin(self.rows), pin(self.targets))
 
 
 def pad_batch(seqs: list[np.ndarray] | list[list[int]], prefix: int | None = None,
@@ -478,7 +490,10 @@ def collate(src: list[np.ndarray], tgt: list[np.ndarray]) -> Batch:
     src_t = pad_batch(src, suffix=EOS_ID)
     tgt_in = pad_batch(tgt, prefix=BOS_ID)
     tgt_out = pad_batch(tgt, suffix=EOS_ID)
-    return Batch(src_t, tgt_in, tgt_out, int(sum(len(t) + 1 for t in tgt)))
+    flat = tgt_out.view(-1)
+    rows = (flat != PAD_ID).nonzero().squeeze(1)
+    return Batch(src_t, tgt_in, tgt_out, int(sum(len(t) + 1 for t in tgt)), int(sum(len(s) + 1 for s in src)),
+                 rows, flat.index_select(0, rows))
 
 
 def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, seed: int) -> list[np.ndarray]:
@@ -541,7 +556,7 @@ class ParallelData:
 
 
 def padding_ratio(batch: Batch) -> float:
-    """Fraction of padding positions in a batch (source and target together)."""
+    """Fraction of padding positions in a batch (source and target together), from its counts:
+    nothing is read back from the device."""
     total = batch.src.numel() + batch.tgt_out.numel()
-    pads = int((batch.src == PAD_ID).sum()) + int((batch.tgt_out == PAD_ID).sum())
-    return pads / max(total, 1)
+    return (total - batch.n_src_tokens - batch.n_tgt_tokens) / max(total, 1)

@@ -25,10 +25,17 @@ class WeightAverage:
         return min(self.decay, (1 + self.updates) / (10 + self.updates))
 
     @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
+    def update(self, model: torch.nn.Module, skipped: torch.Tensor | None = None) -> None:
+        """One step towards the model's weights; none where `skipped` (a 0-d device tensor, 1.0
+        for an update the optimizer skipped): decided on the device, never read back."""
         self.updates += 1
         step = 1.0 - self.current_decay()
-        torch._foreach_lerp_(self.weights, [p.detach() for p in model.parameters()], step)
+        params = [p.detach() for p in model.parameters()]
+        if skipped is None:
+            torch._foreach_lerp_(self.weights, params, step)
+        else:
+            weight = (1.0 - skipped) * step
+            torch._foreach_lerp_(self.weights, params, [weight] * len(params))
 
     @contextlib.contextmanager
     @torch.no_grad()

@@ -106,6 +106,6 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 def batch_loss(model: torch.nn.Module, batch: Batch, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced summed loss and NLL of a batch, over the positions that have a target."""
-    rows, targets = target_rows(batch.tgt_out)
+    rows, targets = (batch.rows, batch.targets) if batch.rows is not None else target_rows(batch.tgt_out)
     hidden = model(batch.src, batch.tgt_in, rows, project=False)  # (N, D)
     return output_layer_loss(hidden, unwrapped(model).output_proj, targets, smoothing)

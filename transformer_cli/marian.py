@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import bytes_to_tensor, save_checkpoint
+from .checkpoint import model_payload, save_checkpoint
 from .config import config_from_dict, config_to_yaml
 from .data import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from .errors import TfmError
@@ -495,11 +495,8 @@ def write_run_directory(run_dir: Path, hf_dir: Path, hf: dict[str, Any], languag
         atomic_write_text(staged.manifest_file, json.dumps(manifest, indent=2))
         atomic_write_text(staged.config_file, config_to_yaml(config))
         staged.checkpoints.mkdir()
-        save_checkpoint(staged.checkpoints / BEST, {
-            "model": model.state_dict(), "model_config": asdict(model.cfg), "config": config.model_dump(mode="json"),
-            "progress": {"step": 0}, "imported_from": manifest["imported_from"],
-            "spm_src": bytes_to_tensor(models["src"]), "spm_tgt": bytes_to_tensor(models["tgt"]),
-        })
+        save_checkpoint(staged.checkpoints / BEST, model_payload(model, config, models, {"step": 0},
+                                                                 imported_from=manifest["imported_from"]))
         if run_dir.exists():
             run_dir.rmdir()  # empty (checked above)
         staging.rename(run_dir)

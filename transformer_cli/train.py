@@ -13,7 +13,6 @@ files in rundir.py.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import signal
 import time
@@ -21,19 +20,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-import sacrebleu
-import sentencepiece as spm
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .allocator import loaded_allocator
 from .checkpoint import (
-    average_state_dicts,
-    bytes_to_tensor,
-    load_checkpoint,
+    TrainingState,
     load_initial_weights,
-    tensor_to_bytes,
+    model_payload,
+    training_payload,
 )
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
 from .console import TrainingConsole
@@ -49,18 +44,21 @@ from .distributed import (
     leave,
     world_from_environment,
 )
+from .batch_stream import BatchStream, CollatedUpdates, Update
 from .ema import WeightAverage
+from .step_health import StepLedger, gradient_norm
 from .errors import Diverged, Interrupted, TfmError
-from .files import atomic_write_text, read_lines, remove_stale_temps
+from .files import atomic_write_text, remove_stale_temps
 from .loss import batch_loss
 from .model import Transformer, TransformerConfig
 from .precision import autocast_dtype, choose_precision
-from .rundir import AVERAGE, BEST, EMA, LAST, MetricsLog, RunDirectory, step_of
+from .rundir import AVERAGE, BEST, EMA, LAST, MetricsLog, RunDirectory
 from .runlock import RunLock
 from .schedule import next_learning_rate
 from .signals import EXIT_CODES, StopRequest
 from .tensorboard_log import TensorBoardLog
-from .translate import decode_in_batches
+from .final_models import FinalModels
+from .validation import Validation
 
 
 def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: int,
@@ -87,16 +85,6 @@ def check_vocab_matches(config: ExperimentConfig, manifest: dict) -> None:
         raise TfmError(f"key 'vocab.joint': {config.vocab.joint} in the config, but {config.run_dir} was prepared "
                        f"with joint={joint}; re-run `tfm prepare` (on a trained run: with "
                        "--discard-checkpoints)")
-
-
-def gradient_norm(model: torch.nn.Module, clip_norm: float) -> float:
-    """Total L2 norm of the gradients (before clipping); clips to `clip_norm` when it is > 0."""
-    if clip_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
 # --------------------------------------------------------------------------- what a run keeps
@@ -134,53 +122,14 @@ class TrainSummary:
 
 @dataclass
 class StepResult:
-    """One update's loss sums over this process's micro-batches, and the update's target tokens."""
+    """One update's loss sums over this process's micro-batches (device tensors: never read here),
+    and the update's target tokens."""
 
-    loss: float = 0.0
-    nll: float = 0.0
+    loss: torch.Tensor
+    nll: torch.Tensor
     padding: float = 0.0  # summed padding ratios of the micro-batches
     batches: int = 0
     tokens: int = 0  # target tokens of the whole update (all processes), the loss normaliser
-
-
-@dataclass
-class LogWindow:
-    """Sums over the updates since the last log line (skipped updates excluded)."""
-
-    loss: float = 0.0
-    nll: float = 0.0
-    padding: float = 0.0
-    batches: int = 0
-    tokens: int = 0
-    started: float = field(default_factory=time.perf_counter)
-
-    def add(self, step: StepResult) -> None:
-        self.loss, self.nll = self.loss + step.loss, self.nll + step.nll
-        self.padding, self.batches = self.padding + step.padding, self.batches + step.batches
-        self.tokens += step.tokens
-
-
-class BatchStream:
-    """The training batches in order, epoch after epoch, resumable: the epoch and the position in
-    it live in TrainProgress. Each epoch's batches are shuffled by seed + epoch."""
-
-    def __init__(self, data: ParallelData, train_cfg: TrainConfig, progress: TrainProgress):
-        self.data, self.train_cfg, self.progress = data, train_cfg, progress
-        self.batches = data.batches(train_cfg.max_tokens, seed=train_cfg.seed + progress.epoch)
-
-    def next_update(self, count: int) -> list[np.ndarray] | None:
-        """The next `count` batches (rolling over into the next epoch), or None once max_epochs ends."""
-        progress, taken = self.progress, []
-        while len(taken) < count:
-            if progress.batch_in_epoch >= len(self.batches):
-                progress.epoch += 1
-                progress.batch_in_epoch = 0
-                if self.train_cfg.max_epochs is not None and progress.epoch >= self.train_cfg.max_epochs:
-                    return None
-                self.batches = self.data.batches(self.train_cfg.max_tokens, seed=self.train_cfg.seed + progress.epoch)
-            taken.append(self.batches[progress.batch_in_epoch])
-            progress.batch_in_epoch += 1
-        return taken
 
 
 def budget_spent(train_cfg: TrainConfig, progress: TrainProgress) -> str:
@@ -196,36 +145,12 @@ def budget_spent(train_cfg: TrainConfig, progress: TrainProgress) -> str:
     return ""
 
 
-# --------------------------------------------------------------------------- validation
-
-
-@torch.no_grad()
-def evaluate_loss(model: Transformer, data: ParallelData, config: ExperimentConfig,
-                  device: torch.device) -> dict[str, float]:
-    model.eval()
-    loss_sum = nll_sum = tokens = 0.0
-    for batch in data.iterate(config.train.max_tokens, seed=0):
-        batch = batch.to(device)
-        loss, nll = batch_loss(model, batch, config.train.label_smoothing)
-        loss_sum, nll_sum, tokens = loss_sum + float(loss), nll_sum + float(nll), tokens + batch.n_tgt_tokens
-    return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "ppl": math.exp(min(nll_sum / tokens, 50))}
-
-
-def validation_bleu(model: Transformer, data: ParallelData, references: list[str], tgt_sp: spm.SentencePieceProcessor,
-                    config: ExperimentConfig, device: torch.device) -> float:
-    """Greedy-decode the first N valid sentences and score them against the raw references."""
-    n = min(config.train.eval_bleu_sentences, len(data), len(references))
-    src = [np.asarray(data.src[i]).tolist() for i in range(n)]
-    hyps = decode_in_batches(model, src, config.decode, device, beam=1)
-    texts = [tgt_sp.decode(h[0].tokens) for h in hyps]
-    return sacrebleu.corpus_bleu(texts, [references[:n]]).score
-
-
 # --------------------------------------------------------------------------- the trainer
 
 
 class Trainer:
-    """One training run: everything is set up in __init__, `run()` trains."""
+    """One training run, as a recipe: `__init__` builds (reads the run, the data, the checkpoint to
+    resume; writes nothing), `setup()` writes the run's files, `run()` trains."""
 
     def __init__(self, config: ExperimentConfig, world: World, device: torch.device, resume: bool,
                  progress_bar: bool, on_step: Callable[[int, Transformer], None] | None):
@@ -237,6 +162,7 @@ class Trainer:
         self.tensorboard: TensorBoardLog | None = None  # set once the run's step is known
         self.console = TrainingConsole(self.writer, progress_bar, self._console_lost)
         self.manifest = self.run_dir.load_manifest()
+        self.spm_files = {side: self.run_dir.vocab_file(self.manifest, side).read_bytes() for side in ("src", "tgt")}
         self._check_run_directory(resume)
         torch.manual_seed(self.train_cfg.seed)
         if self.train_cfg.threads:
@@ -244,7 +170,10 @@ class Trainer:
         self.precision = choose_precision(self.train_cfg.precision, device, (config.model.d_model, config.model.d_ff))
         if device.type == "cpu":
             keep_freed_memory()
-        self._load_data()
+        self.train_data = ParallelData(self.run_dir.root, "train")
+        if len(self.train_data) == 0:
+            raise TfmError(f"{self.run_dir.root}: the training split is empty after filtering")
+        self.validation = Validation(self.run_dir, self.manifest, config, device)
         self.model = build_model(config, self.manifest["vocab_size"]["src"], self.manifest["vocab_size"]["tgt"],
                                  self.manifest.get("shared_ids", False)).to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=tuple(self.train_cfg.adam_betas),
@@ -262,21 +191,20 @@ class Trainer:
         if not resume and world.rank > 0:  # same initial weights (DDP syncs them), own dropout
             torch.manual_seed(self.train_cfg.seed + 7919 * world.rank)
         self.ema = self._weight_average(saved_ema, resume)
-        if self.writer and self.train_cfg.tensorboard and not self.complete:
-            self.tensorboard = TensorBoardLog(self.run_dir.root / "tensorboard", self.progress.step)
-        if self.writer and not self.complete:
-            self.run_dir.root.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.run_dir.config_file, config_to_yaml(config))
         # DDP all-reduces (averages) gradients during backward; the model itself stays unwrapped for
         # validation, checkpoints and decoding.
         self.ddp = (DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
                     if world.enabled else None)
         forward_model = self.ddp or self.model
         self.forward_model = torch.compile(forward_model) if self.train_cfg.compile else forward_model
-        self.stream = BatchStream(self.train_data, self.train_cfg, self.progress)
         self.batches_per_update = self.train_cfg.accum_steps * world.size
+        ahead = self.train_cfg.prefetch if self.train_cfg.prefetch is not None else device.type == "cuda"
+        self.updates = CollatedUpdates(BatchStream(self.train_data, self.train_cfg, self.progress.epoch,
+                                                   self.progress.batch_in_epoch),
+                                       self.batches_per_update, self.train_data.collate, world.rank, world.size,
+                                       ahead=ahead, pin=ahead and device.type == "cuda")
 
-    # -- set-up
+    # -- building (reads only)
 
     def _check_run_directory(self, resume: bool) -> None:
         last = self.run_dir.checkpoints / LAST
@@ -286,64 +214,24 @@ class Trainer:
         if resume and not last.exists():
             raise TfmError(f"--resume: no checkpoint to resume from at {last}")
         check_vocab_matches(self.config, self.manifest)
-        if self.writer:
-            # Temporary files of writes that a kill -9 interrupted (we hold the lock: nobody is writing).
-            for stale in remove_stale_temps(self.run_dir.root) + remove_stale_temps(self.run_dir.checkpoints):
-                self.console.print(f"removed {stale.name}, left by an interrupted write")
-            self.metrics.end_torn_line()
-
-    def _load_data(self) -> None:
-        self.train_data = ParallelData(self.run_dir.root, "train")
-        self.valid_data = ParallelData(self.run_dir.root, "valid")
-        if len(self.train_data) == 0:
-            raise TfmError(f"{self.run_dir.root}: the training split is empty after filtering")
-        self.references = read_lines(self.manifest["files"]["valid"][1])
-        self.tgt_sp = spm.SentencePieceProcessor(model_file=str(self.run_dir.vocab_file(self.manifest, "tgt")))
 
     def _restore(self) -> dict | None:
         """Weights, optimizer, RNG states and progress of checkpoint_last.pt; returns its weight average."""
-        path = self.run_dir.checkpoints / LAST
-        ckpt = load_checkpoint(path, map_location=self.device)
-        self._check_trained_here(ckpt, path)
-        if asdict(TransformerConfig(**ckpt["model_config"])) != asdict(self.model.cfg):  # older ones lack new keys
-            raise TfmError(f"--resume: the model section of the config differs from {path}'s")
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["torch_rng"].cpu())
-        rank_states = ckpt.get("torch_rng_ranks")
-        if self.world.enabled:
-            if rank_states is not None and len(rank_states) == self.world.size:
-                torch.set_rng_state(rank_states[self.world.rank].cpu())
-            elif self.world.rank > 0:  # a different number of processes: fresh, distinct dropout streams
-                torch.manual_seed(self.train_cfg.seed + 7919 * self.world.rank + ckpt["progress"]["step"])
-        if "cuda_rng" in ckpt and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["cuda_rng"]])
-        self.progress = TrainProgress(**ckpt["progress"])
-        return ckpt.get("ema")
-
-    def _check_trained_here(self, ckpt: dict, path: Path) -> None:
-        """checkpoint_last.pt must be training state made on this run's vocabulary and encoded data:
-        a run prepared again since (other ids) would go on training on what its ids now mean."""
-        if "optimizer" not in ckpt or "progress" not in ckpt:
-            raise TfmError(f"--resume: {path} holds no training state (weights only: another command's output "
-                           "written over it); nothing to continue from")
-        for side, name in (("src", "source"), ("tgt", "target")):
-            if tensor_to_bytes(ckpt[f"spm_{side}"]) != self.run_dir.vocab_file(self.manifest, side).read_bytes():
-                raise TfmError(f"--resume: {path} was trained with another {name} vocabulary than "
-                               f"{self.run_dir.root} holds now (prepared again since?): prepare a new run_dir, "
-                               "or fine-tune from the checkpoint there (train.init_from, vocab.from_run)")
-        trained_on, prepared = ckpt.get("data_digest"), self.manifest.get("data_digest")
-        if trained_on and prepared and trained_on != prepared:
-            raise TfmError(f"--resume: {path} was trained on other encoded data than {self.run_dir.root} holds now "
-                           "(prepared again since, with other data settings?): prepare it as it was, or train a "
-                           "new run (train.init_from to start from this checkpoint)")
+        state = TrainingState.read(self.run_dir.checkpoints / LAST, map_location=self.device)
+        state.check_made_for(self.spm_files, self.manifest.get("data_digest"), self.run_dir.root)
+        if asdict(state.model_config) != asdict(self.model.cfg):
+            raise TfmError(f"--resume: the model section of the config differs from {state.path}'s")
+        self.model.load_state_dict(state.model)
+        self.optimizer.load_state_dict(state.optimizer)
+        state.restore_random_states(self.world.rank, self.world.size, self.train_cfg.seed + state.progress["step"])
+        self.progress = TrainProgress(**state.progress)
+        return state.ema
 
     def _initialise_from(self, path: Path) -> None:
         """Fine-tuning: the weights of a trained model; optimizer, schedule, steps and data order start afresh."""
         if path.is_dir():
             path = RunDirectory(path).default_checkpoint()
-        spm_files = {side: self.run_dir.vocab_file(self.manifest, side).read_bytes() for side in ("src", "tgt")}
-        parent = load_initial_weights(self.model, path, spm_files)
+        parent = load_initial_weights(self.model, path, self.spm_files)
         step = parent.get("progress", {}).get("step", "?")
         self.console.print(f"initialised from {path} (step {step} of its run); optimizer and schedule start afresh")
 
@@ -367,6 +255,22 @@ class Trainer:
         if self.tensorboard is not None:
             self.tensorboard.add(record)
 
+    # -- set-up (writes)
+
+    def setup(self) -> None:
+        """The run's files before training: leftovers of writes a kill -9 interrupted removed (the
+        lock is held: nobody else writes), a torn metrics line ended, the resolved config.yaml, the
+        TensorBoard log."""
+        if not self.writer:
+            return
+        for stale in remove_stale_temps(self.run_dir.root) + remove_stale_temps(self.run_dir.checkpoints):
+            self.console.print(f"removed {stale.name}, left by an interrupted write")
+        self.metrics.end_torn_line()
+        self.run_dir.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir.config_file, config_to_yaml(self.config))
+        if self.train_cfg.tensorboard:
+            self.tensorboard = TensorBoardLog(self.run_dir.root / "tensorboard", self.progress.step)
+
     # -- the loop
 
     def run(self) -> TrainSummary:
@@ -374,23 +278,24 @@ class Trainer:
             self.console.print(f"{self.run_dir.root} is complete ({self.complete}): nothing to do; raise the limit "
                                "(e.g. --set train.max_steps=…) to train further")
             return self.summary(self.complete)
+        self.setup()
         self._announce()
         self.model.train()
         self.started = time.perf_counter() - self.progress.elapsed
-        self.window = LogWindow()
+        self.ledger = StepLedger(self.device, self.progress.bad_steps)
+        self.skips_counted = self.skipped_tokens_counted = 0
         stop_reason = budget_spent(self.train_cfg, self.progress)  # a run stopped at its very last step
         with StopRequest(announce=self.writer) as stop:
             try:
                 while not stop_reason:
-                    batches = self.stream.next_update(self.batches_per_update)
-                    if batches is None:
+                    update = self.updates.next()
+                    self.progress.epoch, self.progress.batch_in_epoch = update.epoch, update.batch_in_epoch
+                    if update.indices is None:
                         stop_reason = f"max_epochs={self.train_cfg.max_epochs}"
                         break
                     lr = self.set_learning_rate()
-                    step = self.loss_step(batches)
-                    if not self.update(step):
-                        continue
-                    self.log(step, lr)
+                    self.update(self.loss_step(update))
+                    self.log(lr)
                     stop_reason = self.stop_decision(stop)
                     evaluating = self.progress.step % self.train_cfg.eval_every == 0 or bool(stop_reason)
                     if evaluating:
@@ -398,6 +303,7 @@ class Trainer:
                     elif self.train_cfg.save_every and self.progress.step % self.train_cfg.save_every == 0:
                         self.save_checkpoints(None)
             finally:
+                self.updates.close()
                 self.console.close_bar()
         return self.finish(stop_reason)
 
@@ -423,15 +329,16 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def loss_step(self, batches: list[np.ndarray]) -> StepResult:
-        """Forward and backward over this process's share of the update's batches (rank r takes
-        r, r + N, …); gradients accumulate, normalised by the target tokens of the whole update."""
+    def loss_step(self, update: Update) -> StepResult:
+        """Forward and backward over this process's share of the update's batches (collated);
+        gradients accumulate, normalised by the target tokens of the whole update."""
         lengths = self.train_data.tgt.lengths
-        result = StepResult(tokens=sum(int(lengths[idx].sum()) + len(idx) for idx in batches))
-        my_batches = batches[self.world.rank::self.world.size]
+        zero = torch.zeros((), device=self.device)
+        result = StepResult(zero, zero, tokens=sum(int(lengths[idx].sum()) + len(idx) for idx in update.indices or []))
+        my_batches = update.collated or []
         amp_dtype = autocast_dtype(self.precision)
-        for i, indices in enumerate(my_batches):
-            batch = self.train_data.collate(indices).to(self.device)
+        for i, host_batch in enumerate(my_batches):
+            batch = host_batch.to(self.device)
             # Gradients are all-reduced once per update: on the last micro-batch only.
             sync = self.ddp is None or i == len(my_batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
@@ -439,55 +346,67 @@ class Trainer:
                     loss, nll = batch_loss(self.forward_model, batch, self.train_cfg.label_smoothing)
                 # x world.size: DDP averages the processes' gradients, the loss wants their sum.
                 (loss * (self.world.size / result.tokens)).backward()
-            result.loss += float(loss.detach())
-            result.nll += float(nll.detach())
-            result.padding += padding_ratio(batch)
+            result.loss, result.nll = result.loss + loss.detach(), result.nll + nll.detach()
+            result.padding += padding_ratio(host_batch)
             result.batches += 1
         return result
 
-    def update(self, step: StepResult) -> bool:
-        """Clip, then step the optimizer and the moving average; a non-finite gradient skips the
-        update (weights, optimizer state and step count stay as they were). Returns whether it stepped."""
+    def update(self, step: StepResult) -> None:
+        """Clip, then step the optimizer and the moving average. A non-finite gradient norm (the same
+        on every process) skips the update on the device: fused Adam reads it as `found_inf` and
+        leaves weights and moments as they were; the skip is counted, and read at the next log or
+        checkpoint (`check_health`), without the step waiting for the device."""
         progress = self.progress
-        grad_norm = gradient_norm(self.model, self.train_cfg.clip_norm)  # the same on every process
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            progress.bad_steps += 1
-            progress.skipped_steps += 1
-            self.console.print(f"warning: non-finite loss/gradient at step {progress.step + 1} (norm {grad_norm}); "
-                               f"update skipped ({progress.bad_steps}/{self.train_cfg.max_bad_steps} in a row)")
-            if progress.bad_steps >= self.train_cfg.max_bad_steps:
-                self.console.close_bar()
-                raise Diverged(f"training diverged: {progress.bad_steps} consecutive steps with a NaN/Inf loss or "
-                               f"gradient after step {progress.step}; the last good checkpoint is "
-                               f"{self.run_dir.checkpoints / LAST} (lower train.lr, or set train.clip_norm)")
-            return False
-        progress.bad_steps = 0
+        grad_norm = gradient_norm(self.model, self.train_cfg.clip_norm)
+        skipped = (~torch.isfinite(grad_norm)).to(torch.float32)
+        self.optimizer.found_inf, self.optimizer.grad_scale = skipped, None  # type: ignore[attr-defined]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
-            self.ema.update(self.model)
+            self.ema.update(self.model, skipped)
         progress.step += 1
         progress.target_tokens += step.tokens
-        self.window.add(step)
+        self.ledger.add(step.loss, step.nll, step.tokens, skipped, progress.step, step.padding, step.batches)
         progress.elapsed = time.perf_counter() - self.started
         if self.on_step is not None:
             self.on_step(progress.step, self.model)
-        return True
 
-    def log(self, step: StepResult, lr: float) -> None:
-        """Every log_every updates: a metrics.jsonl record and a progress line."""
-        progress, window = self.progress, self.window
+    def check_health(self, new_window: bool) -> dict[str, float]:
+        """Read the ledger (waits for the device: at log and checkpoint points only): skipped updates
+        are counted and reported, and a run of `max_bad_steps` of them in a row stops training."""
+        read = self.ledger.read(new_window)
+        progress, new = self.progress, int(read["skipped"]) - self.skips_counted
+        if new:
+            self.skips_counted += new
+            progress.skipped_steps += new
+            progress.target_tokens -= int(read["skipped_tokens"]) - self.skipped_tokens_counted
+            self.skipped_tokens_counted = int(read["skipped_tokens"])
+            self.console.print(f"warning: non-finite loss/gradient: {new} update(s) skipped up to step "
+                               f"{progress.step}, the last at step {int(read['last_skipped'])} "
+                               f"({int(read['consecutive'])}/{self.train_cfg.max_bad_steps} in a row)")
+        progress.bad_steps = int(read["consecutive"])
+        if progress.bad_steps >= self.train_cfg.max_bad_steps:
+            self.console.close_bar()
+            raise Diverged(f"training diverged: {progress.bad_steps} consecutive steps with a NaN/Inf loss or "
+                           f"gradient up to step {progress.step}; the last good checkpoint is "
+                           f"{self.run_dir.checkpoints / LAST} (lower train.lr, or set train.clip_norm)")
+        return read
+
+    def log(self, lr: float) -> None:
+        """Every log_every updates: a metrics.jsonl record and a progress line (the updates that
+        stepped; the ledger read here is the only wait for the device between logs)."""
+        progress = self.progress
         if progress.step % self.train_cfg.log_every:
             self.console.advance()
             return
-        seconds = time.perf_counter() - window.started
-        loss, nll, padding, batches = all_sum([window.loss, window.nll, window.padding, window.batches],
+        window = self.check_health(new_window=True)
+        loss, nll, padding, batches = all_sum([window["loss"], window["nll"], window["padding"], window["batches"]],
                                               self.world, self.device)
+        tokens = max(window["tokens"], 1.0)
         record = {"kind": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr,
-                  "loss": loss / window.tokens, "ppl": math.exp(min(nll / window.tokens, 50)),
-                  "tokens_per_s": window.tokens / seconds, "padding": padding / max(batches, 1),
-                  "tokens_per_update": window.tokens / self.train_cfg.log_every,
+                  "loss": loss / tokens, "ppl": math.exp(min(nll / tokens, 50)),
+                  "tokens_per_s": tokens / window["seconds"], "padding": padding / max(batches, 1),
+                  "tokens_per_update": tokens / self.train_cfg.log_every,
                   "elapsed": round(progress.elapsed, 1)}
         self._log(record)
         self.console.advance({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}",
@@ -496,7 +415,6 @@ class Trainer:
             self.console.print(f"step {progress.step}: loss {record['loss']:.3f} ppl {record['ppl']:.1f} "
                                f"lr {lr:.2e} {record['tokens_per_s']:.0f} tok/s "
                                f"padding {100 * record['padding']:.1f}% {record['elapsed'] / 60:.1f} min")
-        self.window = LogWindow()
 
     def stop_decision(self, stop: StopRequest) -> str:
         """Why training stops after this step ("" to go on). A signal saves and raises Interrupted.
@@ -524,7 +442,7 @@ class Trainer:
         progress, train_cfg = self.progress, self.train_cfg
         metrics = self.validate(self.model) if self.writer else {}
         if self.writer:
-            score = self.score(metrics)
+            score = self.validation.score(metrics)
             if progress.best_score is None or score > progress.best_score:
                 progress.best_score, progress.best_step, progress.bad_evals = score, progress.step, 0
             else:
@@ -540,24 +458,20 @@ class Trainer:
         progress.evaluated_step, progress.finished = progress.step, stop_reason
         self.save_checkpoints(metrics)
         release_freed_memory()  # what decoding and saving allocated, training will not reuse
-        self.window.started = time.perf_counter()  # validation time is not training throughput
+        self.ledger.started = time.perf_counter()  # validation time is not training throughput
         return stop_reason
 
     def validate(self, model: Transformer) -> dict[str, float]:
-        metrics = evaluate_loss(model, self.valid_data, self.config, self.device)
-        metrics["bleu"] = validation_bleu(model, self.valid_data, self.references, self.tgt_sp, self.config,
-                                          self.device)
+        metrics = self.validation(model)
         self.model.train()
         return metrics
-
-    def score(self, metrics: dict[str, float]) -> float:
-        """Higher is better, whichever train.best_metric."""
-        return metrics["bleu"] if self.train_cfg.best_metric == "bleu" else -metrics["loss"]
 
     def save_checkpoints(self, metrics: dict | None) -> None:
         """checkpoint_last.pt (everything to resume), and after an evaluation (`metrics`) the step's
         weights and, if it is the best so far, checkpoint_best.pt; then prune. Every process calls
         it (it gathers their RNG states)."""
+        if hasattr(self, "ledger"):  # (not before the loop): the progress it saves counts every skip
+            self.check_health(new_window=False)
         rng_states = all_rng_states(self.world)
         if not self.writer:
             return
@@ -571,30 +485,14 @@ class Trainer:
         self.run_dir.prune_step_checkpoints(self.train_cfg.keep_last)
 
     def weights_payload(self, model: Transformer) -> dict:
-        """A checkpoint to translate with: weights, configs, progress, both sentencepiece models."""
-        return {
-            "model": model.state_dict(),
-            "model_config": asdict(model.cfg),
-            "config": self.config.model_dump(mode="json"),
-            "progress": asdict(self.progress),
-            "spm_src": bytes_to_tensor(self.run_dir.vocab_file(self.manifest, "src").read_bytes()),
-            "spm_tgt": bytes_to_tensor(self.run_dir.vocab_file(self.manifest, "tgt").read_bytes()),
-            # which prepared data it learnt from: --resume refuses a run prepared again since
-            **({"data_digest": self.manifest["data_digest"]} if "data_digest" in self.manifest else {}),
-        }
+        """A checkpoint to translate with; it names the prepared data it learnt from (--resume
+        refuses a run prepared again since)."""
+        digest = {"data_digest": self.manifest["data_digest"]} if "data_digest" in self.manifest else {}
+        return model_payload(model, self.config, self.spm_files, asdict(self.progress), **digest)
 
     def training_state(self, rng_states: list[torch.Tensor]) -> dict:
-        """checkpoint_last.pt: the weights payload plus optimizer, RNG states and moving average."""
-        payload = self.weights_payload(self.model)
-        payload["optimizer"] = self.optimizer.state_dict()
-        payload["torch_rng"] = torch.get_rng_state()
-        if len(rng_states) > 1:
-            payload["torch_rng_ranks"] = rng_states  # one per torchrun process
-        if torch.cuda.is_available():
-            payload["cuda_rng"] = torch.cuda.get_rng_state_all()
-        if self.ema is not None:
-            payload["ema"] = self.ema.state_dict()
-        return payload
+        return training_payload(self.weights_payload(self.model), self.optimizer, rng_states,
+                                self.ema.state_dict() if self.ema is not None else None)
 
     # -- the end
 
@@ -608,11 +506,14 @@ class Trainer:
             progress.finished = stop_reason
             self.save_checkpoints(None)
         if self.writer:
+            final = FinalModels(self.model, self.run_dir, self.validation, self.weights_payload, self._log,
+                                self.console.print, self.train_cfg, progress.step, progress.elapsed)
             scores = {BEST: progress.best_score}
             if self.train_cfg.average_last > 1:
-                scores[AVERAGE] = self.save_average()
+                scores[AVERAGE] = final.average()
             if self.ema is not None:
-                scores[EMA] = self.save_moving_average()
+                scores[EMA] = final.moving_average(self.ema)
+            self.model.train()
             self.run_dir.write_scores(self.train_cfg.best_metric, scores)
         if self.tensorboard is not None:
             self.tensorboard.close()
@@ -629,44 +530,6 @@ class Trainer:
         return TrainSummary(self.progress.step, self.progress.elapsed, self.progress.best_score,
                             self.train_cfg.best_metric, best if best.exists() else None,
                             self.run_dir.checkpoints / LAST, stop_reason)
-
-    def save_average(self) -> float | None:
-        """checkpoint_avg.pt: the mean of the last `average_last` step checkpoints of the run's final
-        `average_window`, validated like the others; returns its score."""
-        train_cfg, progress = self.train_cfg, self.progress
-        path = self.run_dir.checkpoints / AVERAGE
-        first_step = (1.0 - train_cfg.average_window) * progress.step
-        chosen = [p for p in self.run_dir.step_checkpoints() if step_of(p) > first_step][-train_cfg.average_last:]
-        if len(chosen) < 2:
-            path.unlink(missing_ok=True)  # an older run's average would no longer be its final one
-            self.console.print(f"no checkpoint_avg.pt: {len(chosen)} evaluated checkpoint(s) in the last "
-                               f"{100 * train_cfg.average_window:.0f}% of the run (evaluate more often: "
-                               "train.eval_every)")
-            return None
-        averaged = copy.deepcopy(self.model)
-        averaged.load_state_dict(average_state_dicts(chosen))
-        names = [p.name for p in chosen]
-        metrics = self.record_final_model(averaged, AVERAGE, {"averaged": names}, "valid_avg",
-                                          f"mean of {', '.join(names)}")
-        return self.score(metrics)
-
-    def save_moving_average(self) -> float:
-        """checkpoint_ema.pt: the moving average of the weights, validated like the others; returns its score."""
-        with self.ema.applied(self.model):
-            metrics = self.record_final_model(self.model, EMA, {"ema_decay": self.ema.decay}, "valid_ema",
-                                              f"moving average of the weights (decay {self.ema.decay})")
-        return self.score(metrics)
-
-    def record_final_model(self, model: Transformer, name: str, extra: dict, kind: str, what: str) -> dict:
-        """Validate a model made at the end of the run, save it as `name` and log it."""
-        metrics = self.validate(model)
-        self.run_dir.save(name, {**self.weights_payload(model), **extra})
-        self._log({"kind": kind, "step": self.progress.step, **extra, "elapsed": round(self.progress.elapsed, 1),
-                   **metrics})
-        self.console.print(f"{name} = {what}: valid loss {metrics['loss']:.3f} BLEU {metrics['bleu']:.2f} "
-                           f"(greedy, {self.train_cfg.eval_bleu_sentences} sentences)")
-        return metrics
-
 
 # --------------------------------------------------------------------------- entry point
 
