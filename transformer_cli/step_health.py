@@ -11,8 +11,13 @@ weights and moments untouched), and the counts of skipped updates are kept besid
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
+
+from .errors import Diverged
 
 
 def gradient_norm(model: torch.nn.Module, clip_norm: float) -> torch.Tensor:
@@ -38,6 +43,7 @@ class StepLedger:
         self.sums = torch.zeros(7, dtype=torch.float64, device=device)
         self.sums[self.RUN] = consecutive
         self.padding, self.batches, self.started = 0.0, 0, time.perf_counter()
+        self.skips_counted = self.skipped_tokens_counted = 0  # what `account` has put into the progress
 
     def add(self, loss: torch.Tensor, nll: torch.Tensor, tokens: int, skipped: torch.Tensor, step: int,
             padding: float, batches: int) -> None:
@@ -57,4 +63,26 @@ class StepLedger:
         if new_window:
             self.sums[: self.SKIPPED] = 0.0
             self.padding, self.batches, self.started = 0.0, 0, time.perf_counter()
+        return read
+
+    def account(self, progress: Any, new_window: bool, max_bad_steps: int, say: Callable[[str], None],
+                last_checkpoint: Path, before_raising: Callable[[], None]) -> dict[str, float]:
+        """`read`, and the updates skipped since the last account put into `progress` (a
+        TrainProgress: skipped_steps, bad_steps, target_tokens) with a warning; a run of
+        `max_bad_steps` skips in a row raises Diverged."""
+        read = self.read(new_window)
+        new = int(read["skipped"]) - self.skips_counted
+        if new:
+            self.skips_counted += new
+            progress.skipped_steps += new
+            progress.target_tokens -= int(read["skipped_tokens"]) - self.skipped_tokens_counted
+            self.skipped_tokens_counted = int(read["skipped_tokens"])
+            say(f"warning: non-finite loss/gradient: {new} update(s) skipped up to step {progress.step}, the last at "
+                f"step {int(read['last_skipped'])} ({int(read['consecutive'])}/{max_bad_steps} in a row)")
+        progress.bad_steps = int(read["consecutive"])
+        if progress.bad_steps >= max_bad_steps:
+            before_raising()
+            raise Diverged(f"training diverged: {progress.bad_steps} consecutive steps with a NaN/Inf loss or "
+                           f"gradient up to step {progress.step}; the last good checkpoint is {last_checkpoint} "
+                           "(lower train.lr, or set train.clip_norm)")
         return read

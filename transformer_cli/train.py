@@ -47,7 +47,7 @@ from .distributed import (
 from .batch_stream import BatchStream, CollatedUpdates, Update
 from .ema import WeightAverage
 from .step_health import StepLedger, gradient_norm
-from .errors import Diverged, Interrupted, TfmError
+from .errors import Interrupted, TfmError
 from .files import atomic_write_text, remove_stale_temps
 from .loss import batch_loss
 from .model import Transformer, TransformerConfig
@@ -145,6 +145,44 @@ def budget_spent(train_cfg: TrainConfig, progress: TrainProgress) -> str:
     return ""
 
 
+def announce(say: Callable[[str], None], model: Transformer, device: torch.device, precision: str, pairs: int,
+             processes: int, train_cfg: TrainConfig) -> None:
+    """The lines a run starts with: the model, the update's size, the allocator, the warm-up."""
+    say(f"model: {model.num_parameters():,} parameters on {device}, {precision}; {pairs:,} training pairs")
+    per_update = processes * train_cfg.accum_steps * train_cfg.max_tokens
+    say(f"effective batch: {processes} process(es) x {train_cfg.accum_steps} accumulation step(s) x "
+        f"{train_cfg.max_tokens:,} tokens = {per_update:,} tokens per update (padding included)")
+    if device.type == "cpu":
+        say(f"memory allocator: {loaded_allocator()} (train.allocator: {train_cfg.allocator})")
+    if train_cfg.warmup_ratio is not None and train_cfg.warmup:
+        say(f"learning rate: {train_cfg.lr_schedule}, warm-up {train_cfg.warmup} steps or "
+            f"{train_cfg.warmup_ratio:.0%} of the budget, whichever ends first")
+
+
+def train_record(window: dict[str, float], loss: float, nll: float, padding: float, batches: float,
+                 progress: TrainProgress, lr: float, log_every: int) -> dict:
+    """A metrics.jsonl "train" record of a log window (`window`: the ledger's read; the loss sums,
+    padding and batches summed over the processes)."""
+    tokens = max(window["tokens"], 1.0)  # of the updates that stepped: the same on every process
+    return {"kind": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr, "loss": loss / tokens,
+            "ppl": math.exp(min(nll / tokens, 50)), "tokens_per_s": tokens / window["seconds"],
+            "padding": padding / max(batches, 1), "tokens_per_update": tokens / log_every,
+            "elapsed": round(progress.elapsed, 1)}
+
+
+def weight_average(model: Transformer, train_cfg: TrainConfig, saved: dict | None, resumed_from: Path | None,
+                   say: Callable[[str], None]) -> WeightAverage | None:
+    """The moving average of the weights (train.ema_decay), as saved where resumed."""
+    if not train_cfg.ema_decay:
+        return None
+    ema = WeightAverage(model, train_cfg.ema_decay)  # from the (resumed) weights
+    if saved is not None:
+        ema.load_state_dict(saved)
+    elif resumed_from is not None:
+        say(f"train.ema_decay: {resumed_from} has no weight average; it starts from the resumed weights")
+    return ema
+
+
 # --------------------------------------------------------------------------- the trainer
 
 
@@ -190,7 +228,8 @@ class Trainer:
             self.console.print(f"resuming from {self.run_dir.checkpoints / LAST} at step {self.progress.step}")
         if not resume and world.rank > 0:  # same initial weights (DDP syncs them), own dropout
             torch.manual_seed(self.train_cfg.seed + 7919 * world.rank)
-        self.ema = self._weight_average(saved_ema, resume)
+        self.ema = weight_average(self.model, self.train_cfg, saved_ema,
+                                  self.run_dir.checkpoints / LAST if resume else None, self.console.print)
         # DDP all-reduces (averages) gradients during backward; the model itself stays unwrapped for
         # validation, checkpoints and decoding.
         self.ddp = (DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -235,17 +274,6 @@ class Trainer:
         step = parent.get("progress", {}).get("step", "?")
         self.console.print(f"initialised from {path} (step {step} of its run); optimizer and schedule start afresh")
 
-    def _weight_average(self, saved: dict | None, resume: bool) -> WeightAverage | None:
-        if not self.train_cfg.ema_decay:
-            return None
-        ema = WeightAverage(self.model, self.train_cfg.ema_decay)  # from the (resumed) weights
-        if saved is not None:
-            ema.load_state_dict(saved)
-        elif resume:
-            self.console.print(f"train.ema_decay: {self.run_dir.checkpoints / LAST} has no weight average; it starts "
-                               "from the resumed weights")
-        return ema
-
     def _console_lost(self, error: str) -> None:
         self._log({"kind": "console_lost", "time": time.time(), "error": error})
 
@@ -279,11 +307,12 @@ class Trainer:
                                "(e.g. --set train.max_steps=…) to train further")
             return self.summary(self.complete)
         self.setup()
-        self._announce()
+        announce(self.console.print, self.model, self.device, self.precision.describe(), len(self.train_data),
+                 self.world.size, self.train_cfg)
+        self.console.start_bar(self.train_cfg.max_steps, self.progress.step)
         self.model.train()
         self.started = time.perf_counter() - self.progress.elapsed
         self.ledger = StepLedger(self.device, self.progress.bad_steps)
-        self.skips_counted = self.skipped_tokens_counted = 0
         stop_reason = budget_spent(self.train_cfg, self.progress)  # a run stopped at its very last step
         with StopRequest(announce=self.writer) as stop:
             try:
@@ -306,20 +335,6 @@ class Trainer:
                 self.updates.close()
                 self.console.close_bar()
         return self.finish(stop_reason)
-
-    def _announce(self) -> None:
-        train_cfg = self.train_cfg
-        self.console.print(f"model: {self.model.num_parameters():,} parameters on {self.device}, "
-                           f"{self.precision.describe()}; {len(self.train_data):,} training pairs")
-        self.console.print(f"effective batch: {self.world.size} process(es) x {train_cfg.accum_steps} accumulation "
-                           f"step(s) x {train_cfg.max_tokens:,} tokens = "
-                           f"{self.batches_per_update * train_cfg.max_tokens:,} tokens per update (padding included)")
-        if self.device.type == "cpu":
-            self.console.print(f"memory allocator: {loaded_allocator()} (train.allocator: {train_cfg.allocator})")
-        if train_cfg.warmup_ratio is not None and train_cfg.warmup:
-            self.console.print(f"learning rate: {train_cfg.lr_schedule}, warm-up {train_cfg.warmup} steps or "
-                               f"{train_cfg.warmup_ratio:.0%} of the budget, whichever ends first")
-        self.console.start_bar(train_cfg.max_steps, self.progress.step)
 
     def set_learning_rate(self) -> float:
         progress = self.progress
@@ -372,25 +387,9 @@ class Trainer:
             self.on_step(progress.step, self.model)
 
     def check_health(self, new_window: bool) -> dict[str, float]:
-        """Read the ledger (waits for the device: at log and checkpoint points only): skipped updates
-        are counted and reported, and a run of `max_bad_steps` of them in a row stops training."""
-        read = self.ledger.read(new_window)
-        progress, new = self.progress, int(read["skipped"]) - self.skips_counted
-        if new:
-            self.skips_counted += new
-            progress.skipped_steps += new
-            progress.target_tokens -= int(read["skipped_tokens"]) - self.skipped_tokens_counted
-            self.skipped_tokens_counted = int(read["skipped_tokens"])
-            self.console.print(f"warning: non-finite loss/gradient: {new} update(s) skipped up to step "
-                               f"{progress.step}, the last at step {int(read['last_skipped'])} "
-                               f"({int(read['consecutive'])}/{self.train_cfg.max_bad_steps} in a row)")
-        progress.bad_steps = int(read["consecutive"])
-        if progress.bad_steps >= self.train_cfg.max_bad_steps:
-            self.console.close_bar()
-            raise Diverged(f"training diverged: {progress.bad_steps} consecutive steps with a NaN/Inf loss or "
-                           f"gradient up to step {progress.step}; the last good checkpoint is "
-                           f"{self.run_dir.checkpoints / LAST} (lower train.lr, or set train.clip_norm)")
-        return read
+        """The ledger read (`StepLedger.account`: at log and checkpoint points only)."""
+        return self.ledger.account(self.progress, new_window, self.train_cfg.max_bad_steps, self.console.print,
+                                   self.run_dir.checkpoints / LAST, self.console.close_bar)
 
     def log(self, lr: float) -> None:
         """Every log_every updates: a metrics.jsonl record and a progress line (the updates that
@@ -402,12 +401,7 @@ class Trainer:
         window = self.check_health(new_window=True)
         loss, nll, padding, batches = all_sum([window["loss"], window["nll"], window["padding"], window["batches"]],
                                               self.world, self.device)
-        tokens = max(window["tokens"], 1.0)
-        record = {"kind": "train", "step": progress.step, "epoch": progress.epoch, "lr": lr,
-                  "loss": loss / tokens, "ppl": math.exp(min(nll / tokens, 50)),
-                  "tokens_per_s": tokens / window["seconds"], "padding": padding / max(batches, 1),
-                  "tokens_per_update": tokens / self.train_cfg.log_every,
-                  "elapsed": round(progress.elapsed, 1)}
+        record = train_record(window, loss, nll, padding, batches, progress, lr, self.train_cfg.log_every)
         self._log(record)
         self.console.advance({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}",
                               "tok/s": f"{record['tokens_per_s']:.0f}"})
