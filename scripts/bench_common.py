@@ -8,7 +8,7 @@ import platform
 import torch
 
 from transformer_cli.config import ExperimentConfig
-from transformer_cli.data import BOS_ID, EOS_ID, PAD_ID
+from transformer_cli.special_tokens import BOS_ID, EOS_ID, PAD_ID
 from transformer_cli.model import Transformer
 from transformer_cli.train import build_model
 

@@ -35,7 +35,8 @@ from bench_common import hf_model, machine_line, tfm_model
 from transformer_cli.allocator import loaded_allocator, use_allocator
 from transformer_cli.config import load_config
 from transformer_cli.cpu import keep_freed_memory, limit_training_kernel_cache
-from transformer_cli.data import PAD_ID, ParallelData
+from transformer_cli.special_tokens import PAD_ID
+from transformer_cli.batches import ParallelData
 from transformer_cli.loss import batch_loss
 from transformer_cli.precision import autocast_dtype, choose_precision
 from transformer_cli.rundir import RunDirectory
@@ -242,7 +243,7 @@ def synthetic_wmt_batches(vocab: int, max_tokens: int, count: int, seed: int = 0
     WMT14 en-de's distribution, bucketed by length as `tfm train` buckets (token_batches)."""
     import numpy as np
 
-    from transformer_cli.data import collate, token_batches
+    from transformer_cli.batches import collate, token_batches
 
     rng = np.random.default_rng(seed)
     pairs = max(20 * count * max_tokens // 27, 10_000)

@@ -29,7 +29,8 @@ from bench_common import hf_model, machine_line, tfm_model
 from transformer_cli.config import load_config
 from transformer_cli.cpu import keep_freed_memory
 from transformer_cli.cpu_inference import pack_linear_layers
-from transformer_cli.data import EOS_ID, PAD_ID, UNK_ID, ParallelData
+from transformer_cli.special_tokens import EOS_ID, PAD_ID, UNK_ID
+from transformer_cli.batches import ParallelData
 from transformer_cli.precision import choose_precision
 from transformer_cli.rundir import RunDirectory
 from transformer_cli.translate import decode_task, decode_in_batches

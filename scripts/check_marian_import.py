@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from tests.test_marian import generate, save_hf_marian  # noqa: E402  (the tests' model builder)
 from transformer_cli.checkpoint import load_trained_model  # noqa: E402
 from transformer_cli.marian import import_marian, tfm_order  # noqa: E402
-from transformer_cli.data import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
+from transformer_cli.special_tokens import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from transformer_cli.translate import decode_in_batches  # noqa: E402
 
 

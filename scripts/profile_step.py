@@ -13,7 +13,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from transformer_cli.config import load_config
 from transformer_cli.cpu import keep_freed_memory
-from transformer_cli.data import BOS_ID, EOS_ID, ParallelData
+from transformer_cli.special_tokens import BOS_ID, EOS_ID
+from transformer_cli.batches import ParallelData
 from transformer_cli.decoding import beam_search
 from transformer_cli.loss import batch_loss
 from transformer_cli.rundir import RunDirectory

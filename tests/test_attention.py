@@ -7,7 +7,8 @@ import torch
 from tests.conftest import tfm_in_process
 from transformer_cli.attention_maps import attention_maps, attention_weights
 from transformer_cli.checkpoint import load_trained_model
-from transformer_cli.data import EOS_ID, pad_batch
+from transformer_cli.special_tokens import EOS_ID
+from transformer_cli.batches import pad_batch
 from transformer_cli.errors import TfmError
 from transformer_cli.translate import Translator
 

@@ -207,7 +207,8 @@ def test_sampling_is_the_greedy_loop_with_a_draw_and_keeps_each_sentences_sample
     """Sampling picks by drawing inside the greedy loop (`SamplingPick`): decoding several batches at
     once with continuous batching, rows changing sentences as they finish, draws for every sentence
     what it draws alone; and a draw whose distribution keeps only the best token is the greedy pick."""
-    from transformer_cli.data import BOS_ID, EOS_ID, pad_batch
+    from transformer_cli.special_tokens import BOS_ID, EOS_ID
+    from transformer_cli.batches import pad_batch
     from transformer_cli.decoding import SamplingPick, greedy_search_continuous, sample_search, sampling_generators
 
     model = engine(checkpoint).model

@@ -16,7 +16,8 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 from transformer_cli.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from transformer_cli.config import config_from_dict  # noqa: E402
 from transformer_cli.ct2 import CT2Translator, check_convertible, export_ctranslate2  # noqa: E402
-from transformer_cli.data import BOS_ID, EOS_ID, prepare  # noqa: E402
+from transformer_cli.special_tokens import BOS_ID, EOS_ID  # noqa: E402
+from transformer_cli.data import prepare  # noqa: E402
 from transformer_cli.errors import TfmError  # noqa: E402
 from transformer_cli.files import read_lines  # noqa: E402
 from transformer_cli.model import Transformer, TransformerConfig  # noqa: E402

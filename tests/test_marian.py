@@ -19,7 +19,8 @@ from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 from tests.conftest import multi30k_config, tfm_in_process
 from transformer_cli.checkpoint import load_trained_model
 from transformer_cli.config import config_from_dict
-from transformer_cli.data import BOS_ID, EOS_ID, PAD_ID, prepare
+from transformer_cli.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from transformer_cli.data import prepare
 from transformer_cli.errors import TfmError
 from transformer_cli.marian import import_marian, tfm_order
 from transformer_cli.train import train

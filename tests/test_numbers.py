@@ -19,7 +19,7 @@ import torch
 from tests.conftest import TFM, tfm_in_process, tiny_run
 from transformer_cli.budget import check_decoding_budget, decoding_bytes, decoding_shape
 from transformer_cli.config import DecodeConfig, load_config
-from transformer_cli.data import BOS_ID, EOS_ID
+from transformer_cli.special_tokens import BOS_ID, EOS_ID
 from transformer_cli.decoding import Sampling, greedy_search, max_output_lengths, sample_search, sampling_distribution
 from transformer_cli.errors import TfmError
 from transformer_cli.model import Transformer, TransformerConfig

@@ -7,16 +7,9 @@ import pytest
 import sentencepiece as spm
 
 from transformer_cli.config import config_from_dict
-from transformer_cli.data import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    UNK_ID,
-    ParallelData,
-    TokenArray,
-    prepare,
-    token_batches,
-)
+from transformer_cli.batches import ParallelData, TokenArray, token_batches
+from transformer_cli.data import prepare
+from transformer_cli.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_cli.errors import TfmError
 from transformer_cli.files import read_lines
 from transformer_cli.rundir import RunDirectory

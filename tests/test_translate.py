@@ -13,7 +13,7 @@ import torch
 
 from transformer_cli.cpu import denormals_flushed_to_zero, usable_cores
 from transformer_cli.cpu_inference import PackedLinear
-from transformer_cli.data import BOS_ID, EOS_ID
+from transformer_cli.special_tokens import BOS_ID, EOS_ID
 from transformer_cli.decoding import (
     beam_search,
     beam_top_k,

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from .data import BOS_ID, EOS_ID, pad_batch
-from .hypothesis import Hypothesis
+from .special_tokens import BOS_ID, EOS_ID
+
+from .batches import pad_batch
+from .hypothesis import Hypothesis, source_token_limit
 from .ensemble import Ensemble
 from .errors import TfmError
 from .model import Transformer
@@ -77,7 +79,7 @@ def word_alignments(model: Transformer | Ensemble, lines: list[str], sources: li
                     hyps: list[list[Hypothesis]], src_sp, tgt_sp, decode, device: torch.device) -> list[list[str]]:
     """Per sentence, per hypothesis its Pharaoh alignment; `sources` are the lines' ids (no <eos>),
     cut as the search cut them."""
-    limit = model.cfg.max_positions - 2  # source tokens the search kept (decode_in_batches)
+    limit = source_token_limit(model.cfg.max_positions)  # source tokens the search kept
     pairs = [(s, h) for s, sentence_hyps in enumerate(hyps) for h in range(len(sentence_hyps))]
     found: dict[tuple[int, int], str] = {}
     was_training = model.training

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 
 from .checkpoint import TrainedModel
-from .data import BOS_ID, EOS_ID, pad_batch
+from .hypothesis import source_token_limit
+from .special_tokens import BOS_ID, EOS_ID
+from .batches import pad_batch
 from .decoding import greedy_search
 from .errors import TfmError
 from .model import Transformer
@@ -77,10 +79,10 @@ def attention_maps(trained: TrainedModel, src: str, tgt: str | None = None,
     if tgt is not None and not tgt.strip():
         raise TfmError("--tgt is empty: leave it out to use the model's own translation")
     model, decode = trained.model.float().eval(), trained.config.decode
-    limit = model.cfg.max_positions - 1
+    keep = source_token_limit(model.cfg.max_positions)  # the target too: <bos> or </s> takes a position
     src_ids = trained.src_sp.encode(src, out_type=int)
-    warn_long_lines([0], [src_ids], limit - 1, 1)
-    src_ids = src_ids[: limit - 1] + [EOS_ID]
+    warn_long_lines([0], [src_ids], keep, 1)
+    src_ids = src_ids[:keep] + [EOS_ID]
     src_tokens = [trained.src_sp.id_to_piece(i) for i in src_ids[:-1]] + ["</s>"]
     src_batch = pad_batch([src_ids])
     if encoder_self:
@@ -92,7 +94,7 @@ def attention_maps(trained: TrainedModel, src: str, tgt: str | None = None,
         tgt_ids = greedy_search(model, src_batch, BOS_ID, EOS_ID, decode.max_len_a, decode.max_len_b)[0].tokens
     else:
         tgt_ids = trained.tgt_sp.encode(tgt, out_type=int)
-    tgt_ids = tgt_ids[: limit - 1] + [EOS_ID]
+    tgt_ids = tgt_ids[:keep] + [EOS_ID]
     row_tokens = [trained.tgt_sp.id_to_piece(i) for i in tgt_ids[:-1]] + ["</s>"]
     weights = attention_weights(model, src_batch, pad_batch([tgt_ids]))
     return AttentionMaps(weights[:, 0].numpy(), src_tokens, row_tokens, False, trained.tgt_sp.decode(tgt_ids[:-1]))

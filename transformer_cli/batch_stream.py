@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import TrainConfig
-from .data import Batch, ParallelData
+from .batches import Batch, ParallelData
 
 
 @dataclass

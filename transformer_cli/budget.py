@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from .config import DecodeConfig, parse_size
 from .errors import TfmError
-from .hypothesis import output_length_limit
+from .hypothesis import output_length_limit, output_token_cap, source_token_limit
 
 
 class ModelSizes(Protocol):
@@ -67,7 +67,7 @@ def decoding_shape(model_cfg: ModelSizes, decode: DecodeConfig, n_lines: int, lo
     excluded) make under `decode` (its beam and nbest, or `beam`/`nbest` where given); a target
     prefix (or constraints) of `longest_prefix` tokens raises the output limit to leave room after
     it; `constraints`: the most terms a line has, and the most pieces a term has."""
-    source = min(max(longest_source_tokens, 0), model_cfg.max_positions - 2) + 1  # decoding cuts longer lines
+    source = min(max(longest_source_tokens, 0), source_token_limit(model_cfg.max_positions)) + 1  # decoding cuts longer lines
     lines = max(min(n_lines, decode.batch_size), 1)
     if decode.batch_tokens is not None:  # length_sorted_batches: width × sentences ≤ batch_tokens
         lines = max(min(lines, decode.batch_tokens // source), 1)
@@ -77,7 +77,7 @@ def decoding_shape(model_cfg: ModelSizes, decode: DecodeConfig, n_lines: int, lo
     return DecodingShape(
         lines=lines, batches=batches, source=source,
         output=min(max(output_length_limit(source, decode.max_len_a, decode.max_len_b, model_cfg.max_positions),
-                       longest_prefix + 1), model_cfg.max_positions - 1),
+                       longest_prefix + 1), output_token_cap(model_cfg.max_positions)),
         beams=1 if decode.sample else max(beam, 1), samples=max(nbest, 1) if decode.sample else 1,
         sampling=decode.sample, processes=max(min(processes, batches), 1), terms=constraints[0],
         term_pieces=constraints[1])

@@ -44,7 +44,7 @@ from .config import (
 )
 from .errors import TfmError
 from .files import staging_directory
-from .hypothesis import Hypothesis, output_length_limit
+from .hypothesis import Hypothesis, output_length_limit, source_token_limit
 from .special_tokens import BOS_ID, EOS_ID, UNK_ID
 from .terms import TermIds
 from .translation import TranslationEngine, balanced_batches, length_sorted_batches
@@ -620,8 +620,9 @@ class CT2Translator(TranslationEngine):
         self._workers = 1
         self.src_sp, self.tgt_sp = model.src_sp, model.tgt_sp
         self.sizes = model.sizes
-        # tfm keeps at most max_positions - 1 source tokens, </s> included (decode_in_batches).
-        self.max_input_length, self.max_source_tokens = model.max_positions - 1, model.max_positions - 2
+        # tfm keeps at most source_token_limit() source tokens and </s> (hypothesis.py).
+        self.max_source_tokens = source_token_limit(model.max_positions)
+        self.max_input_length = self.max_source_tokens + 1
 
     def describe(self) -> str:
         return f"CTranslate2 {self.compute_type} on {self.device}"

@@ -1,4 +1,5 @@
-"""Stage 1, data: sentencepiece vocab, binarised splits (`tfm prepare`) and token-based batches.
+"""Stage 1, data: sentencepiece vocab and binarised splits (`tfm prepare`); what a batch of them
+is, and how training reads them, is batches.py.
 
 Layout written into `run_dir`:
     spm.model (joint) or spm.src.model + spm.tgt.model (separate)
@@ -10,19 +11,16 @@ Token ids carry no <bos>/<eos>; batching adds them.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
 import json
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
-import torch
 from tqdm import tqdm
 
 from .config import ExperimentConfig, config_to_yaml
@@ -41,9 +39,9 @@ from .errors import TfmError
 from .files import atomic_path, atomic_write_bytes, atomic_write_text, iter_raw_lines, remove_stale_temps
 from .rundir import SIDES, SPLITS, RunDirectory
 from .runlock import RunLock
+from .batches import array_path
+from .hypothesis import source_token_limit
 from .special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-
-# Fixed special ids, the same in every tfm vocabulary.
 
 
 def corpus_file(prefix: str, lang: str) -> Path:
@@ -127,36 +125,6 @@ def load_sentencepiece(path: Path) -> spm.SentencePieceProcessor:
     if not path.is_file():
         raise TfmError(f"sentencepiece model not found: {path} (run `tfm prepare` first)")
     return spm.SentencePieceProcessor(model_file=str(path))
-
-
-# --------------------------------------------------------------------------- binary format
-
-
-@dataclass
-class TokenArray:
-    """Sentences as one flat token array plus offsets; memory-mapped when loaded."""
-
-    tokens: np.ndarray
-    offsets: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
-
-    @functools.cached_property
-    def lengths(self) -> np.ndarray:
-        """(N,) int32 sentence lengths, computed once (an epoch's batching reads them)."""
-        return np.diff(self.offsets).astype(np.int32)
-
-    @classmethod
-    def load(cls, stem: Path) -> TokenArray:
-        paths = [_array_path(stem, name) for name in ("tokens", "offsets")]
-        for p in paths:
-            if not p.is_file():
-                raise TfmError(f"binarised data not found: {p} (run `tfm prepare` first)")
-        return cls(np.load(paths[0], mmap_mode="r"), np.load(paths[1]))
 
 
 # --------------------------------------------------------------------------- prepare
@@ -284,9 +252,9 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
     corpora = split_corpora(config, split)
     tasks = (EncodeTask(chunk, str(corpora[number][0]), str(corpora[number][1]), dtype,
                         config.data.max_len if is_train else None, config.data.max_len_ratio if is_train else None,
-                        None if is_train else config.model.max_positions - 2)
+                        None if is_train else source_token_limit(config.model.max_positions))
              for number, chunk in corpora_chunks(corpora, config.prepare.chunk_lines, limit))
-    writers = {side: NpyAppender(_array_path(RunDirectory(config.run_path).binary_stem(split, side), "tokens"), np.dtype(dtype))
+    writers = {side: NpyAppender(array_path(RunDirectory(config.run_path).binary_stem(split, side), "tokens"), np.dtype(dtype))
                for side in SIDES}
     lengths: dict[str, list[np.ndarray]] = {side: [] for side in SIDES}
     unk = {side: 0 for side in SIDES}
@@ -315,15 +283,11 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
         side_lengths = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, dtype=np.int32)
         offsets = np.zeros(len(side_lengths) + 1, dtype=np.int64)
         np.cumsum(side_lengths, out=offsets[1:])
-        with atomic_path(_array_path(RunDirectory(config.run_path).binary_stem(split, side), "offsets")) as tmp:
+        with atomic_path(array_path(RunDirectory(config.run_path).binary_stem(split, side), "offsets")) as tmp:
             with open(tmp, "wb") as f:
                 np.save(f, offsets)
         stats[side] = _side_stats(side_lengths, unk[side])
     return stats, dropped, read, truncated
-
-
-def _array_path(stem: Path, name: str) -> Path:
-    return stem.with_name(f"{stem.name}.{name}.npy")
 
 
 def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True,
@@ -357,7 +321,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
     if manifest_path.is_file() and not force:
         manifest = json.loads(manifest_path.read_text())
         expected = [run.binary_stem(sp, si) for sp in SPLITS for si in SIDES]
-        files_ok = all(_array_path(p, n).is_file() for p in expected for n in ("tokens", "offsets")) and all(
+        files_ok = all(array_path(p, n).is_file() for p in expected for n in ("tokens", "offsets")) and all(
             p.is_file() for p in run.vocab_files(config.vocab.joint).values())
         if manifest.get("fingerprint") == fingerprint and files_ok:
             return PrepareResult(run_dir, True, _summary_table(manifest["stats"]), manifest)
@@ -389,7 +353,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
                 dropped = split_dropped
             elif lines:
                 truncated[split] = {"count": len(lines), "lines": lines[:10],
-                                    "max_tokens": config.model.max_positions - 2}
+                                    "max_tokens": source_token_limit(config.model.max_positions)}
 
     manifest = {
         "fingerprint": fingerprint,
@@ -435,128 +399,10 @@ def _data_digest(run: RunDirectory) -> str:
     for split in SPLITS:
         for side in SIDES:
             for name in ("tokens", "offsets"):
-                with open(_array_path(run.binary_stem(split, side), name), "rb") as f:
+                with open(array_path(run.binary_stem(split, side), name), "rb") as f:
                     while block := f.read(1 << 20):
                         digest.update(block)
     return digest.hexdigest()[:32]
 
 
 # --------------------------------------------------------------------------- batching
-
-
-@dataclass
-class Batch:
-    src: torch.Tensor  # (B, S) source ids + <eos>, right-padded
-    tgt_in: torch.Tensor  # (B, T) <bos> y
-    tgt_out: torch.Tensor  # (B, T) y <eos>
-    n_tgt_tokens: int  # non-pad target tokens (the loss normaliser)
-    n_src_tokens: int = 0  # non-pad source tokens
-    # The flat positions of the real target tokens in tgt_out and those tokens (N,), (N,): found on
-    # the host when the batch is made, so that the device never reports a count back mid-step.
-    rows: torch.Tensor | None = None
-    targets: torch.Tensor | None = None
-
-    def to(self, device: torch.device) -> Batch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.src), move(self.tgt_in), move(self.tgt_out), self.n_tgt_tokens, self.n_src_tokens,
-                     move(self.rows), move(self.targets))
-
-    def pin_memory(self) -> Batch:
-        """The batch in page-locked host memory, so that `.to(cuda)` copies without blocking."""
-        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return Batch(pin(self.src), pin(self.tgt_in), pin(self.tgt_out), self.n_tgt_tokens, self.n_src_tokens,
-                     pin(self.rows), pin(self.targets))
-
-
-def pad_batch(seqs: list[np.ndarray] | list[list[int]], prefix: int | None = None,
-              suffix: int | None = None) -> torch.Tensor:
-    """Right-pad id sequences with PAD_ID into a (B, max_len) LongTensor, optionally adding a
-    first/last token to each: the one padding of batches for training, decoding and attention maps."""
-    extra = (prefix is not None) + (suffix is not None)
-    width = max(len(s) for s in seqs) + extra
-    out = np.full((len(seqs), width), PAD_ID, dtype=np.int64)
-    for row, seq in enumerate(seqs):
-        start = 0
-        if prefix is not None:
-            out[row, 0] = prefix
-            start = 1
-        out[row, start : start + len(seq)] = seq
-        if suffix is not None:
-            out[row, start + len(seq)] = suffix
-    return torch.from_numpy(out)
-
-
-def collate(src: list[np.ndarray], tgt: list[np.ndarray]) -> Batch:
-    src_t = pad_batch(src, suffix=EOS_ID)
-    tgt_in = pad_batch(tgt, prefix=BOS_ID)
-    tgt_out = pad_batch(tgt, suffix=EOS_ID)
-    flat = tgt_out.view(-1)
-    rows = (flat != PAD_ID).nonzero().squeeze(1)
-    return Batch(src_t, tgt_in, tgt_out, int(sum(len(t) + 1 for t in tgt)), int(sum(len(s) + 1 for s in src)),
-                 rows, flat.index_select(0, rows))
-
-
-def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, seed: int) -> list[np.ndarray]:
-    """Group sentence indices into batches of ≤ max_tokens (padding included), bucketed by length.
-
-    Sentences are sorted by width = max(source, target) length (then target, source, and a random
-    tie-break from `seed`), so widths only grow along the order and a batch from `start` to `end`
-    costs width[end - 1] · (end - start). Each batch is the longest run that fits, found by
-    bisection: the Python loop runs once per batch, not once per sentence (10M pairs: ~1 s).
-    Batch order is shuffled: different seeds give different batches and orders.
-    """
-    rng = np.random.default_rng(seed)
-    n = len(src_lens)
-    widths = np.maximum(src_lens, tgt_lens).astype(np.int64) + 1  # +1: <eos>/<bos> added at collate time
-    # One 64-bit sort key, 16 bits each: width, target, source, random (np.lexsort of four keys
-    # is ~5x slower on 10M sentences).
-    fields = (widths, tgt_lens, src_lens, rng.integers(0, 1 << 16, n))
-    key = np.zeros(n, dtype=np.uint64)
-    for value in fields:
-        key = (key << np.uint64(16)) | np.minimum(value, (1 << 16) - 1).astype(np.uint64)
-    order = np.argsort(key)
-    sorted_widths = widths[order]
-    batches, start = [], 0
-    while start < n:
-        # At most max_tokens // width[start] sentences fit; widths only grow, so bisect the end.
-        lo, hi = start + 1, min(n, start + max(1, max_tokens // int(sorted_widths[start])))
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if sorted_widths[mid - 1] * (mid - start) <= max_tokens:
-                lo = mid
-            else:
-                hi = mid - 1
-        batches.append(order[start:lo])
-        start = lo
-    rng.shuffle(batches)
-    return batches
-
-
-class ParallelData:
-    """One binarised split (source + target), memory-mapped."""
-
-    def __init__(self, run_dir: Path, split: str):
-        run = RunDirectory(run_dir)
-        self.src = TokenArray.load(run.binary_stem(split, "src"))
-        self.tgt = TokenArray.load(run.binary_stem(split, "tgt"))
-        self.split = split
-
-    def __len__(self) -> int:
-        return len(self.src)
-
-    def batches(self, max_tokens: int, seed: int) -> list[np.ndarray]:
-        return token_batches(self.src.lengths, self.tgt.lengths, max_tokens, seed)
-
-    def collate(self, indices: np.ndarray) -> Batch:
-        return collate([self.src[i] for i in indices], [self.tgt[i] for i in indices])
-
-    def iterate(self, max_tokens: int, seed: int) -> Iterator[Batch]:
-        for indices in self.batches(max_tokens, seed):
-            yield self.collate(indices)
-
-
-def padding_ratio(batch: Batch) -> float:
-    """Fraction of padding positions in a batch (source and target together), from its counts:
-    nothing is read back from the device."""
-    total = batch.src.numel() + batch.tgt_out.numel()
-    return (total - batch.n_src_tokens - batch.n_tgt_tokens) / max(total, 1)

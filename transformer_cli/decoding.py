@@ -16,7 +16,7 @@ import torch
 from .constraints import AvoidedSequences, ConstrainedBeams, recent_tokens
 from .top_k import top_k, top_k_in_chunks
 from .decoder_state import SearchModel, SearchState
-from .hypothesis import Hypothesis
+from .hypothesis import Hypothesis, output_token_cap
 
 if TYPE_CHECKING:
     from .config import DecodeConfig
@@ -136,7 +136,7 @@ def max_output_lengths(src: torch.Tensor, pad_id: int, a: float, b: int, min_len
     at least `min_len` and at most what the position table holds. Each row's limit depends on its
     own length only, never on the other rows of its batch."""
     src_len = (src != pad_id).sum(dim=1)
-    cap = max_positions - 1
+    cap = output_token_cap(max_positions)
     # a and b above the cap give the cap (src_len ≥ 1): cut them first, so that no product or sum
     # overflows a float or an int64 on the way (max_len_a 1e308, max_len_b 1e20).
     a, b = min(a, float(cap)), min(b, cap)
@@ -198,7 +198,7 @@ def with_room(limits: torch.Tensor, terms: list[TermIds] | None, max_positions: 
     if not terms:
         return limits
     room = torch.tensor([t.room() for t in terms], device=limits.device)
-    return torch.maximum(limits, room).clamp(max=max_positions - 1)
+    return torch.maximum(limits, room).clamp(max=output_token_cap(max_positions))
 
 
 def apply_terms(terms: list[TermIds] | None, limits: torch.Tensor, max_positions: int

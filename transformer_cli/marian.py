@@ -30,7 +30,7 @@ import torch
 
 from .checkpoint import model_payload, save_checkpoint
 from .config import config_from_dict, config_to_yaml
-from .data import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from .special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from .errors import TfmError
 from .files import atomic_write_text, staging_directory
 from .model import Transformer, TransformerConfig, sinusoidal_table

@@ -33,7 +33,8 @@ from .checkpoint import (
 from .config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
 from .console import TrainingConsole
 from .cpu import keep_freed_memory, release_freed_memory
-from .data import PAD_ID, ParallelData, padding_ratio
+from .special_tokens import PAD_ID
+from .batches import ParallelData, padding_ratio
 from .devices import is_out_of_memory, resolve_device
 from .distributed import (
     World,

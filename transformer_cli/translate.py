@@ -20,12 +20,13 @@ from .config import (
 from .console import warn
 from .cpu import denormals_flushed_to_zero, keep_freed_memory
 from .cpu_inference import pack_linear_layers, quantize_int8
-from .data import BOS_ID, EOS_ID, pad_batch
+from .special_tokens import BOS_ID, EOS_ID
+from .batches import pad_batch
 from .decoding import SearchSettings, beam_search, greedy_search, greedy_search_continuous, sample_search
 from .devices import is_out_of_memory, resolve_device, split_on_out_of_memory
 from .ensemble import load_ensemble
 from .errors import TfmError
-from .hypothesis import Hypothesis
+from .hypothesis import Hypothesis, source_token_limit
 from .model import Transformer, TransformerConfig
 from .precision import choose_decoding_precision
 from .terms import TermIds
@@ -45,7 +46,7 @@ class Translator(TranslationEngine):
 
     def __init__(self, model: Transformer, src_sp, tgt_sp, decode: DecodeConfig, device: torch.device):
         self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device
-        self.max_source_tokens = model.cfg.max_positions - 2  # room for </s>
+        self.max_source_tokens = source_token_limit(model.cfg.max_positions)
         model.to(device).eval()
         if decode.precision == "int8" and device.type != "cpu":
             raise TfmError("int8 decoding (--quantize int8 / decode.precision=int8) runs on CPU only: "
@@ -156,8 +157,8 @@ def decode_in_batches(
     contain and must not contain (`TermIds`); each travels with its source through batches and tasks.
     """
     settings = SearchSettings.from_decode(decode, beam, nbest, min_len, max_len)
-    limit_positions = model.cfg.max_positions - 1
-    sources = [s[: limit_positions - 1] + [EOS_ID] for s in sources]  # source too long → truncated
+    keep = source_token_limit(model.cfg.max_positions)
+    sources = [s[:keep] + [EOS_ID] for s in sources]  # source too long → truncated
     results: list[list[Hypothesis]] = [[] for _ in sources]
     batches = length_sorted_batches([len(s) for s in sources], decode.batch_size, decode.batch_tokens)
     if decode.batching == "balanced" and len(batches) > 1:

@@ -11,7 +11,7 @@ import sentencepiece as spm
 import torch
 
 from .config import ExperimentConfig
-from .data import ParallelData
+from .batches import ParallelData
 from .files import read_lines
 from .loss import batch_loss
 from .model import Transformer
