@@ -187,3 +187,14 @@ def assert_same_final_weights(a_path: Path, b_path: Path, step: int) -> None:
     assert a["progress"]["step"] == b["progress"]["step"] == step
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
+
+
+FP32 = ["decode.precision=fp32"]  # batch-invariant results: a line's output does not depend on its neighbours
+
+
+def fp32_translator(*checkpoints, **decode):
+    """tfm's engine on `checkpoints` (several: an ensemble) in fp32, with `decode` settings."""
+    from transformer_cli.translate import Translator
+
+    overrides = FP32 + [f"decode.{k}={json.dumps(v)}" for k, v in decode.items()]
+    return Translator.from_checkpoint(list(checkpoints), device="cpu", overrides=overrides)

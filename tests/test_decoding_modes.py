@@ -10,7 +10,7 @@ import pytest
 import sacrebleu
 import torch
 
-from tests.conftest import reverse_task_config, tfm_in_process
+from tests.conftest import fp32_translator, reverse_task_config, tfm_in_process
 from transformer_cli.alignment import pharaoh, word_numbers
 from transformer_cli.config import config_from_dict
 from transformer_cli.data import prepare
@@ -19,9 +19,7 @@ from transformer_cli.ensemble import Ensemble
 from transformer_cli.files import read_lines
 from transformer_cli.train import train
 from transformer_cli.terms import LineTerms
-from transformer_cli.translate import Translator
 
-FP32 = ["decode.precision=fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +33,7 @@ def held_out(reverse_model):
     return read_lines(f"{config.data.test}.src.gz")[:80], read_lines(f"{config.data.test}.tgt.gz")[:80]
 
 
-def engine(*checkpoints, **decode) -> Translator:
-    overrides = FP32 + [f"decode.{k}={json.dumps(v)}" for k, v in decode.items()]
-    return Translator.from_checkpoint(list(checkpoints), device="cpu", overrides=overrides)
+engine = fp32_translator
 
 
 # --------------------------------------------------------------------------- ensembles

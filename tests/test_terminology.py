@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import WORDS, tfm, tfm_in_process
+from tests.conftest import FP32, WORDS, fp32_translator, tfm, tfm_in_process
 from transformer_cli.constraints import AvoidedSequences, ConstraintTable, kmp_transitions, recent_tokens
 from transformer_cli.files import read_lines
 from transformer_cli.terms import Glossary, LineTerms, spellings, split_constraints_line, whole_word_pattern
 from transformer_cli.translate import Translator
 
-FP32 = ["decode.precision=fp32"]  # batch-invariant results: a line's output must not depend on its neighbours
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +30,7 @@ def lines(reverse_model):
     return read_lines(f"{config.data.test}.src.gz")[:24]
 
 
-def engine(checkpoint, **decode) -> Translator:
-    overrides = FP32 + [f"decode.{k}={json.dumps(v)}" for k, v in decode.items()]
-    return Translator.from_checkpoint(checkpoint, device="cpu", overrides=overrides)
+engine = fp32_translator
 
 
 def absent_words(text: str, count: int, seed: int) -> list[str]:
