@@ -1,0 +1,37 @@
+"""What a training step hands torch's fused attention, checked on CPU for the GPU's sake: the
+flash and memory-efficient kernels take `is_causal` or a small boolean key-padding mask, while a
+materialised (B, H, T, S) float mask would rule the flash kernel out and cost memory traffic."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from transformer_cli.batches import collate
+from transformer_cli.loss import batch_loss
+from transformer_cli.model import Transformer, TransformerConfig
+
+
+def test_training_attention_is_causal_or_a_boolean_key_mask(monkeypatch):
+    cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=4, enc_layers=2, dec_layers=2,
+                            d_ff=64, pad_id=0)
+    model = Transformer(cfg).train()
+    batch = collate([np.array([5, 6, 7, 8]), np.array([5, 6])], [np.array([8, 9]), np.array([8, 9, 10, 11, 12])])
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((q.shape, k.shape, attn_mask, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    loss, _ = batch_loss(model, batch, 0.1)
+    loss.backward()
+    assert len(calls) == cfg.enc_layers + 2 * cfg.dec_layers  # every attention went through the fused kernel
+    causal = [c for c in calls if c[3]]
+    assert len(causal) == cfg.dec_layers and all(mask is None for _, _, mask, _ in causal)
+    for q_shape, k_shape, mask, is_causal in calls:
+        if not is_causal:  # encoder self- and decoder cross-attention: padded keys only
+            assert mask is not None and mask.dtype == torch.bool
+            assert mask.shape == (q_shape[0], 1, 1, k_shape[2])  # never expanded over heads or queries
