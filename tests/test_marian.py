@@ -260,3 +260,27 @@ def test_weights_with_nan_are_refused_naming_the_tensor(marian, tmp_path):
     proc = tfm_in_process("import", "--format", "marian", hf, "-o", tmp_path / "run")
     assert proc.exit_code == 2 and "'model.decoder.layers.1.fc2.weight' holds NaN" in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_target_language_tag_is_added_and_an_unknown_one_refused(marian):
+    """The imported model knows >>fra<< (a piece of its source vocabulary): `--tgt-lang fra` puts
+    it before every line, and the translation is transformers' of the tagged line; `>>esp<<`, which
+    the model does not know (Hugging Face's own example sends such a tag), is a one-line error
+    naming the tags it knows, on the command line and in a line of its own."""
+    hf_model, tokenizer, trained, result, root, de, _ = marian
+    run = root / "run"
+    settings = ["--beam", "1", "--set", "decode.precision=fp32", "--set", "decode.max_len_a=0", "--set",
+                "decode.max_len_b=40", "--engine", "torch"]
+    lines = de[:3]
+    tagged = tfm_in_process("translate", "--config", run / "config.yaml", *settings, "--tgt-lang", "fra",
+                            input="\n".join(lines) + "\n")
+    assert tagged.exit_code == 0, tagged.stderr
+    inputs = tokenizer([">>fra<< " + line for line in lines], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, num_beams=1, do_sample=False, max_new_tokens=40)
+    assert tagged.stdout.splitlines() == tokenizer.batch_decode(out, skip_special_tokens=True)
+    unknown = tfm_in_process("translate", "--config", run / "config.yaml", *settings, "--tgt-lang", "esp",
+                             input=lines[0] + "\n")
+    assert unknown.exit_code == 2 and "--tgt-lang esp: the model knows no tag >>esp<<; it knows fra" in unknown.stderr
+    in_line = tfm_in_process("translate", "--config", run / "config.yaml", *settings, input=">>esp<< " + lines[0])
+    assert in_line.exit_code == 2 and "input line 1: tag esp: the model knows no tag >>esp<<" in in_line.stderr

@@ -121,6 +121,8 @@ def test_concurrent_clients_get_what_translate_gives(server, reverse_model, sent
     (None, {"text": ["wa", "wb"], "avoid": [["wa"]]}, 422, "avoid: 1 given for 2 lines"),
     (None, {"text": "wa", "avoid": [["wa"], "wb"]}, 422, "avoid"),
     (None, {"text": "wa", "avoid": ["wa", " "]}, 422, "avoid line 1: an empty term"),
+    (None, {"text": "wa", "tgt_lang": "fr"}, 422, "tgt_lang fr: this model translates into tgt only"),
+    (None, {"text": "wa", "tgt_lang": "a b"}, 422, "tgt_lang"),
 ])
 def test_bad_requests_get_an_error_and_the_server_goes_on(server, raw, body, status, says):
     got, answer = post(server.port, body, raw=raw)

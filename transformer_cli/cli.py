@@ -255,6 +255,8 @@ TemperatureOpt = typer.Option(None, "--temperature", help="With --sample: divide
 SeedOpt = typer.Option(None, "--seed", help="With --sample: the random seed (same seed, same samples).")
 AlignmentOpt = typer.Option(None, "--alignment/--no-alignment", help="Also print word alignments: "
                             "'translation<TAB>i-j …' (Pharaoh format, 0-based whitespace words).")
+TgtLangOpt = typer.Option(None, "--tgt-lang", help="The target language of a model that translates into "
+                          "several: its tag >>xx<< starts every line that has none (decode.tgt_lang).")
 ENGINES = ("auto", "torch", "ctranslate2")
 EngineOpt = typer.Option(None, "--engine", help="auto (decode.engine's default: CTranslate2 where the model and "
                          "settings allow, its conversion cached beside the checkpoint; else tfm's own), torch "
@@ -299,6 +301,7 @@ def translate(
                                             "where a source term occurs in a line, its target term is a constraint."),
     as_json: bool = typer.Option(False, "--json", help="Write one JSON object a line: translations, scores, "
                                  "constraints not met, glossary entries used."),
+    tgt_lang: Optional[str] = TgtLangOpt,
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
     refuse_output_among_inputs(output, {"-i": [input_], "--config": [config], "--checkpoint": checkpoint or []})
@@ -316,7 +319,8 @@ def translate(
                              model_dir=model_dir, lexical=bool(constraints or avoid or glossary),
                              batch_size=batch_size, batch_tokens=batch_tokens, workers=workers,
                              sample=sample, top_k=top_k, top_p=top_p, temperature=temperature, seed=seed,
-                             alignment=alignment)
+                             alignment=alignment, tgt_lang=tgt_lang)
+    translator.target_languages().check(translator.decode.tgt_lang)  # before any input is read
     nbest = translator.decode.nbest if nbest is None else nbest
     if nbest < 1 or (beam is not None and beam < 1):
         raise TfmError("--beam and --nbest must be at least 1")
@@ -409,6 +413,7 @@ def serve(
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", min=1, max=1 << 30,
                                        help="Largest request body; a larger one gets 413 before it is read."),
     debug: bool = typer.Option(False, "--debug", help="Log a traceback with each failed request (5xx)."),
+    tgt_lang: Optional[str] = TgtLangOpt,
 ) -> None:
     """Serve translations over HTTP: POST /translate {"text": [...]} → {"translations": [...]}.
 
@@ -430,7 +435,8 @@ def serve(
     translator = open_engine(cfg, set_, checkpoint, device, quantize, engine=engine, compute_type=compute_type,
                              model_dir=model_dir, batch_size=batch_size, batch_tokens=batch_tokens, workers=workers,
                              beam=beam, nbest=nbest, sample=sample, top_k=top_k, top_p=top_p,
-                             temperature=temperature, seed=seed, alignment=alignment)
+                             temperature=temperature, seed=seed, alignment=alignment, tgt_lang=tgt_lang)
+    translator.target_languages().check(translator.decode.tgt_lang)
     from .budget import decoding_memory_limit
 
     translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
@@ -438,7 +444,7 @@ def serve(
 
     lexical = lexical_engine(translator, cfg, set_, checkpoint, device, engine, model_dir, batch_size=batch_size,
                              batch_tokens=batch_tokens, beam=beam, nbest=nbest, sample=sample, top_k=top_k,
-                             top_p=top_p, temperature=temperature, seed=seed, alignment=alignment)
+                             top_p=top_p, temperature=temperature, seed=seed, alignment=alignment, tgt_lang=tgt_lang)
     banner = f"tfm serve: http://{shown_host}:{port}/translate (docs: /docs); {translator.describe()}"
     if not loopback:
         banner += (f"\nwarning: --host {host} reaches beyond this machine and the API has no authentication: "
@@ -470,6 +476,7 @@ def evaluate(
     constraints: Optional[Path] = typer.Option(None, "--constraints", help="With --config: a file of the split's "
                                                "source<TAB>term<TAB>… lines, translated with its terms instead of "
                                                "the source; reports the share of terms used."),
+    tgt_lang: Optional[str] = TgtLangOpt,
 ) -> None:
     """Score translations with sacreBLEU: files (--hyp/--ref) or a model on a split (--config)."""
     from .evaluate import (
@@ -521,7 +528,7 @@ def evaluate(
 
         cfg = _load_for_inference(config, set_, checkpoint)
         result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, beam, confidence, engine=engine,
-                                compute_type=compute_type, constraints=constraints)
+                                compute_type=compute_type, constraints=constraints, tgt_lang=tgt_lang)
     else:
         raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")
 

@@ -208,6 +208,9 @@ class DecodeConfig(_Section):
     # bf16 output may change with them.
     batching: Literal["length", "balanced"] = "length"
     nbest: int = Field(1, ge=1)  # hypotheses printed per line (≤ beam): `tfm translate --nbest`'s default
+    # The target language of a model that translates into several: its tag >>xx<< goes before every
+    # line without one (language_tags.py). A bilingual model accepts only its own target language.
+    tgt_lang: str | None = Field(None, min_length=1, max_length=32, pattern=r"^[^\s<>]+$")
     # Weights and activations while translating: auto = bf16 where train.precision's auto picks
     # it (CUDA, AMX, measured bf16 speed-up); on other CPUs int8, else fp32 (a torch that cannot
     # quantize): faster at equal BLEU there (docs/translation.md). int8 = dynamic int8 quantization

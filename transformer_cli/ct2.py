@@ -620,6 +620,8 @@ class CT2Translator(TranslationEngine):
         self._workers = 1
         self.src_sp, self.tgt_sp = model.src_sp, model.tgt_sp
         self.sizes = model.sizes
+        trained = model.settings.get("config")
+        self.own_language = trained.get("data", {}).get("tgt_lang") if isinstance(trained, dict) else None
         # tfm keeps at most source_token_limit() source tokens and </s> (hypothesis.py).
         self.max_source_tokens = source_token_limit(model.max_positions)
         self.max_input_length = self.max_source_tokens + 1

@@ -119,12 +119,13 @@ def term_use(hyps: list[str], terms: list[LineTerms]) -> dict:
 
 def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: list[str], beam: int | None,
                    confidence: bool = False, engine: str | None = None, compute_type: str | None = None,
-                   constraints: Path | None = None) -> EvalResult:
+                   constraints: Path | None = None, tgt_lang: str | None = None) -> EvalResult:
     """Translate the configured split's raw source with the model (several checkpoints: their
     ensemble) through the engine `tfm translate` would choose (`engine`, `compute_type`: the
     command line's; None: the config's decode.engine, decode.compute_type) and score it against
     the raw reference. `constraints`: a `tfm translate --constraints` file of the split's source
-    lines with their terms, translated instead of the source; the result adds the term-use rate."""
+    lines with their terms, translated instead of the source; the result adds the term-use rate.
+    `tgt_lang`: the target-language tag for a model that translates into several."""
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
     from .data import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .rundir import RunDirectory
@@ -141,7 +142,8 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
         check_aligned([p[0] for p in pairs], refs, str(constraints), str(ref_path))
         src, terms = [p[0] for p in pairs], [p[1] for p in pairs]
     translator = open_engine(config, None, checkpoints, device=config.train.device, engine=engine,
-                             compute_type=compute_type, lexical=terms is not None)
+                             compute_type=compute_type, lexical=terms is not None, tgt_lang=tgt_lang)
+    translator.target_languages().check(translator.decode.tgt_lang)
     started = time.perf_counter()
     try:
         hyps = translate_texts(translator, src, beam, terms)  # as `tfm translate` would: the same chunks and batches

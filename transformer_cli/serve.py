@@ -66,6 +66,8 @@ class TranslateRequest(BaseModel):
     constraints: list[list[str]] | None = None
     # Terms no translation may contain: one list for every line, or one list per line.
     avoid: list[str] | list[list[str]] | None = None
+    # The target language of a model that translates into several (its tag >>xx<< starts each line without one).
+    tgt_lang: str | None = Field(None, min_length=1, max_length=32, pattern=r"^[^\s<>]+$")
 
     @field_validator("text", "prefix", "constraints", "avoid")
     @classmethod
@@ -474,6 +476,11 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
             unsupported = engine.unsupported(decode)
             if unsupported:
                 raise RequestError(422, f"{unsupported} (this server decodes with {engine.describe()})")
+            try:
+                engine.target_languages().check(decode.tgt_lang, "tgt_lang")
+                engine.target_languages().tag_lines(lines, decode.tgt_lang)
+            except TfmError as exc:
+                raise RequestError(422, str(exc)) from None
             terms = request_terms(request, lines, max_chars)
             target, queue, check = engine, batcher, budget
             if terms and lexical_engine is not None and any(t.constraints or t.avoid for t in terms):

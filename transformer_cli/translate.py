@@ -83,7 +83,9 @@ class Translator(TranslationEngine):
         decode = decode or config.decode
         if precision is not None:
             decode = DecodeConfig.model_validate({**decode.model_dump(), "precision": precision})
-        return cls(trained.model, trained.src_sp, trained.tgt_sp, decode, dev)
+        translator = cls(trained.model, trained.src_sp, trained.tgt_sp, decode, dev)
+        translator.own_language = config.data.tgt_lang
+        return translator
 
     @property
     def decoding_processes(self) -> int:

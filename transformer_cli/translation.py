@@ -21,6 +21,7 @@ from .config import DecodeConfig
 from .console import warn, write_fully
 from .errors import TfmError
 from .hypothesis import Hypothesis
+from .language_tags import TargetLanguages, known_languages
 from .terms import LineTerms, TermIds, avoided_present, conflicts, has_terms, missing_constraints, spellings
 
 
@@ -51,10 +52,21 @@ class TranslationEngine:
     memory_limit: int | None = None
     decodes_in_background = False  # `search_later` returns before the search is done (CTranslate2)
     lexical_constraints = False  # terms a translation must contain or avoid (tfm's engine); prefixes: every engine
+    own_language: str | None = None  # the target language of the config the model was trained with
+    src_sp: Any  # the source sentencepiece model (its pieces hold the target-language tags)
 
     def describe(self) -> str:
         """The engine and what it computes in, for the line commands print (`tfm translate`'s last)."""
         raise NotImplementedError
+
+    def target_languages(self) -> TargetLanguages:
+        """The languages this model translates into: its source vocabulary's >>xx<< tags, or its own
+        target language alone."""
+        if "_languages" not in self.__dict__:
+            sp = self.src_sp
+            self._languages = TargetLanguages(known_languages(sp.id_to_piece(i) for i in range(sp.get_piece_size())),
+                                              self.own_language)
+        return self._languages
 
     def first_chunk_lines(self) -> int:
         """Lines of a stream's first chunk: one batch. (tfm's engine keeps one whatever decode.workers
@@ -231,6 +243,7 @@ class TranslationEngine:
         """`translate`, started now (`search_later`) and finished by calling what it returns."""
         decode = self.decode if decode is None else decode
         beam = decode.beam if beam is None else beam
+        lines = self.target_languages().tag_lines(lines, decode.tgt_lang, first_line)
         nonempty = [i for i, line in enumerate(lines) if line.strip()]
         sources = self.tokenize([lines[i] for i in nonempty]) if nonempty else []
         if warn_long:
