@@ -274,6 +274,18 @@ def per_line(name: str, value: Any, lines: list[str], one_for_all: bool) -> list
     return values
 
 
+def request_steering(engine: TranslationEngine, request: TranslateRequest, decode: DecodeConfig, lines: list[str],
+                     max_chars: int) -> list[LineTerms] | None:
+    """A request's target language checked against the model's tags (each line's too), and its
+    terms (`request_terms`); a RequestError otherwise."""
+    try:
+        engine.target_languages().check(decode.tgt_lang, "tgt_lang")
+        engine.target_languages().tag_lines(lines, decode.tgt_lang)
+    except TfmError as exc:
+        raise RequestError(422, str(exc)) from None
+    return request_terms(request, lines, max_chars)
+
+
 def request_terms(request: TranslateRequest, lines: list[str], max_chars: int) -> list[LineTerms] | None:
     """Each line's prefix, constraints and avoided terms from the request; a RequestError (422, or
     413 over the limits) naming the field and line otherwise."""
@@ -476,12 +488,7 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
             unsupported = engine.unsupported(decode)
             if unsupported:
                 raise RequestError(422, f"{unsupported} (this server decodes with {engine.describe()})")
-            try:
-                engine.target_languages().check(decode.tgt_lang, "tgt_lang")
-                engine.target_languages().tag_lines(lines, decode.tgt_lang)
-            except TfmError as exc:
-                raise RequestError(422, str(exc)) from None
-            terms = request_terms(request, lines, max_chars)
+            terms = request_steering(engine, request, decode, lines, max_chars)
             target, queue, check = engine, batcher, budget
             if terms and lexical_engine is not None and any(t.constraints or t.avoid for t in terms):
                 target, queue = await lexical_route()
