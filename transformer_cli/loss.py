@@ -17,10 +17,15 @@ from .batches import Batch
 # vocabulary: whole-batch logits, log-probabilities and gradients of 4,096 tokens × a 32k
 # vocabulary would be 0.5 GB each. Same speed as whole-batch on CPU (docs/performance.md).
 LOSS_CHUNK_BYTES = 32 * 2**20
+# On a GPU each chunk is a handful of kernel launches, and at a 32k vocabulary 32 MB is 262 rows:
+# a 16k-token batch would take 60 chunks of small kernels. A GPU has the memory for fewer, bigger
+# ones (4,096 rows at a 32k vocabulary), which keep its units busy.
+LOSS_CHUNK_BYTES_CUDA = 512 * 2**20
 
 
-def loss_chunk_rows(vocab_size: int) -> int:
-    return max(64, LOSS_CHUNK_BYTES // (4 * vocab_size))
+def loss_chunk_rows(vocab_size: int, device_type: str = "cpu") -> int:
+    chunk = LOSS_CHUNK_BYTES_CUDA if device_type == "cuda" else LOSS_CHUNK_BYTES
+    return max(64, chunk // (4 * vocab_size))
 
 
 class OutputLayerLoss(torch.autograd.Function):
@@ -90,7 +95,7 @@ def output_layer_loss(hidden: torch.Tensor, output_proj: torch.nn.Linear, target
     weight, bias = output_proj.weight, output_proj.bias
     with_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
-    rows = chunk_rows or loss_chunk_rows(weight.size(0))
+    rows = chunk_rows or loss_chunk_rows(weight.size(0), device)
     with torch.autocast(device, enabled=False):
         return OutputLayerLoss.apply(hidden, weight, bias, target, smoothing, compute_dtype, rows, with_grad)
 
