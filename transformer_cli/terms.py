@@ -10,6 +10,7 @@ as whole words (not inside a longer word: avoiding "Hund" does not forbid "Hunde
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -63,9 +64,17 @@ def has_terms(terms: list[LineTerms] | None) -> bool:
 # --------------------------------------------------------------------------- checks
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def whole_word_pattern(term: str) -> re.Pattern:
-    """`term` where it is not part of a longer word (no letter or digit right before or after it)."""
+    """`term` where it is not part of a longer word (no letter or digit right before or after it).
+    Cached: every line is checked against the same terms (re's own cache holds 512 patterns, and
+    a list of 1,000 avoided words recompiled each of them for every line)."""
     return re.compile(rf"(?<![^\W_]){re.escape(term)}(?![^\W_])")
+
+
+def occurs_as_words(term: str, text: str) -> bool:
+    """`term` in `text` as whole words; the substring test first, which rules most texts out."""
+    return term in text and whole_word_pattern(term).search(text) is not None
 
 
 def missing_constraints(text: str, terms: LineTerms) -> list[str]:
@@ -73,17 +82,16 @@ def missing_constraints(text: str, terms: LineTerms) -> list[str]:
 
 
 def avoided_present(text: str, terms: LineTerms) -> list[str]:
-    return [a for a in terms.avoid if whole_word_pattern(a).search(text)]
+    return [a for a in terms.avoid if occurs_as_words(a, text)]
 
 
 def conflicts(terms: LineTerms) -> str | None:
     """Why no translation can satisfy `terms` (a prefix or constraint holding an avoided term)."""
-    for avoided in terms.avoid:
-        pattern = whole_word_pattern(avoided)
-        if terms.prefix and pattern.search(terms.prefix):
+    for avoided in terms.avoid if terms.prefix or terms.constraints else ():
+        if terms.prefix and occurs_as_words(avoided, terms.prefix):
             return f"the prefix {terms.prefix!r} contains the avoided term {avoided!r}"
         for constraint in terms.constraints:
-            if pattern.search(constraint):
+            if occurs_as_words(avoided, constraint):
                 return f"the constraint {constraint!r} contains the avoided term {avoided!r}"
     return None
 
@@ -208,10 +216,14 @@ class Glossary:
             raise TfmError(f"{path}: no entries in it (source term<TAB>target term per line)")
         return cls(tuple(entries))
 
+    @functools.cached_property
+    def folded(self) -> tuple[str, ...]:
+        return tuple(s.casefold() for s, _ in self.entries)
+
     def matches(self, line: str) -> tuple[tuple[str, str], ...]:
         """The entries whose source term occurs in `line`."""
         folded = line.casefold()
-        return tuple((s, t) for s, t in self.entries if whole_word_pattern(s.casefold()).search(folded))
+        return tuple(entry for entry, source in zip(self.entries, self.folded) if occurs_as_words(source, folded))
 
     def apply(self, line: str, terms: LineTerms) -> LineTerms:
         """`terms` with the target terms of the entries that fire on `line` added as constraints."""
