@@ -33,12 +33,11 @@ import sacrebleu  # noqa: E402
 from bench_common import machine_line  # noqa: E402
 from sample_constraints import sample_constraints  # noqa: E402
 
+from transformer_cli.evaluate import term_use  # noqa: E402
 from transformer_cli.files import read_lines  # noqa: E402
 from transformer_cli.terms import (  # noqa: E402
     Glossary,
     LineTerms,
-    avoided_present,
-    missing_constraints,
     split_constraints_line,
 )
 from transformer_cli.translate import Translator  # noqa: E402
@@ -86,8 +85,8 @@ def main() -> None:
                 constrained = hyps
                 constrained_rates.append(rate)
         ratios.append(constrained_rates[-1] / plain_rates[-1])
-    wanted = sum(len(t.constraints) for t in rows)
-    met = sum(len(t.constraints) - len(missing_constraints(h, t)) for h, t in zip(constrained, rows))
+    use = term_use(constrained, rows)
+    wanted, met = use["constraints"], use["met"]
     print("\n| run | terms | term use | BLEU | chrF | sentences/s |\n|---|---|---|---|---|---|")
     print(f"| beam {args.beam} | — | — | {scores(plain, refs)[0]:.2f} | {scores(plain, refs)[1]:.2f} | "
           f"{max(plain_rates):.1f} |")
@@ -99,8 +98,7 @@ def main() -> None:
     common = [w for w, _ in counts.most_common(100) if len(w) >= 4 and w.isalpha()][:20]
     avoid = [LineTerms(avoid=tuple(common))] * len(src)
     avoided, avoid_rate = timed(translator, src, args.beam, avoid)
-    before = sum(len(avoided_present(h, t)) for h, t in zip(plain, avoid))
-    after = sum(len(avoided_present(h, t)) for h, t in zip(avoided, avoid))
+    before, after = term_use(plain, avoid)["avoided_present"], term_use(avoided, avoid)["avoided_present"]
     print(f"| + avoid the {len(common)} most used words of 4+ letters ({', '.join(common[:6])}, …) | {before} in the plain output | "
           f"{after} left | {scores(avoided, refs)[0]:.2f} | {scores(avoided, refs)[1]:.2f} | {avoid_rate:.1f} |")
 
@@ -116,8 +114,8 @@ def main() -> None:
         fired = [i for i, t in enumerate(terms) if t.glossary]
         used, gloss_rate = timed(translator, src, args.beam, terms)
         entries = sum(len(terms[i].glossary) for i in fired)
-        hit = sum(len(terms[i].constraints) - len(missing_constraints(used[i], terms[i])) for i in fired)
-        plain_hit = sum(len(terms[i].constraints) - len(missing_constraints(plain[i], terms[i])) for i in fired)
+        hit = term_use([used[i] for i in fired], [terms[i] for i in fired])["met"]
+        plain_hit = term_use([plain[i] for i in fired], [terms[i] for i in fired])["met"]
         print(f"| + glossary ({len(glossary.entries)} entries; fired {entries} times on {len(fired)} lines) | "
               f"{entries} | {hit}/{entries} = {100 * hit / max(entries, 1):.2f}% (plain: {plain_hit}) | "
               f"{scores(used, refs)[0]:.2f} | {scores(used, refs)[1]:.2f} | {gloss_rate:.1f} |")

@@ -57,10 +57,6 @@ def unique(texts: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(texts))
 
 
-def has_terms(terms: list[LineTerms] | None) -> bool:
-    return terms is not None and any(not t.empty for t in terms)
-
-
 # --------------------------------------------------------------------------- checks
 
 

@@ -22,7 +22,7 @@ from .console import warn, write_fully
 from .errors import TfmError
 from .hypothesis import Hypothesis
 from .language_tags import TargetLanguages, known_languages
-from .terms import LineTerms, TermIds, avoided_present, conflicts, has_terms, missing_constraints, spellings
+from .terms import LineTerms, TermIds, avoided_present, conflicts, missing_constraints, spellings
 
 
 @dataclass
@@ -249,8 +249,8 @@ class TranslationEngine:
         if warn_long:
             warn_long_lines(nonempty, sources, self.max_source_tokens, first_line)
         steering = None
-        if has_terms(terms) and any(not terms[i].empty for i in nonempty):  # type: ignore[index]
-            line_terms = [terms[i] for i in nonempty]  # type: ignore[index]
+        if terms is not None and any(not terms[i].empty for i in nonempty):
+            line_terms = [terms[i] for i in nonempty]
             self.check_terms(line_terms, beam, decode)
             steering = [self.term_ids(t, first_line + i, warn_long) for i, t in zip(nonempty, line_terms)]
         collect = self.search_later(sources, max(beam, 1), nbest, decode, steering) if sources else list
