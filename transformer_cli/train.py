@@ -238,6 +238,7 @@ class Trainer:
         forward_model = self.ddp or self.model
         self.forward_model = torch.compile(forward_model) if self.train_cfg.compile else forward_model
         self.batches_per_update = self.train_cfg.accum_steps * world.size
+        self.ledger = StepLedger(device, self.progress.bad_steps)  # what steps leave on the device
         ahead = self.train_cfg.prefetch if self.train_cfg.prefetch is not None else device.type == "cuda"
         self.updates = CollatedUpdates(BatchStream(self.train_data, self.train_cfg, self.progress.epoch,
                                                    self.progress.batch_in_epoch),
@@ -313,7 +314,7 @@ class Trainer:
         self.console.start_bar(self.train_cfg.max_steps, self.progress.step)
         self.model.train()
         self.started = time.perf_counter() - self.progress.elapsed
-        self.ledger = StepLedger(self.device, self.progress.bad_steps)
+        self.ledger.started = time.perf_counter()
         stop_reason = budget_spent(self.train_cfg, self.progress)  # a run stopped at its very last step
         with StopRequest(announce=self.writer) as stop:
             try:
@@ -465,8 +466,7 @@ class Trainer:
         """checkpoint_last.pt (everything to resume), and after an evaluation (`metrics`) the step's
         weights and, if it is the best so far, checkpoint_best.pt; then prune. Every process calls
         it (it gathers their RNG states)."""
-        if hasattr(self, "ledger"):  # (not before the loop): the progress it saves counts every skip
-            self.check_health(new_window=False)
+        self.check_health(new_window=False)  # the progress it saves counts every skipped update
         rng_states = all_rng_states(self.world)
         if not self.writer:
             return
