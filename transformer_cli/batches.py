@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .directions import epoch_sample, split_ranges
 from .errors import TfmError
 from .rundir import RunDirectory
 from .special_tokens import BOS_ID, EOS_ID, PAD_ID
@@ -139,19 +140,26 @@ def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, s
 
 
 class ParallelData:
-    """One binarised split (source + target), memory-mapped."""
+    """One binarised split (source + target), memory-mapped. `temperature`: a multilingual split's
+    epochs draw its directions at temperature-sampling rates (directions.epoch_sample); None, or a
+    split of one direction: every pair once per epoch."""
 
-    def __init__(self, run_dir: Path, split: str):
+    def __init__(self, run_dir: Path, split: str, temperature: float | None = None):
         run = RunDirectory(run_dir)
         self.src = TokenArray.load(run.binary_stem(split, "src"))
         self.tgt = TokenArray.load(run.binary_stem(split, "tgt"))
         self.split = split
+        self.directions = split_ranges(run.load_manifest(), split) if run.manifest_file.is_file() else []
+        self.temperature = temperature if len(self.directions) > 1 else None
 
     def __len__(self) -> int:
         return len(self.src)
 
     def batches(self, max_tokens: int, seed: int) -> list[np.ndarray]:
-        return token_batches(self.src.lengths, self.tgt.lengths, max_tokens, seed)
+        if self.temperature is None:
+            return token_batches(self.src.lengths, self.tgt.lengths, max_tokens, seed)
+        drawn = epoch_sample(self.directions, self.temperature, seed)  # (N,) pair indices, repeats allowed
+        return [drawn[b] for b in token_batches(self.src.lengths[drawn], self.tgt.lengths[drawn], max_tokens, seed)]
 
     def collate(self, indices: np.ndarray) -> Batch:
         return collate([self.src[i] for i in indices], [self.tgt[i] for i in indices])

@@ -469,7 +469,8 @@ def evaluate(
     beam: Optional[int] = typer.Option(None, "--beam", min=1, help="With --config: beam size (default decode.beam)."),
     metrics: str = typer.Option("bleu,chrf", "--metrics", help="Comma-separated: bleu, chrf, ter."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    min_bleu: Optional[float] = typer.Option(None, "--min-bleu", help="Exit 1 when BLEU is below this (CI gate)."),
+    min_bleu: Optional[str] = typer.Option(None, "--min-bleu", help="Exit 1 when BLEU is below this (CI gate); "
+                                           "a multilingual run: the average, or one direction's as en-de=30."),
     confidence: bool = typer.Option(False, "--confidence", help="Bootstrap 95% confidence intervals."),
     engine: Optional[str] = EngineOpt,
     compute_type: Optional[str] = ComputeTypeOpt,
@@ -477,21 +478,29 @@ def evaluate(
                                                "source<TAB>term<TAB>… lines, translated with its terms instead of "
                                                "the source; reports the share of terms used."),
     tgt_lang: Optional[str] = TgtLangOpt,
+    directions: Optional[str] = typer.Option(None, "--directions", help="With --config, a multilingual run: the "
+                                             "directions to score, e.g. de-fr,fr-de (untrained ones: zero-shot), "
+                                             "or all (every pair of its languages); default: the run's."),
 ) -> None:
-    """Score translations with sacreBLEU: files (--hyp/--ref) or a model on a split (--config)."""
+    """Score translations with sacreBLEU: files (--hyp/--ref) or a model on a split (--config); a
+    multilingual run: a table of every direction and their average."""
     from .evaluate import (
         evaluate_files,
         evaluate_model,
         paired_comparison,
+        parse_gate,
         parse_metrics,
     )
 
-    if min_bleu is not None and not math.isfinite(min_bleu):
-        raise TfmError(f"--min-bleu {min_bleu}: give a finite score (a gate against {min_bleu} can never fail)")
+    gate_direction, gate = parse_gate(min_bleu) if min_bleu is not None else (None, None)
     if constraints is not None and (config is None or hyp):
         raise TfmError("--constraints goes with --config (a model translates the split with the terms)")
+    if directions is not None and (config is None or hyp):
+        raise TfmError("--directions goes with --config (a multilingual model translates the split's directions)")
+    if gate_direction is not None and (config is None or hyp):
+        raise TfmError(f"--min-bleu {min_bleu}: a direction's gate goes with --config on a multilingual run")
     names = parse_metrics(metrics)
-    if min_bleu is not None and "bleu" not in names:
+    if gate is not None and "bleu" not in names:
         names.insert(0, "bleu")
     if hyp:
         if ref is None:
@@ -507,14 +516,14 @@ def evaluate(
                 check_aligned(systems[str(path)], refs, str(path), str(ref))
             report = paired_comparison(systems, refs, names, confidence)
             say(json.dumps(report) if as_json else format_paired(report))
-            if min_bleu is not None:  # the gate applies to every system compared
+            if gate is not None:  # the gate applies to every system compared
                 failed = []
                 for name, scores in report["systems"].items():
                     bleu = scores["bleu"]["score"]
-                    passed = bleu >= min_bleu
+                    passed = bleu >= gate
                     failed += [] if passed else [name]
                     warn(f"{'PASS' if passed else 'FAIL'}: {name} BLEU {bleu:.2f} "
-                         f"{'>=' if passed else '<'} {min_bleu}")
+                         f"{'>=' if passed else '<'} {gate}")
                 if failed:
                     raise typer.Exit(1)
             return
@@ -527,13 +536,24 @@ def evaluate(
         from .engine import model_files
 
         cfg = _load_for_inference(config, set_, checkpoint)
-        result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, beam, confidence, engine=engine,
-                                compute_type=compute_type, constraints=constraints, tgt_lang=tgt_lang)
+        if cfg.data.multilingual or directions is not None:
+            result = _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine, compute_type,
+                                          directions, constraints, tgt_lang)
+        else:
+            result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, beam, confidence,
+                                    engine=engine, compute_type=compute_type, constraints=constraints,
+                                    tgt_lang=tgt_lang)
     else:
         raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")
 
     if as_json:
         say(json.dumps(result.to_json()))
+    elif "directions" in result.extra:
+        from .evaluate import directions_table
+
+        say(directions_table(result))
+        say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, {result.extra['sentences_per_s']} "
+            f"sentences/s ({result.extra['engine']}); hypotheses: {result.extra['hyp_file']}")
     else:
         for s in result.scores.values():
             ci = f" (95% CI ± {s.ci:.2f})" if s.ci is not None else ""
@@ -546,12 +566,44 @@ def evaluate(
             say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
                  f"{result.extra['sentences_per_s']} sentences/s ({result.extra['engine']}); "
                  f"hypotheses: {result.extra['hyp_file']}")
-    if min_bleu is not None:
-        bleu = result.scores["bleu"].score
-        if bleu < min_bleu:
-            warn(f"FAIL: BLEU {bleu:.2f} is below --min-bleu {min_bleu}")
+    if gate is not None:
+        bleu, what = result.scores["bleu"].score, "BLEU"
+        if "directions" in result.extra:
+            what = "average BLEU"
+        if gate_direction is not None:
+            scored = result.extra.get("directions", {})
+            if gate_direction not in scored:
+                raise TfmError(f"--min-bleu {min_bleu}: direction {gate_direction} was not scored "
+                               f"(scored: {', '.join(scored) or 'none'})")
+            bleu, what = scored[gate_direction]["scores"]["bleu"]["score"], f"{gate_direction} BLEU"
+        if bleu < gate:
+            warn(f"FAIL: {what} {bleu:.2f} is below --min-bleu {gate}")
             raise typer.Exit(1)
-        warn(f"PASS: BLEU {bleu:.2f} >= {min_bleu}")
+        warn(f"PASS: {what} {bleu:.2f} >= {gate}")
+
+
+def _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine, compute_type, directions,
+                         constraints, tgt_lang):
+    """`tfm evaluate --config` of a multilingual run (or with --directions): every direction."""
+    from .directions import parse_directions
+    from .engine import model_files
+    from .evaluate import evaluate_directions
+
+    if constraints is not None or tgt_lang is not None:
+        option = "--constraints" if constraints is not None else "--tgt-lang"
+        raise TfmError(f"{option}: a multilingual run is evaluated direction by direction; choose them with "
+                       "--directions (e.g. en-de,de-en)")
+    chosen = None
+    if directions is not None and directions.strip() == "all":
+        languages = sorted({lang for d in cfg.data.pairs for lang in (d.src, d.tgt)})
+        chosen = parse_directions(",".join(f"{a}-{b}" for a in languages for b in languages if a != b), "--directions")
+    elif directions is not None:
+        try:
+            chosen = parse_directions(directions, "--directions")
+        except ValueError as exc:
+            raise TfmError(str(exc)) from None
+    return evaluate_directions(cfg, checkpoint or model_files(cfg), split, names, beam, chosen, confidence,
+                               engine=engine, compute_type=compute_type)
 
 
 @app.command(cls=OneValueOptions)

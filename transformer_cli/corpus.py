@@ -104,6 +104,30 @@ def sample_pairs(corpora: list[Corpus], k: int, seed: int, limit: int | None = N
     return src_text, tgt_text, seen
 
 
+def count_lines(path: Path, limit: int | None = None) -> int:
+    """Lines of a plain or gzipped file (at most `limit`)."""
+    return sum(1 for _ in itertools.islice(iter_raw_lines(path), limit))
+
+
+def sample_lines(paths: list[Path], k: int, seed: int, limit: int | None = None) -> list[str]:
+    """A uniform random sample of ≤ k lines of the files (each read to `limit` lines), in file order:
+    one language's share of a multilingual vocabulary's sentences. k ≤ 0 keeps every line."""
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, int, bytes]] = []  # (file number, line number, text)
+    seen = 0
+    for which, path in enumerate(paths):
+        for number, raw in enumerate(itertools.islice(iter_raw_lines(path), limit), start=1):
+            if k <= 0 or seen < k:
+                reservoir.append((which, number, raw))
+            else:
+                j = rng.randrange(seen + 1)
+                if j < k:
+                    reservoir[j] = (which, number, raw)
+            seen += 1
+    reservoir.sort(key=lambda item: item[:2])
+    return [decode_line(raw, paths[which], number) for which, number, raw in reservoir]
+
+
 # --------------------------------------------------------------------------- encoding
 
 
@@ -116,6 +140,8 @@ class EncodeTask:
     max_len: int | None = None  # training filters; None keeps every pair (valid/test)
     max_len_ratio: float | None = None
     truncate_to: int | None = None  # valid/test: longer sentences are cut to this many tokens
+    source_tag: str | None = None  # a multilingual run's target-language tag, put before each source
+    direction: int = 0  # which of the run's directions the pairs are (reported with the result)
 
 
 @dataclass
@@ -132,6 +158,7 @@ class EncodedChunk:
     read: int
     dropped: dict[str, int] = field(default_factory=dict)
     truncated: list[int] = field(default_factory=list)  # line numbers of truncated pairs
+    direction: int = 0
 
 
 _processors: dict[str, spm.SentencePieceProcessor] = {}
@@ -168,6 +195,8 @@ def encode_chunk(task: EncodeTask) -> EncodedChunk:
     chunk = task.chunk
     src_text = [decode_line(raw, task.src_path, chunk.first_line + i) for i, raw in enumerate(chunk.src)]
     tgt_text = [decode_line(raw, task.tgt_path, chunk.first_line + i) for i, raw in enumerate(chunk.tgt)]
+    if task.source_tag is not None:  # as `tfm translate --tgt-lang` writes it; an empty line stays empty
+        src_text = [f"{task.source_tag} {text}" if text.strip() else text for text in src_text]
     # One thread per worker: parallelism comes from the worker processes (sentencepiece would
     # otherwise start a thread per core inside every worker).
     src_ids = _processors["src"].encode(src_text, out_type=int, num_threads=1)
@@ -185,7 +214,7 @@ def encode_chunk(task: EncodeTask) -> EncodedChunk:
         tgt_len = np.fromiter(map(len, tgt_ids), dtype=np.int64, count=len(tgt_ids))
         keep, dropped = training_filter(src_len, tgt_len, task.max_len, task.max_len_ratio or float("inf"))
     return EncodedChunk(_flatten(src_ids, keep, task.token_dtype), _flatten(tgt_ids, keep, task.token_dtype),
-                        len(src_ids), dropped, truncated)
+                        len(src_ids), dropped, truncated, task.direction)
 
 
 def ordered_map(fn: Callable, tasks: Iterator, workers: int, initializer: Callable, initargs: tuple

@@ -26,6 +26,8 @@ from tqdm import tqdm
 from .config import ExperimentConfig, config_to_yaml
 from .corpus import (
     EncodeTask,
+    count_lines,
+    sample_lines,
     NpyAppender,
     encode_chunk,
     init_encoder,
@@ -35,6 +37,8 @@ from .corpus import (
     sample_pairs,
 )
 from .cpu import usable_cores
+from .directions import Direction, sampling_rates, tag, tag_piece
+from .language_tags import known_languages
 from .errors import TfmError
 from .files import atomic_path, atomic_write_bytes, atomic_write_text, iter_raw_lines, remove_stale_temps
 from .rundir import SIDES, SPLITS, RunDirectory
@@ -63,24 +67,30 @@ def check_corpus_files(config: ExperimentConfig) -> None:
                     raise TfmError(f"corpus file {path} is empty (data.{split})")
 
 
-def split_files(config: ExperimentConfig, split: str) -> Corpus:
-    """The source and target file of `valid` or `test` (`train` may be several: `split_corpora`)."""
+def split_files(config: ExperimentConfig, split: str, direction: Direction | None = None) -> Corpus:
+    """The source and target file of `valid` or `test` (`train` may be several: `split_corpora`) in
+    `direction` (None: the run's first)."""
     prefix = getattr(config.data, split)
-    return corpus_file(prefix, config.data.src_lang), corpus_file(prefix, config.data.tgt_lang)
+    direction = direction or config.data.pairs[0]
+    return corpus_file(prefix, direction.src), corpus_file(prefix, direction.tgt)
+
+
+def direction_corpora(config: ExperimentConfig, split: str, direction: Direction) -> list[Corpus]:
+    """The (source, target) files of one direction's split: `data.train` lists one corpus or several."""
+    prefixes = config.data.train if split == "train" else [getattr(config.data, split)]
+    return [(corpus_file(prefix, direction.src), corpus_file(prefix, direction.tgt)) for prefix in prefixes]
 
 
 def split_corpora(config: ExperimentConfig, split: str) -> list[Corpus]:
-    """The (source, target) files of a split: `data.train` lists one corpus or several."""
-    if split != "train":
-        return [split_files(config, split)]
-    lang = config.data.src_lang, config.data.tgt_lang
-    return [(corpus_file(prefix, lang[0]), corpus_file(prefix, lang[1])) for prefix in config.data.train]
+    """The (source, target) files of a split, every direction's in turn."""
+    return [corpus for direction in config.data.pairs for corpus in direction_corpora(config, split, direction)]
 
 
 # --------------------------------------------------------------------------- vocabulary
 
 
-def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentConfig, sampled: bool = False) -> None:
+def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentConfig, sampled: bool = False,
+                        user_symbols: list[str] = ()) -> None:
     """Train a sentencepiece model on `sentences` (`sampled`: a sample of the training data,
     vocab.input_sentence_size of them) and write it atomically to `target`.
 
@@ -102,6 +112,7 @@ def train_sentencepiece(sentences: list[str], target: Path, config: ExperimentCo
             unk_id=UNK_ID,
             bos_id=BOS_ID,
             eos_id=EOS_ID,
+            user_defined_symbols=list(user_symbols),  # target-language tags: one piece each, never split
             # prepare.workers is the number of cores prepare may use, in every stage.
             num_threads=config.prepare.workers or usable_cores(),
             minloglevel=2,
@@ -150,6 +161,8 @@ def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
     if parent is not None:  # a parent whose vocabulary changed is a new input
         inputs += [hashlib.sha256(path.read_bytes()).hexdigest() for path in parent.files.values()]
     data = config.data.model_dump()
+    if data["directions"] is None:  # a bilingual run: its fingerprint as before directions existed
+        del data["directions"], data["temperature"]
     if len(data["train"]) == 1:
         data["train"] = data["train"][0]  # as before lists were allowed: runs prepared then stay prepared
     payload = json.dumps(
@@ -188,6 +201,8 @@ def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) ->
     size = vocab.input_sentence_size
     # input_sentence_size counts sentences per sentencepiece model: a joint one sees both sides.
     pairs = (size + 1) // 2 if vocab.joint and size > 0 else size
+    if config.data.multilingual:
+        return _train_multilingual_vocab(config, paths["src"], seed)
     src, tgt, read = sample_pairs(split_corpora(config, "train"), pairs, seed, config.data.train_limit)
     sampled = len(src) < read
     if vocab.joint:
@@ -196,6 +211,46 @@ def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) ->
         train_sentencepiece(src, paths["src"], config, sampled)
         train_sentencepiece(tgt, paths["tgt"], config, sampled)
     return read, len(src)
+
+
+def _train_multilingual_vocab(config: ExperimentConfig, target: Path, seed: int) -> tuple[int, int]:
+    """One joint vocabulary over every language of the directions, each language's sentences
+    sampled at its temperature rate (a language with little data is not drowned by one with much),
+    and every target language's tag a piece of its own. Returns (pairs read, sentences sampled)."""
+    files: dict[str, list[Path]] = {}
+    for direction in config.data.pairs:
+        for src, tgt in direction_corpora(config, "train", direction):
+            for language, path in ((direction.src, src), (direction.tgt, tgt)):
+                files.setdefault(language, [])
+                if path not in files[language]:
+                    files[language].append(path)
+    limit = config.data.train_limit
+    sizes = {language: sum(count_lines(path, limit) for path in paths) for language, paths in files.items()}
+    budget = config.vocab.input_sentence_size or sum(sizes.values())
+    rates = sampling_rates(list(sizes.values()), config.data.temperature)
+    sentences: list[str] = []
+    for (language, paths), rate in zip(files.items(), rates):
+        wanted = min(sizes[language], max(1, round(budget * rate)))
+        sentences += sample_lines(paths, wanted, seed, limit)
+    tags = [tag_piece(language) for language in sorted({d.tgt for d in config.data.pairs})]
+    train_sentencepiece(sentences, target, config, len(sentences) < sum(sizes.values()), tags)
+    read = sum(count_lines(src, limit) for d in config.data.pairs for src, _ in direction_corpora(config, "train", d))
+    return read, len(sentences)
+
+
+def source_tags(config: ExperimentConfig, src_vocab: Path) -> list[str | None]:
+    """Each direction's source tag (None: untagged). Sources are tagged in a multilingual run, and
+    in any run whose vocabulary has target-language tags (a direction fine-tuned from a multilingual
+    parent: its model expects them); the tag must then be one of the vocabulary's."""
+    processor = load_sentencepiece(src_vocab)
+    known = known_languages(processor.id_to_piece(i) for i in range(processor.get_piece_size()))
+    if not known and not config.data.multilingual:
+        return [None] * len(config.data.pairs)
+    for direction in config.data.pairs:
+        if direction.tgt not in known:
+            raise TfmError(f"key 'data.directions': {direction.name}: the vocabulary ({src_vocab}) has no tag "
+                           f"{tag(direction.tgt)}; it has tags for {', '.join(known) or 'no language'}")
+    return [tag(direction.tgt) for direction in config.data.pairs]
 
 
 @dataclass
@@ -242,18 +297,24 @@ def _inherit_vocab(config: ExperimentConfig, parent: ParentVocab, paths: dict[st
 
 def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], dtype: str, workers: int,
                   bar: tqdm) -> tuple[dict, dict[str, int], int, list[int]]:
-    """Stream one split through the encoders into its token/offset files.
+    """Stream one split through the encoders into its token/offset files, direction after direction.
 
-    Returns stats, training drops, pairs read and the line numbers of valid/test pairs that were
+    Returns stats (with the pairs written per direction), training drops, pairs read and the line numbers of valid/test pairs that were
     truncated to the model's positions (they are kept: scores must cover every line).
     """
     is_train = split == "train"
     limit = config.data.train_limit if is_train else None
-    corpora = split_corpora(config, split)
-    tasks = (EncodeTask(chunk, str(corpora[number][0]), str(corpora[number][1]), dtype,
-                        config.data.max_len if is_train else None, config.data.max_len_ratio if is_train else None,
-                        None if is_train else source_token_limit(config.model.max_positions))
-             for number, chunk in corpora_chunks(corpora, config.prepare.chunk_lines, limit))
+    tags = source_tags(config, paths["src"])
+
+    def tasks():  # each direction's corpora in turn (train_limit counts each direction's pairs)
+        for which, direction in enumerate(config.data.pairs):
+            corpora = direction_corpora(config, split, direction)
+            for number, chunk in corpora_chunks(corpora, config.prepare.chunk_lines, limit):
+                yield EncodeTask(chunk, str(corpora[number][0]), str(corpora[number][1]), dtype,
+                                 config.data.max_len if is_train else None,
+                                 config.data.max_len_ratio if is_train else None,
+                                 None if is_train else source_token_limit(config.model.max_positions),
+                                 tags[which], which)
     writers = {side: NpyAppender(array_path(RunDirectory(config.run_path).binary_stem(split, side), "tokens"), np.dtype(dtype))
                for side in SIDES}
     lengths: dict[str, list[np.ndarray]] = {side: [] for side in SIDES}
@@ -261,8 +322,9 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
     dropped = {"empty": 0, "too_long": 0, "length_ratio": 0}
     read = 0
     truncated: list[int] = []
+    kept = [0] * len(config.data.pairs)  # pairs written, per direction
     try:
-        for result in ordered_map(encode_chunk, tasks, workers, init_encoder,
+        for result in ordered_map(encode_chunk, tasks(), workers, init_encoder,
                                   (str(paths["src"]), str(paths["tgt"]))):
             for side, encoded in (("src", result.src), ("tgt", result.tgt)):
                 writers[side].append(encoded.tokens)
@@ -271,6 +333,7 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
             for reason, count in result.dropped.items():
                 dropped[reason] += count
             read += result.read
+            kept[result.direction] += len(result.src.lengths)
             truncated += result.truncated
             bar.update(result.read)
     except BaseException:
@@ -287,6 +350,7 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
             with open(tmp, "wb") as f:
                 np.save(f, offsets)
         stats[side] = _side_stats(side_lengths, unk[side])
+    stats["pairs_per_direction"] = kept
     return stats, dropped, read, truncated
 
 
@@ -346,9 +410,11 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
     stats: dict = {}
     dropped: dict[str, int] = {}
     truncated: dict[str, dict] = {}
+    per_direction: dict[str, list[int]] = {}
     with tqdm(desc="encoding", unit=" pairs", unit_scale=True, disable=not progress, leave=False) as bar:
         for split in SPLITS:
             stats[split], split_dropped, _, lines = _encode_split(config, split, paths, dtype, workers, bar)
+            per_direction[split] = stats[split].pop("pairs_per_direction")
             if split == "train":
                 dropped = split_dropped
             elif lines:
@@ -365,6 +431,9 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         # Two sentencepiece models over one id map (an imported Marian model's): embeddings can be shared.
         **({"shared_ids": True} if parent is not None and parent.shared_ids else {}),
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
+        # Where each direction's pairs lie in each split: [start, end) (directions.split_ranges).
+        "directions": _direction_ranges(config, per_direction),
+        "tagged": source_tags(config, paths["src"])[0] is not None,
         "files": {split: [str(p) for corpus in split_corpora(config, split) for p in corpus] for split in SPLITS},
         "train_pairs_read": train_read,
         "train_pairs_dropped": dropped,
@@ -378,6 +447,15 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
     }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2))
     return PrepareResult(run_dir, False, _summary_table(stats), manifest, discarded)
+
+
+def _direction_ranges(config: ExperimentConfig, per_direction: dict[str, list[int]]) -> list[dict]:
+    ranges = [{"name": d.name} for d in config.data.pairs]
+    for split, counts in per_direction.items():
+        ends = np.cumsum(counts).tolist()
+        for entry, end, count in zip(ranges, ends, counts):
+            entry[split] = [end - count, end]
+    return ranges
 
 
 def _make_room(run: RunDirectory, force: bool, discard_checkpoints: bool) -> Path | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.significance import PairedTest
 
+from .directions import Direction, tag
 from .errors import TfmError
 from .files import atomic_write_text, read_lines
 from .terms import LineTerms, avoided_present, missing_constraints, split_constraints_line
@@ -164,3 +166,86 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
     atomic_write_text(out_dir / f"{stem}.json", json.dumps(result.to_json(), indent=2))
     result.extra["hyp_file"] = str(out_dir / f"{stem}.hyp")
     return result
+
+
+def parse_gate(spec: str) -> tuple[str | None, float]:
+    """`--min-bleu`: '30' gates the (average) BLEU, 'en-de=30' one direction's."""
+    name, equals, number = spec.rpartition("=")
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or (equals and not name.strip()):
+        raise TfmError(f"--min-bleu {spec}: give a finite score (30), or a direction and one (en-de=30)")
+    return (name.strip() or None), value
+
+
+def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metrics: list[str], beam: int | None,
+                        directions: list[Direction] | None = None, confidence: bool = False,
+                        engine: str | None = None, compute_type: str | None = None) -> EvalResult:
+    """A multilingual model on every direction of a split (`directions`, default: the run's): each
+    direction's source translated with its target tag, scored against its reference, and checked
+    for the output language (off-target rate, `language_id.py`). A direction the run never trained
+    is marked zero-shot. The result's scores are the average over the trained directions scored
+    (over all of them where none was trained); `extra["directions"]` holds each one's."""
+    from .data import corpus_file, split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
+    from .engine import open_engine
+    from .language_id import LanguageId
+    from .rundir import RunDirectory
+    from .translation import translate_texts
+
+    checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
+    trained = config.data.pairs
+    chosen = directions or trained
+    files = {d: split_files(config, split, d) for d in chosen}  # every file found before any decoding
+    translator = open_engine(config, None, checkpoints, device=config.train.device, engine=engine,
+                             compute_type=compute_type)
+    try:
+        for d in chosen:
+            translator.target_languages().check(d.tgt, f"direction {d.name}: target")
+        samples = {d.tgt: [corpus_file(prefix, d.tgt) for prefix in config.data.train] for d in chosen}
+        language_id = LanguageId.from_files(samples, seed=config.train.seed)
+        beam_used = config.decode.beam if beam is None else beam
+        out_dir = RunDirectory(config.run_path).eval_dir
+        stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam_used}"
+        per_direction, started = {}, time.perf_counter()
+        for d in chosen:
+            src, refs = read_lines(files[d][0]), read_lines(files[d][1])
+            check_aligned(src, refs, str(files[d][0]), str(files[d][1]))
+            hyps = translate_texts(translator, [f"{tag(d.tgt)} {line}" if line.strip() else line for line in src],
+                                   beam)
+            result = score(hyps, refs, metrics, confidence)
+            atomic_write_text(out_dir / f"{stem}.{d.name}.hyp", "\n".join(hyps) + "\n")
+            per_direction[d.name] = {"zero_shot": d not in trained, "n_sentences": len(hyps),
+                                     "off_target": round(language_id.off_target_rate(hyps, d.tgt), 4),
+                                     "scores": {k: asdict(v) for k, v in result.scores.items()}}
+    finally:
+        translator.close()
+    seconds = time.perf_counter() - started
+    counted = [name for name, r in per_direction.items() if not r["zero_shot"]] or list(per_direction)
+    average = {m: MetricScore(m, sum(per_direction[n]["scores"][m]["score"] for n in counted) / len(counted),
+                              per_direction[counted[0]]["scores"][m]["signature"],
+                              f"{m.upper()} average over {len(counted)} direction(s)") for m in metrics}
+    total = sum(r["n_sentences"] for r in per_direction.values())
+    result = EvalResult(average, total, {
+        "split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": beam_used,
+        "engine": translator.describe(), "decode_seconds": round(seconds, 2),
+        "sentences_per_s": round(total / seconds, 2), "averaged_over": counted, "directions": per_direction,
+        "hyp_file": str(out_dir / f"{stem}.<direction>.hyp")})
+    atomic_write_text(out_dir / f"{stem}.directions.json", json.dumps(result.to_json(), indent=2))
+    return result
+
+
+def directions_table(result: EvalResult) -> str:
+    """One row per direction (BLEU, chrF, … , off-target share) and the average."""
+    metrics = list(result.scores)
+    header = f"{'direction':<16}" + "".join(f"{m.upper():>8}" for m in metrics) + f"{'off-target':>12}{'lines':>7}"
+    rows = [header, "-" * len(header)]
+    for name, r in result.extra["directions"].items():
+        label = f"{name}{' (0-shot)' if r['zero_shot'] else ''}"
+        rows.append(f"{label:<16}" + "".join(f"{r['scores'][m]['score']:>8.2f}" for m in metrics)
+                    + f"{100 * r['off_target']:>11.1f}%{r['n_sentences']:>7}")
+    averaged = result.extra["averaged_over"]
+    rows.append(f"{'average':<16}" + "".join(f"{s.score:>8.2f}" for s in result.scores.values())
+                + f"   (of {len(averaged)}: {', '.join(averaged)})")
+    return "\n".join(rows)

@@ -209,7 +209,7 @@ class Trainer:
         self.precision = choose_precision(self.train_cfg.precision, device, (config.model.d_model, config.model.d_ff))
         if device.type == "cpu":
             keep_freed_memory()
-        self.train_data = ParallelData(self.run_dir.root, "train")
+        self.train_data = ParallelData(self.run_dir.root, "train", config.data.temperature)
         if len(self.train_data) == 0:
             raise TfmError(f"{self.run_dir.root}: the training split is empty after filtering")
         self.validation = Validation(self.run_dir, self.manifest, config, device)
