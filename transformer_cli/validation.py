@@ -33,12 +33,22 @@ def evaluate_loss(model: Transformer, data: ParallelData, config: ExperimentConf
 
 def validation_bleu(model: Transformer, data: ParallelData, references: list[str], tgt_sp: spm.SentencePieceProcessor,
                     config: ExperimentConfig, device: torch.device) -> float:
-    """Greedy-decode the first N valid sentences and score them against the raw references."""
-    n = min(config.train.eval_bleu_sentences, len(data), len(references))
-    src = [np.asarray(data.src[i]).tolist() for i in range(n)]
+    """Greedy-decode the first N valid sentences (a multilingual run: the first N / directions of
+    each direction's) and score them against the raw references."""
+    chosen = bleu_sentences(data, min(config.train.eval_bleu_sentences, len(data), len(references)))
+    src = [np.asarray(data.src[i]).tolist() for i in chosen]
     hyps = decode_in_batches(model, src, config.decode, device, beam=1)
     texts = [tgt_sp.decode(h[0].tokens) for h in hyps]
-    return sacrebleu.corpus_bleu(texts, [references[:n]]).score
+    return sacrebleu.corpus_bleu(texts, [[references[i] for i in chosen]]).score
+
+
+def bleu_sentences(data: ParallelData, n: int) -> list[int]:
+    """Which n valid sentences validation BLEU decodes: the first n, or an equal share of each
+    direction's (the first direction alone would choose a multilingual run's best checkpoint)."""
+    if len(data.directions) <= 1:
+        return list(range(n))
+    share = -(-n // len(data.directions))
+    return [i for r in data.directions for i in range(r.start, min(r.end, r.start + share))][:n]
 
 
 class Validation:
@@ -49,7 +59,8 @@ class Validation:
     def __init__(self, run_dir: RunDirectory, manifest: dict, config: ExperimentConfig, device: torch.device):
         self.config, self.device = config, device
         self.data = ParallelData(run_dir.root, "valid")
-        self.references = read_lines(manifest["files"]["valid"][1])
+        # every direction's target file in turn (manifest["files"] lists source, target, source, …)
+        self.references = [line for path in manifest["files"]["valid"][1::2] for line in read_lines(path)]
         self.tgt_sp = spm.SentencePieceProcessor(model_file=str(run_dir.vocab_file(manifest, "tgt")))
 
     def __call__(self, model: Transformer) -> dict[str, float]:
