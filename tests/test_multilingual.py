@@ -132,6 +132,28 @@ def test_training_batches_follow_the_sampled_directions(shift_model):
     assert np.array_equal(drawn, np.arange(6000))
 
 
+def test_directions_with_corpora_of_their_own_are_drawn_at_their_rates(tmp_path):
+    write_shift_task(tmp_path / "big", n_train=2000, n_test=10, seed=1)
+    write_shift_task(tmp_path / "small", n_train=200, n_test=10, seed=2)
+    raw = shift_config(tmp_path / "big", tmp_path / "run")
+    raw["data"]["directions"] = ["src-up", {"direction": "src-dn", "train": str(tmp_path / "small" / "train")}]
+    raw["data"]["temperature"] = 5.0
+    config = config_from_dict(raw)
+    prepare(config, progress=False)
+    manifest = json.loads((tmp_path / "run" / "prepare.json").read_text())
+    assert [d["train"] for d in manifest["directions"]] == [[0, 2000], [2000, 2200]]
+    assert manifest["files"]["train"][2:] == [str(tmp_path / "small" / f"train.{lang}.gz") for lang in ("src", "dn")]
+    split = ParallelData(tmp_path / "run", "train", temperature=5.0)
+    rates = sampling_rates([2000, 200], 5.0)  # 0.614, 0.386: the small direction drawn ~4.3x as often as its share
+    for seed in (1, 2):
+        drawn = np.concatenate(split.batches(max_tokens=1500, seed=seed))
+        small = int((drawn >= 2000).sum())
+        assert len(drawn) == 2200 and abs(small - rates[1] * 2200) < 1, small
+        assert set(drawn[drawn >= 2000].tolist()) == set(range(2000, 2200))  # every small pair, repeated
+    # the data section's prefixes are the default of a direction without its own (valid, test here)
+    assert manifest["files"]["valid"][2:] == [str(tmp_path / "big" / f"valid.{lang}.gz") for lang in ("src", "dn")]
+
+
 # --------------------------------------------------------------------------- tags
 
 
@@ -279,3 +301,39 @@ def test_one_direction_fine_tuned_from_a_multilingual_run_keeps_the_tags(shift_m
     shutil.copy(data / "test.dn.gz", data / "test.dn2.gz")
     with pytest.raises(TfmError, match=r"src-dn2: the vocabulary .* has no tag >>dn2<<; it has tags for dn, up"):
         prepare(config_from_dict(raw), progress=False)
+
+
+# --------------------------------------------------------------------------- the rest of tfm on a multilingual run
+
+
+def test_serve_takes_the_target_language_per_request(shift_model):
+    pytest.importorskip("fastapi", reason="tfm serve needs the [serve] extra (CI installs it with [test])")
+    from tests.test_serve import Server, post
+
+    data, config_path = shift_model
+    run = Path(json.loads(config_path.read_text())["run_dir"])
+    server = Server(run / "checkpoints" / "checkpoint_best.pt", "--workers", "1", "--engine", "torch")
+    try:
+        source = "wa wb wc wd"
+        answers = {language: post(server.port, {"text": source, "tgt_lang": language}) for language in SHIFT}
+        for language, (status, body) in answers.items():
+            assert status == 200 and follows(body["translations"][0], source, language), (language, body)
+        status, body = post(server.port, {"text": source})
+        assert status == 422 and "several languages (dn, up)" in json.dumps(body)
+        status, body = post(server.port, {"text": source, "tgt_lang": "xx"})
+        assert status == 422 and "knows no tag >>xx<<; it knows dn, up" in json.dumps(body)
+    finally:
+        server.stop()
+
+
+def test_an_ensemble_and_attention_maps_take_tags(shift_model, tmp_path):
+    data, config_path = shift_model
+    run = Path(json.loads(config_path.read_text())["run_dir"])
+    best, last = run / "checkpoints" / "checkpoint_best.pt", run / "checkpoints" / "checkpoint_last.pt"
+    source = "wa wb wc wd"
+    ensemble = tfm_in_process("translate", "--checkpoint", best, "--checkpoint", last, "--tgt-lang", "dn",
+                              "--set", "decode.precision=fp32", input=source + "\n")
+    assert ensemble.exit_code == 0 and follows(ensemble.stdout.strip(), source, "dn"), ensemble.stderr
+    picture = tmp_path / "attention.png"
+    drawn = tfm_in_process("attention", "--checkpoint", best, "--src", f">>up<< {source}", "-o", picture)
+    assert drawn.exit_code == 0 and picture.stat().st_size > 0, drawn.stderr

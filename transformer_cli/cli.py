@@ -499,6 +499,7 @@ def evaluate(
         raise TfmError("--directions goes with --config (a multilingual model translates the split's directions)")
     if gate_direction is not None and (config is None or hyp):
         raise TfmError(f"--min-bleu {min_bleu}: a direction's gate goes with --config on a multilingual run")
+    chosen = _chosen_directions(directions) if directions is not None else None
     names = parse_metrics(metrics)
     if gate is not None and "bleu" not in names:
         names.insert(0, "bleu")
@@ -538,7 +539,7 @@ def evaluate(
         cfg = _load_for_inference(config, set_, checkpoint)
         if cfg.data.multilingual or directions is not None:
             result = _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine, compute_type,
-                                          directions, constraints, tgt_lang)
+                                          chosen, constraints, tgt_lang)
         else:
             result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, beam, confidence,
                                     engine=engine, compute_type=compute_type, constraints=constraints,
@@ -582,10 +583,22 @@ def evaluate(
         warn(f"PASS: {what} {bleu:.2f} >= {gate}")
 
 
-def _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine, compute_type, directions,
+def _chosen_directions(spec: str) -> list | str:
+    """--directions: "all", or the directions it lists (a bad one is an error naming it)."""
+    from .directions import parse_directions
+
+    if spec.strip() == "all":
+        return "all"
+    try:
+        return parse_directions(spec, "--directions")
+    except ValueError as exc:
+        raise TfmError(str(exc)) from None
+
+
+def _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine, compute_type, chosen,
                          constraints, tgt_lang):
     """`tfm evaluate --config` of a multilingual run (or with --directions): every direction."""
-    from .directions import parse_directions
+    from .directions import Direction
     from .engine import model_files
     from .evaluate import evaluate_directions
 
@@ -593,15 +606,9 @@ def _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine
         option = "--constraints" if constraints is not None else "--tgt-lang"
         raise TfmError(f"{option}: a multilingual run is evaluated direction by direction; choose them with "
                        "--directions (e.g. en-de,de-en)")
-    chosen = None
-    if directions is not None and directions.strip() == "all":
+    if chosen == "all":  # every ordered pair of the run's languages
         languages = sorted({lang for d in cfg.data.pairs for lang in (d.src, d.tgt)})
-        chosen = parse_directions(",".join(f"{a}-{b}" for a in languages for b in languages if a != b), "--directions")
-    elif directions is not None:
-        try:
-            chosen = parse_directions(directions, "--directions")
-        except ValueError as exc:
-            raise TfmError(str(exc)) from None
+        chosen = [Direction(a, b) for a in languages for b in languages if a != b]
     return evaluate_directions(cfg, checkpoint or model_files(cfg), split, names, beam, chosen, confidence,
                                engine=engine, compute_type=compute_type)
 

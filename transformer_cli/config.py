@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -41,6 +42,26 @@ def _rule(key: str, message: str) -> ValueError:
     return ValueError(f"{key}: {message}")
 
 
+class DirectionData(_Section):
+    """One direction of a multilingual run with corpora of its own (`data.directions` entry as a
+    mapping); a prefix left out is the data section's."""
+
+    direction: str
+    train: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    valid: str | None = Field(None, min_length=1)
+    test: str | None = Field(None, min_length=1)
+
+    @field_validator("train", mode="before")
+    @classmethod
+    def _one_or_several(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("direction")
+    @classmethod
+    def _check_direction(cls, value: str) -> str:
+        return parse_direction(value).name
+
+
 class DataConfig(_Section):
     src_lang: str = Field("de", min_length=1)
     tgt_lang: str = Field("en", min_length=1)
@@ -56,7 +77,9 @@ class DataConfig(_Section):
     # `<prefix>.<src>` and `<prefix>.<tgt>` of the train/valid/test prefixes above; every source gets
     # its target-language tag >>tgt<<, one piece of a joint vocabulary. src_lang/tgt_lang are then
     # the first direction's. None: the one direction src_lang-tgt_lang, untagged.
-    directions: list[str] | None = Field(None, min_length=1)
+    # An entry may be a mapping with corpora of its own: {direction: en-fr, train: data/europarl/train,
+    # valid: …, test: …} (each prefix left out: the one above).
+    directions: list[DirectionData] | None = Field(None, min_length=1)
     # Directions are drawn (and the vocabulary's sentences sampled) at rates ∝ (size share)^(1/T):
     # 1 = as the data is; larger lifts small directions (5, as M2M-100 and mBART-50 train).
     temperature: float = Field(5.0, ge=1.0, le=1000.0)
@@ -66,22 +89,39 @@ class DataConfig(_Section):
     def _one_or_several(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("directions", mode="before")
+    @classmethod
+    def _names_are_entries(cls, value: Any) -> Any:
+        """`en-de` is short for {direction: en-de}: the data section's corpora ("en-de,de-en", as
+        `--set data.directions=en-de,de-en` gives it, lists two)."""
+        if isinstance(value, str):
+            value = [name.strip() for name in value.split(",")]
+        if isinstance(value, (list, tuple)):
+            return [{"direction": entry} if isinstance(entry, str) else entry for entry in value]
+        return value
+
     @field_validator("directions")
     @classmethod
-    def _check_directions(cls, value: list[str] | None) -> list[str] | None:
-        if value is None:
-            return value
-        parsed = [parse_direction(text) for text in value]  # a ValueError names the bad one
-        repeated = [d.name for i, d in enumerate(parsed) if d in parsed[:i]]
+    def _check_directions(cls, value: list[DirectionData] | None) -> list[DirectionData] | None:
+        names = [entry.direction for entry in value or []]
+        repeated = [name for i, name in enumerate(names) if name in names[:i]]
         if repeated:
             raise ValueError(f"{repeated[0]} is listed twice")
-        return [d.name for d in parsed]
+        return value
+
+    @field_serializer("directions")
+    def _entries_as_written(self, value: list[DirectionData] | None) -> list | None:
+        """An entry without corpora of its own is written back as its name."""
+        if value is None:
+            return None
+        return [entry.direction if entry.model_fields_set <= {"direction"} else entry.model_dump(exclude_none=True)
+                for entry in value]
 
     @model_validator(mode="after")
     def _languages_of_directions(self) -> DataConfig:
         if self.directions is None:
             return self
-        first = parse_direction(self.directions[0])
+        first = self.pairs[0]
         for key, value in (("src_lang", first.src), ("tgt_lang", first.tgt)):
             if key in self.model_fields_set and getattr(self, key) != value:
                 raise _rule(key, f"{getattr(self, key)} differs from the first of data.directions ({first.name}): "
@@ -94,7 +134,17 @@ class DataConfig(_Section):
         """The run's directions (a bilingual run: src_lang-tgt_lang)."""
         if self.directions is None:
             return [Direction(self.src_lang, self.tgt_lang)]
-        return [parse_direction(text) for text in self.directions]
+        return [parse_direction(entry.direction) for entry in self.directions]
+
+    def prefixes(self, direction: Direction, split: str) -> list[str]:
+        """The corpus prefixes of a direction's split: its own entry's, else this section's (a
+        direction not listed, e.g. zero-shot, reads this section's too)."""
+        for entry in self.directions or []:
+            if entry.direction == direction.name:
+                own = getattr(entry, split)
+                if own is not None:
+                    return own if split == "train" else [own]
+        return self.train if split == "train" else [getattr(self, split)]
 
     @property
     def multilingual(self) -> bool:

@@ -70,15 +70,22 @@ def check_corpus_files(config: ExperimentConfig) -> None:
 def split_files(config: ExperimentConfig, split: str, direction: Direction | None = None) -> Corpus:
     """The source and target file of `valid` or `test` (`train` may be several: `split_corpora`) in
     `direction` (None: the run's first)."""
-    prefix = getattr(config.data, split)
     direction = direction or config.data.pairs[0]
+    prefix = config.data.prefixes(direction, split)[0]
     return corpus_file(prefix, direction.src), corpus_file(prefix, direction.tgt)
 
 
 def direction_corpora(config: ExperimentConfig, split: str, direction: Direction) -> list[Corpus]:
     """The (source, target) files of one direction's split: `data.train` lists one corpus or several."""
-    prefixes = config.data.train if split == "train" else [getattr(config.data, split)]
-    return [(corpus_file(prefix, direction.src), corpus_file(prefix, direction.tgt)) for prefix in prefixes]
+    return [(corpus_file(prefix, direction.src), corpus_file(prefix, direction.tgt))
+            for prefix in config.data.prefixes(direction, split)]
+
+
+def language_files(config: ExperimentConfig, language: str) -> list[Path]:
+    """The training text of a language: its side of every direction's training corpora."""
+    files = [path for d in config.data.pairs for src, tgt in direction_corpora(config, "train", d)
+             for lang, path in ((d.src, src), (d.tgt, tgt)) if lang == language]
+    return list(dict.fromkeys(files))
 
 
 def split_corpora(config: ExperimentConfig, split: str) -> list[Corpus]:
@@ -217,13 +224,8 @@ def _train_multilingual_vocab(config: ExperimentConfig, target: Path, seed: int)
     """One joint vocabulary over every language of the directions, each language's sentences
     sampled at its temperature rate (a language with little data is not drowned by one with much),
     and every target language's tag a piece of its own. Returns (pairs read, sentences sampled)."""
-    files: dict[str, list[Path]] = {}
-    for direction in config.data.pairs:
-        for src, tgt in direction_corpora(config, "train", direction):
-            for language, path in ((direction.src, src), (direction.tgt, tgt)):
-                files.setdefault(language, [])
-                if path not in files[language]:
-                    files[language].append(path)
+    languages = dict.fromkeys(lang for d in config.data.pairs for lang in (d.src, d.tgt))
+    files = {language: language_files(config, language) for language in languages}
     limit = config.data.train_limit
     sizes = {language: sum(count_lines(path, limit) for path in paths) for language, paths in files.items()}
     budget = config.vocab.input_sentence_size or sum(sizes.values())

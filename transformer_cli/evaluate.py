@@ -188,7 +188,7 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
     for the output language (off-target rate, `language_id.py`). A direction the run never trained
     is marked zero-shot. The result's scores are the average over the trained directions scored
     (over all of them where none was trained); `extra["directions"]` holds each one's."""
-    from .data import corpus_file, split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
+    from .data import language_files, split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .engine import open_engine
     from .language_id import LanguageId
     from .rundir import RunDirectory
@@ -203,7 +203,7 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
     try:
         for d in chosen:
             translator.target_languages().check(d.tgt, f"direction {d.name}: target")
-        samples = {d.tgt: [corpus_file(prefix, d.tgt) for prefix in config.data.train] for d in chosen}
+        samples = {d.tgt: language_files(config, d.tgt) for d in chosen}  # the run's training text
         language_id = LanguageId.from_files(samples, seed=config.train.seed)
         beam_used = config.decode.beam if beam is None else beam
         out_dir = RunDirectory(config.run_path).eval_dir

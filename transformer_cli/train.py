@@ -187,6 +187,54 @@ def weight_average(model: Transformer, train_cfg: TrainConfig, saved: dict | Non
 # --------------------------------------------------------------------------- the trainer
 
 
+def check_run_directory(run_dir: RunDirectory, config: ExperimentConfig, manifest: dict, resume: bool) -> None:
+    """A new run needs a run_dir without training; --resume one with checkpoint_last.pt."""
+    last = run_dir.checkpoints / LAST
+    if last.exists() and not resume:
+        raise TfmError(f"{run_dir.root} already holds a training run ({last}); "
+                       "continue it with --resume or choose another run_dir")
+    if resume and not last.exists():
+        raise TfmError(f"--resume: no checkpoint to resume from at {last}")
+    check_vocab_matches(config, manifest)
+
+
+def initialise_from(model: Transformer, path: Path, spm_files: dict[str, bytes], say: Callable[[str], None]) -> None:
+    """Fine-tuning: the weights of a trained model; optimizer, schedule, steps and data order start afresh."""
+    if path.is_dir():
+        path = RunDirectory(path).default_checkpoint()
+    parent = load_initial_weights(model, path, spm_files)
+    step = parent.get("progress", {}).get("step", "?")
+    say(f"initialised from {path} (step {step} of its run); optimizer and schedule start afresh")
+
+
+def adam(model: Transformer, train_cfg: TrainConfig) -> torch.optim.Adam:
+    # fused: one kernel for all parameters, and it reads a non-finite gradient as `found_inf`
+    return torch.optim.Adam(model.parameters(), lr=0.0, betas=tuple(train_cfg.adam_betas), eps=train_cfg.adam_eps,
+                            fused=True, weight_decay=train_cfg.weight_decay)
+
+
+def training_updates(data: ParallelData, train_cfg: TrainConfig, progress: TrainProgress, world: World,
+                     device: torch.device) -> CollatedUpdates:
+    """The updates from where `progress` stands, collated ahead on a thread where train.prefetch
+    says (default: on CUDA, into pinned memory)."""
+    ahead = train_cfg.prefetch if train_cfg.prefetch is not None else device.type == "cuda"
+    stream = BatchStream(data, train_cfg, progress.epoch, progress.batch_in_epoch)
+    return CollatedUpdates(stream, train_cfg.accum_steps * world.size, data.collate, world.rank, world.size,
+                           ahead=ahead, pin=ahead and device.type == "cuda")
+
+
+def progress_line(step: int, record: dict, lr: float) -> str:
+    return (f"step {step}: loss {record['loss']:.3f} ppl {record['ppl']:.1f} lr {lr:.2e} "
+            f"{record['tokens_per_s']:.0f} tok/s padding {100 * record['padding']:.1f}% {record['elapsed'] / 60:.1f} min")
+
+
+def done_line(summary: TrainSummary, progress: TrainProgress) -> str:
+    best = "n/a" if summary.best_score is None else (
+        f"{summary.best_score:.2f}" if summary.best_metric == "bleu" else f"{-summary.best_score:.3f}")
+    return (f"done ({summary.stop_reason}): {progress.step} steps in {progress.elapsed / 60:.1f} min, "
+            f"best valid {summary.best_metric} {best} at step {progress.best_step} → {summary.best_checkpoint}")
+
+
 class Trainer:
     """One training run, as a recipe: `__init__` builds (reads the run, the data, the checkpoint to
     resume; writes nothing), `setup()` writes the run's files, `run()` trains."""
@@ -202,7 +250,7 @@ class Trainer:
         self.console = TrainingConsole(self.writer, progress_bar, self._console_lost)
         self.manifest = self.run_dir.load_manifest()
         self.spm_files = {side: self.run_dir.vocab_file(self.manifest, side).read_bytes() for side in ("src", "tgt")}
-        self._check_run_directory(resume)
+        check_run_directory(self.run_dir, config, self.manifest, resume)
         torch.manual_seed(self.train_cfg.seed)
         if self.train_cfg.threads:
             torch.set_num_threads(self.train_cfg.threads)
@@ -215,13 +263,11 @@ class Trainer:
         self.validation = Validation(self.run_dir, self.manifest, config, device)
         self.model = build_model(config, self.manifest["vocab_size"]["src"], self.manifest["vocab_size"]["tgt"],
                                  self.manifest.get("shared_ids", False)).to(device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0, betas=tuple(self.train_cfg.adam_betas),
-                                          eps=self.train_cfg.adam_eps, fused=True,
-                                          weight_decay=self.train_cfg.weight_decay)
+        self.optimizer = adam(self.model, self.train_cfg)
         self.progress = TrainProgress()
         saved_ema = self._restore() if resume else None
         if not resume and self.train_cfg.init_from:
-            self._initialise_from(Path(self.train_cfg.init_from))
+            initialise_from(self.model, Path(self.train_cfg.init_from), self.spm_files, self.console.print)
         # A run that ended and whose limits still hold is complete: --resume changes nothing.
         self.complete = budget_spent(self.train_cfg, self.progress) if self.progress.finished else ""
         self.progress.finished = ""  # resumed with a larger budget: the run goes on
@@ -237,24 +283,10 @@ class Trainer:
                     if world.enabled else None)
         forward_model = self.ddp or self.model
         self.forward_model = torch.compile(forward_model) if self.train_cfg.compile else forward_model
-        self.batches_per_update = self.train_cfg.accum_steps * world.size
         self.ledger = StepLedger(device, self.progress.bad_steps)  # what steps leave on the device
-        ahead = self.train_cfg.prefetch if self.train_cfg.prefetch is not None else device.type == "cuda"
-        self.updates = CollatedUpdates(BatchStream(self.train_data, self.train_cfg, self.progress.epoch,
-                                                   self.progress.batch_in_epoch),
-                                       self.batches_per_update, self.train_data.collate, world.rank, world.size,
-                                       ahead=ahead, pin=ahead and device.type == "cuda")
+        self.updates = training_updates(self.train_data, self.train_cfg, self.progress, world, device)
 
     # -- building (reads only)
-
-    def _check_run_directory(self, resume: bool) -> None:
-        last = self.run_dir.checkpoints / LAST
-        if last.exists() and not resume:
-            raise TfmError(f"{self.run_dir.root} already holds a training run ({last}); "
-                           "continue it with --resume or choose another run_dir")
-        if resume and not last.exists():
-            raise TfmError(f"--resume: no checkpoint to resume from at {last}")
-        check_vocab_matches(self.config, self.manifest)
 
     def _restore(self) -> dict | None:
         """Weights, optimizer, RNG states and progress of checkpoint_last.pt; returns its weight average."""
@@ -267,14 +299,6 @@ class Trainer:
         state.restore_random_states(self.world.rank, self.world.size, self.train_cfg.seed + state.progress["step"])
         self.progress = TrainProgress(**state.progress)
         return state.ema
-
-    def _initialise_from(self, path: Path) -> None:
-        """Fine-tuning: the weights of a trained model; optimizer, schedule, steps and data order start afresh."""
-        if path.is_dir():
-            path = RunDirectory(path).default_checkpoint()
-        parent = load_initial_weights(self.model, path, self.spm_files)
-        step = parent.get("progress", {}).get("step", "?")
-        self.console.print(f"initialised from {path} (step {step} of its run); optimizer and schedule start afresh")
 
     def _console_lost(self, error: str) -> None:
         self._log({"kind": "console_lost", "time": time.time(), "error": error})
@@ -408,9 +432,7 @@ class Trainer:
         self.console.advance({"loss": f"{record['loss']:.3f}", "lr": f"{lr:.2e}",
                               "tok/s": f"{record['tokens_per_s']:.0f}"})
         if not self.progress_bar:  # no live bar (a log file, CI): one line per log interval instead
-            self.console.print(f"step {progress.step}: loss {record['loss']:.3f} ppl {record['ppl']:.1f} "
-                               f"lr {lr:.2e} {record['tokens_per_s']:.0f} tok/s "
-                               f"padding {100 * record['padding']:.1f}% {record['elapsed'] / 60:.1f} min")
+            self.console.print(progress_line(progress.step, record, lr))
 
     def stop_decision(self, stop: StopRequest) -> str:
         """Why training stops after this step ("" to go on). A signal saves and raises Interrupted.
@@ -513,11 +535,7 @@ class Trainer:
         if self.tensorboard is not None:
             self.tensorboard.close()
         summary = self.summary(stop_reason)
-        best = "n/a" if summary.best_score is None else (
-            f"{summary.best_score:.2f}" if self.train_cfg.best_metric == "bleu" else f"{-summary.best_score:.3f}")
-        self.console.print(f"done ({stop_reason}): {progress.step} steps in {progress.elapsed / 60:.1f} min, "
-                           f"best valid {self.train_cfg.best_metric} {best} at step {progress.best_step} → "
-                           f"{summary.best_checkpoint}")
+        self.console.print(done_line(summary, progress))
         return summary
 
     def summary(self, stop_reason: str) -> TrainSummary:
