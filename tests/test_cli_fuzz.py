@@ -28,7 +28,7 @@ import typer.main
 
 from tests.conftest import tfm_in_process, tiny_reverse_config, write_reverse_task
 from transformer_cli.cli import app
-from transformer_cli.config import DecodeConfig, TrainConfig, config_from_dict
+from transformer_cli.config import DataConfig, DecodeConfig, TrainConfig, config_from_dict
 from transformer_cli.data import prepare
 from transformer_cli.train import train
 
@@ -305,4 +305,25 @@ def test_every_numeric_train_setting_with_a_hostile_value(ws, tmp_path, key, val
     result = tfm_in_process(*args)
     assert "Traceback" not in result.stdout + result.stderr and result.exit_code in (0, 2, 3), \
         (args, result.exit_code, result.stderr[-2000:])
+    assert snapshot(ws.root, [ws.root / "tfm_cache"]) == before
+
+
+DIRECTIONS = WORDS + ["-", "src-", "src-tgt-src", "src-src", "[src-tgt, src-tgt]", "{direction: 3}", "[{train: x}]",
+                      "src-tgt,tgt-src"]
+DATA_CASES = [(key, value) for key in numeric_keys("data", DataConfig) for value in NUMBERS] + [
+    ("data.directions", value) for value in DIRECTIONS]
+
+
+@pytest.mark.parametrize("key, value", DATA_CASES, ids=[f"{k}={v}" for k, v in DATA_CASES])
+def test_every_data_setting_with_a_hostile_value(ws, tmp_path, key, value):
+    """`tfm prepare` of a new run with one data setting hostile: one line and exit 2, or a run
+    prepared; never a traceback, and nothing outside the new run written."""
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({**json.loads(ws.config.read_text()), "run_dir": str(tmp_path / "run")}))
+    before = snapshot(ws.root, [ws.root / "tfm_cache"])
+    result = tfm_in_process("prepare", "--config", str(config), "--set", f"{key}={value}")
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output and result.exit_code in (0, 2), (key, value, result.exit_code, output[-2000:])
+    if result.exit_code == 2:
+        assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1, output
     assert snapshot(ws.root, [ws.root / "tfm_cache"]) == before

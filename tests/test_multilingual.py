@@ -81,10 +81,11 @@ def follows(output: str, source: str, language: str) -> bool:
     (["ende"], "'ende' is not a direction"),
     (["en-en"], "the source and target language are the same"),
     (["en-d e"], "is not a direction"),
+    ([{"direction": "en-de", "trian": "x"}], r"did you mean 'data\.directions\.0\.train'"),
     ([], "at least 1 item"),
 ])
 def test_bad_directions_name_the_key(directions, message):
-    with pytest.raises(TfmError, match=f"key 'data.directions': .*{message}"):
+    with pytest.raises(TfmError, match=f"key 'data\\.directions[.0-9a-z]*'.*{message}"):
         config_from_dict({"data": {"directions": directions}})
 
 

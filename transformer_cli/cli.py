@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import signal
 import stat
@@ -487,7 +486,7 @@ def evaluate(
     from .evaluate import (
         evaluate_files,
         evaluate_model,
-        paired_comparison,
+        gate_verdict,
         parse_gate,
         parse_metrics,
     )
@@ -507,26 +506,7 @@ def evaluate(
         if ref is None:
             raise TfmError("--hyp needs --ref")
         if len(hyp) > 1:
-            from .evaluate import check_aligned, format_paired
-            from .files import read_lines
-
-            refs = read_lines(ref)
-            systems = {}
-            for path in hyp:
-                systems[str(path)] = read_lines(path)
-                check_aligned(systems[str(path)], refs, str(path), str(ref))
-            report = paired_comparison(systems, refs, names, confidence)
-            say(json.dumps(report) if as_json else format_paired(report))
-            if gate is not None:  # the gate applies to every system compared
-                failed = []
-                for name, scores in report["systems"].items():
-                    bleu = scores["bleu"]["score"]
-                    passed = bleu >= gate
-                    failed += [] if passed else [name]
-                    warn(f"{'PASS' if passed else 'FAIL'}: {name} BLEU {bleu:.2f} "
-                         f"{'>=' if passed else '<'} {gate}")
-                if failed:
-                    raise typer.Exit(1)
+            _evaluate_paired(hyp, ref, names, confidence, as_json, gate)
             return
         result = evaluate_files(hyp[0], ref, names, confidence)
     elif config is not None:
@@ -547,14 +527,46 @@ def evaluate(
     else:
         raise TfmError("give --hyp and --ref, or --config (to translate and score a split)")
 
+    _print_evaluation(result, as_json)
+    if gate is not None:
+        passed, verdict = gate_verdict(result, gate, gate_direction, min_bleu)
+        warn(verdict)
+        if not passed:
+            raise typer.Exit(1)
+
+
+def _evaluate_paired(hyp: list[Path], ref: Path, names: list[str], confidence: bool, as_json: bool,
+                     gate: float | None) -> None:
+    """`--hyp A --hyp B …`: each system against the first; a gate applies to every system."""
+    from .evaluate import check_aligned, format_paired, paired_comparison
+    from .files import read_lines
+
+    refs = read_lines(ref)
+    systems = {}
+    for path in hyp:
+        systems[str(path)] = read_lines(path)
+        check_aligned(systems[str(path)], refs, str(path), str(ref))
+    report = paired_comparison(systems, refs, names, confidence)
+    say(json.dumps(report) if as_json else format_paired(report))
+    if gate is not None:
+        failed = []
+        for name, scores in report["systems"].items():
+            bleu = scores["bleu"]["score"]
+            passed = bleu >= gate
+            failed += [] if passed else [name]
+            warn(f"{'PASS' if passed else 'FAIL'}: {name} BLEU {bleu:.2f} {'>=' if passed else '<'} {gate}")
+        if failed:
+            raise typer.Exit(1)
+
+
+def _print_evaluation(result, as_json: bool) -> None:
     if as_json:
         say(json.dumps(result.to_json()))
-    elif "directions" in result.extra:
+        return
+    if "directions" in result.extra:
         from .evaluate import directions_table
 
         say(directions_table(result))
-        say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, {result.extra['sentences_per_s']} "
-            f"sentences/s ({result.extra['engine']}); hypotheses: {result.extra['hyp_file']}")
     else:
         for s in result.scores.values():
             ci = f" (95% CI ± {s.ci:.2f})" if s.ci is not None else ""
@@ -563,24 +575,10 @@ def evaluate(
         if use and use["constraints"]:
             say(f"constraints: {use['met']} of {use['constraints']} terms in the translations "
                 f"({100 * use['rate']:.1f}%)")
-        if result.extra:
-            say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
-                 f"{result.extra['sentences_per_s']} sentences/s ({result.extra['engine']}); "
-                 f"hypotheses: {result.extra['hyp_file']}")
-    if gate is not None:
-        bleu, what = result.scores["bleu"].score, "BLEU"
-        if "directions" in result.extra:
-            what = "average BLEU"
-        if gate_direction is not None:
-            scored = result.extra.get("directions", {})
-            if gate_direction not in scored:
-                raise TfmError(f"--min-bleu {min_bleu}: direction {gate_direction} was not scored "
-                               f"(scored: {', '.join(scored) or 'none'})")
-            bleu, what = scored[gate_direction]["scores"]["bleu"]["score"], f"{gate_direction} BLEU"
-        if bleu < gate:
-            warn(f"FAIL: {what} {bleu:.2f} is below --min-bleu {gate}")
-            raise typer.Exit(1)
-        warn(f"PASS: {what} {bleu:.2f} >= {gate}")
+    if result.extra:
+        say(f"{result.n_sentences} sentences, beam {result.extra['beam']}, "
+            f"{result.extra['sentences_per_s']} sentences/s ({result.extra['engine']}); "
+            f"hypotheses: {result.extra['hyp_file']}")
 
 
 def _chosen_directions(spec: str) -> list | str:

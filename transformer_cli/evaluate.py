@@ -180,6 +180,21 @@ def parse_gate(spec: str) -> tuple[str | None, float]:
     return (name.strip() or None), value
 
 
+def gate_verdict(result: EvalResult, gate: float, direction: str | None, spec: str) -> tuple[bool, str]:
+    """Whether `--min-bleu spec` passes (BLEU, a multilingual run's average, or one direction's), and
+    the line that says so; a direction that was not scored is an error."""
+    bleu, what = result.scores["bleu"].score, "average BLEU" if "directions" in result.extra else "BLEU"
+    if direction is not None:
+        scored = result.extra.get("directions", {})
+        if direction not in scored:
+            raise TfmError(f"--min-bleu {spec}: direction {direction} was not scored "
+                           f"(scored: {', '.join(scored) or 'none'})")
+        bleu, what = scored[direction]["scores"]["bleu"]["score"], f"{direction} BLEU"
+    if bleu < gate:
+        return False, f"FAIL: {what} {bleu:.2f} is below --min-bleu {gate}"
+    return True, f"PASS: {what} {bleu:.2f} >= {gate}"
+
+
 def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metrics: list[str], beam: int | None,
                         directions: list[Direction] | None = None, confidence: bool = False,
                         engine: str | None = None, compute_type: str | None = None) -> EvalResult:
