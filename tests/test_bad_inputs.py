@@ -484,7 +484,7 @@ CASES = [
     Case("evaluate: --min-bleu nan", evaluate_files("a b\n", "a b\n", "--min-bleu", "nan"), 2, "--min-bleu nan"),
     # multilingual runs: directions, temperature, per-direction evaluation
     Case("config: data.directions not a direction", with_settings("data.directions=[srctgt]"), 2,
-         "key 'data.directions': 'srctgt' is not a direction"),
+         "key 'data.directions.0.direction': 'srctgt' is not a direction"),
     Case("config: data.directions listed twice", with_settings("data.directions=[src-tgt,src-tgt]"), 2,
          "key 'data.directions': src-tgt is listed twice"),
     Case("config: data.directions against src_lang", with_settings("data.directions=[tgt-src]"), 2,

@@ -239,6 +239,7 @@ def test_evaluate_scores_every_direction_and_gates_one(shift_model):
     report = json.loads(as_json.stdout)
     assert report["directions"]["up-dn"]["zero_shot"] and not report["directions"]["src-dn"]["zero_shot"]
     assert report["averaged_over"] == ["src-dn"]  # zero-shot directions are reported, not averaged in
+    assert report["languages_identified"] == ["dn", "src", "up"]  # every language of the run, targeted or not
 
     absent = tfm_in_process("evaluate", "--config", config_path, "--min-bleu", "xx-yy=1")
     assert absent.exit_code == 2 and "direction xx-yy was not scored" in absent.stderr

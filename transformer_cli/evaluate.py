@@ -218,7 +218,10 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
     try:
         for d in chosen:
             translator.target_languages().check(d.tgt, f"direction {d.name}: target")
-        samples = {d.tgt: language_files(config, d.tgt) for d in chosen}  # the run's training text
+        # every language of the run and of the directions scored, from the run's training text: an
+        # output in a language no direction targets (English in a de→fr zero-shot) must be a class
+        languages = dict.fromkeys(lang for d in [*trained, *chosen] for lang in (d.src, d.tgt))
+        samples = {lang: paths for lang in languages if (paths := language_files(config, lang))}
         language_id = LanguageId.from_files(samples, seed=config.train.seed)
         beam_used = config.decode.beam if beam is None else beam
         out_dir = RunDirectory(config.run_path).eval_dir
@@ -246,6 +249,7 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
         "split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": beam_used,
         "engine": translator.describe(), "decode_seconds": round(seconds, 2),
         "sentences_per_s": round(total / seconds, 2), "averaged_over": counted, "directions": per_direction,
+        "languages_identified": language_id.languages,  # the classes of the off-target check
         "hyp_file": str(out_dir / f"{stem}.<direction>.hyp")})
     atomic_write_text(out_dir / f"{stem}.directions.json", json.dumps(result.to_json(), indent=2))
     return result
