@@ -495,6 +495,11 @@ CASES = [
                                                                           "vocab.joint=false"), 2, "key 'vocab.joint'"),
     Case("prepare: a direction's file missing", with_settings("data.directions=[src-tgt,src-xx]",
                                                               command="prepare"), 2, "corpus file not found"),
+    Case("prepare: a direction's own corpus missing", with_settings(
+        "data.directions=[{direction: src-tgt, train: nowhere/train}]", command="prepare"), 2,
+        "corpus file not found: nowhere/train.src"),
+    Case("config: a direction's own corpus with an unknown key", with_settings(
+        "data.directions=[{direction: src-tgt, trian: x}]"), 2, "unknown key 'data.directions.0.trian'"),
     Case("evaluate: --directions without --config", evaluate_files("a\n", "a\n", "--directions", "de-en"), 2,
          "--directions goes with --config"),
     Case("evaluate: --directions not a direction", lambda case, d, r: (
