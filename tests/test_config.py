@@ -80,7 +80,7 @@ def test_every_shipped_config_is_tested():
 
 
 SHIPPED = ["de-en.yaml", "en-de.yaml", "tiny.yaml", "base.yaml", "de-en-gpu.yaml", "ted-de-en.yaml",
-           "wmt14-en-de-base.yaml", "wmt14-en-de-big.yaml"]
+           "wmt14-en-de-base.yaml", "wmt14-en-de-big.yaml", "multi30k-multilingual.yaml"]
 
 
 def test_the_fine_tuning_config_fits_its_parent():
@@ -98,6 +98,9 @@ def test_shipped_configs_validate(name):
     if name == "base.yaml":
         assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.enc_layers, cfg.model.dec_layers,
                 cfg.model.d_ff, cfg.model.dropout, cfg.train.warmup) == (512, 8, 6, 6, 2048, 0.1, 4000)
+    if name == "multi30k-multilingual.yaml":  # English-centric, de-en.yaml's shape
+        assert [d.name for d in cfg.data.pairs] == ["en-de", "de-en", "en-fr", "fr-en", "en-cs", "cs-en"]
+        assert cfg.model == load_config(ROOT / "configs" / "de-en.yaml").model.model_copy(update={"dropout": 0.2})
     if name.startswith("wmt14"):  # the paper's shapes, a joint 32k BPE, 25k–100k target tokens an update
         shape = (cfg.model.d_model, cfg.model.n_heads, cfg.model.enc_layers, cfg.model.dec_layers, cfg.model.d_ff)
         assert shape == ((512, 8, 6, 6, 2048) if "base" in name else (1024, 16, 6, 6, 4096))
@@ -126,7 +129,7 @@ def test_shipped_configs_build_their_model(name):
 BOUNDS = [
     # (key, accepted, refused)
     ("data.max_len", 1, 0), ("data.max_len_ratio", 1.0, 0.5), ("data.train_limit", 1, 0),
-    ("data.src_lang", "x", ""),
+    ("data.src_lang", "x", ""), ("data.temperature", 1.0, 0.99), ("data.temperature", 1000.0, 1001.0),
     ("vocab.size", 8, 7), ("vocab.character_coverage", 1.0, 0.0), ("vocab.input_sentence_size", 0, -1),
     ("prepare.workers", 1, 0), ("prepare.chunk_lines", 1, 0),
     ("model.d_model", 8, 0), ("model.n_heads", 1, 0), ("model.enc_layers", 1, 0), ("model.dec_layers", 1, 0),
