@@ -295,9 +295,9 @@ def test_one_direction_fine_tuned_from_a_multilingual_run_keeps_the_tags(shift_m
     import sentencepiece as spm
     assert spm.SentencePieceProcessor(model_file=str(parent / "spm.model")).id_to_piece(first) == tag_piece("up")
     train(config, progress_bar=False)
-    # a direction the parent vocabulary has no tag for is refused at prepare
+    # a multilingual child with a direction the parent vocabulary has no tag for is refused at prepare
     raw["run_dir"] = str(tmp_path / "other")
-    raw["data"]["tgt_lang"] = "dn2"
+    raw["data"] = {"directions": ["src-up", "src-dn2"], **{k: raw["data"][k] for k in ("train", "valid", "test")}}
     shutil.copy(data / "train.dn.gz", data / "train.dn2.gz")
     shutil.copy(data / "valid.dn.gz", data / "valid.dn2.gz")
     shutil.copy(data / "test.dn.gz", data / "test.dn2.gz")

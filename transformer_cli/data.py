@@ -241,13 +241,13 @@ def _train_multilingual_vocab(config: ExperimentConfig, target: Path, seed: int)
 
 
 def source_tags(config: ExperimentConfig, src_vocab: Path) -> list[str | None]:
-    """Each direction's source tag (None: untagged). Sources are tagged in a multilingual run, and
-    in any run whose vocabulary has target-language tags (a direction fine-tuned from a multilingual
-    parent: its model expects them); the tag must then be one of the vocabulary's."""
+    """Each direction's source tag (None: untagged). Every source of a multilingual run is tagged
+    (the vocabulary must have each target's tag); a bilingual run's too where its vocabulary has
+    its target's tag (a direction fine-tuned from a multilingual parent: its model expects it)."""
     processor = load_sentencepiece(src_vocab)
     known = known_languages(processor.id_to_piece(i) for i in range(processor.get_piece_size()))
-    if not known and not config.data.multilingual:
-        return [None] * len(config.data.pairs)
+    if not config.data.multilingual:
+        return [tag(config.data.tgt_lang) if config.data.tgt_lang in known else None]
     for direction in config.data.pairs:
         if direction.tgt not in known:
             raise TfmError(f"key 'data.directions': {direction.name}: the vocabulary ({src_vocab}) has no tag "

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where sampling happens: reading a config imports neither it nor torch
+    import numpy as np
 
 LANGUAGE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")  # no "-": it separates source from target
 
@@ -86,6 +88,7 @@ def split_ranges(manifest: dict, split: str) -> list[DirectionRange]:
 
 def sampling_rates(sizes: list[int], temperature: float) -> np.ndarray:
     """p_d ∝ (n_d / N)^(1/T): each direction's share of the pairs drawn (sums to 1)."""
+    import numpy as np
     counts = np.asarray(sizes, dtype=np.float64)
     if counts.sum() <= 0:
         return np.full(len(counts), 1.0 / max(len(counts), 1))
@@ -98,6 +101,8 @@ def epoch_sample(ranges: list[DirectionRange], temperature: float, seed: int) ->
     sampling rates: a direction drawn more often than it has pairs repeats them in fresh random
     orders, one drawn less often takes a random subset. Sorted, so that the result depends only on
     (ranges, temperature, seed): resume is exact."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     total = sum(r.size for r in ranges)
     rates = sampling_rates([r.size for r in ranges], temperature)
@@ -114,6 +119,8 @@ def epoch_sample(ranges: list[DirectionRange], temperature: float, seed: int) ->
 
 def _largest_remainder(shares: np.ndarray) -> np.ndarray:
     """Whole counts summing to round(sum(shares)), each within 1 of its share."""
+    import numpy as np
+
     floors = np.floor(shares).astype(np.int64)
     short = int(round(shares.sum())) - int(floors.sum())
     if short > 0:
