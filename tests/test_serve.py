@@ -40,13 +40,22 @@ def post(port: int, body, raw: bytes | None = None, timeout: float = 60) -> tupl
         return error.code, json.loads(error.read())
 
 
+def _default_signal_dispositions() -> None:
+    """In the server's process before exec: the signals a server stops on as a shell would leave
+    them. An ignored disposition is inherited across exec, and late in a full test run the test
+    process was found with SIGINT and SIGHUP ignored (the server then, rightly, kept ignoring them)."""
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 class Server:
     def __init__(self, checkpoint, *extra: str):
         self.port = free_port()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "transformer_cli.cli", "serve", "--checkpoint", str(checkpoint), "--port",
              str(self.port), "--set", "decode.precision=fp32", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signal_dispositions)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
