@@ -227,7 +227,8 @@ def _train_multilingual_vocab(config: ExperimentConfig, target: Path, seed: int)
     languages = dict.fromkeys(lang for d in config.data.pairs for lang in (d.src, d.tgt))
     files = {language: language_files(config, language) for language in languages}
     limit = config.data.train_limit
-    sizes = {language: sum(count_lines(path, limit) for path in paths) for language, paths in files.items()}
+    lines = {path: count_lines(path, limit) for paths in files.values() for path in paths}
+    sizes = {language: sum(lines[path] for path in paths) for language, paths in files.items()}
     budget = config.vocab.input_sentence_size or sum(sizes.values())
     rates = sampling_rates(list(sizes.values()), config.data.temperature)
     sentences: list[str] = []
@@ -236,7 +237,7 @@ def _train_multilingual_vocab(config: ExperimentConfig, target: Path, seed: int)
         sentences += sample_lines(paths, wanted, seed, limit)
     tags = [tag_piece(language) for language in sorted({d.tgt for d in config.data.pairs})]
     train_sentencepiece(sentences, target, config, len(sentences) < sum(sizes.values()), tags)
-    read = sum(count_lines(src, limit) for d in config.data.pairs for src, _ in direction_corpora(config, "train", d))
+    read = sum(lines[src] for d in config.data.pairs for src, _ in direction_corpora(config, "train", d))
     return read, len(sentences)
 
 
@@ -297,8 +298,8 @@ def _inherit_vocab(config: ExperimentConfig, parent: ParentVocab, paths: dict[st
                                                              config.data.train_limit))
 
 
-def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], dtype: str, workers: int,
-                  bar: tqdm) -> tuple[dict, dict[str, int], int, list[int]]:
+def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], tags: list[str | None], dtype: str,
+                  workers: int, bar: tqdm) -> tuple[dict, dict[str, int], int, list[int]]:
     """Stream one split through the encoders into its token/offset files, direction after direction.
 
     Returns stats (with the pairs written per direction), training drops, pairs read and the line numbers of valid/test pairs that were
@@ -306,7 +307,6 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
     """
     is_train = split == "train"
     limit = config.data.train_limit if is_train else None
-    tags = source_tags(config, paths["src"])
 
     def tasks():  # each direction's corpora in turn (train_limit counts each direction's pairs)
         for which, direction in enumerate(config.data.pairs):
@@ -413,9 +413,10 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
     dropped: dict[str, int] = {}
     truncated: dict[str, dict] = {}
     per_direction: dict[str, list[int]] = {}
+    tags = source_tags(config, paths["src"])  # each direction's source tag (None: untagged)
     with tqdm(desc="encoding", unit=" pairs", unit_scale=True, disable=not progress, leave=False) as bar:
         for split in SPLITS:
-            stats[split], split_dropped, _, lines = _encode_split(config, split, paths, dtype, workers, bar)
+            stats[split], split_dropped, _, lines = _encode_split(config, split, paths, tags, dtype, workers, bar)
             per_direction[split] = stats[split].pop("pairs_per_direction")
             if split == "train":
                 dropped = split_dropped
@@ -435,7 +436,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         # Where each direction's pairs lie in each split: [start, end) (directions.split_ranges).
         "directions": _direction_ranges(config, per_direction),
-        "tagged": source_tags(config, paths["src"])[0] is not None,
+        "tagged": tags[0] is not None,
         "files": {split: [str(p) for corpus in split_corpora(config, split) for p in corpus] for split in SPLITS},
         "train_pairs_read": train_read,
         "train_pairs_dropped": dropped,
