@@ -116,6 +116,64 @@ def test_two_ranks_stay_identical_and_equal_one_process_with_their_union(multi30
         assert a["tokens_per_update"] == b["tokens_per_update"]
 
 
+def _rank_recording_communication(rank: int, world_size: int, port: int, raw: dict, log_dir: str) -> None:
+    """One rank whose DistributedDataParallel records, in order, each gradient as backward
+    accumulates it and each bucket all-reduce DDP launches (a comm hook around its default one)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    import transformer_cli.train as training
+
+    events: list[str] = []
+
+    class RecordingDDP(DistributedDataParallel):
+        def __init__(self, module, **kwargs):
+            # Buckets of 0.1 MB: the tiny model spans several, as a real model spans several 25 MB ones.
+            super().__init__(module, bucket_cap_mb=0.1, **kwargs)
+            self.register_comm_hook(None, lambda state, bucket: events.append("allreduce") or allreduce_hook(state, bucket))
+            for param in module.parameters():
+                param.register_post_accumulate_grad_hook(lambda _: events.append("grad"))
+
+    training.DistributedDataParallel = RecordingDDP
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    train(config_from_dict(raw), progress_bar=False)
+    Path(log_dir, f"events{rank}.json").write_text(json.dumps(events))
+
+
+def test_accumulation_all_reduces_once_per_update_and_overlaps_backward(multi30k_2k, tmp_path):
+    """accum_steps 2 on 2 ranks: the first micro-batch's backward (under no_sync) launches no
+    all-reduce; the second launches one per bucket, the first of them while gradients are still
+    being computed (communication overlaps backward) once DDP has built its buckets in the order
+    gradients arrive (after the first update)."""
+    raw = ddp_config(multi30k_2k, tmp_path / "ddp", steps=3, accum_steps=2)
+    mp.spawn(_rank_recording_communication, args=(2, free_port(), raw, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"events{rank}.json").read_text())
+        grads = events.count("grad")
+        assert grads % 6 == 0  # 3 updates x 2 micro-batches, every parameter each time
+        parameters = grads // 6
+        backwards, current, seen = [], [], 0
+        for event in events:  # split at each backward's first gradient
+            if event == "grad" and seen % parameters == 0:
+                current = []
+                backwards.append(current)
+            seen += event == "grad"
+            current.append(event)
+        assert len(backwards) == 6
+        for i, events_of_backward in enumerate(backwards):
+            reduces = events_of_backward.count("allreduce")
+            if i % 2 == 0:
+                assert reduces == 0, f"backward {i}: {reduces} all-reduces under no_sync"
+            elif i == 1:  # the first update: DDP learns the order gradients arrive in, then rebuilds its buckets
+                assert reduces >= 1
+            else:
+                assert reduces >= 2, f"backward {i}: {reduces} bucket all-reduces: {[b.count('allreduce') for b in backwards]}"
+                last_grad = len(events_of_backward) - 1 - events_of_backward[::-1].index("grad")
+                assert events_of_backward.index("allreduce") < last_grad, "no all-reduce before backward ended"
+
+
 def test_torchrun_resume_continues_exactly_even_with_another_process_count(multi30k_2k, tmp_path):
     straight = ddp_config(multi30k_2k, tmp_path / "straight", steps=6, eval_every=3)
     proc = torchrun(["--standalone", "--nproc-per-node", "2"], straight, tmp_path, "straight")

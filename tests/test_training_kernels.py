@@ -35,3 +35,21 @@ def test_training_attention_is_causal_or_a_boolean_key_mask(monkeypatch):
         if not is_causal:  # encoder self- and decoder cross-attention: padded keys only
             assert mask is not None and mask.dtype == torch.bool
             assert mask.shape == (q_shape[0], 1, 1, k_shape[2])  # never expanded over heads or queries
+
+
+def test_the_training_forward_compiles_as_one_graph():
+    """`train.compile: true` hands the model to torch.compile: a graph break (an op dynamo cannot
+    trace, such as the CPU dropout's in-place `random_`) splits the step into many small graphs,
+    and per-call-site recompiles hit dynamo's limit and fall back to eager. The training forward,
+    dropout on, in fp32 and under bf16 autocast, must trace as one graph."""
+    cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=4, enc_layers=2, dec_layers=2,
+                            d_ff=64, pad_id=0, dropout=0.1, attention_dropout=0.1)
+    model = Transformer(cfg).train()
+    batch = collate([np.array([5, 6, 7, 8]), np.array([5, 6])], [np.array([8, 9]), np.array([8, 9, 10, 11, 12])])
+    for dtype in (None, torch.bfloat16):
+        torch._dynamo.reset()
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            explained = torch._dynamo.explain(model)(batch.src, batch.tgt_in, batch.rows, project=False)
+        assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
+        assert explained.graph_count == 1
+    torch._dynamo.reset()

@@ -147,7 +147,8 @@ class Dropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if x.device.type != "cpu":
+        # Under torch.compile the compiler draws and fuses the mask itself (and cannot trace random_).
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
             return F.dropout(x, self.p, True)
         n = x.numel()
         dropped = min(round(self.p * 256), 255)  # of 256 byte values, this many drop the element
