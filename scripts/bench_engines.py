@@ -93,7 +93,7 @@ class DirectCT2:
 SINGLE = ("tfm default", "CT2 direct")  # run as they come: their threads are their own choice
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--src", required=True)
@@ -107,7 +107,11 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated systems to run (e.g. 'tfm default,CT2 direct')")
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs per system and beam, in alternating rounds; the table prints the fastest")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
     src, ref = read_lines(args.src), read_lines(args.ref)
     beams = [int(b) for b in args.beams.split(",")]

@@ -43,7 +43,7 @@ from transformer_cli.rundir import RunDirectory
 from transformer_cli.schedule import learning_rate
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/de-en.yaml")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per toolkit")
@@ -72,7 +72,16 @@ def main() -> None:
                              "data (no corpus or run directory needed; vocabulary: the config's vocab.size)")
     parser.add_argument("--only", choices=["tfm", "hf"], default=None,
                         help="train only this toolkit's model and print its peak memory (the peak-RSS child runs)")
-    args = parser.parse_args()
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak-memory child runs (each trains every batch again in a new process)")
+    parser.add_argument("--compile", action="store_true",
+                        help="tfm's model through torch.compile, as train.compile: true (HF stays eager); the "
+                             "steady-state pass compiles every batch shape before timing")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if not args.system_malloc:
         use_allocator("auto", [__file__, *sys.argv[1:]])  # as `tfm train`: may start this script again
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
@@ -102,12 +111,14 @@ def main() -> None:
     smoothing = config.train.label_smoothing
 
     tfm = tfm_model(config, vocab).to(device).train() if args.only != "hf" else None
+    tfm_forward = torch.compile(tfm) if tfm is not None and args.compile else tfm
     hf = hf_model(config, vocab).to(device).train() if args.only != "tfm" else None
     print(machine_line(device))
     print(f"shape: d_model {config.model.d_model}, heads {config.model.n_heads}, layers "
           f"{config.model.enc_layers}+{config.model.dec_layers}, ffn {config.model.d_ff}, vocab {vocab}; "
           f"params tfm {tfm.num_parameters() if tfm else 0:,} / HF {sum(p.numel() for p in hf.parameters()) if hf else 0:,}; "
-          f"batches of <= {args.max_tokens} tokens; {device}, {'bf16 autocast' if amp_dtype else 'fp32'}")
+          f"batches of <= {args.max_tokens} tokens; {device}, {'bf16 autocast' if amp_dtype else 'fp32'}"
+          f"{'; tfm through torch.compile' if args.compile else ''}")
 
     # tfm: what `tfm train` uses. HF: what its Trainer uses unless --hf-optimizer fused.
     opt_tfm = torch.optim.Adam(tfm.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True) if tfm else None
@@ -125,7 +136,7 @@ def main() -> None:
         for g in opt_tfm.param_groups:
             g["lr"] = learning_rate(step, config.train, config.model.d_model)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss, _ = batch_loss(tfm, batch, smoothing)
+            loss, _ = batch_loss(tfm_forward, batch, smoothing)
         (loss / batch.n_tgt_tokens).backward()
         opt_tfm.step()
         opt_tfm.zero_grad(set_to_none=True)
@@ -159,7 +170,7 @@ def main() -> None:
     # run pays once per shape: timing first-seen shapes put tfm at a third of what `tfm train` logs
     # over thousands of steps. So on CUDA every timed batch runs once first, and steps are timed
     # with CUDA events.
-    if args.steady_state or device.type == "cuda":
+    if args.steady_state or args.compile or device.type == "cuda":
         for i, batch in enumerate(batches[args.warmup:]):
             tfm_step(batch, i + 1)
             hf_step(batch, i + 1)
@@ -225,7 +236,7 @@ def main() -> None:
         for name, rate in (("tfm", tfm_rate), ("hf", hf_rate)):
             print(f"MFU {name:<4} 6·N·tokens/s = {100 * 6 * matmul * rate / (peak * 1e12):5.1f}% (N = {matmul:,} matmul "
                   "parameters: attention and FFN projections, the output projection once; no embeddings)")
-    for name in ("tfm", "hf"):  # each alone in a child process, on the same batches
+    for name in () if args.no_memory else ("tfm", "hf"):  # each alone in a child process, on the same batches
         child = [sys.executable, __file__, *sys.argv[1:], "--only", name]
         out = subprocess.run(child, capture_output=True, text=True)
         lines = [line for line in out.stdout.splitlines() if line.startswith("peak ")]

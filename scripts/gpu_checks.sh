@@ -1,68 +1,179 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, for a machine with one CUDA GPU and Multi30k under data/multi30k:
-#   env     the GPU, torch, the CPU
-#   tests   the CUDA DDP test (torchrun, nccl)
-#   bench   tfm prepare, then scripts/bench_train.py --device cuda (steady state, CUDA events), tfm vs HF
-#           MarianMT: configs/de-en.yaml (small), configs/de-en-gpu.yaml (the paper's base shape on Multi30k)
-#           and, without any corpus, the WMT14 shapes at WMT14 en-de's sentence lengths (--synthetic wmt):
-#           configs/wmt14-en-de-base.yaml and -big.yaml — tokens/s, MFU (targets: big ≥ 30%, base ≥ 15%,
-#           both ≥ 1.3x HF), `tfm train`-like back-to-back tokens/s, peak GPU memory
-#   train   tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (default 150s; after bench's
-#           prepare), then tfm evaluate on test2016, beam 5
-#   decode  scripts/bench_engines.py --device cuda on that checkpoint: tfm vs CTranslate2 on the GPU
-# Usage: bash scripts/gpu_checks.sh OUT_DIR [section ...]   (default: all sections, in that order)
-# Every section logs to OUT_DIR/<section>.log and has its own time limit, so one failing section
-# does not stop the next.
+# The GPU checks in one run, for a machine with one CUDA GPU, within a time budget (default 520 s,
+# so the whole call, wheel installs included, stays under 9 minutes). Sections, most important first:
+#   env            the GPU, torch, transformers, CTranslate2, the host CPU
+#   bench_wmt_big  scripts/bench_train.py --device cuda on configs/wmt14-en-de-big.yaml at WMT14 en-de's
+#                  sentence lengths (--synthetic wmt, no corpus): tfm vs HF MarianMT, MFU, peak GPU memory
+#                  (targets: MFU >= 30%, >= 1.3x HF)
+#   bench_wmt_base the same on configs/wmt14-en-de-base.yaml (targets: MFU >= 15%, >= 1.3x HF)
+#   train          tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
+#                  test2016, beam 5 (target: BLEU >= 41); its run directory is runs/gpu-checks/de-en-gpu,
+#                  made afresh on every call
+#   bench_base     bench_train.py on configs/de-en-gpu.yaml (the base shape on Multi30k's lengths)
+#   tests          the CUDA DDP test (torchrun, nccl)
+#   bench_small    bench_train.py on configs/de-en.yaml
+#   compile        bench_wmt_base's run with tfm through torch.compile (train.compile: true)
+#   decode         scripts/bench_engines.py --device cuda on train's checkpoint: tfm vs CTranslate2
+# `tfm prepare` of the two Multi30k configs runs in the background from the start, on the host's
+# cores, while the WMT-shaped benchmarks (which need no corpus) use the GPU.
+#
+# Usage: bash scripts/gpu_checks.sh OUT_DIR [section ...]   (default: all, in the order above)
+#   BUDGET=SECONDS   the whole run's limit (520); a section gets what is left, capped at its own
+#                    limit, and is skipped when less than its minimum is left
+#   TRAIN_TIME=150s  train's max_time
+#   PLAN=1           print each section's command and limits instead of running it
+# OUT_DIR receives summary.md (the final table, also printed; scripts/gpu_summary.py), sections.tsv
+# and logs.tar.gz (every section's whole log, rewritten after each section: a run stopped from
+# outside keeps what finished). A missing Python package travels as a wheel in .whl/ (see
+# docs/performance.md, "The GPU checks"); Multi30k is found by scripts/get_data.sh.
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [section ...]}
 shift
-sections=${*:-env tests bench train decode}
-mkdir -p "$out"
+all="env bench_wmt_big bench_wmt_base train bench_base tests bench_small compile decode"
+sections=${*:-$all}
+for s in $sections; do
+    case " $all " in *" $s "*) ;; *) echo "gpu_checks.sh: unknown section '$s' ($all)" >&2; exit 2 ;; esac
+done
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root" || exit 2
+mkdir -p "$out" || exit 2
+out=$(cd "$out" && pwd)
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-checks.XXXXXX")  # the logs; OUT_DIR gets them as one archive
+trap 'rm -rf "$work"' EXIT
+budget=${BUDGET:-520}
 train_time=${TRAIN_TIME:-150s}
+train_dir=runs/gpu-checks/de-en-gpu  # train's run (configs/de-en-gpu.yaml's own runs/de-en-gpu is left alone)
+plan=${PLAN:-0}
+started=$SECONDS
+: >"$work/sections.tsv"
 export PYTHONUNBUFFERED=1
-tfm() { python3 -m transformer_cli "$@"; }
 
-section() {  # section NAME LIMIT_SECONDS COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
-    local start=$SECONDS
-    timeout "$limit" bash -c "$*" >"$out/$name.log" 2>&1
-    echo "   exit $? after $((SECONDS - start)) s"
-    tail -n 25 "$out/$name.log"
+# Packages the GPU image lacks, carried as wheels; the checkout itself on the path (not installed there).
+if [ "$plan" != 1 ] && compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$work/site" .whl/*.whl || echo "gpu_checks.sh: the wheels in .whl/ did not install" >&2
+    export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+tfm() { python3 -m transformer_cli "$@"; }
+export -f tfm
+
+cublas12_shim() {  # CTranslate2's PyPI wheel links CUDA 12's cuBLAS; a CUDA 13 machine has only .so.13
+    python3 -c 'import ctranslate2, sys; sys.exit(ctranslate2.get_cuda_device_count() == 0)' 2>/dev/null && return
+    mkdir -p "$work/cublas12"
+    python3 - "$work/cublas12" <<'EOF'
+import glob, os, site, subprocess, sys
+found = {}
+for lib in ("libcublas", "libcublasLt"):
+    cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout.split("\n")
+    paths = [line.split("=>")[-1].strip() for line in cache if f"{lib}.so.13 " in line]
+    for base in site.getsitepackages():
+        paths += sorted(glob.glob(os.path.join(base, "nvidia", "**", f"{lib}.so.13*"), recursive=True))
+    if paths:
+        os.symlink(paths[0], os.path.join(sys.argv[1], f"{lib}.so.12"))
+        found[lib] = paths[0]
+print("cuBLAS 12 names linked to CUDA 13's libraries (indicative, not a supported setup):", found or "none found")
+EOF
+    export LD_LIBRARY_PATH="$work/cublas12${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+export -f cublas12_shim
+export work
+
+prepare_pid=""
+start_prepare() {  # both Multi30k run directories, in the background (CPU work)
+    [ "$plan" = 1 ] && { echo "== prepare (background): configs/de-en.yaml, configs/de-en-gpu.yaml and $train_dir"; return; }
+    rm -rf "$train_dir"  # this script's own run: a second call trains afresh
+    ( scripts/get_data.sh multi30k && { tfm prepare --config configs/de-en.yaml & p1=$!
+      tfm prepare --config configs/de-en-gpu.yaml & p2=$!
+      tfm prepare --config configs/de-en-gpu.yaml --set run_dir="$train_dir"; r3=$?
+      wait $p1; r1=$?; wait $p2; r2=$?; exit $((r1 || r2 || r3)); } ) >"$work/prepare.log" 2>&1 &
+    prepare_pid=$!
+    prepare_start=$SECONDS
+}
+await_prepare() {  # 0 once both run directories are prepared
+    [ "$plan" = 1 ] && return 0
+    [ -n "$prepare_pid" ] || return 1
+    if [ "$prepare_pid" != done ]; then
+        wait "$prepare_pid"; prepare_rc=$?
+        printf 'prepare\t%s\t%s\t-\n' "$prepare_rc" "$((SECONDS - prepare_start))" >>"$work/sections.tsv"
+        prepare_pid=done
+    fi
+    return "$prepare_rc"
 }
 
-export -f tfm
+section() {  # section NAME MIN_SECONDS LIMIT_SECONDS COMMAND
+    local name=$1 least=$2 limit=$3 command=$4
+    local left=$((budget - (SECONDS - started)))
+    ((limit > left)) && limit=$left
+    if [ "$plan" = 1 ]; then
+        printf '== %s (at least %ss, at most %ss)\n%s\n' "$name" "$least" "$3" "$command"
+        return
+    fi
+    if ((left < least)); then
+        echo "== $name skipped: ${left}s of the ${budget}s budget left, it needs ${least}s"
+        printf '%s\tskipped\t0\t%s\n' "$name" "$least" >>"$work/sections.tsv"
+        return
+    fi
+    echo "== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+    local start=$SECONDS
+    timeout -k 10 "$limit" bash -c "$command" >"$work/$name.log" 2>&1
+    local rc=$?
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" "$limit" >>"$work/sections.tsv"
+    echo "   exit $rc after $((SECONDS - start)) s"
+    tail -n 6 "$work/$name.log" | cut -c1-240
+    tar -czf "$out/logs.tar.gz" -C "$work" --exclude site --exclude cublas12 . 2>/dev/null
+}
+
+needs_data() {  # section NAME: skipped (with the reason) when prepare failed
+    await_prepare && return 0
+    echo "== $1 skipped: tfm prepare failed (prepare.log)"
+    printf '%s\tno data\t0\t-\n' "$1" >>"$work/sections.tsv"
+    return 1
+}
+
+case " $sections " in *" train "*|*" bench_base "*|*" bench_small "*|*" decode "*|*" tests "*) start_prepare ;; esac
+bench="python3 scripts/bench_train.py --device cuda"
 for s in $sections; do
     case $s in
     env)
-        section env 60 "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader;
+        section env 10 30 "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader;
             lscpu | grep 'Model name'; python3 -c 'import torch, transformers; print(\"torch\", torch.__version__,
             \"cuda\", torch.version.cuda, \"transformers\", transformers.__version__)';
             python3 -c 'import ctranslate2; print(\"ctranslate2\", ctranslate2.__version__,
-            \"cuda devices\", ctranslate2.get_cuda_device_count())';
-            ldconfig -p | grep -E 'libcublas(Lt)?\.so' || echo 'no libcublas in the loader cache'"
+            \"cuda devices\", ctranslate2.get_cuda_device_count())'"
         ;;
-    tests)
-        section tests 150 "python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k cuda -rA"
+    bench_wmt_big)
+        section bench_wmt_big 60 150 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 16384 --steps 30 --warmup 10"
         ;;
-    bench)
-        section prepare 120 "tfm prepare --config configs/de-en.yaml &
-            tfm prepare --config configs/de-en-gpu.yaml & wait"
-        section bench_small 120 "python3 scripts/bench_train.py --config configs/de-en.yaml --device cuda --steps 60 --warmup 20"
-        section bench_base 120 "python3 scripts/bench_train.py --config configs/de-en-gpu.yaml --device cuda --max-tokens 8192 --steps 60 --warmup 20"
-        section bench_wmt_base 120 "python3 scripts/bench_train.py --config configs/wmt14-en-de-base.yaml --synthetic wmt --device cuda --max-tokens 12288 --steps 40 --warmup 10"
-        section bench_wmt_big 150 "python3 scripts/bench_train.py --config configs/wmt14-en-de-big.yaml --synthetic wmt --device cuda --max-tokens 16384 --steps 40 --warmup 10"
+    bench_wmt_base)
+        section bench_wmt_base 45 120 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 12288 --steps 40 --warmup 10"
         ;;
     train)
-        section train 330 "tfm train --config configs/de-en-gpu.yaml --set train.max_time=$train_time &&
-            tfm evaluate --config configs/de-en-gpu.yaml --split test --beam 5"
+        needs_data train && section train 200 300 "tfm train --config configs/de-en-gpu.yaml --set run_dir=$train_dir --set train.max_time=$train_time &&
+            tfm evaluate --config configs/de-en-gpu.yaml --set run_dir=$train_dir --split test --beam 5"
+        ;;
+    bench_base)
+        needs_data bench_base && section bench_base 40 90 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 60 --warmup 20 --no-memory"
+        ;;
+    tests)
+        needs_data tests && section tests 40 120 "python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k cuda -rA"
+        ;;
+    bench_small)
+        needs_data bench_small && section bench_small 30 60 "$bench --config configs/de-en.yaml --steps 60 --warmup 20 --no-memory"
+        ;;
+    compile)
+        section compile 60 150 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 12288 --steps 40 --warmup 10 --no-memory --compile"
         ;;
     decode)
-        section decode 240 "python3 scripts/bench_engines.py --device cuda --rounds 2 --batch-size 64 \
-            --checkpoint runs/de-en-gpu/checkpoints/checkpoint_best.pt \
+        needs_data decode && section decode 60 150 "cublas12_shim; python3 scripts/bench_engines.py --device cuda --rounds 2 --batch-size 64 \
+            --checkpoint $train_dir/checkpoints/checkpoint_best.pt \
             --src data/multi30k/test_2016_flickr.de.gz --ref data/multi30k/test_2016_flickr.en.gz"
         ;;
-    *) echo "unknown section: $s (env tests bench train decode)" >&2; exit 2 ;;
     esac
 done
+[ "$plan" = 1 ] && exit 0
+[ -n "$prepare_pid" ] && [ "$prepare_pid" != done ] && await_prepare
+cp "$work/sections.tsv" "$out/sections.tsv"
+tar -czf "$out/logs.tar.gz" -C "$work" --exclude site --exclude cublas12 .
+python3 scripts/gpu_summary.py "$work" | tee "$out/summary.md"
+echo "whole run: $((SECONDS - started)) s of the ${budget}s budget; logs in $out/logs.tar.gz"

@@ -1,0 +1,152 @@
+"""The final table of scripts/gpu_checks.sh: its sections' logs read back, figures against targets.
+
+    python scripts/gpu_summary.py DIR        # DIR: sections.tsv and <section>.log, as gpu_checks.sh leaves them
+
+Prints two Markdown tables: each section's exit status and time, then the figures the issue's
+targets are stated in (MFU and tfm/HF of bench_train.py on the WMT14 shapes, test BLEU after a
+150-second `tfm train`, the CUDA DDP test) with the target and whether it is met. A section that
+did not run or printed no figure says so; nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+NUMBER = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
+
+
+def number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def find(pattern: str, text: str) -> float | None:
+    """The number of the last line matching `pattern` (one group), or None."""
+    matches = re.findall(pattern, text, flags=re.MULTILINE)
+    return number(matches[-1]) if matches else None
+
+
+def bench_figures(log: str) -> dict[str, float | None]:
+    """What scripts/bench_train.py prints: target tokens/s of each toolkit, their ratio, tfm's
+    steps back to back, MFU (6·N·tokens/s) of each, and peak GPU memory of each trained alone."""
+    return {
+        "tfm": find(rf"^tfm\s+{NUMBER} target tokens/s", log),
+        "hf": find(rf"^HF MarianMT\s+{NUMBER} target tokens/s", log),
+        "ratio": find(rf"^ratio tfm/HF\s+{NUMBER}x", log),
+        "back_to_back": find(rf"^tfm back to back.*?: {NUMBER} target tokens/s", log),
+        "mfu_tfm": find(rf"^MFU tfm\s+6·N·tokens/s =\s*{NUMBER}%", log),
+        "mfu_hf": find(rf"^MFU hf\s+6·N·tokens/s =\s*{NUMBER}%", log),
+        "memory_tfm": find(rf"^peak tfm: .*peak GPU memory {NUMBER} GiB", log),
+        "memory_hf": find(rf"^peak hf: .*peak GPU memory {NUMBER} GiB", log),
+    }
+
+
+def train_figures(log: str) -> dict[str, float | None]:
+    """`tfm train` then `tfm evaluate`: steps, the median of the logged tokens/s (the first log
+    line left out: it holds the start), the best valid score, and test BLEU / chrF."""
+    rates = [number(r) for r in re.findall(rf"^step \d+: .* {NUMBER} tok/s", log, flags=re.MULTILINE)]
+    return {
+        "steps": find(rf"^done \(.*?\): {NUMBER} steps", log),
+        "tokens_per_s": statistics.median(rates[1:] or rates) if rates else None,
+        "best_valid": find(rf"^done .* best valid \w+ {NUMBER}", log),
+        "bleu": find(rf"^BLEU = {NUMBER}", log),
+        "chrf": find(rf"^chrF2 = {NUMBER}", log),
+    }
+
+
+def test_figures(log: str) -> dict[str, float | None]:
+    """pytest's last line: passed / failed / skipped counts (0 where absent, None without a line)."""
+    last = [line for line in log.splitlines() if re.search(r"\b(passed|failed|skipped|error)", line)]
+    if not last:
+        return {"passed": None, "failed": None, "skipped": None}
+    counts = {kind: find(rf"{NUMBER} {kind}", last[-1]) or 0.0 for kind in ("passed", "failed", "skipped")}
+    counts["failed"] = (counts["failed"] or 0.0) + (find(rf"{NUMBER} errors?", last[-1]) or 0.0)
+    return counts
+
+
+@dataclass
+class Section:
+    name: str
+    status: str  # the exit status, "skipped" or "no data"
+    seconds: str
+    limit: str
+    log: str
+
+    @property
+    def ran(self) -> bool:
+        return self.status not in ("skipped", "no data")
+
+
+def read_sections(folder: Path) -> dict[str, Section]:
+    sections = {}
+    table = folder / "sections.tsv"
+    for line in table.read_text().splitlines() if table.exists() else []:
+        name, status, seconds, limit = (line.split("\t") + ["", "", "", ""])[:4]
+        log = folder / f"{name}.log"
+        sections[name] = Section(name, status, seconds, limit, log.read_text(errors="replace") if log.exists() else "")
+    return sections
+
+
+def shown(value: float | None, unit: str = "", digits: int = 0) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def verdict(value: float | None, target: float) -> str:
+    return "not measured" if value is None else ("met" if value >= target else "**not met**")
+
+
+def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]:
+    """(check, result, target, verdict) rows for the figures the targets are stated in."""
+    rows = []
+    for name, what, mfu_target in (("bench_wmt_big", "big shape (WMT14 lengths)", 30.0),
+                                   ("bench_wmt_base", "base shape (WMT14 lengths)", 15.0)):
+        bench = bench_figures(sections[name].log) if name in sections else bench_figures("")
+        rows.append((f"{what}: MFU tfm (6·N·tokens/s)", f"{shown(bench['mfu_tfm'], '%', 1)} "
+                     f"(HF {shown(bench['mfu_hf'], '%', 1)})", f"≥ {mfu_target:.0f}%", verdict(bench["mfu_tfm"], mfu_target)))
+        rows.append((f"{what}: tfm / HF MarianMT", f"{shown(bench['ratio'], 'x', 2)} ({shown(bench['tfm'])} vs "
+                     f"{shown(bench['hf'])} target tokens/s; back to back {shown(bench['back_to_back'])}; peak GPU "
+                     f"memory {shown(bench['memory_tfm'], ' GiB', 2)} vs {shown(bench['memory_hf'], ' GiB', 2)})",
+                     "≥ 1.3x", verdict(bench["ratio"], 1.3)))
+    train = train_figures(sections["train"].log) if "train" in sections else train_figures("")
+    rows.append(("configs/de-en-gpu.yaml, 150 s of `tfm train`: test2016 BLEU (beam 5)",
+                 f"{shown(train['bleu'], '', 2)} (chrF {shown(train['chrf'], '', 2)}; {shown(train['steps'])} steps, "
+                 f"median logged {shown(train['tokens_per_s'])} target tokens/s, best valid {shown(train['best_valid'], '', 2)})",
+                 "≥ 41", verdict(train["bleu"], 41.0)))
+    for name, what in (("bench_base", "base shape, Multi30k lengths"), ("bench_small", "small shape (configs/de-en.yaml)"),
+                       ("compile", "base shape (WMT14 lengths), tfm through torch.compile")):
+        if name in sections and sections[name].ran:
+            bench = bench_figures(sections[name].log)
+            rows.append((f"{what}: tfm / HF", f"{shown(bench['ratio'], 'x', 2)} ({shown(bench['tfm'])} vs "
+                         f"{shown(bench['hf'])} target tokens/s; MFU {shown(bench['mfu_tfm'], '%', 1)})", "", ""))
+    if "tests" in sections and sections["tests"].ran:
+        counts = test_figures(sections["tests"].log)
+        ok = counts["passed"] is not None and counts["passed"] > 0 and not counts["failed"]
+        rows.append(("CUDA DDP test (torchrun, nccl)", f"{shown(counts['passed'])} passed, {shown(counts['failed'])} failed, "
+                     f"{shown(counts['skipped'])} skipped", "passes", "met" if ok else "**not met**"))
+    return rows
+
+
+def summary(folder: Path) -> str:
+    sections = read_sections(folder)
+    lines = ["| section | exit | seconds (limit) |", "| --- | --- | --- |"]
+    lines += [f"| {s.name} | {s.status} | {s.seconds} ({s.limit}) |" for s in sections.values()]
+    env = sections.get("env")
+    if env and env.log.strip():
+        lines += ["", "Machine: " + "; ".join(line.strip() for line in env.log.strip().splitlines()[:4])]
+    lines += ["", "| check | result | target | |", "| --- | --- | --- | --- |"]
+    lines += [f"| {check} | {result} | {target} | {mark} |" for check, result, target, mark in figure_rows(sections)]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        print("usage: gpu_summary.py DIR (sections.tsv and the section logs of scripts/gpu_checks.sh)", file=sys.stderr)
+        sys.exit(2)
+    print(summary(Path(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()

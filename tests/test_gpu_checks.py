@@ -1,0 +1,154 @@
+"""scripts/gpu_checks.sh, checked where there is no GPU: a GPU is lent for minutes at a time, so
+the one call that measures everything must not fail on a typo, a missing file or its own budget.
+Its plan (PLAN=1) is parsed by the scripts' own argument parsers, its orchestration runs for real
+on the `env` section, and its final table (scripts/gpu_summary.py) reads real outputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tfm, tiny_run
+from transformer_cli.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
+
+
+def script_module(name: str):
+    """A script of scripts/ imported as a module (its main() not run)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
+def run_checks(out: Path, *sections: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), str(out), *sections], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def planned(tmp_path: Path) -> dict[str, tuple[int, int, str]]:
+    """{section: (least seconds, most seconds, command)} as PLAN=1 prints them."""
+    run = run_checks(tmp_path / "plan", PLAN="1")
+    assert run.returncode == 0, run.stderr
+    plan = {}
+    for name, least, most, command in re.findall(r"^== (\w+) \(at least (\d+)s, at most (\d+)s\)\n(.*?)(?=^== |\Z)",
+                                                 run.stdout, flags=re.MULTILINE | re.DOTALL):
+        plan[name] = (int(least), int(most), " ".join(command.split()))
+    return plan
+
+
+def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
+    plan = planned(tmp_path)
+    assert list(plan) == ["env", "bench_wmt_big", "bench_wmt_base", "train", "bench_base", "tests", "bench_small",
+                          "compile", "decode"]
+    parsers = {name: script_module(name).build_parser() for name in ("bench_train", "bench_engines")}
+    for name, (least, most, command) in plan.items():
+        assert 0 < least <= most, name
+        for config in re.findall(r"--config (\S+)", command):
+            assert load_config(ROOT / config).model.d_model > 0, (name, config)
+        for script, args in re.findall(r"python3 scripts/(\w+)\.py (.*?)(?:$|;|&&)", command):
+            parsed = parsers[script].parse_args(shlex.split(args))  # an unknown option exits: the test fails
+            assert parsed.device == "cuda", (name, args)
+        for path in re.findall(r"\b(?:tests|scripts)/[\w/]+\.(?:py|sh)", command):
+            assert (ROOT / path).exists(), (name, path)
+    # The sections the targets are measured in come first and fit the default budget together.
+    assert sum(plan[name][0] for name in ("env", "bench_wmt_big", "bench_wmt_base", "train")) <= 520
+
+
+def test_an_unknown_section_is_refused_before_anything_runs(tmp_path):
+    run = run_checks(tmp_path / "out", "env", "bench_huge")
+    assert run.returncode == 2 and "unknown section 'bench_huge'" in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_section_runs_within_the_budget_and_the_run_ends_in_the_table(tmp_path):
+    """On a machine without a GPU `env` still runs (nvidia-smi missing is its own finding); the
+    run leaves the table, sections.tsv and every log in one archive, and says what it did not measure."""
+    out = tmp_path / "out"
+    run = run_checks(out, "env", BUDGET="120")
+    assert run.returncode == 0, run.stderr
+    assert (out / "summary.md").read_text().strip() in run.stdout
+    row = (out / "sections.tsv").read_text().splitlines()
+    assert len(row) == 1 and row[0].split("\t")[0] == "env" and row[0].split("\t")[1].isdigit()
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        env_log = archive.extractfile("./env.log").read().decode()
+    assert "torch" in env_log
+    assert "| big shape (WMT14 lengths): MFU tfm (6·N·tokens/s) | — (HF —) | ≥ 30% | not measured |" in run.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "sections.tsv", "summary.md"]  # ≤ 8 files come back
+
+
+def test_a_section_the_budget_cannot_hold_is_skipped_not_cut(tmp_path):
+    out = tmp_path / "out"
+    run = run_checks(out, "env", "bench_wmt_base", BUDGET="5")
+    assert run.returncode == 0, run.stderr
+    assert "== env skipped: 5s of the 5s budget left, it needs 10s" in run.stdout
+    assert [line.split("\t")[:2] for line in (out / "sections.tsv").read_text().splitlines()] == \
+        [["env", "skipped"], ["bench_wmt_base", "skipped"]]
+
+
+def test_the_table_reads_what_tfm_train_and_evaluate_print(tiny_prepared, tmp_path):
+    """A real (tiny) `tfm train` and `tfm evaluate` through the CLI, their output as the train
+    section's log: the table shows their step count and BLEU, and judges BLEU against 41."""
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=20, log_every=5)
+    trained = tfm("train", "--config", config)
+    evaluated = tfm("evaluate", "--config", config, "--split", "test", "--beam", "2")
+    assert trained.returncode == 0 and evaluated.returncode == 0, trained.stderr + evaluated.stderr
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "train.log").write_text(trained.stdout + trained.stderr + evaluated.stdout + evaluated.stderr)
+    (logs / "sections.tsv").write_text("train\t0\t12\t300\n")
+    summary = script_module("gpu_summary")
+    figures = summary.train_figures((logs / "train.log").read_text())
+    bleu = float(re.search(r"^BLEU = ([0-9.]+)", evaluated.stdout, flags=re.MULTILINE).group(1))
+    assert figures["steps"] == 20 and figures["bleu"] == bleu and figures["tokens_per_s"] > 0
+    row = next(r for r in summary.figure_rows(summary.read_sections(logs)) if "test2016 BLEU" in r[0])
+    assert row[1].startswith(f"{bleu:.2f} ") and row[3] == ("met" if bleu >= 41 else "**not met**")
+
+
+def test_the_table_judges_bench_figures_against_their_targets(tmp_path):
+    """bench_train.py's lines (as it prints them) at, just under and above the targets."""
+    summary = script_module("gpu_summary")
+
+    def bench_log(mfu: float, ratio: float) -> str:
+        return (f"tfm             235000 target tokens/s\nHF MarianMT     {235000 / ratio:.0f} target tokens/s\n"
+                f"ratio tfm/HF      {ratio:.2f}x\nMFU tfm  6·N·tokens/s = {mfu:5.1f}% (N = 1)\n"
+                f"MFU hf   6·N·tokens/s =  10.0% (N = 1)\npeak tfm: RSS 2.00 GiB, peak GPU memory 31.50 GiB\n")
+
+    (tmp_path / "sections.tsv").write_text("bench_wmt_big\t0\t80\t150\nbench_wmt_base\t0\t60\t120\n")
+    for big, base, expected in (((30.0, 1.30), (15.0, 1.30), ["met"] * 4),
+                                ((29.9, 1.31), (14.9, 1.29), ["**not met**", "met", "**not met**", "**not met**"])):
+        (tmp_path / "bench_wmt_big.log").write_text(bench_log(*big))
+        (tmp_path / "bench_wmt_base.log").write_text(bench_log(*base))
+        rows = summary.figure_rows(summary.read_sections(tmp_path))
+        assert [r[3] for r in rows[:4]] == expected
+    assert "31.50 GiB" in rows[1][1]
+
+
+@pytest.mark.slow
+def test_bench_train_runs_the_wmt_shape_on_synthetic_batches(tmp_path):
+    """`bench_train.py --synthetic wmt` needs no corpus: the base shape at WMT14 en-de's lengths;
+    the table reads its figures as it printed them."""
+    run = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/wmt14-en-de-base.yaml",
+                          "--synthetic", "wmt", "--device", "cpu", "--steps", "3", "--warmup", "1",
+                          "--max-tokens", "512"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "ratio tfm/HF" in run.stdout and "6·N·tokens/s" in run.stdout and "vocab 32000" in run.stdout
+    figures = script_module("gpu_summary").bench_figures(run.stdout)
+    printed_ratio = float(re.search(r"^ratio tfm/HF\s+([0-9.]+)x", run.stdout, flags=re.MULTILINE).group(1))
+    assert figures["ratio"] == printed_ratio and figures["tfm"] > 0 and figures["hf"] > 0
+    assert figures["mfu_tfm"] is not None and figures["back_to_back"] > 0
