@@ -236,6 +236,7 @@ def main() -> None:
         for name, rate in (("tfm", tfm_rate), ("hf", hf_rate)):
             print(f"MFU {name:<4} 6·N·tokens/s = {100 * 6 * matmul * rate / (peak * 1e12):5.1f}% (N = {matmul:,} matmul "
                   "parameters: attention and FFN projections, the output projection once; no embeddings)")
+    print(f"attention kernels in one tfm step: {attention_kernels(tfm_step, batches[-1])}")
     for name in () if args.no_memory else ("tfm", "hf"):  # each alone in a child process, on the same batches
         child = [sys.executable, __file__, *sys.argv[1:], "--only", name]
         out = subprocess.run(child, capture_output=True, text=True)
@@ -263,6 +264,21 @@ def synthetic_wmt_batches(vocab: int, max_tokens: int, count: int, seed: int = 0
     order = token_batches(src_lens, tgt_lens, max_tokens, seed)[:count]
     ids = lambda n: rng.integers(4, vocab, n)  # noqa: E731 (0–3: pad, unk, bos, eos)
     return [collate([ids(src_lens[i]) for i in batch], [ids(tgt_lens[i]) for i in batch]) for batch in order]
+
+
+def attention_kernels(step, batch) -> str:
+    """Which of torch's attention kernels one training step ran (forward and backward), counted:
+    on CUDA flash attention takes `is_causal` without a mask, the memory-efficient (or cuDNN)
+    kernel a key-padding mask; the math fallback means a materialised mask or an unsupported case."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(batch, 1)
+    counts = Counter(e.name.removeprefix("aten::") for e in prof.events()
+                     if "scaled_dot_product" in e.name and e.name != "aten::scaled_dot_product_attention")
+    return ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())) or "none (no torch SDPA call)"
 
 
 def peak_rss_gib() -> float:

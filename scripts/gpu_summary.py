@@ -44,6 +44,12 @@ def bench_figures(log: str) -> dict[str, float | None]:
     }
 
 
+def attention_kernels(log: str) -> str | None:
+    """bench_train.py's count of the attention kernels one tfm step ran (flash, efficient, math…)."""
+    found = re.findall(r"^attention kernels in one tfm step: (.*)$", log, flags=re.MULTILINE)
+    return found[-1] if found else None
+
+
 def train_figures(log: str) -> dict[str, float | None]:
     """`tfm train` then `tfm evaluate`: steps, the median of the logged tokens/s (the first log
     line left out: it holds the start), the best valid score, and test BLEU / chrF."""
@@ -110,8 +116,12 @@ def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]
                      f"{shown(bench['hf'])} target tokens/s; back to back {shown(bench['back_to_back'])}; peak GPU "
                      f"memory {shown(bench['memory_tfm'], ' GiB', 2)} vs {shown(bench['memory_hf'], ' GiB', 2)})",
                      "≥ 1.3x", verdict(bench["ratio"], 1.3)))
+        if name in sections and attention_kernels(sections[name].log):
+            rows.append((f"{what}: attention kernels, one tfm step", str(attention_kernels(sections[name].log)), "", ""))
     train = train_figures(sections["train"].log) if "train" in sections else train_figures("")
-    rows.append(("configs/de-en-gpu.yaml, 150 s of `tfm train`: test2016 BLEU (beam 5)",
+    stopped = re.findall(r"^done \((.*?)\)", sections["train"].log if "train" in sections else "", flags=re.MULTILINE)
+    rows.append((f"configs/de-en-gpu.yaml, `tfm train` ({stopped[-1] if stopped else 'did not finish'}): "
+                 "test2016 BLEU (beam 5)",
                  f"{shown(train['bleu'], '', 2)} (chrF {shown(train['chrf'], '', 2)}; {shown(train['steps'])} steps, "
                  f"median logged {shown(train['tokens_per_s'])} target tokens/s, best valid {shown(train['best_valid'], '', 2)})",
                  "≥ 41", verdict(train["bleu"], 41.0)))

@@ -118,6 +118,7 @@ def test_the_table_reads_what_tfm_train_and_evaluate_print(tiny_prepared, tmp_pa
     assert figures["steps"] == 20 and figures["bleu"] == bleu and figures["tokens_per_s"] > 0
     row = next(r for r in summary.figure_rows(summary.read_sections(logs)) if "test2016 BLEU" in r[0])
     assert row[1].startswith(f"{bleu:.2f} ") and row[3] == ("met" if bleu >= 41 else "**not met**")
+    assert "(max_steps=20)" in row[0]  # why the run stopped: the budget it ran under
 
 
 def test_the_table_judges_bench_figures_against_their_targets(tmp_path):
@@ -145,10 +146,14 @@ def test_bench_train_runs_the_wmt_shape_on_synthetic_batches(tmp_path):
     the table reads its figures as it printed them."""
     run = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/wmt14-en-de-base.yaml",
                           "--synthetic", "wmt", "--device", "cpu", "--steps", "3", "--warmup", "1",
-                          "--max-tokens", "512"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                          "--max-tokens", "512", "--precision", "fp32"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "ratio tfm/HF" in run.stdout and "6·N·tokens/s" in run.stdout and "vocab 32000" in run.stdout
     figures = script_module("gpu_summary").bench_figures(run.stdout)
     printed_ratio = float(re.search(r"^ratio tfm/HF\s+([0-9.]+)x", run.stdout, flags=re.MULTILINE).group(1))
     assert figures["ratio"] == printed_ratio and figures["tfm"] > 0 and figures["hf"] > 0
     assert figures["mfu_tfm"] is not None and figures["back_to_back"] > 0
+    # fp32 on CPU: torch's fused attention, forward and backward, in every layer's attention
+    kernels = script_module("gpu_summary").attention_kernels(run.stdout)
+    assert kernels is not None and "scaled_dot_product" in kernels, kernels
