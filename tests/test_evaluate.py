@@ -112,3 +112,25 @@ def test_the_training_overrides_repeated_to_translate_and_evaluate_are_accepted(
                            input=source)
     assert other.exit_code == 2
     assert f"--set model.d_model: the model was trained with model.d_model={trained.d_model};" in other.stderr
+
+
+def test_a_config_whose_vocabulary_changed_since_training_is_flagged(reverse_model, tmp_path):
+    """`tfm evaluate/translate --config` on a run prepared and trained with other vocab settings
+    (a config pulled after training): the run's model still translates, and the user is told,
+    naming the key and both values. The same config unchanged says nothing."""
+    import yaml
+
+    config, _ = reverse_model
+    size = config.vocab.size
+    path = tmp_path / "changed.yaml"
+    path.write_text(yaml.safe_dump({**config.model_dump(mode="json"), "vocab": {**config.vocab.model_dump(), "size": size + 7}}))
+    src = tmp_path / "src.txt"
+    src.write_text("a b c\n")
+    changed = tfm_in_process("translate", "--config", path, "-i", src, "--set", "decode.engine=torch")
+    assert changed.exit_code == 0, changed.stderr
+    assert f"warning: key 'vocab.size': {size + 7} in the config, but {config.run_dir} was prepared with {size}" \
+        in changed.stderr
+    assert changed.stdout.strip()  # translated all the same
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    same = tfm_in_process("translate", "--config", path, "-i", src, "--set", "decode.engine=torch")
+    assert same.exit_code == 0 and "warning" not in same.stderr, same.stderr

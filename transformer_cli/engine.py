@@ -88,9 +88,18 @@ def model_files(cfg: ExperimentConfig) -> list[Path]:
     run's best-validated checkpoint."""
     if cfg.decode.checkpoints:
         return [Path(p) for p in cfg.decode.checkpoints]
-    from .rundir import RunDirectory
+    from .console import warn
+    from .rundir import RunDirectory, vocab_mismatch
 
-    return [RunDirectory(cfg.run_path).default_checkpoint()]
+    run = RunDirectory(cfg.run_path)
+    checkpoint = run.default_checkpoint()
+    # A config edited since the run was trained (say, a larger vocabulary pulled in with a newer
+    # config) still names that run: it translates as trained, which the user should be told.
+    mismatch = vocab_mismatch(cfg, run.load_manifest()) if run.manifest_file.is_file() else ""
+    if mismatch:
+        warn(f"warning: {mismatch}: {checkpoint} translates with the vocabulary it was trained on; "
+             "re-run `tfm prepare` and `tfm train` for the config's settings")
+    return [checkpoint]
 
 
 def torch_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, checkpoints: list[Path],

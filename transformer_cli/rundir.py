@@ -188,3 +188,16 @@ def _save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     from .checkpoint import save_checkpoint  # torch: this module also serves commands that never load it
 
     save_checkpoint(path, payload)
+
+
+def vocab_mismatch(config: Any, manifest: dict) -> str:
+    """How `config`'s (an ExperimentConfig) vocab settings differ from those its run_dir was
+    prepared with, as a sentence naming the key ("" when they agree)."""
+    prepared = manifest.get("vocab_size", {})
+    if any(size != config.vocab.size for size in prepared.values()):
+        return (f"key 'vocab.size': {config.vocab.size} in the config, but {config.run_dir} was prepared with "
+                f"{sorted(set(prepared.values()))[0]}")
+    joint = manifest["vocab"]["src"] == manifest["vocab"]["tgt"]
+    if joint != config.vocab.joint:
+        return f"key 'vocab.joint': {config.vocab.joint} in the config, but {config.run_dir} was prepared with joint={joint}"
+    return ""

@@ -53,7 +53,7 @@ from .files import atomic_write_text, remove_stale_temps
 from .loss import batch_loss
 from .model import Transformer, TransformerConfig
 from .precision import autocast_dtype, choose_precision
-from .rundir import AVERAGE, BEST, EMA, LAST, MetricsLog, RunDirectory
+from .rundir import AVERAGE, BEST, EMA, LAST, MetricsLog, RunDirectory, vocab_mismatch
 from .runlock import RunLock
 from .schedule import next_learning_rate
 from .signals import EXIT_CODES, StopRequest
@@ -76,16 +76,10 @@ def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: i
 
 def check_vocab_matches(config: ExperimentConfig, manifest: dict) -> None:
     """The config's vocab settings must be those the run_dir was prepared with."""
-    prepared = manifest.get("vocab_size", {})
-    if any(size != config.vocab.size for size in prepared.values()):
-        raise TfmError(f"key 'vocab.size': {config.vocab.size} in the config, but {config.run_dir} was prepared with "
-                       f"{sorted(set(prepared.values()))[0]}; re-run `tfm prepare` (on a trained run: "
-                       "with --discard-checkpoints) or change vocab.size")
-    joint = manifest["vocab"]["src"] == manifest["vocab"]["tgt"]
-    if joint != config.vocab.joint:
-        raise TfmError(f"key 'vocab.joint': {config.vocab.joint} in the config, but {config.run_dir} was prepared "
-                       f"with joint={joint}; re-run `tfm prepare` (on a trained run: with "
-                       "--discard-checkpoints)")
+    mismatch = vocab_mismatch(config, manifest)
+    if mismatch:
+        raise TfmError(f"{mismatch}; re-run `tfm prepare` (on a trained run: with --discard-checkpoints) "
+                       "or change the config")
 
 
 # --------------------------------------------------------------------------- what a run keeps
