@@ -80,17 +80,19 @@ export -f cublas12_shim
 export work
 
 prepare_pid=""
-start_prepare() {  # both Multi30k run directories, in the background (CPU work)
+start_prepare() {  # the three Multi30k run directories, in the background (CPU work)
     [ "$plan" = 1 ] && { echo "== prepare (background): configs/de-en.yaml, configs/de-en-gpu.yaml and $train_dir"; return; }
     rm -rf "$train_dir"  # this script's own run: a second call trains afresh
-    ( scripts/get_data.sh multi30k && { tfm prepare --config configs/de-en.yaml & p1=$!
+    # Bounded like a section (a download that hangs offline must not hold the sections that wait for it).
+    timeout -k 10 "$((budget / 2))" bash -c 'scripts/get_data.sh multi30k && {
+      tfm prepare --config configs/de-en.yaml & p1=$!
       tfm prepare --config configs/de-en-gpu.yaml & p2=$!
-      tfm prepare --config configs/de-en-gpu.yaml --set run_dir="$train_dir"; r3=$?
-      wait $p1; r1=$?; wait $p2; r2=$?; exit $((r1 || r2 || r3)); } ) >"$work/prepare.log" 2>&1 &
+      tfm prepare --config configs/de-en-gpu.yaml --set run_dir="$1"; r3=$?
+      wait $p1; r1=$?; wait $p2; r2=$?; exit $((r1 || r2 || r3)); }' prepare "$train_dir" >"$work/prepare.log" 2>&1 &
     prepare_pid=$!
     prepare_start=$SECONDS
 }
-await_prepare() {  # 0 once both run directories are prepared
+await_prepare() {  # 0 once the three run directories are prepared
     [ "$plan" = 1 ] && return 0
     [ -n "$prepare_pid" ] || return 1
     if [ "$prepare_pid" != done ]; then
