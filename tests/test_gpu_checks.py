@@ -146,8 +146,8 @@ def test_bench_train_runs_the_wmt_shape_on_synthetic_batches(tmp_path):
     the table reads its figures as it printed them."""
     run = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/wmt14-en-de-base.yaml",
                           "--synthetic", "wmt", "--device", "cpu", "--steps", "3", "--warmup", "1",
-                          "--max-tokens", "512", "--precision", "fp32"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=600)
+                          "--max-tokens", "512", "--precision", "fp32", "--no-memory"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "ratio tfm/HF" in run.stdout and "6·N·tokens/s" in run.stdout and "vocab 32000" in run.stdout
     figures = script_module("gpu_summary").bench_figures(run.stdout)
@@ -157,3 +157,16 @@ def test_bench_train_runs_the_wmt_shape_on_synthetic_batches(tmp_path):
     # fp32 on CPU: torch's fused attention, forward and backward, in every layer's attention
     kernels = script_module("gpu_summary").attention_kernels(run.stdout)
     assert kernels is not None and "scaled_dot_product" in kernels, kernels
+
+
+def test_bench_train_measures_each_toolkit_alone_in_a_child():
+    """`--only NAME`, what bench_train.py starts a child with for each toolkit's peak memory:
+    that toolkit alone trains on the same batches and reports its peak resident memory."""
+    run = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/tiny.yaml", "--synthetic", "wmt",
+                          "--device", "cpu", "--steps", "2", "--warmup", "1", "--max-tokens", "256", "--only", "tfm"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    peak = re.search(r"^peak tfm: RSS ([0-9.]+) GiB$", run.stdout, flags=re.MULTILINE)
+    assert peak and 0.05 < float(peak.group(1)) < 8, run.stdout
+    assert "target tokens/s" not in run.stdout  # a child only trains: no timing, no HF
+
