@@ -134,3 +134,12 @@ def test_a_config_whose_vocabulary_changed_since_training_is_flagged(reverse_mod
     path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     same = tfm_in_process("translate", "--config", path, "-i", src, "--set", "decode.engine=torch")
     assert same.exit_code == 0 and "warning" not in same.stderr, same.stderr
+    # The hint reads prepare.json, which translating never needed: an unreadable one changes nothing.
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(config.run_path, copy)
+    (copy / "prepare.json").write_text("{broken")
+    broken = tfm_in_process("translate", "--config", path, "--set", f"run_dir={copy}", "-i", src,
+                            "--set", "decode.engine=torch")
+    assert broken.exit_code == 0 and broken.stdout == same.stdout, broken.stderr

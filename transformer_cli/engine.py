@@ -95,7 +95,10 @@ def model_files(cfg: ExperimentConfig) -> list[Path]:
     checkpoint = run.default_checkpoint()
     # A config edited since the run was trained (say, a larger vocabulary pulled in with a newer
     # config) still names that run: it translates as trained, which the user should be told.
-    mismatch = vocab_mismatch(cfg, run.load_manifest()) if run.manifest_file.is_file() else ""
+    try:
+        mismatch = vocab_mismatch(cfg, run.load_manifest())
+    except (TfmError, OSError, ValueError, LookupError, TypeError, AttributeError):
+        mismatch = ""  # no or an unreadable prepare.json: a hint only, and translating never reads it
     if mismatch:
         warn(f"warning: {mismatch}: {checkpoint} translates with the vocabulary it was trained on; "
              "re-run `tfm prepare` and `tfm train` for the config's settings")

@@ -20,11 +20,14 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import TfmError
 from .files import CONFIG_NAME, MANIFEST_NAME, atomic_write_text, run_owning
 from .runlock import RunLock
+
+if TYPE_CHECKING:
+    from .config import ExperimentConfig
 
 LAST, BEST, AVERAGE, EMA = "checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_avg.pt", "checkpoint_ema.pt"
 SCORES = "scores.json"
@@ -190,9 +193,9 @@ def _save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     save_checkpoint(path, payload)
 
 
-def vocab_mismatch(config: Any, manifest: dict) -> str:
-    """How `config`'s (an ExperimentConfig) vocab settings differ from those its run_dir was
-    prepared with, as a sentence naming the key ("" when they agree)."""
+def vocab_mismatch(config: ExperimentConfig, manifest: dict) -> str:
+    """How `config`'s vocab settings differ from those its run_dir was prepared with, as a
+    sentence naming the key ("" when they agree)."""
     prepared = manifest.get("vocab_size", {})
     if any(size != config.vocab.size for size in prepared.values()):
         return (f"key 'vocab.size': {config.vocab.size} in the config, but {config.run_dir} was prepared with "
