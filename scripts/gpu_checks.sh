@@ -64,8 +64,8 @@ cublas12_shim() {  # CTranslate2's PyPI wheel links CUDA 12's cuBLAS; a CUDA 13 
     python3 - "$work/cublas12" <<'EOF'
 import glob, os, site, subprocess, sys
 found = {}
+cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout.split("\n")
 for lib in ("libcublas", "libcublasLt"):
-    cache = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout.split("\n")
     paths = [line.split("=>")[-1].strip() for line in cache if f"{lib}.so.13 " in line]
     for base in site.getsitepackages():
         paths += sorted(glob.glob(os.path.join(base, "nvidia", "**", f"{lib}.so.13*"), recursive=True))
@@ -123,6 +123,10 @@ section() {  # section NAME MIN_SECONDS LIMIT_SECONDS COMMAND
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" "$limit" >>"$work/sections.tsv"
     echo "   exit $rc after $((SECONDS - start)) s"
     tail -n 6 "$work/$name.log" | cut -c1-240
+    archive
+}
+
+archive() {  # every log so far into OUT_DIR (a run stopped from outside keeps what finished)
     tar -czf "$out/logs.tar.gz" -C "$work" --exclude site --exclude cublas12 . 2>/dev/null
 }
 
@@ -176,6 +180,6 @@ done
 [ "$plan" = 1 ] && exit 0
 [ -n "$prepare_pid" ] && [ "$prepare_pid" != done ] && await_prepare
 cp "$work/sections.tsv" "$out/sections.tsv"
-tar -czf "$out/logs.tar.gz" -C "$work" --exclude site --exclude cublas12 .
+archive
 python3 scripts/gpu_summary.py "$work" | tee "$out/summary.md"
 echo "whole run: $((SECONDS - started)) s of the ${budget}s budget; logs in $out/logs.tar.gz"

@@ -63,13 +63,13 @@ def train_figures(log: str) -> dict[str, float | None]:
     }
 
 
-def test_figures(log: str) -> dict[str, float | None]:
+def pytest_counts(log: str) -> dict[str, float | None]:
     """pytest's last line: passed / failed / skipped counts (0 where absent, None without a line)."""
     last = [line for line in log.splitlines() if re.search(r"\b(passed|failed|skipped|error)", line)]
     if not last:
         return {"passed": None, "failed": None, "skipped": None}
     counts = {kind: find(rf"{NUMBER} {kind}", last[-1]) or 0.0 for kind in ("passed", "failed", "skipped")}
-    counts["failed"] = (counts["failed"] or 0.0) + (find(rf"{NUMBER} errors?", last[-1]) or 0.0)
+    counts["failed"] += find(rf"{NUMBER} errors?", last[-1]) or 0.0
     return counts
 
 
@@ -132,7 +132,7 @@ def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]
             rows.append((f"{what}: tfm / HF", f"{shown(bench['ratio'], 'x', 2)} ({shown(bench['tfm'])} vs "
                          f"{shown(bench['hf'])} target tokens/s; MFU {shown(bench['mfu_tfm'], '%', 1)})", "", ""))
     if "tests" in sections and sections["tests"].ran:
-        counts = test_figures(sections["tests"].log)
+        counts = pytest_counts(sections["tests"].log)
         ok = counts["passed"] is not None and counts["passed"] > 0 and not counts["failed"]
         rows.append(("CUDA DDP test (torchrun, nccl)", f"{shown(counts['passed'])} passed, {shown(counts['failed'])} failed, "
                      f"{shown(counts['skipped'])} skipped", "passes", "met" if ok else "**not met**"))
