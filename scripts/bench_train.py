@@ -37,6 +37,7 @@ from transformer_cli.config import load_config
 from transformer_cli.cpu import keep_freed_memory, limit_training_kernel_cache
 from transformer_cli.special_tokens import PAD_ID
 from transformer_cli.batches import ParallelData
+from transformer_cli.kernels import leave_out_cudnn_attention
 from transformer_cli.loss import batch_loss
 from transformer_cli.precision import autocast_dtype, choose_precision
 from transformer_cli.rundir import RunDirectory
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train only this toolkit's model and print its peak memory (the peak-RSS child runs)")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the peak-memory child runs (each trains every batch again in a new process)")
+    parser.add_argument("--cudnn-attention", action="store_true",
+                        help="on CUDA, let SDPA pick cuDNN's attention (torch's default on Hopper); without it "
+                             "both toolkits run as `tfm` does, cuDNN left out (kernels.leave_out_cudnn_attention)")
     parser.add_argument("--compile", action="store_true",
                         help="tfm's model through torch.compile, as train.compile: true (HF stays eager); the "
                              "steady-state pass compiles every batch shape before timing")
@@ -86,6 +90,8 @@ def main() -> None:
         use_allocator("auto", [__file__, *sys.argv[1:]])  # as `tfm train`: may start this script again
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
+    if device.type == "cuda":
+        leave_out_cudnn_attention(not args.cudnn_attention)  # process-wide: HF gets the same kernels
     limit_training_kernel_cache()  # as `tfm train`, before torch's first kernel (process-wide: HF gets it too)
     amp_dtype = autocast_dtype(choose_precision(args.precision, device))
     if not args.system_malloc and device.type == "cpu":
@@ -118,7 +124,8 @@ def main() -> None:
           f"{config.model.enc_layers}+{config.model.dec_layers}, ffn {config.model.d_ff}, vocab {vocab}; "
           f"params tfm {tfm.num_parameters() if tfm else 0:,} / HF {sum(p.numel() for p in hf.parameters()) if hf else 0:,}; "
           f"batches of <= {args.max_tokens} tokens; {device}, {'bf16 autocast' if amp_dtype else 'fp32'}"
-          f"{'; tfm through torch.compile' if args.compile else ''}")
+          f"{'; tfm through torch.compile' if args.compile else ''}"
+          f"{'' if device.type != 'cuda' else '; SDPA with cuDNN' if args.cudnn_attention else '; SDPA without cuDNN'}")
 
     # tfm: what `tfm train` uses. HF: what its Trainer uses unless --hf-optimizer fused.
     opt_tfm = torch.optim.Adam(tfm.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True) if tfm else None
@@ -171,9 +178,19 @@ def main() -> None:
     # over thousands of steps. So on CUDA every timed batch runs once first, and steps are timed
     # with CUDA events.
     if args.steady_state or args.compile or device.type == "cuda":
+        # What a run pays for batch shapes new to it (kernel choice, cuDNN graphs, compilation), on
+        # the wall clock: most of a short run's first epoch.
+        first_pass = {"tfm": 0.0, "hf": 0.0}
         for i, batch in enumerate(batches[args.warmup:]):
-            tfm_step(batch, i + 1)
-            hf_step(batch, i + 1)
+            for name, fn in (("tfm", tfm_step), ("hf", hf_step)):
+                sync()
+                start = time.perf_counter()
+                fn(batch, i + 1)
+                sync()
+                first_pass[name] += time.perf_counter() - start
+        first_tokens = sum(b.n_tgt_tokens for b in batches[args.warmup:])
+        print(f"first pass over the timed batches (shapes new to both, wall clock): tfm "
+              f"{first_tokens / first_pass['tfm']:.0f}, HF {first_tokens / first_pass['hf']:.0f} target tokens/s")
         print("steady state: every timed batch ran once before (kernels built for its shapes)")
     seconds = {"tfm": 0.0, "hf": 0.0}
     tokens = 0
@@ -209,19 +226,23 @@ def main() -> None:
             seconds[name] = sum(start.elapsed_time(end) for start, end in pairs) / 1000
     # As `tfm train` steps: one after the other, nothing waited for between them (its log divides
     # the tokens of log_every steps by their wall time).
-    sync()
-    start = time.perf_counter()
-    for i, batch in enumerate(batches[args.warmup:]):
-        tfm_step(batch, i + 1)
-    sync()
-    back_to_back = tokens / (time.perf_counter() - start)
+    back_to_back = {}
+    for name, fn in (("tfm", tfm_step), ("hf", hf_step)):
+        sync()
+        start = time.perf_counter()
+        for i, batch in enumerate(batches[args.warmup:]):
+            fn(batch, i + 1)
+        sync()
+        back_to_back[name] = tokens / (time.perf_counter() - start)
     tfm_rate, hf_rate = tokens / seconds["tfm"], tokens / seconds["hf"]
     print(f"timed {args.steps} steps each ({tokens:,} target tokens) after {args.warmup} warm-up steps")
     print(f"tfm           {tfm_rate:8.0f} target tokens/s")
     print(f"HF MarianMT   {hf_rate:8.0f} target tokens/s")
     print(f"ratio tfm/HF  {tfm_rate / hf_rate:8.2f}x")
-    print(f"tfm back to back, as `tfm train` steps (wall clock, no wait between steps): {back_to_back:.0f} "
-          f"target tokens/s ({back_to_back / tfm_rate:.2f}x the timed steps)")
+    print(f"tfm back to back, as `tfm train` steps (wall clock, no wait between steps): {back_to_back['tfm']:.0f} "
+          f"target tokens/s ({back_to_back['tfm'] / tfm_rate:.2f}x the timed steps)")
+    print(f"HF back to back: {back_to_back['hf']:.0f} target tokens/s; ratio back to back tfm/HF "
+          f"{back_to_back['tfm'] / back_to_back['hf']:.2f}x")
     peak, source = args.peak_tflops, "given"
     if peak is None and device.type == "cuda" and any(n in torch.cuda.get_device_name(device) for n in ("H100", "H200")):
         peak, source = (989.0 if amp_dtype else 494.5), "data sheet, dense SXM"  # bf16 / tf32 tensor cores
@@ -236,6 +257,8 @@ def main() -> None:
         for name, rate in (("tfm", tfm_rate), ("hf", hf_rate)):
             print(f"MFU {name:<4} 6·N·tokens/s = {100 * 6 * matmul * rate / (peak * 1e12):5.1f}% (N = {matmul:,} matmul "
                   "parameters: attention and FFN projections, the output projection once; no embeddings)")
+        print(f"MFU tfm back to back 6·N·tokens/s = {100 * 6 * matmul * back_to_back['tfm'] / (peak * 1e12):5.1f}% "
+              "(the steps as a training run takes them: no wait between steps)")
     print(f"attention kernels in one tfm step: {attention_kernels(tfm_step, batches[-1])}")
     for name in () if args.no_memory else ("tfm", "hf"):  # each alone in a child process, on the same batches
         child = [sys.executable, __file__, *sys.argv[1:], "--only", name]

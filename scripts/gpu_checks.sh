@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with one CUDA GPU, within a time budget (default 520 s,
 # so the whole call, wheel installs included, stays under 9 minutes). Sections, most important first:
-#   env            the GPU, torch, transformers, CTranslate2, the host CPU
-#   bench_wmt_big  scripts/bench_train.py --device cuda on configs/wmt14-en-de-big.yaml at WMT14 en-de's
-#                  sentence lengths (--synthetic wmt, no corpus): tfm vs HF MarianMT, MFU, peak GPU memory
-#                  (targets: MFU >= 30%, >= 1.3x HF)
-#   bench_wmt_base the same on configs/wmt14-en-de-base.yaml (targets: MFU >= 15%, >= 1.3x HF)
-#   train          tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
-#                  test2016, beam 5 (target: BLEU >= 41); its run directory is runs/gpu-checks/de-en-gpu,
-#                  made afresh on every call
-#   bench_base     bench_train.py on configs/de-en-gpu.yaml (the base shape on Multi30k's lengths)
-#   tests          the CUDA DDP test (torchrun, nccl)
-#   bench_small    bench_train.py on configs/de-en.yaml
-#   compile        bench_wmt_base's run with tfm through torch.compile (train.compile: true)
-#   decode         scripts/bench_engines.py --device cuda on train's checkpoint: tfm vs CTranslate2
+#   env              the GPU, torch, transformers, CTranslate2, the host CPU
+#   bench_base       scripts/bench_train.py --device cuda on configs/de-en-gpu.yaml (the base shape on
+#                    Multi30k's batches, what `train` trains): tfm vs HF MarianMT, steady state, back to
+#                    back, and the first pass over batch shapes new to both
+#   train            tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
+#                    test2016, beam 5 (target: BLEU >= 41); its run directory is runs/gpu-checks/de-en-gpu,
+#                    made afresh on every call
+#   bench_wmt_big    bench_train.py on configs/wmt14-en-de-big.yaml at WMT14 en-de's sentence lengths
+#                    (--synthetic wmt, no corpus) (targets: MFU >= 30%, >= 1.3x HF)
+#   bench_wmt_base   the same on configs/wmt14-en-de-base.yaml (targets: MFU >= 15%, >= 1.3x HF)
+#   bench_base_cudnn bench_base with SDPA allowed to pick cuDNN's attention (torch's default; tfm
+#                    leaves it out): the first pass over new shapes is where the two differ
+#   tests            the CUDA DDP test (torchrun, nccl)
+#   decode           scripts/bench_engines.py --device cuda on train's checkpoint: tfm vs CTranslate2
+#   compile          bench_wmt_base's run with tfm through torch.compile (train.compile: true)
+#   bench_small      bench_train.py on configs/de-en.yaml
 # `tfm prepare` of the two Multi30k configs runs in the background from the start, on the host's
-# cores, while the WMT-shaped benchmarks (which need no corpus) use the GPU.
+# cores. The benchmarks skip their peak-memory child runs (--no-memory) to fit the budget.
 #
 # Usage: bash scripts/gpu_checks.sh OUT_DIR [section ...]   (default: all, in the order above)
 #   BUDGET=SECONDS   the whole run's limit (520); a section gets what is left, capped at its own
@@ -29,7 +32,7 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [section ...]}
 shift
-all="env bench_wmt_big bench_wmt_base train bench_base tests bench_small compile decode"
+all="env bench_base train bench_wmt_big bench_wmt_base bench_base_cudnn tests decode compile bench_small"
 sections=${*:-$all}
 for s in $sections; do
     case " $all " in *" $s "*) ;; *) echo "gpu_checks.sh: unknown section '$s' ($all)" >&2; exit 2 ;; esac
@@ -88,7 +91,8 @@ start_prepare() {  # the three Multi30k run directories, in the background (CPU 
       tfm prepare --config configs/de-en.yaml & p1=$!
       tfm prepare --config configs/de-en-gpu.yaml & p2=$!
       tfm prepare --config configs/de-en-gpu.yaml --set run_dir="$1"; r3=$?
-      wait $p1; r1=$?; wait $p2; r2=$?; exit $((r1 || r2 || r3)); }' prepare "$train_dir" >"$work/prepare.log" 2>&1 &
+      wait $p1; r1=$?; wait $p2; r2=$?; echo $SECONDS >"$work/prepare.seconds"; exit $((r1 || r2 || r3)); }' \
+        prepare "$train_dir" >"$work/prepare.log" 2>&1 &
     prepare_pid=$!
     prepare_start=$SECONDS
 }
@@ -97,7 +101,9 @@ await_prepare() {  # 0 once the three run directories are prepared
     [ -n "$prepare_pid" ] || return 1
     if [ "$prepare_pid" != done ]; then
         wait "$prepare_pid"; prepare_rc=$?
-        printf 'prepare\t%s\t%s\t-\n' "$prepare_rc" "$((SECONDS - prepare_start))" >>"$work/sections.tsv"
+        # its own duration (the wait for it may come long after it ended)
+        printf 'prepare\t%s\t%s\t-\n' "$prepare_rc" "$(cat "$work/prepare.seconds" 2>/dev/null ||
+            echo $((SECONDS - prepare_start)))" >>"$work/sections.tsv"
         prepare_pid=done
     fi
     return "$prepare_rc"
@@ -137,7 +143,7 @@ needs_data() {  # section NAME: skipped (with the reason) when prepare failed
     return 1
 }
 
-case " $sections " in *" train "*|*" bench_base "*|*" bench_small "*|*" decode "*|*" tests "*) start_prepare ;; esac
+case " $sections " in *" train "*|*" bench_base"*|*" bench_small "*|*" decode "*|*" tests "*) start_prepare ;; esac
 bench="python3 scripts/bench_train.py --device cuda"
 for s in $sections; do
     case $s in
@@ -148,32 +154,35 @@ for s in $sections; do
             python3 -c 'import ctranslate2; print(\"ctranslate2\", ctranslate2.__version__,
             \"cuda devices\", ctranslate2.get_cuda_device_count())'"
         ;;
-    bench_wmt_big)
-        section bench_wmt_big 60 150 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 16384 --steps 30 --warmup 10"
-        ;;
-    bench_wmt_base)
-        section bench_wmt_base 45 120 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 12288 --steps 40 --warmup 10"
+    bench_base)
+        needs_data bench_base && section bench_base 30 80 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 60 --warmup 20 --no-memory"
         ;;
     train)
-        needs_data train && section train 200 300 "tfm train --config configs/de-en-gpu.yaml --set run_dir=$train_dir --set train.max_time=$train_time &&
+        needs_data train && section train 180 260 "tfm train --config configs/de-en-gpu.yaml --set run_dir=$train_dir --set train.max_time=$train_time &&
             tfm evaluate --config configs/de-en-gpu.yaml --set run_dir=$train_dir --split test --beam 5"
         ;;
-    bench_base)
-        needs_data bench_base && section bench_base 40 90 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 60 --warmup 20 --no-memory"
+    bench_wmt_big)
+        section bench_wmt_big 50 120 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 16384 --steps 30 --warmup 10 --no-memory"
+        ;;
+    bench_wmt_base)
+        section bench_wmt_base 40 90 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 12288 --steps 40 --warmup 10 --no-memory"
+        ;;
+    bench_base_cudnn)
+        needs_data bench_base_cudnn && section bench_base_cudnn 40 90 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 20 --warmup 5 --no-memory --cudnn-attention"
         ;;
     tests)
-        needs_data tests && section tests 40 120 "python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k cuda -rA"
+        needs_data tests && section tests 25 60 "python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k cuda -rA"
         ;;
-    bench_small)
-        needs_data bench_small && section bench_small 30 60 "$bench --config configs/de-en.yaml --steps 60 --warmup 20 --no-memory"
+    decode)
+        needs_data decode && section decode 60 120 "cublas12_shim; python3 scripts/bench_engines.py --device cuda --rounds 2 --batch-size 64 \
+            --checkpoint $train_dir/checkpoints/checkpoint_best.pt \
+            --src data/multi30k/test_2016_flickr.de.gz --ref data/multi30k/test_2016_flickr.en.gz"
         ;;
     compile)
         section compile 60 150 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 12288 --steps 40 --warmup 10 --no-memory --compile"
         ;;
-    decode)
-        needs_data decode && section decode 60 150 "cublas12_shim; python3 scripts/bench_engines.py --device cuda --rounds 2 --batch-size 64 \
-            --checkpoint $train_dir/checkpoints/checkpoint_best.pt \
-            --src data/multi30k/test_2016_flickr.de.gz --ref data/multi30k/test_2016_flickr.en.gz"
+    bench_small)
+        needs_data bench_small && section bench_small 30 60 "$bench --config configs/de-en.yaml --steps 60 --warmup 20 --no-memory"
         ;;
     esac
 done

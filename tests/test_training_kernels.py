@@ -53,3 +53,24 @@ def test_the_training_forward_compiles_as_one_graph():
         assert explained.graph_break_count == 0, [str(b.reason).splitlines()[0] for b in explained.break_reasons]
         assert explained.graph_count == 1
     torch._dynamo.reset()
+
+
+def test_cuda_attention_is_chosen_among_kernels_that_build_nothing_per_shape():
+    """On CUDA tfm leaves cuDNN's attention out of SDPA's choice (it builds a graph per new batch
+    shape, kernels.leave_out_cudnn_attention); flash and memory-efficient attention stay, and the
+    switch restores torch's default. A CPU device changes nothing."""
+    from transformer_cli.devices import resolve_device
+    from transformer_cli.kernels import leave_out_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        leave_out_cudnn_attention(False)
+        resolve_device("cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        leave_out_cudnn_attention()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        leave_out_cudnn_attention(False)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

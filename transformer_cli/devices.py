@@ -8,6 +8,7 @@ from typing import TypeVar
 import torch
 
 from .errors import TfmError
+from .kernels import leave_out_cudnn_attention
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -16,13 +17,16 @@ R = TypeVar("R")
 def resolve_device(name: str) -> torch.device:
     """`auto` (CUDA when present), `cpu`, `cuda`, `cuda:N`; anything else is a one-line TfmError."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise TfmError(f"device {name!r} was asked for, but CUDA is not available on this machine")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError:
         raise TfmError(f"{name!r} is not a device (use auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        leave_out_cudnn_attention()  # kernels.py says why
+    return device
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -21,6 +21,23 @@ def causal_mask(length: int, device: torch.device | None = None) -> torch.Tensor
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
 
 
+def leave_out_cudnn_attention(leave_out: bool = True) -> None:
+    """On CUDA, let F.scaled_dot_product_attention choose among flash, memory-efficient and math
+    attention only (process-wide; `leave_out=False` restores torch's default).
+
+    Recent torch builds try cuDNN's attention first on Hopper GPUs. cuDNN builds (and autotunes)
+    an execution graph for every new (B, H, Tq, Tk) and mask kind, hundreds of milliseconds each,
+    and its per-call host cost is higher. Translation batches come in dozens of shapes (Multi30k
+    at 8k tokens: ~50 shapes per run, x 3 attention kinds x forward and backward): on an H200 a 150-second
+    run spent its first 35 s at a seventh of its later speed, and every validation decoded new
+    shapes again (cuDNN's graph builds are the likely cause: ~300 graphs at a few hundred ms each;
+    `scripts/bench_train.py --cudnn-attention` times the first pass over new shapes both ways).
+    Flash attention takes decoder self-attention (`is_causal`), the memory-efficient kernel a
+    key-padding mask; neither builds anything per shape.
+    """
+    torch.backends.cuda.enable_cudnn_sdp(not leave_out)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
            is_causal: bool = False, dropout: float = 0.0, training: bool = False, need_weights: bool = False,
            prescaled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
