@@ -287,3 +287,52 @@ def test_device_cuda_without_a_gpu_is_one_line(checkpoint):
         pytest.skip("this machine has a GPU")
     result = tfm_in_process("translate", "--checkpoint", checkpoint, "--device", "cuda", input=LINES)
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "CUDA" in result.stderr, result.stderr
+
+
+class BrokenOnTheGpu:
+    """A real CTranslate2 translator (on the CPU) that fails as PyPI's CUDA 12 build does on a CUDA 13
+    machine: the model loads, translating raises. `after`: calls that still work first."""
+
+    def __init__(self, translator, after: int):
+        self.translator, self.after = translator, after
+
+    def translate_batch(self, *args, asynchronous: bool = False, **kwargs):
+        results = self.translator.translate_batch(*args, asynchronous=asynchronous, **kwargs)
+        self.after -= 1
+        if self.after >= 0:
+            return results
+        if not asynchronous:
+            raise RuntimeError("Library libcublas.so.12 is not found or cannot be loaded")
+        return [Failing() for _ in results]  # as CTranslate2's threads report it: from the result
+
+
+class Failing:
+    def result(self):
+        raise RuntimeError("Library libcublas.so.12 is not found or cannot be loaded")
+
+
+@pytest.mark.parametrize("works_first", [0, 1])
+def test_a_ctranslate2_that_cannot_translate_on_the_gpu_gives_way_or_one_line(checkpoint, monkeypatch, works_first):
+    """A GPU that CTranslate2 sees but cannot translate on (a missing cuBLAS, found only at the first
+    translation; no GPU here, so its device count and the failure are simulated around the real
+    library). auto checks with one token at open and translates with tfm's engine instead, saying why;
+    --engine ctranslate2 stops with that line; a failure after the check is one line, not a traceback."""
+    real = ctranslate2.Translator
+    monkeypatch.setattr(ctranslate2, "get_cuda_device_count", lambda: 1)
+    supported = ctranslate2.get_supported_compute_types
+    monkeypatch.setattr(ctranslate2, "get_supported_compute_types",
+                        lambda device: {"float32", "float16"} if device == "cuda" else supported(device))
+    monkeypatch.setattr(ctranslate2, "Translator", lambda path, device, compute_type, **kw: BrokenOnTheGpu(
+        real(path, device="cpu", compute_type="float32", **kw), works_first))
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, input=LINES)
+    if works_first:  # the check passed; the translation itself fails
+        assert result.exit_code == 2 and "Traceback" not in result.stderr
+        assert "error: CTranslate2 failed on cuda: Library libcublas.so.12 is not found" in result.stderr
+        return
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.count("\n") == LINES.count("\n")
+    assert ("engine: torch (CTranslate2 cannot translate on cuda here (Library libcublas.so.12 is not found or "
+            "cannot be loaded))") in result.stderr
+    explicit = tfm_in_process("translate", "--engine", "ctranslate2", "--checkpoint", checkpoint, input=LINES)
+    assert explicit.exit_code == 2 and "--engine ctranslate2: CTranslate2 cannot translate on cuda" in explicit.stderr
+    assert "Traceback" not in explicit.stderr

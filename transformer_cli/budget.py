@@ -205,6 +205,8 @@ def decoding_memory_limit(decode: DecodeConfig, device: Any = None) -> int | Non
     if getattr(device, "type", device) == "cuda":  # a torch.device, or "cuda" (CTranslate2's engine)
         import torch
 
+        if not torch.cuda.is_available():  # CTranslate2 sees the GPU, this torch build does not
+            return None
         free, _ = torch.cuda.mem_get_info(device)
         return free // 2
     available = available_memory()

@@ -575,6 +575,12 @@ def resolve_compute_type(compute_type: str, device: str, supported: set[str]) ->
     return next((c for c in preferred if c in supported), "default")
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message for a one-line error: its first line, or its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class CT2Translator(TranslationEngine):
     """A CTranslate2 model directory (`tfm export`, or the conversion `decode.engine: auto` caches:
     ct2_cache.py) as a TranslationEngine, so `translate_stream` gives the same streaming, order,
@@ -667,12 +673,31 @@ class CT2Translator(TranslationEngine):
                 str(self.model_dir), device=self.device, compute_type=self.compute_type,
                 inter_threads=workers, intra_threads=1 if workers > 1 else self.threads)
         except (RuntimeError, ValueError, OSError) as exc:  # what read_export could not see
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise TfmError(f"{self.model_dir}: CTranslate2 cannot load this model ({reason})") from None
+            raise TfmError(f"{self.model_dir}: CTranslate2 cannot load this model ({first_line(exc)})") from None
         finally:
             if loaded_torch is not None:
                 loaded_torch.set_num_threads(torch_threads)
         self._workers = workers
+        if self.device == "cuda":
+            self._check_it_runs()
+
+    def _check_it_runs(self) -> None:
+        """CTranslate2 loads some GPU libraries (cuBLAS) only when it first translates: a wheel built
+        for another CUDA major version (PyPI's links CUDA 12's cuBLAS) loads the model, then fails
+        mid-translation. One token translated now makes that a TfmError at open(), where auto falls
+        back to tfm's engine (engine.open_engine)."""
+        piece = self.src_sp.id_to_piece(self.src_sp.get_piece_size() - 1)
+        try:
+            self._translator.translate_batch([[piece]], beam_size=1, max_decoding_length=1)
+        except RuntimeError as exc:
+            self._translator = None
+            raise TfmError(f"CTranslate2 cannot translate on {self.device} here ({first_line(exc)})") from None
+
+    def _submit(self, pieces: list[list[str]], **options: Any) -> Any:
+        try:
+            return self._translator.translate_batch(pieces, **options)
+        except RuntimeError as exc:  # e.g. out of GPU memory: a line, not a traceback
+            raise TfmError(f"CTranslate2 failed on {self.device}: {first_line(exc)}") from None
 
     def tokenize(self, lines: list[str]) -> list[list[str]]:
         return self.src_sp.encode(lines, out_type=str)
@@ -719,17 +744,20 @@ class CT2Translator(TranslationEngine):
             if forced:
                 limit = min(max(limit, max(map(len, forced)) + 1), self.max_input_length)
             # Asynchronous: with several workers (inter_threads) CTranslate2 decodes batches in parallel.
-            submitted.append((batch, self._translator.translate_batch(
+            submitted.append((batch, self._submit(
                 [pieces[i] for i in batch], beam_size=beam, num_hypotheses=nbest,
                 length_penalty=decode.length_penalty if beam > 1 else 0.0,
                 max_decoding_length=max(limit, 1), max_input_length=self.max_input_length,
                 target_prefix=forced, return_scores=nbest > 1, asynchronous=True)))  # scores cost ~4% of greedy's time
 
-        def collect() -> list[list[Hypothesis]]:
+        def collect() -> list[list[Hypothesis]]:  # (the failures of CTranslate2's threads come out here)
             results: list[list[Hypothesis]] = [[] for _ in pieces]
             for batch, futures in submitted:
                 for i, future in zip(batch, futures):
-                    result = future.result()
+                    try:
+                        result = future.result()
+                    except RuntimeError as exc:  # e.g. out of GPU memory: a line, not a traceback
+                        raise TfmError(f"CTranslate2 failed on {self.device}: {first_line(exc)}") from None
                     scores = result.scores or [math.nan] * len(result.hypotheses)  # one hypothesis: not asked for
                     results[i] = [Hypothesis(tokens, score) for tokens, score in zip(result.hypotheses, scores)]
             return results
