@@ -174,6 +174,49 @@ def test_accumulation_all_reduces_once_per_update_and_overlaps_backward(multi30k
                 assert events_of_backward.index("allreduce") < last_grad, "no all-reduce before backward ended"
 
 
+def _rank_counting_reads(rank: int, world_size: int, port: int, raw: dict, log_dir: str) -> None:
+    """One rank under tests/test_host_sync.py's counter of tensor-value reads, with the stop decision
+    counted as part of the step (it runs after every update)."""
+    from tests.test_host_sync import ScalarReads
+    from transformer_cli.batch_stream import CollatedUpdates
+    from transformer_cli.train import Trainer
+
+    inside = [False]
+
+    def within_step(method):
+        def wrapped(*args, **kwargs):
+            inside[0] = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                inside[0] = False
+        return wrapped
+
+    for owner, name in ((Trainer, "loss_step"), (Trainer, "update"), (Trainer, "set_learning_rate"),
+                        (Trainer, "stop_decision"), (CollatedUpdates, "next")):
+        setattr(owner, name, within_step(getattr(owner, name)))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    with ScalarReads(inside) as mode:
+        summary = train(config_from_dict(raw), progress_bar=False)
+    Path(log_dir, f"reads{rank}.json").write_text(json.dumps({"steps": summary.steps, "reads": mode.reads}))
+
+
+def test_several_processes_agree_on_stopping_without_a_step_reading_a_tensor(multi30k_2k, tmp_path):
+    """Each step's stop vote (clock, signals) is all-reduced in the background on a CPU gloo group
+    and read a step later (StopVote): no rank reads a tensor value inside a step, where an
+    all-reduced device tensor read back would make every step wait for its own backward on a GPU.
+    The reads at log points remain (the counter sees them)."""
+    raw = ddp_config(multi30k_2k, tmp_path / "ddp", steps=6, log_every=3)
+    mp.spawn(_rank_counting_reads, args=(2, free_port(), raw, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"reads{rank}.json").read_text())
+        assert record["steps"] == 6
+        assert record["reads"], "the counter saw no reads at all"
+        assert not any(record["reads"]), f"rank {rank}: {sum(record['reads'])} tensor value(s) read inside steps"
+
+
 def test_torchrun_resume_continues_exactly_even_with_another_process_count(multi30k_2k, tmp_path):
     straight = ddp_config(multi30k_2k, tmp_path / "straight", steps=6, eval_every=3)
     proc = torchrun(["--standalone", "--nproc-per-node", "2"], straight, tmp_path, "straight")

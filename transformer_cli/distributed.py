@@ -67,6 +67,41 @@ def all_max(value: int, world: World, device: torch.device) -> int:
     return int(tensor.item())
 
 
+class StopVote:
+    """Every rank's stop request (0 go on, 1 stop, 2 save and stop), agreed on without the training
+    step waiting for anything: each step's request goes out in a background all-reduce (MAX) of a
+    CPU tensor over a gloo group of its own, so no device stream is involved (on CUDA an NCCL
+    all-reduce read back with `.item()` waits for the step's whole backward), and the agreed value
+    is read one step later, long arrived. Every rank reads the same step's vote, so all stop after
+    the same update: the one after the request."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.group = dist.new_group(backend="gloo") if world.enabled else None
+        self.pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def agree(self, request: int) -> int:
+        """The agreed request of the previous step (a world of one: this one's, at once)."""
+        if not self.world.enabled:
+            return request
+        vote = torch.tensor([request], dtype=torch.int64)
+        work = dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        previous, self.pending = self.pending, (work, vote)
+        return 0 if previous is None else self._read(previous)
+
+    def close(self) -> None:
+        """The last vote collected (every rank sent it): after the run's last step."""
+        if self.pending is not None:
+            self._read(self.pending)
+            self.pending = None
+
+    @staticmethod
+    def _read(pending: tuple[dist.Work, torch.Tensor]) -> int:
+        work, vote = pending
+        work.wait()
+        return int(vote.numpy()[0])
+
+
 def all_sum(values: list[float], world: World, device: torch.device) -> list[float]:
     if not world.enabled:
         return values

@@ -37,6 +37,7 @@ from .special_tokens import PAD_ID
 from .batches import ParallelData, padding_ratio
 from .devices import is_out_of_memory, resolve_device
 from .distributed import (
+    StopVote,
     World,
     all_max,
     all_rng_states,
@@ -278,6 +279,7 @@ class Trainer:
         forward_model = self.ddp or self.model
         self.forward_model = torch.compile(forward_model) if self.train_cfg.compile else forward_model
         self.ledger = StepLedger(device, self.progress.bad_steps)  # what steps leave on the device
+        self.stop_vote = StopVote(world)
         self.updates = training_updates(self.train_data, self.train_cfg, self.progress, world, device)
 
     # -- building (reads only)
@@ -351,6 +353,7 @@ class Trainer:
                         stop_reason = self.evaluate_and_save(stop_reason)
                     elif self.train_cfg.save_every and self.progress.step % self.train_cfg.save_every == 0:
                         self.save_checkpoints(None)
+                self.stop_vote.close()
             finally:
                 self.updates.close()
                 self.console.close_bar()
@@ -431,11 +434,13 @@ class Trainer:
     def stop_decision(self, stop: StopRequest) -> str:
         """Why training stops after this step ("" to go on). A signal saves and raises Interrupted.
         Decisions that can differ between processes (clock, signals) are agreed on: the largest
-        request wins, so every process stops after the same step."""
+        request wins, so every process stops after the same step (with several processes the step
+        after the request: StopVote reads each vote a step later, so no step waits for it)."""
         max_time = parse_duration(self.train_cfg.max_time) if self.train_cfg.max_time is not None else math.inf
         request = 2 if stop.signum is not None else int(self.progress.elapsed >= max_time)
-        request = all_max(request, self.world, self.device)
+        request = self.stop_vote.agree(request)  # several processes: the previous step's, agreed
         if request == 2:
+            self.stop_vote.close()
             self.save_checkpoints(None)
             self.console.close_bar()
             signum = stop.signum or signal.SIGTERM
