@@ -234,6 +234,8 @@ def main() -> None:
             fn(batch, i + 1)
         sync()
         back_to_back[name] = tokens / (time.perf_counter() - start)
+    if not args.synthetic and not args.compile:
+        loop_rate = trainer_loop_rate(config, device, args.steps)
     tfm_rate, hf_rate = tokens / seconds["tfm"], tokens / seconds["hf"]
     print(f"timed {args.steps} steps each ({tokens:,} target tokens) after {args.warmup} warm-up steps")
     print(f"tfm           {tfm_rate:8.0f} target tokens/s")
@@ -243,6 +245,10 @@ def main() -> None:
           f"target tokens/s ({back_to_back['tfm'] / tfm_rate:.2f}x the timed steps)")
     print(f"HF back to back: {back_to_back['hf']:.0f} target tokens/s; ratio back to back tfm/HF "
           f"{back_to_back['tfm'] / back_to_back['hf']:.2f}x")
+    if not args.synthetic and not args.compile:
+        print(f"tfm train's own loop (its batches collated ahead, clip, skip check, step ledger; no logging or "
+              f"validation), back to back: {loop_rate:.0f} target tokens/s ({loop_rate / back_to_back['tfm']:.2f}x "
+              "the bench's steps back to back)")
     peak, source = args.peak_tflops, "given"
     if peak is None and device.type == "cuda" and any(n in torch.cuda.get_device_name(device) for n in ("H100", "H200")):
         peak, source = (989.0 if amp_dtype else 494.5), "data sheet, dense SXM"  # bf16 / tf32 tensor cores
@@ -265,6 +271,43 @@ def main() -> None:
         out = subprocess.run(child, capture_output=True, text=True)
         lines = [line for line in out.stdout.splitlines() if line.startswith("peak ")]
         print(lines[-1] if lines else f"peak {name}: the child failed: {out.stderr.strip()[-300:]}")
+
+
+def trainer_loop_rate(config, device: torch.device, steps: int) -> float:
+    """Target tokens/s of `tfm train`'s own Trainer (train.py) over `steps` updates back to back, after
+    as many untimed ones (shapes seen): what its log reports, minus logging and validation. It trains
+    in a temporary run directory that links the prepared data (a trained run_dir is not touched)."""
+    import tempfile
+    from pathlib import Path
+
+    from transformer_cli.distributed import World
+    from transformer_cli.train import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for entry in config.run_path.iterdir():
+            if entry.name not in ("checkpoints", "metrics.jsonl", "eval", "config.yaml", "tensorboard"):
+                Path(tmp, entry.name).symlink_to(entry.resolve())
+        trainer = Trainer(config.model_copy(update={"run_dir": tmp}), World(), device, resume=False,
+                          progress_bar=False, on_step=None)
+        trainer.model.train()
+        trainer.started = time.perf_counter()  # what Trainer.run sets before its loop
+        try:
+            for timed in (False, True):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start, tokens = time.perf_counter(), 0
+                for _ in range(steps):
+                    update = trainer.updates.next()
+                    trainer.set_learning_rate()
+                    step = trainer.loss_step(update)
+                    trainer.update(step)
+                    tokens += step.tokens
+                trainer.ledger.read(new_window=True)  # the one wait for the device, as at a log point
+                if timed:
+                    return tokens / (time.perf_counter() - start)
+        finally:
+            trainer.updates.close()
+    raise AssertionError("unreachable")
 
 
 # WMT14 en-de after a 32k joint BPE: sentence lengths in subword tokens average about 27, with a

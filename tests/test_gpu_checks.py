@@ -179,3 +179,21 @@ def test_bench_train_measures_each_toolkit_alone_in_a_child():
     assert peak and 0.05 < float(peak.group(1)) < 8, run.stdout
     assert "target tokens/s" not in run.stdout  # a child only trains: no timing, no HF
 
+
+
+def test_bench_train_runs_tfm_trains_own_loop_beside_its_steps(tiny_prepared, tmp_path):
+    """On a prepared run bench_train.py also times `tfm train`'s own Trainer loop (collated ahead,
+    clip, skip check, ledger) over the run's batches, in a temporary run directory: a run that has
+    trained already is read, never written."""
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=4)
+    trained = tfm("train", "--config", config)
+    assert trained.returncode == 0, trained.stderr
+    run = tmp_path / "run"
+    before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
+    bench = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", str(config), "--device", "cpu",
+                            "--steps", "3", "--warmup", "1", "--max-tokens", "256", "--precision", "fp32", "--no-memory"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    figures = script_module("gpu_summary").bench_figures(bench.stdout)
+    assert figures["train_loop"] > 0 and figures["back_to_back"] > 0
+    assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
