@@ -37,7 +37,7 @@ from transformer_cli.config import load_config
 from transformer_cli.cpu import keep_freed_memory, limit_training_kernel_cache
 from transformer_cli.special_tokens import PAD_ID
 from transformer_cli.batches import ParallelData
-from transformer_cli.kernels import leave_out_cudnn_attention
+from transformer_cli.kernels import compile_for_training, leave_out_cudnn_attention
 from transformer_cli.loss import batch_loss
 from transformer_cli.precision import autocast_dtype, choose_precision
 from transformer_cli.rundir import RunDirectory
@@ -117,7 +117,7 @@ def main() -> None:
     smoothing = config.train.label_smoothing
 
     tfm = tfm_model(config, vocab).to(device).train() if args.only != "hf" else None
-    tfm_forward = torch.compile(tfm) if tfm is not None and args.compile else tfm
+    tfm_forward = compile_for_training(tfm) if tfm is not None and args.compile else tfm
     hf = hf_model(config, vocab).to(device).train() if args.only != "tfm" else None
     print(machine_line(device))
     print(f"shape: d_model {config.model.d_model}, heads {config.model.n_heads}, layers "

@@ -55,6 +55,33 @@ def test_the_training_forward_compiles_as_one_graph():
     torch._dynamo.reset()
 
 
+def test_training_compiles_once_for_batches_of_every_shape():
+    """Batches of three shapes through `train.compile`'s wrapper (dynamo's graph capture with the
+    eager backend: what is compiled, without the compiler's minutes): one graph for all of them;
+    torch.compile's default would specialise on the first shape and compile a second graph."""
+    from torch._dynamo.utils import counters
+
+    from transformer_cli.kernels import compile_for_training
+
+    cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=4, enc_layers=1, dec_layers=1,
+                            d_ff=64, pad_id=0, dropout=0.1)
+    rng = np.random.default_rng(0)
+    graphs = {}
+    for dynamic in (True, None):
+        torch._dynamo.reset()
+        counters.clear()
+        model = Transformer(cfg).train()
+        compiled = compile_for_training(model, backend="eager") if dynamic else torch.compile(model, backend="eager")
+        for rows, src_len, tgt_len in ((3, 5, 6), (4, 9, 7), (2, 12, 11)):
+            batch = collate([rng.integers(4, 50, src_len) for _ in range(rows)],
+                            [rng.integers(4, 50, tgt_len) for _ in range(rows)])
+            loss, _ = batch_loss(compiled, batch, 0.1)
+            loss.backward()
+        graphs[dynamic] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == {True: 1, None: 2}
+
+
 def test_cuda_attention_is_chosen_among_kernels_that_build_nothing_per_shape():
     """On CUDA tfm leaves cuDNN's attention out of SDPA's choice (it builds a graph per new batch
     shape, kernels.leave_out_cudnn_attention); flash and memory-efficient attention stay, and the

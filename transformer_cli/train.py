@@ -48,6 +48,7 @@ from .distributed import (
 )
 from .batch_stream import BatchStream, CollatedUpdates, Update
 from .ema import WeightAverage
+from .kernels import compile_for_training
 from .step_health import StepLedger, gradient_norm
 from .errors import Interrupted, TfmError
 from .files import atomic_write_text, remove_stale_temps
@@ -277,7 +278,7 @@ class Trainer:
         self.ddp = (DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
                     if world.enabled else None)
         forward_model = self.ddp or self.model
-        self.forward_model = torch.compile(forward_model) if self.train_cfg.compile else forward_model
+        self.forward_model = compile_for_training(forward_model) if self.train_cfg.compile else forward_model
         self.ledger = StepLedger(device, self.progress.bad_steps)  # what steps leave on the device
         self.stop_vote = StopVote(world)
         self.updates = training_updates(self.train_data, self.train_cfg, self.progress, world, device)
