@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sentencepiece as spm
+import torch
 
 from transformer_cli.config import config_from_dict
 from transformer_cli.batches import ParallelData, TokenArray, token_batches
@@ -114,6 +115,28 @@ def test_token_batches_respect_budget_and_cover_everything(prepared):
     assert (batch.tgt_in[:, 0] == BOS_ID).all()
     assert ((batch.tgt_out == EOS_ID).sum(dim=1) == 1).all()
     assert json.loads((config.run_path / "prepare.json").read_text())["special_ids"]["pad"] == PAD_ID
+
+
+def test_a_batch_is_its_sentences_padded_row_by_row(prepared):
+    """ParallelData.collate gathers a batch's sentences in one scatter from the memory-mapped
+    arrays; each row must be exactly its own sentence with <eos> (source, target out) or <bos>
+    (target in) and then padding, the counts and loss positions those of the real tokens."""
+    config, _ = prepared
+    data = ParallelData(config.run_path, "train")
+    for indices in token_batches(data.src.lengths, data.tgt.lengths, 1024, seed=5)[:20]:
+        batch = data.collate(indices)
+        assert batch.src.dtype == batch.tgt_in.dtype == torch.int64
+        for row, i in enumerate(indices):
+            src, tgt = [int(t) for t in data.src[i]], [int(t) for t in data.tgt[i]]
+            pad = lambda ids, width: ids + [PAD_ID] * (width - len(ids))  # noqa: E731
+            assert batch.src[row].tolist() == pad(src + [EOS_ID], batch.src.size(1))
+            assert batch.tgt_in[row].tolist() == pad([BOS_ID] + tgt, batch.tgt_in.size(1))
+            assert batch.tgt_out[row].tolist() == pad(tgt + [EOS_ID], batch.tgt_out.size(1))
+        assert batch.src.size(1) == max(data.src.lengths[indices]) + 1
+        assert batch.n_tgt_tokens == int(data.tgt.lengths[indices].sum()) + len(indices) == len(batch.rows)
+        assert batch.n_src_tokens == int(data.src.lengths[indices].sum()) + len(indices)
+        assert torch.equal(batch.targets, batch.tgt_out.view(-1)[batch.rows])
+        assert (batch.targets != PAD_ID).all()
 
 
 def _prepared_arrays(run_dir) -> dict[str, bytes]:

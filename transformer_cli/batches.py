@@ -42,6 +42,16 @@ class TokenArray:
         """(N,) int32 sentence lengths, computed once (an epoch's batching reads them)."""
         return np.diff(self.offsets).astype(np.int32)
 
+    def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sentences `indices` as (their tokens end to end (N,) int64, their lengths (B,)): one
+        fancy index into the memory-mapped tokens instead of a memmap slice per sentence."""
+        indices = np.asarray(indices, dtype=np.int64)
+        starts = self.offsets[indices].astype(np.int64)
+        lengths = self.offsets[indices + 1].astype(np.int64) - starts
+        first = np.cumsum(lengths) - lengths  # where each sentence starts in the result
+        positions = np.repeat(starts - first, lengths) + np.arange(int(lengths.sum()))
+        return np.asarray(self.tokens[positions], dtype=np.int64), lengths
+
     @classmethod
     def load(cls, stem: Path) -> TokenArray:
         paths = [array_path(stem, name) for name in ("tokens", "offsets")]
@@ -75,32 +85,55 @@ class Batch:
                      pin(self.rows), pin(self.targets))
 
 
+def pad_flat(tokens: np.ndarray, lengths: np.ndarray, prefix: int | None = None,
+             suffix: int | None = None) -> torch.Tensor:
+    """Sequences given as their tokens end to end (N,) and their lengths (B,) → a right-padded
+    (B, max_len + extra) LongTensor, each with an optional first/last token: one scatter of all
+    tokens, not a loop over rows. (A training batch has hundreds of rows, and on a GPU the thread
+    that collates ahead holds Python's lock for as long as it loops, while the training thread
+    waits for it to queue its kernels.)"""
+    start = int(prefix is not None)
+    width = int(lengths.max(initial=0)) + start + int(suffix is not None)
+    out = np.full((len(lengths), width), PAD_ID, dtype=np.int64)
+    if prefix is not None:
+        out[:, 0] = prefix
+    if len(tokens):
+        rows = np.repeat(np.arange(len(lengths)), lengths)  # (N,) each token's row
+        first = np.repeat(np.cumsum(lengths) - lengths, lengths)  # (N,) the flat index of its row's first token
+        out[rows, np.arange(len(tokens)) - first + start] = tokens
+    if suffix is not None:
+        out[np.arange(len(lengths)), start + lengths] = suffix
+    return torch.from_numpy(out)
+
+
+def flatten(seqs: list[np.ndarray] | list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Sequences → (their tokens end to end (N,), their lengths (B,))."""
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs]) if lengths.sum() else np.zeros(0, np.int64)
+    return tokens, lengths
+
+
 def pad_batch(seqs: list[np.ndarray] | list[list[int]], prefix: int | None = None,
               suffix: int | None = None) -> torch.Tensor:
     """Right-pad id sequences with PAD_ID into a (B, max_len) LongTensor, optionally adding a
     first/last token to each: the one padding of batches for training, decoding and attention maps."""
-    extra = (prefix is not None) + (suffix is not None)
-    width = max(len(s) for s in seqs) + extra
-    out = np.full((len(seqs), width), PAD_ID, dtype=np.int64)
-    for row, seq in enumerate(seqs):
-        start = 0
-        if prefix is not None:
-            out[row, 0] = prefix
-            start = 1
-        out[row, start : start + len(seq)] = seq
-        if suffix is not None:
-            out[row, start + len(seq)] = suffix
-    return torch.from_numpy(out)
+    return pad_flat(*flatten(seqs), prefix=prefix, suffix=suffix)
+
+
+def collate_flat(src: tuple[np.ndarray, np.ndarray], tgt: tuple[np.ndarray, np.ndarray]) -> Batch:
+    """A batch from its sources and targets, each as (tokens end to end, lengths) (`flatten`)."""
+    src_t = pad_flat(*src, suffix=EOS_ID)
+    tgt_in = pad_flat(*tgt, prefix=BOS_ID)
+    tgt_out = pad_flat(*tgt, suffix=EOS_ID)
+    flat = tgt_out.view(-1)
+    rows = (flat != PAD_ID).nonzero().squeeze(1)
+    batch_size = len(tgt[1])
+    return Batch(src_t, tgt_in, tgt_out, int(tgt[1].sum()) + batch_size, int(src[1].sum()) + len(src[1]),
+                 rows, flat.index_select(0, rows))
 
 
 def collate(src: list[np.ndarray], tgt: list[np.ndarray]) -> Batch:
-    src_t = pad_batch(src, suffix=EOS_ID)
-    tgt_in = pad_batch(tgt, prefix=BOS_ID)
-    tgt_out = pad_batch(tgt, suffix=EOS_ID)
-    flat = tgt_out.view(-1)
-    rows = (flat != PAD_ID).nonzero().squeeze(1)
-    return Batch(src_t, tgt_in, tgt_out, int(sum(len(t) + 1 for t in tgt)), int(sum(len(s) + 1 for s in src)),
-                 rows, flat.index_select(0, rows))
+    return collate_flat(flatten(src), flatten(tgt))
 
 
 def token_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, seed: int) -> list[np.ndarray]:
@@ -162,7 +195,7 @@ class ParallelData:
         return [drawn[b] for b in token_batches(self.src.lengths[drawn], self.tgt.lengths[drawn], max_tokens, seed)]
 
     def collate(self, indices: np.ndarray) -> Batch:
-        return collate([self.src[i] for i in indices], [self.tgt[i] for i in indices])
+        return collate_flat(self.src.gather(indices), self.tgt.gather(indices))
 
     def iterate(self, max_tokens: int, seed: int) -> Iterator[Batch]:
         for indices in self.batches(max_tokens, seed):
