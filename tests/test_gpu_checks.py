@@ -151,8 +151,7 @@ def test_bench_train_runs_the_wmt_shape_on_synthetic_batches(tmp_path):
     the table reads its figures as it printed them."""
     run = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/wmt14-en-de-base.yaml",
                           "--synthetic", "wmt", "--device", "cpu", "--steps", "3", "--warmup", "1",
-                          "--max-tokens", "512", "--precision", "fp32", "--no-memory", "--steady-state"],
-                         capture_output=True, text=True,
+                          "--max-tokens", "512", "--precision", "fp32", "--no-memory"], capture_output=True, text=True,
                          cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "ratio tfm/HF" in run.stdout and "6·N·tokens/s" in run.stdout and "vocab 32000" in run.stdout
@@ -160,9 +159,7 @@ def test_bench_train_runs_the_wmt_shape_on_synthetic_batches(tmp_path):
     printed_ratio = float(re.search(r"^ratio tfm/HF\s+([0-9.]+)x", run.stdout, flags=re.MULTILINE).group(1))
     assert figures["ratio"] == printed_ratio and figures["tfm"] > 0 and figures["hf"] > 0
     assert figures["mfu_tfm"] is not None and figures["back_to_back"] > 0
-    # what a run pays for shapes new to it, and both toolkits back to back (as training runs)
-    assert figures["first_tfm"] > 0 and figures["first_hf"] > 0
-    assert figures["ratio_back_to_back"] > 0 and figures["mfu_back_to_back"] is not None
+    assert figures["ratio_back_to_back"] > 0 and figures["mfu_back_to_back"] is not None  # both, as training runs
     # fp32 on CPU: torch's fused attention, forward and backward, in every layer's attention
     kernels = script_module("gpu_summary").attention_kernels(run.stdout)
     assert kernels is not None and "scaled_dot_product" in kernels, kernels
@@ -191,9 +188,11 @@ def test_bench_train_runs_tfm_trains_own_loop_beside_its_steps(tiny_prepared, tm
     run = tmp_path / "run"
     before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
     bench = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", str(config), "--device", "cpu",
-                            "--steps", "3", "--warmup", "1", "--max-tokens", "256", "--precision", "fp32", "--no-memory"],
+                            "--steps", "3", "--warmup", "1", "--max-tokens", "256", "--precision", "fp32", "--no-memory",
+                            "--steady-state"],
                            capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert bench.returncode == 0, bench.stderr[-2000:]
     figures = script_module("gpu_summary").bench_figures(bench.stdout)
     assert figures["train_loop"] > 0 and figures["back_to_back"] > 0
+    assert figures["first_tfm"] > 0 and figures["first_hf"] > 0  # what a run pays for shapes new to it
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
