@@ -177,24 +177,11 @@ def test_accumulation_all_reduces_once_per_update_and_overlaps_backward(multi30k
 def _rank_counting_reads(rank: int, world_size: int, port: int, raw: dict, log_dir: str) -> None:
     """One rank under tests/test_host_sync.py's counter of tensor-value reads, with the stop decision
     counted as part of the step (it runs after every update)."""
-    from tests.test_host_sync import ScalarReads
-    from transformer_cli.batch_stream import CollatedUpdates
+    from tests.test_host_sync import STEP_METHODS, ScalarReads, mark_steps
     from transformer_cli.train import Trainer
 
     inside = [False]
-
-    def within_step(method):
-        def wrapped(*args, **kwargs):
-            inside[0] = True
-            try:
-                return method(*args, **kwargs)
-            finally:
-                inside[0] = False
-        return wrapped
-
-    for owner, name in ((Trainer, "loss_step"), (Trainer, "update"), (Trainer, "set_learning_rate"),
-                        (Trainer, "stop_decision"), (CollatedUpdates, "next")):
-        setattr(owner, name, within_step(getattr(owner, name)))
+    mark_steps(inside, (*STEP_METHODS, (Trainer, "stop_decision")))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

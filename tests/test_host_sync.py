@@ -29,15 +29,12 @@ class ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("clip_norm, ema", [(1.0, None), (0.0, 0.999)])
-def test_no_training_step_reads_a_tensor_value(tiny_prepared, tmp_path, monkeypatch, clip_norm, ema):
-    """20 updates, logged every 10: the next batches, the learning rate, forward and backward, the
-    clip, the non-finite check, the optimizer and the moving average read no tensor value; the
-    reads all fall at log, checkpoint and validation points (and there are some: the mode sees them)."""
-    config = load_config(tiny_run(tiny_prepared, tmp_path, max_steps=20, log_every=10, eval_every=1000,
-                                  clip_norm=clip_norm, ema_decay=ema))
-    inside = [False]
+STEP_METHODS = ((Trainer, "loss_step"), (Trainer, "update"), (Trainer, "set_learning_rate"), (CollatedUpdates, "next"))
 
+
+def mark_steps(inside: list[bool], methods=STEP_METHODS, assign=setattr) -> None:
+    """Wrap each (class, method) so that `inside[0]` is True while it runs (`assign`: how to set
+    the wrapper, e.g. monkeypatch.setattr)."""
     def within_step(method):
         def wrapped(*args, **kwargs):
             inside[0] = True
@@ -47,9 +44,19 @@ def test_no_training_step_reads_a_tensor_value(tiny_prepared, tmp_path, monkeypa
                 inside[0] = False
         return wrapped
 
-    for owner, name in ((Trainer, "loss_step"), (Trainer, "update"), (Trainer, "set_learning_rate"),
-                        (CollatedUpdates, "next")):
-        monkeypatch.setattr(owner, name, within_step(getattr(owner, name)))
+    for owner, name in methods:
+        assign(owner, name, within_step(getattr(owner, name)))
+
+
+@pytest.mark.parametrize("clip_norm, ema", [(1.0, None), (0.0, 0.999)])
+def test_no_training_step_reads_a_tensor_value(tiny_prepared, tmp_path, monkeypatch, clip_norm, ema):
+    """20 updates, logged every 10: the next batches, the learning rate, forward and backward, the
+    clip, the non-finite check, the optimizer and the moving average read no tensor value; the
+    reads all fall at log, checkpoint and validation points (and there are some: the mode sees them)."""
+    config = load_config(tiny_run(tiny_prepared, tmp_path, max_steps=20, log_every=10, eval_every=1000,
+                                  clip_norm=clip_norm, ema_decay=ema))
+    inside = [False]
+    mark_steps(inside, assign=monkeypatch.setattr)
     with ScalarReads(inside) as mode:
         summary = train(config, progress_bar=False)
     assert summary.steps == 20
