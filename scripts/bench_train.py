@@ -178,19 +178,9 @@ def main() -> None:
     # over thousands of steps. So on CUDA every timed batch runs once first, and steps are timed
     # with CUDA events.
     if args.steady_state or args.compile or device.type == "cuda":
-        # What a run pays for batch shapes new to it (kernel choice, cuDNN graphs, compilation), on
-        # the wall clock: most of a short run's first epoch.
-        first_pass = {"tfm": 0.0, "hf": 0.0}
-        for i, batch in enumerate(batches[args.warmup:]):
-            for name, fn in (("tfm", tfm_step), ("hf", hf_step)):
-                sync()
-                start = time.perf_counter()
-                fn(batch, i + 1)
-                sync()
-                first_pass[name] += time.perf_counter() - start
-        first_tokens = sum(b.n_tgt_tokens for b in batches[args.warmup:])
-        print(f"first pass over the timed batches (shapes new to both, wall clock): tfm "
-              f"{first_tokens / first_pass['tfm']:.0f}, HF {first_tokens / first_pass['hf']:.0f} target tokens/s")
+        first = first_pass_rates({"tfm": tfm_step, "hf": hf_step}, batches[args.warmup:], sync)
+        print(f"first pass over the timed batches (shapes new to both, wall clock): tfm {first['tfm']:.0f}, "
+              f"HF {first['hf']:.0f} target tokens/s")
         print("steady state: every timed batch ran once before (kernels built for its shapes)")
     seconds = {"tfm": 0.0, "hf": 0.0}
     tokens = 0
@@ -224,16 +214,7 @@ def main() -> None:
     for name, pairs in events.items():
         if pairs:
             seconds[name] = sum(start.elapsed_time(end) for start, end in pairs) / 1000
-    # As `tfm train` steps: one after the other, nothing waited for between them (its log divides
-    # the tokens of log_every steps by their wall time).
-    back_to_back = {}
-    for name, fn in (("tfm", tfm_step), ("hf", hf_step)):
-        sync()
-        start = time.perf_counter()
-        for i, batch in enumerate(batches[args.warmup:]):
-            fn(batch, i + 1)
-        sync()
-        back_to_back[name] = tokens / (time.perf_counter() - start)
+    back_to_back = back_to_back_rates({"tfm": tfm_step, "hf": hf_step}, batches[args.warmup:], sync)
     if not args.synthetic and not args.compile:
         loop_rate = trainer_loop_rate(config, device, args.steps)
     tfm_rate, hf_rate = tokens / seconds["tfm"], tokens / seconds["hf"]
@@ -271,6 +252,38 @@ def main() -> None:
         out = subprocess.run(child, capture_output=True, text=True)
         lines = [line for line in out.stdout.splitlines() if line.startswith("peak ")]
         print(lines[-1] if lines else f"peak {name}: the child failed: {out.stderr.strip()[-300:]}")
+
+
+def first_pass_rates(steps: dict, batches: list, sync) -> dict[str, float]:
+    """Each toolkit's target tokens/s over batches whose shapes it has not seen, on the wall clock
+    (steps alternating): what a run pays for new shapes (kernel choice, cuDNN graphs, compilation),
+    most of a short run's first epoch."""
+    seconds = dict.fromkeys(steps, 0.0)
+    for i, batch in enumerate(batches):
+        for name, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            step(batch, i + 1)
+            sync()
+            seconds[name] += time.perf_counter() - start
+    tokens = sum(b.n_tgt_tokens for b in batches)
+    return {name: tokens / spent for name, spent in seconds.items()}
+
+
+def back_to_back_rates(steps: dict, batches: list, sync) -> dict[str, float]:
+    """Each toolkit's target tokens/s with its steps one after the other, nothing waited for between
+    them, as a training run takes them (`tfm train`'s log divides log_every steps' tokens by their
+    wall time)."""
+    rates = {}
+    tokens = sum(b.n_tgt_tokens for b in batches)
+    for name, step in steps.items():
+        sync()
+        start = time.perf_counter()
+        for i, batch in enumerate(batches):
+            step(batch, i + 1)
+        sync()
+        rates[name] = tokens / (time.perf_counter() - start)
+    return rates
 
 
 def trainer_loop_rate(config, device: torch.device, steps: int) -> float:
