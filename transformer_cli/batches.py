@@ -127,8 +127,8 @@ def collate_flat(src: tuple[np.ndarray, np.ndarray], tgt: tuple[np.ndarray, np.n
     tgt_out = pad_flat(*tgt, suffix=EOS_ID)
     flat = tgt_out.view(-1)
     rows = (flat != PAD_ID).nonzero().squeeze(1)
-    batch_size = len(tgt[1])
-    return Batch(src_t, tgt_in, tgt_out, int(tgt[1].sum()) + batch_size, int(src[1].sum()) + len(src[1]),
+    batch_size = len(tgt[1])  # each sentence adds one <eos> to the counts
+    return Batch(src_t, tgt_in, tgt_out, int(tgt[1].sum()) + batch_size, int(src[1].sum()) + batch_size,
                  rows, flat.index_select(0, rows))
 
 
