@@ -39,7 +39,9 @@ def bench_figures(log: str) -> dict[str, float | None]:
         "back_to_back": find(rf"^tfm back to back.*?: {NUMBER} target tokens/s", log),
         "ratio_back_to_back": find(rf"^HF back to back: .*ratio back to back tfm/HF {NUMBER}x", log),
         "mfu_back_to_back": find(rf"^MFU tfm back to back 6·N·tokens/s =\s*{NUMBER}%", log),
-        "train_loop": find(rf"^tfm train's own loop .*back to back: {NUMBER} target tokens/s", log),
+        "train_loop": find(rf"^tfm train's own loop \(batches collated ahead.*back to back: {NUMBER} target tokens/s", log),
+        "train_loop_inline": find(rf"^tfm train's own loop \(batches collated in the loop.*back to back: {NUMBER} target "
+                                  "tokens/s", log),
         "first_tfm": find(rf"^first pass over the timed batches .*: tfm {NUMBER}, HF", log),
         "first_hf": find(rf"^first pass over the timed batches .*, HF {NUMBER} target tokens/s", log),
         "mfu_tfm": find(rf"^MFU tfm\s+6·N·tokens/s =\s*{NUMBER}%", log),
@@ -143,7 +145,8 @@ def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]
             bench = bench_figures(sections[name].log)
             rows.append((f"{what}: tfm / HF", f"{shown(bench['ratio'], 'x', 2)} ({shown(bench['tfm'])} vs "
                          f"{shown(bench['hf'])} target tokens/s; MFU {shown(bench['mfu_tfm'], '%', 1)}; back to back "
-                         f"{shown(bench['back_to_back'])}; `tfm train`'s loop {shown(bench['train_loop'])}; first pass over new shapes {shown(bench['first_tfm'])} vs "
+                         f"{shown(bench['back_to_back'])}; `tfm train`'s loop {shown(bench['train_loop'])} collating ahead, "
+                         f"{shown(bench['train_loop_inline'])} not; first pass over new shapes {shown(bench['first_tfm'])} vs "
                          f"{shown(bench['first_hf'])})", "", ""))
     if "tests" in sections and sections["tests"].ran:
         counts = pytest_counts(sections["tests"].log)

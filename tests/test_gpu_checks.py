@@ -193,6 +193,6 @@ def test_bench_train_runs_tfm_trains_own_loop_beside_its_steps(tiny_prepared, tm
                            capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert bench.returncode == 0, bench.stderr[-2000:]
     figures = script_module("gpu_summary").bench_figures(bench.stdout)
-    assert figures["train_loop"] > 0 and figures["back_to_back"] > 0
+    assert figures["train_loop"] > 0 and figures["train_loop_inline"] > 0 and figures["back_to_back"] > 0
     assert figures["first_tfm"] > 0 and figures["first_hf"] > 0  # what a run pays for shapes new to it
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
