@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cudnn-attention", action="store_true",
                         help="on CUDA, let SDPA pick cuDNN's attention (torch's default on Hopper); without it "
                              "both toolkits run as `tfm` does, cuDNN left out (kernels.leave_out_cudnn_attention)")
+    parser.add_argument("--no-train-loop", action="store_true",
+                        help="skip timing `tfm train`'s own loop (on a prepared run it is timed by default)")
     parser.add_argument("--compile", action="store_true",
                         help="tfm's model through torch.compile, as train.compile: true (HF stays eager); the "
                              "steady-state pass compiles every batch shape before timing")
@@ -215,7 +217,7 @@ def main() -> None:
         if pairs:
             seconds[name] = sum(start.elapsed_time(end) for start, end in pairs) / 1000
     back_to_back = back_to_back_rates({"tfm": tfm_step, "hf": hf_step}, batches[args.warmup:], sync)
-    if not args.synthetic and not args.compile:
+    if not (args.synthetic or args.compile or args.no_train_loop):
         loop_rates = {ahead: trainer_loop_rate(config, device, args.steps, ahead) for ahead in (True, False)}
     tfm_rate, hf_rate = tokens / seconds["tfm"], tokens / seconds["hf"]
     print(f"timed {args.steps} steps each ({tokens:,} target tokens) after {args.warmup} warm-up steps")
@@ -226,7 +228,7 @@ def main() -> None:
           f"target tokens/s ({back_to_back['tfm'] / tfm_rate:.2f}x the timed steps)")
     print(f"HF back to back: {back_to_back['hf']:.0f} target tokens/s; ratio back to back tfm/HF "
           f"{back_to_back['tfm'] / back_to_back['hf']:.2f}x")
-    if not args.synthetic and not args.compile:
+    if not (args.synthetic or args.compile or args.no_train_loop):
         for ahead, rate in loop_rates.items():
             print(f"tfm train's own loop ({'batches collated ahead on a thread' if ahead else 'batches collated in the loop'}"
                   f", clip, skip check, step ledger; no logging or validation), back to back: {rate:.0f} target "

@@ -155,7 +155,7 @@ for s in $sections; do
             \"cuda devices\", ctranslate2.get_cuda_device_count())'"
         ;;
     bench_base)
-        needs_data bench_base && section bench_base 30 80 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 60 --warmup 20 --no-memory"
+        needs_data bench_base && section bench_base 30 100 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 60 --warmup 20 --no-memory"
         ;;
     train)
         needs_data train && section train 180 260 "tfm train --config configs/de-en-gpu.yaml --set run_dir=$train_dir --set train.max_time=$train_time &&
@@ -168,7 +168,7 @@ for s in $sections; do
         section bench_wmt_base 40 90 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 12288 --steps 40 --warmup 10 --no-memory"
         ;;
     bench_base_cudnn)
-        needs_data bench_base_cudnn && section bench_base_cudnn 40 90 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 20 --warmup 5 --no-memory --cudnn-attention"
+        needs_data bench_base_cudnn && section bench_base_cudnn 40 90 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 20 --warmup 5 --no-memory --no-train-loop --cudnn-attention"
         ;;
     tests)
         needs_data tests && section tests 25 60 "python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -k cuda -rA"
