@@ -62,7 +62,8 @@ tfm() { python3 -m transformer_cli "$@"; }
 export -f tfm
 
 cublas12_shim() {  # CTranslate2's PyPI wheel links CUDA 12's cuBLAS; a CUDA 13 machine has only .so.13
-    python3 -c 'import ctranslate2, sys; sys.exit(ctranslate2.get_cuda_device_count() == 0)' 2>/dev/null && return
+    # (CTranslate2 counts the GPU either way: whether cuBLAS 12 loads is what decides)
+    python3 -c 'import ctypes; ctypes.CDLL("libcublas.so.12"); ctypes.CDLL("libcublasLt.so.12")' 2>/dev/null && return
     mkdir -p "$work/cublas12"
     python3 - "$work/cublas12" <<'EOF'
 import glob, os, site, subprocess, sys
