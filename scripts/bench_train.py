@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default="configs/de-en.yaml")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per toolkit")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per toolkit first")
-    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=4096,
+                        help="padded tokens per batch (the configs' train.max_tokens is what `tfm train` uses)")
     parser.add_argument("--steady-state", action="store_true",
                         help="first run every timed batch once, untimed, for both toolkits: on CPU oneDNN "
                              "builds a matmul kernel for each new matrix shape, which a training run pays in "
@@ -80,8 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "both toolkits run as `tfm` does, cuDNN left out (kernels.leave_out_cudnn_attention)")
     parser.add_argument("--no-train-loop", action="store_true",
                         help="skip timing `tfm train`'s own loop (on a prepared run it is timed by default)")
-    parser.add_argument("--compile", action="store_true",
-                        help="tfm's model through torch.compile, as train.compile: true (HF stays eager); the "
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the timing, profile STEPS steady-state steps of each toolkit and print where "
+                             "the device's time goes (kernels grouped: matmuls, attention, loss, optimizer, the "
+                             "rest) and how busy the device was over the wall clock")
+    parser.add_argument("--compile", choices=["config", "on", "off"], default="config",
+                        help="tfm's encoder and decoder layers through torch.compile (kernels.compile_for_training; "
+                             "HF stays eager): as the config's train.compile (default), or on / off; the "
                              "steady-state pass compiles every batch shape before timing")
     return parser
 
@@ -102,6 +108,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = load_config(args.config)
+    args.compile = args.compile == "on" or (args.compile == "config" and config.train.compile)
     needed = args.warmup + args.steps
     if args.synthetic:
         vocab = config.vocab.size
@@ -126,7 +133,7 @@ def main() -> None:
           f"{config.model.enc_layers}+{config.model.dec_layers}, ffn {config.model.d_ff}, vocab {vocab}; "
           f"params tfm {tfm.num_parameters() if tfm else 0:,} / HF {sum(p.numel() for p in hf.parameters()) if hf else 0:,}; "
           f"batches of <= {args.max_tokens} tokens; {device}, {'bf16 autocast' if amp_dtype else 'fp32'}"
-          f"{'; tfm through torch.compile' if args.compile else ''}"
+          f"{'; tfm layers through torch.compile' if args.compile else ''}"
           f"{'' if device.type != 'cuda' else '; SDPA with cuDNN' if args.cudnn_attention else '; SDPA without cuDNN'}")
 
     # tfm: what `tfm train` uses. HF: what its Trainer uses unless --hf-optimizer fused.
@@ -250,6 +257,9 @@ def main() -> None:
         print(f"MFU tfm back to back 6·N·tokens/s = {100 * 6 * matmul * back_to_back['tfm'] / (peak * 1e12):5.1f}% "
               "(the steps as a training run takes them: no wait between steps)")
     print(f"attention kernels in one tfm step: {attention_kernels(tfm_step, batches[-1])}")
+    if args.profile:
+        for name, fn in (("tfm", tfm_step), ("hf", hf_step)):
+            print(device_time_profile(name, fn, batches[args.warmup:][:args.profile], sync, device))
     for name in () if args.no_memory else ("tfm", "hf"):  # each alone in a child process, on the same batches
         child = [sys.executable, __file__, *sys.argv[1:], "--only", name]
         out = subprocess.run(child, capture_output=True, text=True)
@@ -363,6 +373,60 @@ def attention_kernels(step, batch) -> str:
     counts = Counter(e.name.removeprefix("aten::") for e in prof.events()
                      if "scaled_dot_product" in e.name and e.name != "aten::scaled_dot_product_attention")
     return ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())) or "none (no torch SDPA call)"
+
+
+# Kernel names → what they compute, for the profile's groups (first match wins; CUDA kernel names
+# from cuBLAS/CUTLASS, torch's flash/memory-efficient attention and fused optimizers; on CPU aten ops).
+KERNEL_GROUPS = (
+    ("attention", ("flash", "fmha", "attention", "scaled_dot_product")),
+    ("matmul", ("gemm", "cutlass", "sm90_xmma", "sm80_xmma", "nvjet", "aten::mm", "aten::addmm", "aten::bmm",
+                "aten::linear", "aten::matmul")),
+    ("loss (softmax, log-probs)", ("softmax", "log_softmax", "logsumexp", "scatter", "gather")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("dropout", ("fused_dropout", "bernoulli", "dropout", "masked_scale")),
+    ("layer norm", ("layer_norm", "layernorm")),
+)
+
+
+def device_time_profile(name: str, step, batches: list, sync, device: torch.device, top: int = 12) -> str:
+    """Where one toolkit's steps spend the device's time (`batches` already seen: steady state):
+    kernel time by group (KERNEL_GROUPS), the `top` kernels, and the device's busy share of the
+    wall clock (low: the host cannot launch work fast enough). On CPU: aten ops' self time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    sync()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i, batch in enumerate(batches):
+            step(batch, i + 1)
+        sync()
+    wall_us = (time.perf_counter() - start) * 1e6
+
+    def self_time(e) -> float:  # microseconds
+        if cuda:
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        return e.self_cpu_time_total
+
+    events = [e for e in prof.key_averages()
+              if (e.device_type == DeviceType.CUDA if cuda else e.key.startswith("aten::")) and self_time(e) > 0]
+    total = sum(self_time(e) for e in events) or 1.0
+    groups: dict[str, float] = {}
+    for e in events:
+        lowered = e.key.lower()
+        group = next((g for g, keys in KERNEL_GROUPS if any(k in lowered for k in keys)), "elementwise and other")
+        groups[group] = groups.get(group, 0.0) + self_time(e)
+    steps = max(len(batches), 1)
+    lines = [f"profile {name}: {len(batches)} steps, {'device' if cuda else 'CPU op'} time {total / steps / 1e3:.2f} ms "
+             f"per step over {wall_us / steps / 1e3:.2f} ms of wall clock per step (profiler on): busy "
+             f"{100 * total / wall_us:.0f}%"]
+    lines += [f"profile {name}   {g:<26} {100 * t / total:5.1f}%  {t / steps / 1e3:8.2f} ms/step"
+              for g, t in sorted(groups.items(), key=lambda item: -item[1])]
+    for e in sorted(events, key=self_time, reverse=True)[:top]:
+        lines.append(f"profile {name}     {100 * self_time(e) / total:5.1f}%  x{e.count // steps:<4} {e.key[:110]}")
+    return "\n".join(lines)
 
 
 def peak_rss_gib() -> float:

@@ -57,6 +57,19 @@ def attention_kernels(log: str) -> str | None:
     return found[-1] if found else None
 
 
+def profile_line(log: str, toolkit: str) -> str | None:
+    """bench_train.py --profile for one toolkit in one line: the device's busy share of the wall
+    clock and its time per step by kernel group, largest first."""
+    head = re.findall(rf"^profile {toolkit}: .*? time ([0-9.]+) ms per step over ([0-9.]+) ms .*busy ([0-9]+)%$",
+                      log, flags=re.MULTILINE)
+    if not head:
+        return None
+    device_ms, wall_ms, busy = head[-1]
+    groups = re.findall(rf"^profile {toolkit}   (\S.*?)\s+([0-9.]+)%\s+([0-9.]+) ms/step$", log, flags=re.MULTILINE)
+    parts = ", ".join(f"{name} {share}%" for name, share, _ in groups)
+    return f"busy {busy}% ({device_ms} of {wall_ms} ms per step); {parts}"
+
+
 def train_figures(log: str) -> dict[str, float | None]:
     """`tfm train` then `tfm evaluate`: steps, the median of the logged tokens/s (the first log
     line left out: it holds the start), the best valid score, and test BLEU / chrF."""
@@ -129,6 +142,10 @@ def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]
                      "≥ 1.3x", verdict(bench["ratio"], 1.3)))
         if name in sections and attention_kernels(sections[name].log):
             rows.append((f"{what}: attention kernels, one tfm step", str(attention_kernels(sections[name].log)), "", ""))
+        for toolkit in ("tfm", "hf"):
+            found = profile_line(sections[name].log, toolkit) if name in sections else None
+            if found:
+                rows.append((f"{what}: GPU time of a {toolkit} step (profiled)", found, "", ""))
     train = train_figures(sections["train"].log) if "train" in sections else train_figures("")
     stopped = re.findall(r"^done \((.*?)\)", sections["train"].log if "train" in sections else "", flags=re.MULTILINE)
     rows.append((f"configs/de-en-gpu.yaml, `tfm train` ({stopped[-1] if stopped else 'did not finish'}): "
@@ -137,17 +154,21 @@ def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]
                  f"median logged {shown(train['tokens_per_s'])} target tokens/s, the first log window "
                  f"{shown(train['first_window'])}, best valid {shown(train['best_valid'], '', 2)})",
                  "≥ 41", verdict(train["bleu"], 41.0)))
-    for name, what in (("bench_base", "base shape, Multi30k lengths"),
+    for name, what in (("compile_big", "big shape (WMT14 lengths), tfm's layers through torch.compile"),
+                       ("compile", "base shape (WMT14 lengths), tfm's layers through torch.compile"),
+                       ("bench_base", "base shape, Multi30k lengths"),
                        ("bench_base_cudnn", "base shape, Multi30k lengths, SDPA allowed cuDNN"),
-                       ("bench_small", "small shape (configs/de-en.yaml)"),
-                       ("compile", "base shape (WMT14 lengths), tfm through torch.compile")):
+                       ("bench_small", "small shape (configs/de-en.yaml)")):
         if name in sections and sections[name].ran:
             bench = bench_figures(sections[name].log)
             rows.append((f"{what}: tfm / HF", f"{shown(bench['ratio'], 'x', 2)} ({shown(bench['tfm'])} vs "
                          f"{shown(bench['hf'])} target tokens/s; MFU {shown(bench['mfu_tfm'], '%', 1)}; back to back "
-                         f"{shown(bench['back_to_back'])}; `tfm train`'s loop {shown(bench['train_loop'])} collating ahead, "
+                         f"{shown(bench['back_to_back'])} (MFU {shown(bench['mfu_back_to_back'], '%', 1)}); `tfm train`'s loop {shown(bench['train_loop'])} collating ahead, "
                          f"{shown(bench['train_loop_inline'])} not; first pass over new shapes {shown(bench['first_tfm'])} vs "
                          f"{shown(bench['first_hf'])})", "", ""))
+            found = profile_line(sections[name].log, "tfm")
+            if found:
+                rows.append((f"{what}: GPU time of a tfm step (profiled)", found, "", ""))
     if "tests" in sections and sections["tests"].ran:
         counts = pytest_counts(sections["tests"].log)
         ok = counts["passed"] is not None and counts["passed"] > 0 and not counts["failed"]

@@ -54,8 +54,8 @@ def planned(tmp_path: Path) -> dict[str, tuple[int, int, str]]:
 
 def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
     plan = planned(tmp_path)
-    assert list(plan) == ["env", "bench_base", "train", "bench_wmt_big", "bench_wmt_base", "bench_base_cudnn", "tests",
-                          "decode", "compile", "bench_small"]
+    assert list(plan) == ["env", "bench_wmt_big", "bench_wmt_base", "train", "compile_big", "compile", "bench_base",
+                          "bench_base_cudnn", "tests", "decode", "bench_small"]
     parsers = {name: script_module(name).build_parser() for name in ("bench_train", "bench_engines")}
     for name, (least, most, command) in plan.items():
         assert 0 < least <= most, name
@@ -67,7 +67,12 @@ def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
         for path in re.findall(r"\b(?:tests|scripts)/[\w/]+\.(?:py|sh)", command):
             assert (ROOT / path).exists(), (name, path)
     # The sections the targets are measured in come first and fit the default budget together.
-    assert sum(plan[name][0] for name in ("env", "bench_base", "train", "bench_wmt_big", "bench_wmt_base")) <= 520
+    assert sum(plan[name][0] for name in ("env", "bench_wmt_big", "bench_wmt_base", "train", "compile_big", "compile")) <= 520
+    # The WMT shapes run at their configs' batch size, eager and compiled alike.
+    for name, config in (("bench_wmt_big", "big"), ("bench_wmt_base", "base"), ("compile_big", "big"), ("compile", "base")):
+        command = plan[name][2]
+        assert f"--max-tokens {load_config(ROOT / f'configs/wmt14-en-de-{config}.yaml').train.max_tokens} " in command
+        assert ("--compile on" in command) == name.startswith("compile"), name
     # The comparison of attention kernels runs the same batches as bench_base, cuDNN allowed.
     assert plan["bench_base_cudnn"][2].endswith("--cudnn-attention") and "--cudnn-attention" not in plan["bench_base"][2]
 

@@ -4,13 +4,18 @@ materialised (B, H, T, S) float mask would rule the flash kernel out and cost me
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
 from transformer_cli.batches import collate
 from transformer_cli.loss import batch_loss
 from transformer_cli.model import Transformer, TransformerConfig
+
+from tests.conftest import tiny_run
 
 
 def test_training_attention_is_causal_or_a_boolean_key_mask(monkeypatch):
@@ -55,15 +60,17 @@ def test_the_training_forward_compiles_as_one_graph():
     torch._dynamo.reset()
 
 
-def test_training_compiles_once_for_batches_of_every_shape():
-    """Batches of three shapes through `train.compile`'s wrapper (dynamo's graph capture with the
-    eager backend: what is compiled, without the compiler's minutes): one graph for all of them;
-    torch.compile's default would specialise on the first shape and compile a second graph."""
+def test_training_compiles_one_graph_per_layer_kind_for_batches_of_every_shape():
+    """Batches of three shapes through `train.compile`'s regional compilation (dynamo's graph
+    capture with the eager backend: what is compiled, without the compiler's minutes): one graph
+    for the encoder layers and one for the decoder layers, however many layers and shapes; the
+    weights keep their names. torch.compile's default would specialise on the first shape and
+    capture again at the second."""
     from torch._dynamo.utils import counters
 
     from transformer_cli.kernels import compile_for_training
 
-    cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=4, enc_layers=1, dec_layers=1,
+    cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=4, enc_layers=3, dec_layers=2,
                             d_ff=64, pad_id=0, dropout=0.1)
     rng = np.random.default_rng(0)
     graphs = {}
@@ -71,15 +78,46 @@ def test_training_compiles_once_for_batches_of_every_shape():
         torch._dynamo.reset()
         counters.clear()
         model = Transformer(cfg).train()
-        compiled = compile_for_training(model, backend="eager") if dynamic else torch.compile(model, backend="eager")
+        names = list(model.state_dict())
+        if dynamic:
+            assert compile_for_training(model, backend="eager") is model
+        else:
+            for layer in (*model.encoder_layers, *model.decoder_layers):
+                layer.compile(backend="eager")
+        assert list(model.state_dict()) == names
         for rows, src_len, tgt_len in ((3, 5, 6), (4, 9, 7), (2, 12, 11)):
             batch = collate([rng.integers(4, 50, src_len) for _ in range(rows)],
                             [rng.integers(4, 50, tgt_len) for _ in range(rows)])
-            loss, _ = batch_loss(compiled, batch, 0.1)
+            loss, _ = batch_loss(model, batch, 0.1)
             loss.backward()
         graphs[dynamic] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
-    assert graphs == {True: 1, None: 2}
+    assert graphs == {True: 2, None: 4}
+
+
+@pytest.mark.slow
+def test_a_compiled_run_trains_checkpoints_and_resumes_as_an_eager_one(tiny_prepared, tmp_path):
+    """`train.compile: true` end to end with torch's own compiler (inductor, on CPU): the loss
+    falls, the checkpoints load into an eager model under the usual names, the weight average is
+    made, and --resume goes on from the step reached."""
+    from transformer_cli.checkpoint import load_checkpoint
+    from transformer_cli.config import load_config
+    from transformer_cli.train import train
+
+    config_path = tiny_run(tiny_prepared, tmp_path, max_steps=40, eval_every=4, compile=True, average_last=2)
+    config = load_config(config_path)
+    first = train(config, progress_bar=False)
+    assert first.steps == 40
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r.get("kind") == "train"]
+    assert losses[-1] < 0.8 * losses[0]
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "checkpoint_last.pt")
+    eager = Transformer(TransformerConfig(**state["model_config"]))
+    eager.load_state_dict(state["model"])  # no "_orig_mod." in any name
+    assert (tmp_path / "run" / "checkpoints" / "checkpoint_avg.pt").exists()
+    resumed = train(config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 50})}),
+                    resume=True, progress_bar=False)
+    assert resumed.steps == 50
 
 
 def test_cuda_attention_is_chosen_among_kernels_that_build_nothing_per_shape():

@@ -22,11 +22,20 @@ def causal_mask(length: int, device: torch.device | None = None) -> torch.Tensor
 
 
 def compile_for_training(model: nn.Module, backend: str = "inductor") -> nn.Module:
-    """`train.compile: true`: the model through torch.compile with dynamic shapes from the start.
-    Training batches never share one shape; by default torch.compile first specialises on the first
-    batch's shapes and compiles again, dynamic, at the second (a 12-layer model's compile takes
-    about a minute per pass on a GPU host): dynamic at once compiles once, to the same graph."""
-    return torch.compile(model, dynamic=True, backend=backend)
+    """`train.compile: true`: each encoder and decoder layer through torch.compile, in place
+    ("regional compilation"), with dynamic shapes from the start; returns `model` (DDP's wrapper
+    or the Transformer), whose parameter names and checkpoints stay as they are.
+
+    The layers of a stack run the same code on their own weights, so dynamo captures one graph per
+    layer kind, not one per layer: a 6+6-layer model compiles an encoder layer and a decoder layer
+    (on a 2-core CPU, 3+3 layers of d_model 256: 19 s against 33 s for the whole model; whole-model
+    graphs grow with depth). Training batches never share one shape; torch.compile's default
+    would first specialise on the first batch's shapes and compile again, dynamic, at the second.
+    The embeddings, the final norms and the chunked output loss (loss.py) stay eager."""
+    transformer = getattr(model, "module", model)  # inside DDP's wrapper
+    for layer in (*transformer.encoder_layers, *transformer.decoder_layers):
+        layer.compile(dynamic=True, backend=backend)
+    return model
 
 
 def leave_out_cudnn_attention(leave_out: bool = True) -> None:
