@@ -2,16 +2,17 @@
 # The GPU checks in one run, for a machine with one CUDA GPU, within a time budget (default 520 s,
 # so the whole call, wheel installs included, stays under 9 minutes). Sections, most important first:
 #   env              the GPU, torch, transformers, CTranslate2, the host CPU
-#   bench_wmt_big    scripts/bench_train.py --device cuda on configs/wmt14-en-de-big.yaml at WMT14 en-de's
-#                    sentence lengths (--synthetic wmt, no corpus) and the config's batch size (32,768 tokens): tfm vs HF
-#                    MarianMT, steady state, back to back, the first pass over new batch shapes, and a
-#                    profile of where the GPU's time goes (targets: MFU >= 30%, >= 1.3x HF)
+#   bench_wmt_big    scripts/bench_train.py --device cuda on configs/wmt14-en-de-big.yaml as `tfm train` runs
+#                    it (its batch size, 32,768 tokens; its train.compile: true) at WMT14 en-de's sentence
+#                    lengths (--synthetic wmt, no corpus): tfm vs HF MarianMT, steady state, back to back, the
+#                    first pass over new batch shapes, and a profile of where the GPU's time goes
+#                    (targets: MFU >= 30%, >= 1.3x HF)
 #   bench_wmt_base   the same on configs/wmt14-en-de-base.yaml (targets: MFU >= 15%, >= 1.3x HF)
 #   train            tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
 #                    test2016, beam 5 (target: BLEU >= 41); its run directory is runs/gpu-checks/de-en-gpu,
 #                    made afresh on every call
-#   compile_big      bench_wmt_big with tfm's layers through torch.compile (train.compile: true)
-#   compile          bench_wmt_base with tfm's layers through torch.compile
+#   eager_big        bench_wmt_big without torch.compile (--compile off)
+#   eager_base       bench_wmt_base without torch.compile
 #   bench_base       bench_train.py on configs/de-en-gpu.yaml (the base shape on Multi30k's batches, what
 #                    `train` trains), also timing `tfm train`'s own loop
 #   bench_base_cudnn bench_base with SDPA allowed to pick cuDNN's attention (torch's default; tfm
@@ -34,7 +35,7 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [section ...]}
 shift
-all="env bench_wmt_big bench_wmt_base train compile_big compile bench_base bench_base_cudnn tests decode bench_small"
+all="env bench_wmt_big bench_wmt_base train eager_big eager_base bench_base bench_base_cudnn tests decode bench_small"
 sections=${*:-$all}
 for s in $sections; do
     case " $all " in *" $s "*) ;; *) echo "gpu_checks.sh: unknown section '$s' ($all)" >&2; exit 2 ;; esac
@@ -165,10 +166,10 @@ for s in $sections; do
             tfm evaluate --config configs/de-en-gpu.yaml --set run_dir=$train_dir --split test --beam 5"
         ;;
     bench_wmt_big)
-        section bench_wmt_big 40 100 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --compile off --profile 3"
+        section bench_wmt_big 60 150 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --profile 3"
         ;;
     bench_wmt_base)
-        section bench_wmt_base 40 80 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 32768 --steps 30 --warmup 5 --no-memory --compile off --profile 3"
+        section bench_wmt_base 60 130 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 32768 --steps 30 --warmup 5 --no-memory --profile 3"
         ;;
     bench_base_cudnn)
         needs_data bench_base_cudnn && section bench_base_cudnn 40 90 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 20 --warmup 5 --no-memory --no-train-loop --cudnn-attention"
@@ -181,11 +182,11 @@ for s in $sections; do
             --checkpoint $train_dir/checkpoints/checkpoint_best.pt \
             --src data/multi30k/test_2016_flickr.de.gz --ref data/multi30k/test_2016_flickr.en.gz"
         ;;
-    compile_big)
-        section compile_big 60 150 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --compile on --profile 3"
+    eager_big)
+        section eager_big 40 100 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --compile off --profile 3"
         ;;
-    compile)
-        section compile 60 130 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 32768 --steps 30 --warmup 5 --no-memory --compile on --profile 3"
+    eager_base)
+        section eager_base 40 80 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 32768 --steps 30 --warmup 5 --no-memory --compile off --profile 3"
         ;;
     bench_small)
         needs_data bench_small && section bench_small 30 60 "$bench --config configs/de-en.yaml --steps 60 --warmup 20 --no-memory"

@@ -154,8 +154,8 @@ def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]
                  f"median logged {shown(train['tokens_per_s'])} target tokens/s, the first log window "
                  f"{shown(train['first_window'])}, best valid {shown(train['best_valid'], '', 2)})",
                  "≥ 41", verdict(train["bleu"], 41.0)))
-    for name, what in (("compile_big", "big shape (WMT14 lengths), tfm's layers through torch.compile"),
-                       ("compile", "base shape (WMT14 lengths), tfm's layers through torch.compile"),
+    for name, what in (("eager_big", "big shape (WMT14 lengths), tfm eager (no torch.compile)"),
+                       ("eager_base", "base shape (WMT14 lengths), tfm eager (no torch.compile)"),
                        ("bench_base", "base shape, Multi30k lengths"),
                        ("bench_base_cudnn", "base shape, Multi30k lengths, SDPA allowed cuDNN"),
                        ("bench_small", "small shape (configs/de-en.yaml)")):

@@ -134,6 +134,7 @@ BOUNDS = [
     ("prepare.workers", 1, 0), ("prepare.chunk_lines", 1, 0),
     ("model.d_model", 8, 0), ("model.n_heads", 1, 0), ("model.enc_layers", 1, 0), ("model.dec_layers", 1, 0),
     ("model.d_ff", 1, 0), ("model.dropout", 0.0, 1.0), ("model.attention_dropout", 0.99, -0.1),
+    ("model.activation_dropout", 0.0, 1.0),
     ("model.max_positions", 4, 3),
     ("train.seed", 0, -1), ("train.threads", 1, 0), ("train.threads", 4096, 4097), ("train.max_tokens", 1, 0), ("train.accum_steps", 1, 0),
     ("train.max_steps", 1, 0), ("train.max_epochs", 1, 0), ("train.max_time", "1s", 0), ("train.lr_min", 0.0, -1e-9),

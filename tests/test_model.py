@@ -486,3 +486,20 @@ def test_decoder_returns_cross_attention_weights_on_request():
     assert len(weights) == 2 and weights[0].shape == (1, 4, 3, 5)
     assert torch.allclose(weights[0].sum(-1), torch.ones(1, 4, 3), atol=1e-6)
     assert (weights[0][..., 4] == 0).all()  # the padded source position gets no attention
+
+
+def test_ffn_dropout_follows_activation_dropout_where_it_is_set():
+    """model.activation_dropout drops out the FFN's hidden activations (0.0: none, as the paper);
+    unset, the FFN uses `dropout`, as before the key existed. Residual dropout is unaffected."""
+    from transformer_cli.model import DecoderLayer, EncoderLayer
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    for layer_class in (EncoderLayer, DecoderLayer):
+        paper = layer_class(TransformerConfig(src_vocab_size=10, tgt_vocab_size=10, d_model=16, n_heads=2, d_ff=64,
+                                              dropout=0.5, activation_dropout=0.0)).train()
+        assert torch.equal(paper.ffn(x), paper.ffn(x))  # no dropout inside the FFN
+        assert paper.ffn_add_norm.dropout.p == 0.5
+        unset = layer_class(TransformerConfig(src_vocab_size=10, tgt_vocab_size=10, d_model=16, n_heads=2, d_ff=64,
+                                              dropout=0.5)).train()
+        assert unset.ffn.dropout.p == 0.5 and not torch.equal(unset.ffn(x), unset.ffn(x))

@@ -188,7 +188,7 @@ def load_initial_weights(model: Transformer, path: Path, spm_files: dict[str, by
                            "this run with vocab.from_run set to the checkpoint's run directory")
     theirs, ours = asdict(TransformerConfig(**payload["model_config"])), asdict(model.cfg)
     settings = ", ".join(f"model.{k} is {theirs[k]} there but {ours[k]} here"
-                         for k in ours if k not in ("dropout", "attention_dropout") and theirs[k] != ours[k])
+                         for k in ours if k not in ("dropout", "attention_dropout", "activation_dropout") and theirs[k] != ours[k])
     state, expected = payload["model"], model.state_dict()
     for name in sorted(expected.keys() | state.keys()):
         if name not in state or name not in expected:

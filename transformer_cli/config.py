@@ -179,6 +179,9 @@ class ModelConfig(_Section):
     d_ff: int = Field(2048, ge=1)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # Dropout on the FFN's hidden activations (fairseq's activation_dropout); None: `dropout`. The
+    # paper drops out only sub-layer outputs and the embedding sums, i.e. 0.0 here.
+    activation_dropout: float | None = Field(None, ge=0.0, lt=1.0)
     activation: Literal["relu", "gelu", "swish"] = "relu"
     norm_position: Literal["post", "pre"] = "post"
     # sinusoidal: the paper's (sin and cos interleaved); sinusoidal_split: all sines, then all

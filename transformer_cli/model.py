@@ -40,6 +40,7 @@ class TransformerConfig:
     d_ff: int = 2048
     dropout: float = 0.1
     attention_dropout: float = 0.0
+    activation_dropout: float | None = None  # on the FFN's hidden activations; None: `dropout`
     activation: str = "relu"  # relu | gelu | swish
     norm_position: str = "post"  # post (paper) | pre
     # sinusoidal (paper: sin/cos interleaved) | sinusoidal_split (sin half, then cos half: Marian) | learned
@@ -199,6 +200,11 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out.reshape(rows, -1))  # heads concatenated, as in forward
 
 
+def ffn_dropout(cfg: TransformerConfig) -> float:
+    """Dropout inside the FFN, on act(W1 x + b1): `activation_dropout`, else `dropout`."""
+    return cfg.dropout if cfg.activation_dropout is None else cfg.activation_dropout
+
+
 class PositionwiseFeedForward(nn.Module):
     """FFN(x) = W2 · act(W1 x + b1) + b2, applied to every position."""
 
@@ -246,7 +252,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         pre = cfg.norm_position == "pre"
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, self_attention=True)
-        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, ffn_dropout(cfg), cfg.activation)
         self.attn_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
         self.ffn_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
         self.last_self_weights: torch.Tensor | None = None
@@ -267,7 +273,7 @@ class DecoderLayer(nn.Module):
         pre = cfg.norm_position == "pre"
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, self_attention=True)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
-        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, ffn_dropout(cfg), cfg.activation)
         self.self_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
         self.cross_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
         self.ffn_add_norm = AddNorm(cfg.d_model, cfg.dropout, pre)
