@@ -410,8 +410,11 @@ def device_time_profile(name: str, step, batches: list, sync, device: torch.devi
             return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
         return e.self_cpu_time_total
 
+    # Kernels only: a range the profiler annotates on the GPU's timeline ("Optimizer.step#AdamW.step")
+    # spans kernels already counted.
     events = [e for e in prof.key_averages()
-              if (e.device_type == DeviceType.CUDA if cuda else e.key.startswith("aten::")) and self_time(e) > 0]
+              if (e.device_type == DeviceType.CUDA and "#" not in e.key if cuda else e.key.startswith("aten::"))
+              and self_time(e) > 0]
     total = sum(self_time(e) for e in events) or 1.0
     groups: dict[str, float] = {}
     for e in events:

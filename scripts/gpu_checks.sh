@@ -89,7 +89,9 @@ export work
 prepare_pid=""
 start_prepare() {  # the three Multi30k run directories, in the background (CPU work)
     [ "$plan" = 1 ] && { echo "== prepare (background): configs/de-en.yaml, configs/de-en-gpu.yaml and $train_dir"; return; }
-    rm -rf "$train_dir"  # this script's own run: a second call trains afresh
+    # this script's own run: a call with `train` trains afresh; one without (decode on a still-warm
+    # machine) keeps the checkpoint an earlier call trained (prepare leaves a prepared run as it is)
+    case " $sections " in *" train "*) rm -rf "$train_dir" ;; esac
     # Bounded like a section (a download that hangs offline must not hold the sections that wait for it).
     timeout -k 10 "$((budget / 2))" bash -c 'scripts/get_data.sh multi30k && {
       tfm prepare --config configs/de-en.yaml & p1=$!
