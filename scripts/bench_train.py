@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cudnn-attention", action="store_true",
                         help="on CUDA, let SDPA pick cuDNN's attention (torch's default on Hopper); without it "
                              "both toolkits run as `tfm` does, cuDNN left out (kernels.leave_out_cudnn_attention)")
+    parser.add_argument("--no-flash-attention", action="store_true",
+                        help="on CUDA, leave flash attention out of SDPA's choice too (process-wide: HF gets the "
+                             "same): decoder self-attention (is_causal) then runs the memory-efficient kernel, as "
+                             "the padded attentions do. On an H200 flash's backward took ~1 ms a call at WMT "
+                             "lengths, the memory-efficient one ~0.45 ms")
     parser.add_argument("--no-train-loop", action="store_true",
                         help="skip timing `tfm train`'s own loop (on a prepared run it is timed by default)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -100,6 +105,7 @@ def main() -> None:
                           else ("cpu" if args.device == "auto" else args.device))
     if device.type == "cuda":
         leave_out_cudnn_attention(not args.cudnn_attention)  # process-wide: HF gets the same kernels
+        torch.backends.cuda.enable_flash_sdp(not args.no_flash_attention)
     limit_training_kernel_cache()  # as `tfm train`, before torch's first kernel (process-wide: HF gets it too)
     amp_dtype = autocast_dtype(choose_precision(args.precision, device))
     if not args.system_malloc and device.type == "cpu":
@@ -134,7 +140,8 @@ def main() -> None:
           f"params tfm {tfm.num_parameters() if tfm else 0:,} / HF {sum(p.numel() for p in hf.parameters()) if hf else 0:,}; "
           f"batches of <= {args.max_tokens} tokens; {device}, {'bf16 autocast' if amp_dtype else 'fp32'}"
           f"{'; tfm layers through torch.compile' if args.compile else ''}"
-          f"{'' if device.type != 'cuda' else '; SDPA with cuDNN' if args.cudnn_attention else '; SDPA without cuDNN'}")
+          f"{'' if device.type != 'cuda' else '; SDPA with cuDNN' if args.cudnn_attention else '; SDPA without cuDNN'}"
+          f"{'; SDPA without flash attention' if device.type == 'cuda' and args.no_flash_attention else ''}")
 
     # tfm: what `tfm train` uses. HF: what its Trainer uses unless --hf-optimizer fused.
     opt_tfm = torch.optim.Adam(tfm.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True) if tfm else None

@@ -13,6 +13,8 @@
 #                    made afresh on every call
 #   eager_big        bench_wmt_big without torch.compile (--compile off)
 #   eager_base       bench_wmt_base without torch.compile
+#   big_no_flash     bench_wmt_big with flash attention left out too (--no-flash-attention): decoder
+#                    self-attention through the memory-efficient kernel, for tfm and HF alike
 #   bench_base       bench_train.py on configs/de-en-gpu.yaml (the base shape on Multi30k's batches, what
 #                    `train` trains), also timing `tfm train`'s own loop
 #   bench_base_cudnn bench_base with SDPA allowed to pick cuDNN's attention (torch's default; tfm
@@ -35,7 +37,7 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [section ...]}
 shift
-all="env bench_wmt_big bench_wmt_base train eager_big eager_base bench_base bench_base_cudnn tests decode bench_small"
+all="env bench_wmt_big bench_wmt_base train eager_big eager_base big_no_flash bench_base bench_base_cudnn tests decode bench_small"
 sections=${*:-$all}
 for s in $sections; do
     case " $all " in *" $s "*) ;; *) echo "gpu_checks.sh: unknown section '$s' ($all)" >&2; exit 2 ;; esac
@@ -186,6 +188,9 @@ for s in $sections; do
         ;;
     eager_big)
         section eager_big 40 100 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --compile off --profile 3"
+        ;;
+    big_no_flash)
+        section big_no_flash 60 150 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --profile 3 --no-flash-attention"
         ;;
     eager_base)
         section eager_base 40 80 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 32768 --steps 30 --warmup 5 --no-memory --compile off --profile 3"

@@ -156,6 +156,7 @@ def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]
                  "≥ 41", verdict(train["bleu"], 41.0)))
     for name, what in (("eager_big", "big shape (WMT14 lengths), tfm eager (no torch.compile)"),
                        ("eager_base", "base shape (WMT14 lengths), tfm eager (no torch.compile)"),
+                       ("big_no_flash", "big shape (WMT14 lengths), SDPA without flash attention"),
                        ("bench_base", "base shape, Multi30k lengths"),
                        ("bench_base_cudnn", "base shape, Multi30k lengths, SDPA allowed cuDNN"),
                        ("bench_small", "small shape (configs/de-en.yaml)")):

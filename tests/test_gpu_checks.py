@@ -54,8 +54,8 @@ def planned(tmp_path: Path) -> dict[str, tuple[int, int, str]]:
 
 def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
     plan = planned(tmp_path)
-    assert list(plan) == ["env", "bench_wmt_big", "bench_wmt_base", "train", "eager_big", "eager_base", "bench_base",
-                          "bench_base_cudnn", "tests", "decode", "bench_small"]
+    assert list(plan) == ["env", "bench_wmt_big", "bench_wmt_base", "train", "eager_big", "eager_base", "big_no_flash",
+                          "bench_base", "bench_base_cudnn", "tests", "decode", "bench_small"]
     parsers = {name: script_module(name).build_parser() for name in ("bench_train", "bench_engines")}
     for name, (least, most, command) in plan.items():
         assert 0 < least <= most, name
@@ -75,7 +75,8 @@ def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
         assert f"--max-tokens {load_config(ROOT / f'configs/wmt14-en-de-{config}.yaml').train.max_tokens} " in command
         args = parsers["bench_train"].parse_args(shlex.split(command.split("bench_train.py ", 1)[1]))
         assert args.compile == ("off" if name.startswith("eager") else "config"), name
-    # The comparison of attention kernels runs the same batches as bench_base, cuDNN allowed.
+    # The comparisons of attention kernels run the same batches as their peers, one switch apart.
+    assert plan["big_no_flash"][2] == plan["bench_wmt_big"][2] + " --no-flash-attention"
     assert plan["bench_base_cudnn"][2].endswith("--cudnn-attention") and "--cudnn-attention" not in plan["bench_base"][2]
 
 
