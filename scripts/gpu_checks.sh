@@ -11,10 +11,10 @@
 #   train            tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
 #                    test2016, beam 5 (target: BLEU >= 41); its run directory is runs/gpu-checks/de-en-gpu,
 #                    made afresh on every call
-#   eager_big        bench_wmt_big without torch.compile (--compile off)
-#   eager_base       bench_wmt_base without torch.compile
 #   big_no_flash     bench_wmt_big with flash attention left out too (--no-flash-attention): decoder
 #                    self-attention through the memory-efficient kernel, for tfm and HF alike
+#   eager_big        bench_wmt_big without torch.compile (--compile off)
+#   eager_base       bench_wmt_base without torch.compile
 #   bench_base       bench_train.py on configs/de-en-gpu.yaml (the base shape on Multi30k's batches, what
 #                    `train` trains), also timing `tfm train`'s own loop
 #   bench_base_cudnn bench_base with SDPA allowed to pick cuDNN's attention (torch's default; tfm
@@ -37,7 +37,7 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [section ...]}
 shift
-all="env bench_wmt_big bench_wmt_base train eager_big eager_base big_no_flash bench_base bench_base_cudnn tests decode bench_small"
+all="env bench_wmt_big bench_wmt_base train big_no_flash eager_big eager_base bench_base bench_base_cudnn tests decode bench_small"
 sections=${*:-$all}
 for s in $sections; do
     case " $all " in *" $s "*) ;; *) echo "gpu_checks.sh: unknown section '$s' ($all)" >&2; exit 2 ;; esac
