@@ -9,7 +9,7 @@ import torch
 
 from transformer_cli.config import ExperimentConfig
 from transformer_cli.special_tokens import BOS_ID, EOS_ID, PAD_ID
-from transformer_cli.model import Transformer
+from transformer_cli.model import Transformer, ffn_dropout
 from transformer_cli.train import build_model
 
 
@@ -23,12 +23,11 @@ def hf_model(config: ExperimentConfig, vocab_size: int):
     from transformers import MarianConfig, MarianMTModel
 
     m = config.model
-    ffn_dropout = m.dropout if m.activation_dropout is None else m.activation_dropout  # as tfm's model.ffn_dropout
     hf_config = MarianConfig(
         vocab_size=vocab_size, d_model=m.d_model, encoder_layers=m.enc_layers, decoder_layers=m.dec_layers,
         encoder_attention_heads=m.n_heads, decoder_attention_heads=m.n_heads, encoder_ffn_dim=m.d_ff,
         decoder_ffn_dim=m.d_ff, activation_function=m.activation, dropout=m.dropout,
-        attention_dropout=m.attention_dropout, activation_dropout=ffn_dropout, max_position_embeddings=m.max_positions,
+        attention_dropout=m.attention_dropout, activation_dropout=ffn_dropout(m), max_position_embeddings=m.max_positions,
         scale_embedding=True, pad_token_id=PAD_ID, eos_token_id=EOS_ID, forced_eos_token_id=None,
         decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, share_encoder_decoder_embeddings=True,
         tie_word_embeddings=True, attn_implementation="sdpa",

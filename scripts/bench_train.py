@@ -114,7 +114,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = load_config(args.config)
-    args.compile = args.compile == "on" or (args.compile == "config" and config.train.compile)
+    compiled = args.compile == "on" or (args.compile == "config" and config.train.compile)
+    time_train_loop = not (args.synthetic or compiled or args.no_train_loop)  # a prepared run, eager
     needed = args.warmup + args.steps
     if args.synthetic:
         vocab = config.vocab.size
@@ -132,14 +133,15 @@ def main() -> None:
     smoothing = config.train.label_smoothing
 
     tfm = tfm_model(config, vocab).to(device).train() if args.only != "hf" else None
-    tfm_forward = compile_for_training(tfm) if tfm is not None and args.compile else tfm
+    if tfm is not None and compiled:
+        compile_for_training(tfm)  # its layers, in place
     hf = hf_model(config, vocab).to(device).train() if args.only != "tfm" else None
     print(machine_line(device))
     print(f"shape: d_model {config.model.d_model}, heads {config.model.n_heads}, layers "
           f"{config.model.enc_layers}+{config.model.dec_layers}, ffn {config.model.d_ff}, vocab {vocab}; "
           f"params tfm {tfm.num_parameters() if tfm else 0:,} / HF {sum(p.numel() for p in hf.parameters()) if hf else 0:,}; "
           f"batches of <= {args.max_tokens} tokens; {device}, {'bf16 autocast' if amp_dtype else 'fp32'}"
-          f"{'; tfm layers through torch.compile' if args.compile else ''}"
+          f"{'; tfm layers through torch.compile' if compiled else ''}"
           f"{'' if device.type != 'cuda' else '; SDPA with cuDNN' if args.cudnn_attention else '; SDPA without cuDNN'}"
           f"{'; SDPA without flash attention' if device.type == 'cuda' and args.no_flash_attention else ''}")
 
@@ -159,7 +161,7 @@ def main() -> None:
         for g in opt_tfm.param_groups:
             g["lr"] = learning_rate(step, config.train, config.model.d_model)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss, _ = batch_loss(tfm_forward, batch, smoothing)
+            loss, _ = batch_loss(tfm, batch, smoothing)
         (loss / batch.n_tgt_tokens).backward()
         opt_tfm.step()
         opt_tfm.zero_grad(set_to_none=True)
@@ -193,7 +195,7 @@ def main() -> None:
     # run pays once per shape: timing first-seen shapes put tfm at a third of what `tfm train` logs
     # over thousands of steps. So on CUDA every timed batch runs once first, and steps are timed
     # with CUDA events.
-    if args.steady_state or args.compile or device.type == "cuda":
+    if args.steady_state or compiled or device.type == "cuda":
         first = first_pass_rates({"tfm": tfm_step, "hf": hf_step}, batches[args.warmup:], sync)
         print(f"first pass over the timed batches (shapes new to both, wall clock): tfm {first['tfm']:.0f}, "
               f"HF {first['hf']:.0f} target tokens/s")
@@ -231,7 +233,7 @@ def main() -> None:
         if pairs:
             seconds[name] = sum(start.elapsed_time(end) for start, end in pairs) / 1000
     back_to_back = back_to_back_rates({"tfm": tfm_step, "hf": hf_step}, batches[args.warmup:], sync)
-    if not (args.synthetic or args.compile or args.no_train_loop):
+    if time_train_loop:
         loop_rates = {ahead: trainer_loop_rate(config, device, args.steps, ahead) for ahead in (True, False)}
     tfm_rate, hf_rate = tokens / seconds["tfm"], tokens / seconds["hf"]
     print(f"timed {args.steps} steps each ({tokens:,} target tokens) after {args.warmup} warm-up steps")
@@ -242,7 +244,7 @@ def main() -> None:
           f"target tokens/s ({back_to_back['tfm'] / tfm_rate:.2f}x the timed steps)")
     print(f"HF back to back: {back_to_back['hf']:.0f} target tokens/s; ratio back to back tfm/HF "
           f"{back_to_back['tfm'] / back_to_back['hf']:.2f}x")
-    if not (args.synthetic or args.compile or args.no_train_loop):
+    if time_train_loop:
         for ahead, rate in loop_rates.items():
             print(f"tfm train's own loop ({'batches collated ahead on a thread' if ahead else 'batches collated in the loop'}"
                   f", clip, skip check, step ledger; no logging or validation), back to back: {rate:.0f} target "

@@ -697,7 +697,10 @@ class CT2Translator(TranslationEngine):
         try:
             return self._translator.translate_batch(pieces, **options)
         except RuntimeError as exc:  # e.g. out of GPU memory: a line, not a traceback
-            raise TfmError(f"CTranslate2 failed on {self.device}: {first_line(exc)}") from None
+            raise self._failed(exc) from None
+
+    def _failed(self, exc: RuntimeError) -> TfmError:
+        return TfmError(f"CTranslate2 failed on {self.device}: {first_line(exc)}")
 
     def tokenize(self, lines: list[str]) -> list[list[str]]:
         return self.src_sp.encode(lines, out_type=str)
@@ -757,7 +760,7 @@ class CT2Translator(TranslationEngine):
                     try:
                         result = future.result()
                     except RuntimeError as exc:  # e.g. out of GPU memory: a line, not a traceback
-                        raise TfmError(f"CTranslate2 failed on {self.device}: {first_line(exc)}") from None
+                        raise self._failed(exc) from None
                     scores = result.scores or [math.nan] * len(result.hypotheses)  # one hypothesis: not asked for
                     results[i] = [Hypothesis(tokens, score) for tokens, score in zip(result.hypotheses, scores)]
             return results

@@ -6,11 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .special_tokens import PAD_ID
-
-# The output projection and the loss run over this many bytes of fp32 log-probabilities at a time
-
 from .batches import Batch
+from .special_tokens import PAD_ID
 
 # The output projection and the loss run over this many bytes of fp32 log-probabilities at a time
 # (1,048 rows for an 8k vocabulary), so their memory stays bounded whatever the batch and the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -200,7 +201,12 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(out.reshape(rows, -1))  # heads concatenated, as in forward
 
 
-def ffn_dropout(cfg: TransformerConfig) -> float:
+class Dropouts(Protocol):  # TransformerConfig, or the config file's model section (config.ModelConfig)
+    dropout: float
+    activation_dropout: float | None
+
+
+def ffn_dropout(cfg: Dropouts) -> float:
     """Dropout inside the FFN, on act(W1 x + b1): `activation_dropout`, else `dropout`."""
     return cfg.dropout if cfg.activation_dropout is None else cfg.activation_dropout
 
