@@ -7,12 +7,15 @@
 #                    lengths (--synthetic wmt, no corpus): tfm vs HF MarianMT, steady state, back to back, the
 #                    first pass over new batch shapes, and a profile of where the GPU's time goes
 #                    (targets: MFU >= 30%, >= 1.3x HF)
-#   bench_wmt_base   the same on configs/wmt14-en-de-base.yaml (targets: MFU >= 15%, >= 1.3x HF)
-#   train            tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
-#                    test2016, beam 5 (target: BLEU >= 41); its run directory is runs/gpu-checks/de-en-gpu,
-#                    made afresh on every call
 #   big_no_flash     bench_wmt_big with flash attention left out too (--no-flash-attention): decoder
 #                    self-attention through the memory-efficient kernel, for tfm and HF alike
+#   train            tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
+#                    test2016, beam 5, at the config's length penalty (target: BLEU >= 41), and at 0.6 on
+#                    test and valid (valid picks the penalty); its run directory is runs/gpu-checks/de-en-gpu,
+#                    made afresh on every call
+#   train_budget     the same with train.lr_schedule=budget (the cosine decay to 0 when max_time ends that
+#                    the CPU configs use) in runs/gpu-checks/de-en-gpu-budget: test and valid BLEU
+#   bench_wmt_base   the same as bench_wmt_big on configs/wmt14-en-de-base.yaml (targets: MFU >= 15%, >= 1.3x HF)
 #   eager_big        bench_wmt_big without torch.compile (--compile off)
 #   eager_base       bench_wmt_base without torch.compile
 #   bench_base       bench_train.py on configs/de-en-gpu.yaml (the base shape on Multi30k's batches, what
@@ -37,7 +40,7 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [section ...]}
 shift
-all="env bench_wmt_big bench_wmt_base train big_no_flash eager_big eager_base bench_base bench_base_cudnn tests decode bench_small"
+all="env bench_wmt_big big_no_flash train train_budget bench_wmt_base eager_big eager_base bench_base bench_base_cudnn tests decode bench_small"
 sections=${*:-$all}
 for s in $sections; do
     case " $all " in *" $s "*) ;; *) echo "gpu_checks.sh: unknown section '$s' ($all)" >&2; exit 2 ;; esac
@@ -50,7 +53,9 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-checks.XXXXXX")  # the logs; OUT_DIR gets 
 trap 'rm -rf "$work"' EXIT
 budget=${BUDGET:-520}
 train_time=${TRAIN_TIME:-150s}
+gpu_config=configs/de-en-gpu.yaml  # what train and train_budget train
 train_dir=runs/gpu-checks/de-en-gpu  # train's run (configs/de-en-gpu.yaml's own runs/de-en-gpu is left alone)
+budget_dir=runs/gpu-checks/de-en-gpu-budget  # train_budget's
 plan=${PLAN:-0}
 started=$SECONDS
 : >"$work/sections.tsv"
@@ -86,25 +91,35 @@ EOF
     export LD_LIBRARY_PATH="$work/cublas12${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 export -f cublas12_shim
+
+evaluate_at() {  # evaluate_at CONFIG RUN_DIR SPLIT [LENGTH_PENALTY]: beam 5 on a trained run, after a
+    # line gpu_summary.py reads as the label of the scores that follow (no penalty: the config's)
+    echo "evaluate: $3, length penalty ${4:-of the config}"
+    tfm evaluate --config "$1" --set run_dir="$2" --split "$3" --beam 5 ${4:+--set decode.length_penalty=$4}
+}
+export -f evaluate_at
 export work
 
 prepare_pid=""
-start_prepare() {  # the three Multi30k run directories, in the background (CPU work)
-    [ "$plan" = 1 ] && { echo "== prepare (background): configs/de-en.yaml, configs/de-en-gpu.yaml and $train_dir"; return; }
-    # this script's own run: a call with `train` trains afresh; one without (decode on a still-warm
+start_prepare() {  # the four Multi30k run directories, in the background (CPU work)
+    [ "$plan" = 1 ] && { echo "== prepare (background): configs/de-en.yaml, configs/de-en-gpu.yaml, $train_dir and $budget_dir"; return; }
+    # this script's own runs: a call with `train` trains afresh; one without (decode on a still-warm
     # machine) keeps the checkpoint an earlier call trained (prepare leaves a prepared run as it is)
     case " $sections " in *" train "*) rm -rf "$train_dir" ;; esac
+    case " $sections " in *" train_budget "*) rm -rf "$budget_dir" ;; esac
     # Bounded like a section (a download that hangs offline must not hold the sections that wait for it).
     timeout -k 10 "$((budget / 2))" bash -c 'scripts/get_data.sh multi30k && {
       tfm prepare --config configs/de-en.yaml & p1=$!
       tfm prepare --config configs/de-en-gpu.yaml & p2=$!
+      tfm prepare --config configs/de-en-gpu.yaml --set run_dir="$2" & p4=$!
       tfm prepare --config configs/de-en-gpu.yaml --set run_dir="$1"; r3=$?
-      wait $p1; r1=$?; wait $p2; r2=$?; echo $SECONDS >"$work/prepare.seconds"; exit $((r1 || r2 || r3)); }' \
-        prepare "$train_dir" >"$work/prepare.log" 2>&1 &
+      wait $p1; r1=$?; wait $p2; r2=$?; wait $p4; r4=$?
+      echo $SECONDS >"$work/prepare.seconds"; exit $((r1 || r2 || r3 || r4)); }' \
+        prepare "$train_dir" "$budget_dir" >"$work/prepare.log" 2>&1 &
     prepare_pid=$!
     prepare_start=$SECONDS
 }
-await_prepare() {  # 0 once the three run directories are prepared
+await_prepare() {  # 0 once the four run directories are prepared
     [ "$plan" = 1 ] && return 0
     [ -n "$prepare_pid" ] || return 1
     if [ "$prepare_pid" != done ]; then
@@ -151,7 +166,7 @@ needs_data() {  # section NAME: skipped (with the reason) when prepare failed
     return 1
 }
 
-case " $sections " in *" train "*|*" bench_base"*|*" bench_small "*|*" decode "*|*" tests "*) start_prepare ;; esac
+case " $sections " in *" train"*|*" bench_base"*|*" bench_small "*|*" decode "*|*" tests "*) start_prepare ;; esac
 bench="python3 scripts/bench_train.py --device cuda"
 for s in $sections; do
     case $s in
@@ -166,8 +181,13 @@ for s in $sections; do
         needs_data bench_base && section bench_base 30 100 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 60 --warmup 20 --no-memory"
         ;;
     train)
-        needs_data train && section train 180 260 "tfm train --config configs/de-en-gpu.yaml --set run_dir=$train_dir --set train.max_time=$train_time &&
-            tfm evaluate --config configs/de-en-gpu.yaml --set run_dir=$train_dir --split test --beam 5"
+        needs_data train && section train 180 270 "tfm train --config $gpu_config --set run_dir=$train_dir --set train.max_time=$train_time &&
+            evaluate_at $gpu_config $train_dir test && evaluate_at $gpu_config $train_dir test 0.6 &&
+            evaluate_at $gpu_config $train_dir valid && evaluate_at $gpu_config $train_dir valid 0.6"
+        ;;
+    train_budget)
+        needs_data train_budget && section train_budget 180 250 "tfm train --config $gpu_config --set run_dir=$budget_dir --set train.max_time=$train_time --set train.lr_schedule=budget &&
+            evaluate_at $gpu_config $budget_dir test && evaluate_at $gpu_config $budget_dir valid"
         ;;
     bench_wmt_big)
         section bench_wmt_big 60 150 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --profile 3"

@@ -70,18 +70,61 @@ def profile_line(log: str, toolkit: str) -> str | None:
     return f"busy {busy}% ({device_ms} of {wall_ms} ms per step); {parts}"
 
 
+def scores(log: str) -> dict[str, float | None]:
+    """What `tfm evaluate` printed last in `log`: BLEU, its brevity penalty, chrF."""
+    return {"bleu": find(rf"^BLEU = {NUMBER}", log), "bp": find(rf"^BLEU = .*\(BP = {NUMBER}", log),
+            "chrf": find(rf"^chrF2 = {NUMBER}", log)}
+
+
+def evaluations(log: str) -> dict[str, dict[str, float | None]]:
+    """gpu_checks.sh's `evaluate_at` runs in a log, in order: {label: scores}, the label as its line
+    "evaluate: LABEL" gave it (e.g. "test, length penalty 0.6")."""
+    parts = re.split(r"^evaluate: (.*)$", log, flags=re.MULTILINE)
+    return {label: scores(body) for label, body in zip(parts[1::2], parts[2::2])}
+
+
 def train_figures(log: str) -> dict[str, float | None]:
     """`tfm train` then `tfm evaluate`: steps, the median of the logged tokens/s (the first log
-    line left out: it holds the start), the best valid score, and test BLEU / chrF."""
+    line left out: it holds the start), the best valid score, and test BLEU / chrF / brevity
+    penalty: of the first `evaluate_at` (test at the config's length penalty), or, in a log without
+    those lines, of the last evaluation."""
     rates = [number(r) for r in re.findall(rf"^step \d+: .* {NUMBER} tok/s", log, flags=re.MULTILINE)]
+    evaluated = list(evaluations(log).values())
     return {
         "steps": find(rf"^done \(.*?\): {NUMBER} steps", log),
         "tokens_per_s": statistics.median(rates[1:] or rates) if rates else None,
         "first_window": rates[0] if rates else None,
         "best_valid": find(rf"^done .* best valid \w+ {NUMBER}", log),
-        "bleu": find(rf"^BLEU = {NUMBER}", log),
-        "chrf": find(rf"^chrF2 = {NUMBER}", log),
+        **(evaluated[0] if evaluated else scores(log)),
     }
+
+
+def train_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]:
+    """The 150-s `tfm train` of configs/de-en-gpu.yaml (target: test BLEU >= 41), its scores at the
+    other length penalty, and the budget-schedule variant's."""
+    log = sections["train"].log if "train" in sections else ""
+    train = train_figures(log)
+    stopped = re.findall(r"^done \((.*?)\)", log, flags=re.MULTILINE)
+    rows = [(f"configs/de-en-gpu.yaml, `tfm train` ({stopped[-1] if stopped else 'did not finish'}): "
+             "test2016 BLEU (beam 5)",
+             f"{shown(train['bleu'], '', 2)} (chrF {shown(train['chrf'], '', 2)}; brevity penalty "
+             f"{shown(train['bp'], '', 3)}; {shown(train['steps'])} steps, median logged "
+             f"{shown(train['tokens_per_s'])} target tokens/s, the first log window "
+             f"{shown(train['first_window'])}, best valid {shown(train['best_valid'], '', 2)})",
+             "≥ 41", verdict(train["bleu"], 41.0))]
+    evaluated = evaluations(log)
+    if len(evaluated) > 1:
+        rows.append(("the same model, beam 5 at each length penalty (BLEU, brevity penalty)",
+                     "; ".join(f"{label}: {shown(got['bleu'], '', 2)} ({shown(got['bp'], '', 3)})"
+                               for label, got in evaluated.items()), "", ""))
+    if "train_budget" in sections and sections["train_budget"].ran:
+        variant = train_figures(sections["train_budget"].log)
+        valid = [got for label, got in evaluations(sections["train_budget"].log).items() if label.startswith("valid")]
+        rows.append(("the same with `--set train.lr_schedule=budget`: test2016 BLEU (beam 5)",
+                     f"{shown(variant['bleu'], '', 2)} (chrF {shown(variant['chrf'], '', 2)}; brevity penalty "
+                     f"{shown(variant['bp'], '', 3)}; valid beam 5 {shown(valid[0]['bleu'] if valid else None, '', 2)}; "
+                     f"{shown(variant['steps'])} steps, best valid {shown(variant['best_valid'], '', 2)})", "", ""))
+    return rows
 
 
 def pytest_counts(log: str) -> dict[str, float | None]:
@@ -146,14 +189,7 @@ def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]
             found = profile_line(sections[name].log, toolkit) if name in sections else None
             if found:
                 rows.append((f"{what}: GPU time of a {toolkit} step (profiled)", found, "", ""))
-    train = train_figures(sections["train"].log) if "train" in sections else train_figures("")
-    stopped = re.findall(r"^done \((.*?)\)", sections["train"].log if "train" in sections else "", flags=re.MULTILINE)
-    rows.append((f"configs/de-en-gpu.yaml, `tfm train` ({stopped[-1] if stopped else 'did not finish'}): "
-                 "test2016 BLEU (beam 5)",
-                 f"{shown(train['bleu'], '', 2)} (chrF {shown(train['chrf'], '', 2)}; {shown(train['steps'])} steps, "
-                 f"median logged {shown(train['tokens_per_s'])} target tokens/s, the first log window "
-                 f"{shown(train['first_window'])}, best valid {shown(train['best_valid'], '', 2)})",
-                 "≥ 41", verdict(train["bleu"], 41.0)))
+    rows += train_rows(sections)
     for name, what in (("eager_big", "big shape (WMT14 lengths), tfm eager (no torch.compile)"),
                        ("eager_base", "base shape (WMT14 lengths), tfm eager (no torch.compile)"),
                        ("big_no_flash", "big shape (WMT14 lengths), SDPA without flash attention"),

@@ -54,20 +54,29 @@ def planned(tmp_path: Path) -> dict[str, tuple[int, int, str]]:
 
 def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
     plan = planned(tmp_path)
-    assert list(plan) == ["env", "bench_wmt_big", "bench_wmt_base", "train", "big_no_flash", "eager_big", "eager_base",
-                          "bench_base", "bench_base_cudnn", "tests", "decode", "bench_small"]
+    assert list(plan) == ["env", "bench_wmt_big", "big_no_flash", "train", "train_budget", "bench_wmt_base", "eager_big",
+                          "eager_base", "bench_base", "bench_base_cudnn", "tests", "decode", "bench_small"]
     parsers = {name: script_module(name).build_parser() for name in ("bench_train", "bench_engines")}
     for name, (least, most, command) in plan.items():
         assert 0 < least <= most, name
         for config in re.findall(r"--config (\S+)", command):
             assert load_config(ROOT / config).model.d_model > 0, (name, config)
+        # every override the section sets is a key the config takes, at a value it takes
+        for config, overrides in re.findall(r"tfm \w+ --config (\S+)((?: --set \S+)+)", command):
+            load_config(ROOT / config, overrides.split()[1::2])
+        for length_penalty in re.findall(r"evaluate_at \S+ \S+ (?:test|valid) ([0-9.]+)", command):
+            assert load_config(ROOT / "configs/de-en-gpu.yaml", [f"decode.length_penalty={length_penalty}"])
         for script, args in re.findall(r"python3 scripts/(\w+)\.py (.*?)(?:$|;|&&)", command):
             parsed = parsers[script].parse_args(shlex.split(args))  # an unknown option exits: the test fails
             assert parsed.device == "cuda", (name, args)
         for path in re.findall(r"\b(?:tests|scripts)/[\w/]+\.(?:py|sh)", command):
             assert (ROOT / path).exists(), (name, path)
     # The sections the targets are measured in come first and fit the default budget together.
-    assert sum(plan[name][0] for name in ("env", "bench_wmt_big", "bench_wmt_base", "train", "big_no_flash", "eager_big")) <= 520
+    assert sum(plan[name][0] for name in ("env", "bench_wmt_big", "big_no_flash", "train", "bench_wmt_base")) <= 520
+    # The schedule variant trains what train trains, in a run of its own, one setting apart.
+    train, variant = plan["train"][2], plan["train_budget"][2]
+    assert variant.split(" && ")[0] == train.split(" && ")[0].replace(
+        "runs/gpu-checks/de-en-gpu ", "runs/gpu-checks/de-en-gpu-budget ") + " --set train.lr_schedule=budget"
     # The WMT shapes run at their configs' batch size; the target sections as `tfm train` runs the
     # configs (their train.compile), the eager ones without torch.compile.
     for name, config in (("bench_wmt_big", "big"), ("bench_wmt_base", "base"), ("eager_big", "big"), ("eager_base", "base")):
@@ -113,24 +122,51 @@ def test_a_section_the_budget_cannot_hold_is_skipped_not_cut(tmp_path):
         [["env", "skipped"], ["bench_wmt_base", "skipped"]]
 
 
+def script_function(name: str) -> str:
+    """A shell function of gpu_checks.sh, as its text (to run it where the script's sections cannot)."""
+    found = re.search(rf"^{name}\(\) \{{.*?^\}}$", SCRIPT.read_text(), flags=re.MULTILINE | re.DOTALL)
+    assert found, name
+    return found.group(0)
+
+
 def test_the_table_reads_what_tfm_train_and_evaluate_print(tiny_prepared, tmp_path):
-    """A real (tiny) `tfm train` and `tfm evaluate` through the CLI, their output as the train
-    section's log: the table shows their step count and BLEU, and judges BLEU against 41."""
+    """A real (tiny) `tfm train`, then the script's own `evaluate_at` at the config's length penalty
+    and at another, their output as the train section's log: the table shows the step count and the
+    first evaluation's BLEU (the config's, judged against 41), then every evaluation under its label."""
     config = tiny_run(tiny_prepared, tmp_path, max_steps=20, log_every=5)
     trained = tfm("train", "--config", config)
-    evaluated = tfm("evaluate", "--config", config, "--split", "test", "--beam", "2")
-    assert trained.returncode == 0 and evaluated.returncode == 0, trained.stderr + evaluated.stderr
+    assert trained.returncode == 0, trained.stderr
+    shell = f"tfm() {{ {shlex.quote(sys.executable)} -m transformer_cli \"$@\"; }}\n{script_function('evaluate_at')}\n"
+    evaluated = subprocess.run(["bash", "-c", shell + f"evaluate_at {config} {tmp_path / 'run'} test && "
+                                f"evaluate_at {config} {tmp_path / 'run'} test 0.0"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr
+    bleus = [float(b) for b in re.findall(r"^BLEU = ([0-9.]+)", evaluated.stdout, flags=re.MULTILINE)]
+    assert len(bleus) == 2
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "train.log").write_text(trained.stdout + trained.stderr + evaluated.stdout + evaluated.stderr)
     (logs / "sections.tsv").write_text("train\t0\t12\t300\n")
     summary = script_module("gpu_summary")
     figures = summary.train_figures((logs / "train.log").read_text())
-    bleu = float(re.search(r"^BLEU = ([0-9.]+)", evaluated.stdout, flags=re.MULTILINE).group(1))
-    assert figures["steps"] == 20 and figures["bleu"] == bleu and figures["tokens_per_s"] > 0
-    row = next(r for r in summary.figure_rows(summary.read_sections(logs)) if "test2016 BLEU" in r[0])
-    assert row[1].startswith(f"{bleu:.2f} ") and row[3] == ("met" if bleu >= 41 else "**not met**")
+    assert figures["steps"] == 20 and figures["bleu"] == bleus[0] and figures["tokens_per_s"] > 0
+    assert 0 < figures["bp"] <= 1
+    rows = summary.figure_rows(summary.read_sections(logs))
+    row = next(r for r in rows if "test2016 BLEU" in r[0])
+    assert row[1].startswith(f"{bleus[0]:.2f} ") and row[3] == ("met" if bleus[0] >= 41 else "**not met**")
     assert "(max_steps=20)" in row[0]  # why the run stopped: the budget it ran under
+    each = next(r for r in rows if r[0].startswith("the same model, beam 5 at each length penalty"))
+    assert each[1].startswith(f"test, length penalty of the config: {bleus[0]:.2f} (")
+    assert f"; test, length penalty 0.0: {bleus[1]:.2f} (" in each[1]
+    # the schedule variant's section: its own row, its first (test) evaluation, no verdict of its own
+    (logs / "train_budget.log").write_text(trained.stdout + trained.stderr + evaluated.stdout)
+    (logs / "sections.tsv").write_text("train\t0\t12\t300\ntrain_budget\t0\t12\t250\n")
+    variant = next(r for r in summary.figure_rows(summary.read_sections(logs)) if "lr_schedule=budget" in r[0])
+    assert variant[1].startswith(f"{bleus[0]:.2f} (") and "20 steps" in variant[1] and variant[2:] == ("", "")
+    # the penalty reaches the config: one it refuses fails the call, naming the key
+    refused = subprocess.run(["bash", "-c", shell + f"evaluate_at {config} {tmp_path / 'run'} test 11"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert refused.returncode == 2 and "decode.length_penalty" in refused.stderr, refused.stderr
 
 
 def test_the_table_judges_bench_figures_against_their_targets(tmp_path):
