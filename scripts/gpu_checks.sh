@@ -98,6 +98,16 @@ evaluate_at() {  # evaluate_at CONFIG RUN_DIR SPLIT [LENGTH_PENALTY]: beam 5 on 
     tfm evaluate --config "$1" --set run_dir="$2" --split "$3" --beam 5 ${4:+--set decode.length_penalty=$4}
 }
 export -f evaluate_at
+
+gpu_clocks() {  # gpu_clocks FILE: the GPU's SM clock, power and temperature every 5 s until killed (at
+    # most 400 s: a section cut by its timeout leaves none behind), and what holds the clock down
+    # where this driver names it: is the GPU slower over 150 s of `tfm train` than in a bench's burst?
+    local fields=timestamp,clocks.sm,clocks.max.sm,power.draw,temperature.gpu
+    nvidia-smi -i 0 --query-gpu=$fields,clocks_event_reasons.active --format=csv,noheader >/dev/null 2>&1 &&
+        fields=$fields,clocks_event_reasons.active
+    exec timeout 400 nvidia-smi -i 0 --query-gpu=$fields --format=csv,noheader -lms 5000 >"$1" 2>&1
+}
+export -f gpu_clocks
 export work
 
 prepare_pid=""
@@ -181,12 +191,16 @@ for s in $sections; do
         needs_data bench_base && section bench_base 30 100 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 60 --warmup 20 --no-memory"
         ;;
     train)
-        needs_data train && section train 180 270 "tfm train --config $gpu_config --set run_dir=$train_dir --set train.max_time=$train_time &&
+        needs_data train && section train 180 270 "gpu_clocks $work/train.clocks & clocks=\$!
+            tfm train --config $gpu_config --set run_dir=$train_dir --set train.max_time=$train_time; trained=\$?
+            kill \$clocks; [ \$trained = 0 ] &&
             evaluate_at $gpu_config $train_dir test && evaluate_at $gpu_config $train_dir test 0.6 &&
             evaluate_at $gpu_config $train_dir valid && evaluate_at $gpu_config $train_dir valid 0.6"
         ;;
     train_budget)
-        needs_data train_budget && section train_budget 180 250 "tfm train --config $gpu_config --set run_dir=$budget_dir --set train.max_time=$train_time --set train.lr_schedule=budget &&
+        needs_data train_budget && section train_budget 180 250 "gpu_clocks $work/train_budget.clocks & clocks=\$!
+            tfm train --config $gpu_config --set run_dir=$budget_dir --set train.max_time=$train_time --set train.lr_schedule=budget; trained=\$?
+            kill \$clocks; [ \$trained = 0 ] &&
             evaluate_at $gpu_config $budget_dir test && evaluate_at $gpu_config $budget_dir valid"
         ;;
     bench_wmt_big)

@@ -99,6 +99,33 @@ def train_figures(log: str) -> dict[str, float | None]:
     }
 
 
+# NVML's clock-event reasons (nvmlClocksEventReason*), the bits of clocks_event_reasons.active
+CLOCK_EVENTS = {0x1: "GPU idle", 0x2: "applications clocks setting", 0x4: "software power cap", 0x8: "hardware slowdown",
+                0x10: "sync boost", 0x20: "software thermal slowdown", 0x40: "hardware thermal slowdown",
+                0x80: "hardware power brake", 0x100: "display clock setting"}
+
+
+def clock_line(samples: str) -> str | None:
+    """gpu_clocks' CSV (timestamp, SM clock, its maximum, power, temperature[, event reasons]) in one
+    line: the SM clock's median and lowest against the GPU's most, power, temperature, and how many
+    samples name each reason the clock was held down; None without a sample."""
+    rows = [[field.strip() for field in line.split(",")] for line in samples.splitlines()
+            if re.match(r"^[^,]+, [0-9]+ MHz, [0-9]+ MHz, [0-9.]+ W, [0-9]+(, 0x[0-9a-fA-F]+)?$", line.strip())]
+    if not rows:
+        return None
+    clock = [number(row[1].split()[0]) for row in rows]
+    power = [number(row[3].split()[0]) for row in rows]
+    reasons: dict[str, int] = {}
+    for row in rows:
+        for bit, name in CLOCK_EVENTS.items():
+            if len(row) > 5 and int(row[5], 16) & bit:
+                reasons[name] = reasons.get(name, 0) + 1
+    held = ", ".join(f"{name} in {count}" for name, count in reasons.items()) or "nothing named"
+    return (f"SM clock median {statistics.median(clock):,.0f} MHz, lowest {min(clock):,.0f} (the GPU's most "
+            f"{rows[0][2]}); power median {statistics.median(power):,.0f} W; hottest "
+            f"{max(number(row[4]) for row in rows):.0f} °C; {len(rows)} samples every 5 s; clock held down by: {held}")
+
+
 def train_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]:
     """The 150-s `tfm train` of configs/de-en-gpu.yaml (target: test BLEU >= 41), its scores at the
     other length penalty, and the budget-schedule variant's."""
@@ -112,6 +139,8 @@ def train_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]:
              f"{shown(train['tokens_per_s'])} target tokens/s, the first log window "
              f"{shown(train['first_window'])}, best valid {shown(train['best_valid'], '', 2)})",
              "≥ 41", verdict(train["bleu"], 41.0))]
+    if "train" in sections and clock_line(sections["train"].clocks):
+        rows.append(("the GPU while `tfm train` ran", str(clock_line(sections["train"].clocks)), "", ""))
     evaluated = evaluations(log)
     if len(evaluated) > 1:
         rows.append(("the same model, beam 5 at each length penalty (BLEU, brevity penalty)",
@@ -144,6 +173,7 @@ class Section:
     seconds: str
     limit: str
     log: str
+    clocks: str = ""  # gpu_checks.sh's gpu_clocks samples while the section trained (train, train_budget)
 
     @property
     def ran(self) -> bool:
@@ -155,8 +185,9 @@ def read_sections(folder: Path) -> dict[str, Section]:
     table = folder / "sections.tsv"
     for line in table.read_text().splitlines() if table.exists() else []:
         name, status, seconds, limit = (line.split("\t") + ["", "", "", ""])[:4]
-        log = folder / f"{name}.log"
-        sections[name] = Section(name, status, seconds, limit, log.read_text(errors="replace") if log.exists() else "")
+        log, clocks = folder / f"{name}.log", folder / f"{name}.clocks"
+        sections[name] = Section(name, status, seconds, limit, log.read_text(errors="replace") if log.exists() else "",
+                                 clocks.read_text(errors="replace") if clocks.exists() else "")
     return sections
 
 

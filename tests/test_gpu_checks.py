@@ -12,6 +12,7 @@ import shlex
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,7 @@ def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
         for config in re.findall(r"--config (\S+)", command):
             assert load_config(ROOT / config).model.d_model > 0, (name, config)
         # every override the section sets is a key the config takes, at a value it takes
-        for config, overrides in re.findall(r"tfm \w+ --config (\S+)((?: --set \S+)+)", command):
+        for config, overrides in re.findall(r"tfm \w+ --config (\S+)((?: --set [^\s;]+)+)", command):
             load_config(ROOT / config, overrides.split()[1::2])
         for length_penalty in re.findall(r"evaluate_at \S+ \S+ (?:test|valid) ([0-9.]+)", command):
             assert load_config(ROOT / "configs/de-en-gpu.yaml", [f"decode.length_penalty={length_penalty}"])
@@ -74,9 +75,9 @@ def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
     # The sections the targets are measured in come first and fit the default budget together.
     assert sum(plan[name][0] for name in ("env", "bench_wmt_big", "big_no_flash", "train", "bench_wmt_base")) <= 520
     # The schedule variant trains what train trains, in a run of its own, one setting apart.
-    train, variant = plan["train"][2], plan["train_budget"][2]
-    assert variant.split(" && ")[0] == train.split(" && ")[0].replace(
-        "runs/gpu-checks/de-en-gpu ", "runs/gpu-checks/de-en-gpu-budget ") + " --set train.lr_schedule=budget"
+    train, variant = (re.search(r"tfm train .*?;", plan[name][2]).group(0) for name in ("train", "train_budget"))
+    assert variant == train.replace("runs/gpu-checks/de-en-gpu ", "runs/gpu-checks/de-en-gpu-budget ").replace(
+        ";", " --set train.lr_schedule=budget;")
     # The WMT shapes run at their configs' batch size; the target sections as `tfm train` runs the
     # configs (their train.compile), the eager ones without torch.compile.
     for name, config in (("bench_wmt_big", "big"), ("bench_wmt_base", "base"), ("eager_big", "big"), ("eager_base", "base")):
@@ -242,3 +243,34 @@ def test_bench_train_runs_tfm_trains_own_loop_beside_its_steps(tiny_prepared, tm
     assert figures["train_loop"] > 0 and figures["train_loop_inline"] > 0 and figures["back_to_back"] > 0
     assert figures["first_tfm"] > 0 and figures["first_hf"] > 0  # what a run pays for shapes new to it
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+
+
+def test_the_gpu_clock_samples_of_a_training_reach_the_table(tmp_path):
+    """gpu_clocks, the script's own function, against a stand-in nvidia-smi (none on CPU machines)
+    whose driver does not know the clock-event field: it falls back to the fields every driver has,
+    samples until killed, and the table reads what it wrote. A sample with the field is read too."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$*" in *clocks_event_reasons*) echo "Field is not a valid field to query." >&2; exit 2 ;; esac\n'
+        'case "$*" in *-lms*) while :; do echo "2026/11/27 05:10:01.123, 1830 MHz, 1980 MHz, 690.10 W, 66"; '
+        "sleep 0.1; done ;; esac\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    samples = tmp_path / "train.clocks"
+    shell = (f"{script_function('gpu_clocks')}\ngpu_clocks {samples} & clocks=$!\nsleep 1; kill $clocks; wait $clocks\n"
+             "sleep 0.3; exit 0")
+    run = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert run.returncode == 0, run.stderr
+    written = samples.read_text()
+    assert written.count("\n") >= 3 and "not a valid field" not in written
+    time.sleep(0.3)
+    assert samples.read_text() == written  # killed: nothing samples on
+    summary = script_module("gpu_summary")
+    line = summary.clock_line(written)
+    assert line.startswith("SM clock median 1,830 MHz, lowest 1,830 (the GPU's most 1980 MHz); power median 690 W")
+    assert line.endswith("clock held down by: nothing named")
+    held = summary.clock_line("2026/11/27 05:10:01.123, 1755 MHz, 1980 MHz, 699.80 W, 63, 0x0000000000000024\n")
+    assert held.endswith("clock held down by: software power cap in 1, software thermal slowdown in 1")
+    assert summary.clock_line("nvidia-smi: command not found\n") is None
