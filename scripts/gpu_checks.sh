@@ -11,8 +11,8 @@
 #                    self-attention through the memory-efficient kernel, for tfm and HF alike
 #   train            tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
 #                    test2016, beam 5, at the config's length penalty (target: BLEU >= 41), and at 0.6 on
-#                    test and valid (valid picks the penalty); its run directory is runs/gpu-checks/de-en-gpu,
-#                    made afresh on every call
+#                    test and valid (valid picks the penalty), the GPU's clocks sampled while it trains
+#                    (train.clocks); its run directory is runs/gpu-checks/de-en-gpu, made afresh on every call
 #   train_budget     the same with train.lr_schedule=budget (the cosine decay to 0 when max_time ends that
 #                    the CPU configs use) in runs/gpu-checks/de-en-gpu-budget: test and valid BLEU
 #   bench_wmt_base   the same as bench_wmt_big on configs/wmt14-en-de-base.yaml (targets: MFU >= 15%, >= 1.3x HF)
@@ -25,13 +25,13 @@
 #   tests            the CUDA DDP test (torchrun, nccl)
 #   decode           scripts/bench_engines.py --device cuda on train's checkpoint: tfm vs CTranslate2
 #   bench_small      bench_train.py on configs/de-en.yaml
-# `tfm prepare` of the two Multi30k configs runs in the background from the start, on the host's
-# cores. The benchmarks skip their peak-memory child runs (--no-memory) to fit the budget.
+# `tfm prepare` of the Multi30k runs (the two configs' and the two train sections') runs in the
+# background from the start, on the host's cores. The benchmarks skip their peak-memory child runs (--no-memory) to fit the budget.
 #
 # Usage: bash scripts/gpu_checks.sh OUT_DIR [section ...]   (default: all, in the order above)
 #   BUDGET=SECONDS   the whole run's limit (520); a section gets what is left, capped at its own
 #                    limit, and is skipped when less than its minimum is left
-#   TRAIN_TIME=150s  train's max_time
+#   TRAIN_TIME=150s  train's and train_budget's max_time
 #   PLAN=1           print each section's command and limits instead of running it
 # OUT_DIR receives summary.md (the final table, also printed; scripts/gpu_summary.py), sections.tsv
 # and logs.tar.gz (every section's whole log, rewritten after each section: a run stopped from
