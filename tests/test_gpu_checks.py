@@ -198,7 +198,7 @@ def test_bench_train_runs_the_wmt_shape_on_synthetic_batches(tmp_path):
     CI's minutes compiling on CPU; compiled training has its own test in test_training_kernels.py)."""
     run = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/wmt14-en-de-base.yaml",
                           "--synthetic", "wmt", "--device", "cpu", "--steps", "3", "--warmup", "1",
-                          "--max-tokens", "512", "--precision", "fp32", "--no-memory", "--compile", "off"], capture_output=True, text=True,
+                          "--max-tokens", "256", "--precision", "fp32", "--no-memory", "--compile", "off"], capture_output=True, text=True,
                          cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "ratio tfm/HF" in run.stdout and "6·N·tokens/s" in run.stdout and "vocab 32000" in run.stdout
