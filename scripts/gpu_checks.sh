@@ -9,6 +9,9 @@
 #                    (targets: MFU >= 30%, >= 1.3x HF)
 #   big_no_flash     bench_wmt_big with flash attention left out too (--no-flash-attention): decoder
 #                    self-attention through the memory-efficient kernel, for tfm and HF alike
+#   bench_loss       scripts/bench_loss.py --device cuda at the big shape's batch (28,000 target tokens,
+#                    d_model 1024, 32k vocabulary): the output loss with its chunks eager vs fused by
+#                    torch.compile (what train.compile: true trains with)
 #   train            tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
 #                    test2016, beam 5, at the config's length penalty (target: BLEU >= 41), and at 0.6 on
 #                    test and valid (valid picks the penalty), the GPU's clocks sampled while it trains
@@ -40,7 +43,7 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [section ...]}
 shift
-all="env bench_wmt_big big_no_flash train train_budget bench_wmt_base eager_big eager_base bench_base bench_base_cudnn tests decode bench_small"
+all="env bench_wmt_big big_no_flash bench_loss train train_budget bench_wmt_base eager_big eager_base bench_base bench_base_cudnn tests decode bench_small"
 sections=${*:-$all}
 for s in $sections; do
     case " $all " in *" $s "*) ;; *) echo "gpu_checks.sh: unknown section '$s' ($all)" >&2; exit 2 ;; esac
@@ -222,6 +225,9 @@ for s in $sections; do
         ;;
     eager_big)
         section eager_big 40 100 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --compile off --profile 3"
+        ;;
+    bench_loss)
+        section bench_loss 20 60 "python3 scripts/bench_loss.py --device cuda --rows 28000 --d-model 1024 --vocab 32000"
         ;;
     big_no_flash)
         section big_no_flash 60 150 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --profile 3 --no-flash-attention"

@@ -57,6 +57,12 @@ def attention_kernels(log: str) -> str | None:
     return found[-1] if found else None
 
 
+def loss_figures(log: str) -> dict[str, float | None]:
+    """What scripts/bench_loss.py prints: ms per forward and backward of each, and their ratio."""
+    return {"eager": find(rf"^eager +{NUMBER} ms", log), "compiled": find(rf"^compiled +{NUMBER} ms", log),
+            "ratio": find(rf"^ratio eager/compiled {NUMBER}x", log)}
+
+
 def profile_line(log: str, toolkit: str) -> str | None:
     """bench_train.py --profile for one toolkit in one line: the device's busy share of the wall
     clock and its time per step by kernel group, largest first."""
@@ -220,6 +226,12 @@ def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]
             found = profile_line(sections[name].log, toolkit) if name in sections else None
             if found:
                 rows.append((f"{what}: GPU time of a {toolkit} step (profiled)", found, "", ""))
+    if "bench_loss" in sections and sections["bench_loss"].ran:
+        loss = loss_figures(sections["bench_loss"].log)
+        shape = re.findall(r"^output loss: (.*?);", sections["bench_loss"].log, flags=re.MULTILINE)
+        rows.append((f"output loss ({shape[-1] if shape else '—'}), forward and backward: chunks fused by "
+                     "torch.compile vs eager", f"{shown(loss['ratio'], 'x', 2)} ({shown(loss['compiled'], ' ms', 2)} "
+                     f"vs {shown(loss['eager'], ' ms', 2)})", "", ""))
     rows += train_rows(sections)
     for name, what in (("eager_big", "big shape (WMT14 lengths), tfm eager (no torch.compile)"),
                        ("eager_base", "base shape (WMT14 lengths), tfm eager (no torch.compile)"),

@@ -55,9 +55,9 @@ def planned(tmp_path: Path) -> dict[str, tuple[int, int, str]]:
 
 def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
     plan = planned(tmp_path)
-    assert list(plan) == ["env", "bench_wmt_big", "big_no_flash", "train", "train_budget", "bench_wmt_base", "eager_big",
-                          "eager_base", "bench_base", "bench_base_cudnn", "tests", "decode", "bench_small"]
-    parsers = {name: script_module(name).build_parser() for name in ("bench_train", "bench_engines")}
+    assert list(plan) == ["env", "bench_wmt_big", "big_no_flash", "bench_loss", "train", "train_budget", "bench_wmt_base",
+                          "eager_big", "eager_base", "bench_base", "bench_base_cudnn", "tests", "decode", "bench_small"]
+    parsers = {name: script_module(name).build_parser() for name in ("bench_train", "bench_engines", "bench_loss")}
     for name, (least, most, command) in plan.items():
         assert 0 < least <= most, name
         for config in re.findall(r"--config (\S+)", command):
@@ -73,7 +73,7 @@ def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
         for path in re.findall(r"\b(?:tests|scripts)/[\w/]+\.(?:py|sh)", command):
             assert (ROOT / path).exists(), (name, path)
     # The sections the targets are measured in come first and fit the default budget together.
-    assert sum(plan[name][0] for name in ("env", "bench_wmt_big", "big_no_flash", "train", "bench_wmt_base")) <= 520
+    assert sum(plan[name][0] for name in ("env", "bench_wmt_big", "big_no_flash", "bench_loss", "train", "bench_wmt_base")) <= 520
     # The schedule variant trains what train trains, in a run of its own, one setting apart.
     train, variant = (re.search(r"tfm train .*?;", plan[name][2]).group(0) for name in ("train", "train_budget"))
     assert variant == train.replace("runs/gpu-checks/de-en-gpu ", "runs/gpu-checks/de-en-gpu-budget ").replace(
@@ -274,3 +274,20 @@ def test_the_gpu_clock_samples_of_a_training_reach_the_table(tmp_path):
     held = summary.clock_line("2026/11/27 05:10:01.123, 1755 MHz, 1980 MHz, 699.80 W, 63, 0x0000000000000024\n")
     assert held.endswith("clock held down by: software power cap in 1, software thermal slowdown in 1")
     assert summary.clock_line("nvidia-smi: command not found\n") is None
+
+
+def test_bench_loss_times_the_output_loss_eager_and_compiled_and_the_table_reads_it(tmp_path):
+    """scripts/bench_loss.py on CPU at a small shape, through torch's own compiler: both ways of
+    computing the chunks are timed in one run, and the table shows their ratio as printed."""
+    run = subprocess.run([sys.executable, "scripts/bench_loss.py", "--rows", "300", "--d-model", "32", "--vocab", "500",
+                          "--rounds", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    figures = script_module("gpu_summary").loss_figures(run.stdout)
+    assert figures["eager"] > 0 and figures["compiled"] > 0
+    assert figures["ratio"] == pytest.approx(figures["eager"] / figures["compiled"], rel=0.02)
+    assert run.stdout.startswith("output loss: 300 rows, d_model 32, vocabulary 500, cpu, bf16;")
+    (tmp_path / "bench_loss.log").write_text(run.stdout)
+    (tmp_path / "sections.tsv").write_text("bench_loss\t0\t12\t60\n")
+    summary = script_module("gpu_summary")
+    row = next(r for r in summary.figure_rows(summary.read_sections(tmp_path)) if r[0].startswith("output loss"))
+    assert "(300 rows, d_model 32, vocabulary 500, cpu, bf16)" in row[0] and row[1].startswith(f"{figures['ratio']:.2f}x (")

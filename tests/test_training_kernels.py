@@ -63,9 +63,9 @@ def test_the_training_forward_compiles_as_one_graph():
 def test_training_compiles_one_graph_per_layer_kind_for_batches_of_every_shape():
     """Batches of three shapes through `train.compile`'s regional compilation (dynamo's graph
     capture with the eager backend: what is compiled, without the compiler's minutes): one graph
-    for the encoder layers and one for the decoder layers, however many layers and shapes; the
-    weights keep their names. torch.compile's default would specialise on the first shape and
-    capture again at the second."""
+    for the encoder layers, one for the decoder layers and one for the output loss's chunks,
+    however many layers, shapes and rows; the weights keep their names. torch.compile's default
+    would specialise on the first shape and capture again at the second."""
     from torch._dynamo.utils import counters
 
     from transformer_cli.kernels import compile_for_training
@@ -92,7 +92,7 @@ def test_training_compiles_one_graph_per_layer_kind_for_batches_of_every_shape()
             loss.backward()
         graphs[dynamic] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
-    assert graphs == {True: 2, None: 4}
+    assert graphs == {True: 3, None: 4}  # (the layers compiled one by one leave the loss eager)
 
 
 @pytest.mark.slow
