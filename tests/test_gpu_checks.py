@@ -55,8 +55,9 @@ def planned(tmp_path: Path) -> dict[str, tuple[int, int, str]]:
 
 def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
     plan = planned(tmp_path)
-    assert list(plan) == ["env", "bench_wmt_big", "big_no_flash", "bench_loss", "train", "train_budget", "bench_wmt_base",
-                          "eager_big", "eager_base", "bench_base", "bench_base_cudnn", "tests", "decode", "bench_small"]
+    assert list(plan) == ["env", "bench_wmt_big", "big_no_flash", "bench_loss", "train", "train_budget", "tests",
+                          "bench_wmt_base", "eager_big", "eager_base", "bench_base", "bench_base_cudnn", "decode",
+                          "bench_small"]
     parsers = {name: script_module(name).build_parser() for name in ("bench_train", "bench_engines", "bench_loss")}
     for name, (least, most, command) in plan.items():
         assert 0 < least <= most, name
