@@ -20,15 +20,22 @@ import torch
 from transformer_cli.loss import compiled_chunk_loss, output_layer_loss, smoothed_chunk_loss
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--rows", type=int, default=2048, help="target tokens of a batch (2048)")
-    parser.add_argument("--d-model", type=int, default=512, help="width of the decoder states (512)")
-    parser.add_argument("--vocab", type=int, default=32000, help="target vocabulary (32000)")
+    parser.add_argument("--rows", type=positive, default=2048, help="target tokens of a batch (2048)")
+    parser.add_argument("--d-model", type=positive, default=512, help="width of the decoder states (512)")
+    parser.add_argument("--vocab", type=positive, default=32000, help="target vocabulary (32000)")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds of each, alternating (7)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads on CPU (2)")
+    parser.add_argument("--rounds", type=positive, default=7, help="timed rounds of each, alternating (7)")
+    parser.add_argument("--threads", type=positive, default=2, help="torch threads on CPU (2)")
     return parser
 
 
