@@ -36,10 +36,12 @@ ChunkLoss = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor, float, 
 
 
 def smoothed_chunk_loss(logits: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, smoothing: float,
-                        with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One chunk of label-smoothed cross-entropy, eagerly: in place where it can be, so that one
-    fp32 (C, V) tensor is all the memory it takes. The gradient with respect to the logits is
-    softmax − (1 − ε)·onehot − ε/V."""
+                        with_grad: bool, in_place: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One chunk of label-smoothed cross-entropy. The gradient with respect to the logits is
+    softmax − (1 − ε)·onehot − ε/V: eagerly built in place (`in_place`), so that one fp32 (C, V)
+    tensor is all the memory it takes; for torch.compile (`fused_chunk_loss`) built out of place,
+    the one-hot term a comparison, which it fuses into the kernels that read the logits."""
     vocab = logits.size(1)
     if bias is not None:
         logits = logits + bias
@@ -50,30 +52,23 @@ def smoothed_chunk_loss(logits: torch.Tensor, bias: torch.Tensor | None, target:
     loss = -((1.0 - smoothing) * gold_sum + smoothing * log_probs.sum() / vocab)
     if not with_grad:
         return loss, -gold_sum, None, None
-    grad = log_probs.exp_().sub_(smoothing / vocab)  # softmax − ε/V, in place
-    grad.scatter_add_(1, target, torch.full_like(gold, -(1.0 - smoothing)))
+    if in_place:
+        grad = log_probs.exp_().sub_(smoothing / vocab)  # softmax − ε/V, in place
+        grad.scatter_add_(1, target, torch.full_like(gold, -(1.0 - smoothing)))
+    else:
+        is_gold = torch.arange(vocab, device=logits.device) == target  # (C, V), broadcast
+        grad = log_probs.exp() - smoothing / vocab - (1.0 - smoothing) * is_gold
     return loss, -gold_sum, grad.to(logits.dtype), None if bias is None else grad.sum(0)
 
 
 def fused_chunk_loss(logits: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor, smoothing: float,
                      with_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The same as `smoothed_chunk_loss`, written without in-place steps for torch.compile, which
-    fuses it into a few kernels that read the logits and write their gradient with no fp32 (C, V)
-    tensor in between. Eagerly the chunk's values go through memory ~10 times (cast, softmax, sums,
-    exp, subtract, cast back): ~6 GB per 4,096-row chunk of a 32k vocabulary, which on a GPU is
-    what such elementwise steps cost (docs/performance.md). Eagerly this version takes more steps
-    and memory than the in-place one: it is for compiling."""
-    vocab = logits.size(1)
-    if bias is not None:
-        logits = logits + bias
-    log_probs = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    gold_sum = log_probs.gather(1, target).sum()
-    loss = -((1.0 - smoothing) * gold_sum + smoothing * log_probs.sum() / vocab)
-    if not with_grad:
-        return loss, -gold_sum, None, None
-    is_gold = torch.arange(vocab, device=logits.device) == target  # (C, V), broadcast
-    grad = log_probs.exp() - smoothing / vocab - (1.0 - smoothing) * is_gold
-    return loss, -gold_sum, grad.to(logits.dtype), None if bias is None else grad.sum(0)
+    """`smoothed_chunk_loss` out of place, for torch.compile: compiled, it reads the logits and
+    writes their gradient with no fp32 (C, V) tensor in between. Eagerly the chunk's values go
+    through memory ~10 times (cast, softmax, sums, exp, subtract, cast back): ~6 GB per 4,096-row
+    chunk of a 32k vocabulary, which on a GPU is what such elementwise steps cost
+    (docs/performance.md). Eagerly this version takes more memory than the in-place one."""
+    return smoothed_chunk_loss(logits, bias, target, smoothing, with_grad, in_place=False)
 
 
 @functools.cache
