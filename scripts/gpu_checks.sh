@@ -30,7 +30,8 @@
 #   decode           scripts/bench_engines.py --device cuda on train's checkpoint: tfm vs CTranslate2
 #   bench_small      bench_train.py on configs/de-en.yaml
 # `tfm prepare` of the Multi30k runs (the two configs' and the two train sections') runs in the
-# background from the start, on the host's cores. The benchmarks skip their peak-memory child runs (--no-memory) to fit the budget.
+# background from the start, on the host's cores. The benchmarks skip their peak-memory child runs
+# (--no-memory) to fit the budget.
 #
 # Usage: bash scripts/gpu_checks.sh OUT_DIR [section ...]   (default: all, in the order above)
 #   BUDGET=SECONDS   the whole run's limit (520); a section gets what is left, capped at its own
@@ -112,6 +113,17 @@ gpu_clocks() {  # gpu_clocks FILE: the GPU's SM clock, power and temperature eve
     exec timeout 400 nvidia-smi -i 0 --query-gpu=$fields --format=csv,noheader -lms 5000 >"$1" 2>&1
 }
 export -f gpu_clocks
+
+sampled_train() {  # sampled_train CLOCKS_FILE TFM_TRAIN_ARGS...: tfm train, gpu_clocks sampling meanwhile
+    gpu_clocks "$1" &
+    local clocks=$! trained
+    shift
+    tfm train "$@"
+    trained=$?
+    kill "$clocks"
+    return "$trained"
+}
+export -f sampled_train
 export work
 
 prepare_pid=""
@@ -195,16 +207,12 @@ for s in $sections; do
         needs_data bench_base && section bench_base 30 100 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 60 --warmup 20 --no-memory"
         ;;
     train)
-        needs_data train && section train 180 270 "gpu_clocks $work/train.clocks & clocks=\$!
-            tfm train --config $gpu_config --set run_dir=$train_dir --set train.max_time=$train_time; trained=\$?
-            kill \$clocks; [ \$trained = 0 ] &&
+        needs_data train && section train 180 270 "sampled_train $work/train.clocks --config $gpu_config --set run_dir=$train_dir --set train.max_time=$train_time &&
             evaluate_at $gpu_config $train_dir test && evaluate_at $gpu_config $train_dir test 0.6 &&
             evaluate_at $gpu_config $train_dir valid && evaluate_at $gpu_config $train_dir valid 0.6"
         ;;
     train_budget)
-        needs_data train_budget && section train_budget 180 250 "gpu_clocks $work/train_budget.clocks & clocks=\$!
-            tfm train --config $gpu_config --set run_dir=$budget_dir --set train.max_time=$train_time --set train.lr_schedule=budget; trained=\$?
-            kill \$clocks; [ \$trained = 0 ] &&
+        needs_data train_budget && section train_budget 180 250 "sampled_train $work/train_budget.clocks --config $gpu_config --set run_dir=$budget_dir --set train.max_time=$train_time --set train.lr_schedule=budget &&
             evaluate_at $gpu_config $budget_dir test && evaluate_at $gpu_config $budget_dir valid"
         ;;
     bench_wmt_big)

@@ -64,7 +64,7 @@ def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
         for config in re.findall(r"--config (\S+)", command):
             assert load_config(ROOT / config).model.d_model > 0, (name, config)
         # every override the section sets is a key the config takes, at a value it takes
-        for config, overrides in re.findall(r"tfm \w+ --config (\S+)((?: --set [^\s;]+)+)", command):
+        for config, overrides in re.findall(r"(?:tfm \w+|sampled_train \S+) --config (\S+)((?: --set \S+)+)", command):
             load_config(ROOT / config, overrides.split()[1::2])
         for length_penalty in re.findall(r"evaluate_at \S+ \S+ (?:test|valid) ([0-9.]+)", command):
             assert load_config(ROOT / "configs/de-en-gpu.yaml", [f"decode.length_penalty={length_penalty}"])
@@ -76,9 +76,9 @@ def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
     # The sections the targets are measured in come first and fit the default budget together.
     assert sum(plan[name][0] for name in ("env", "bench_wmt_big", "big_no_flash", "bench_loss", "train", "bench_wmt_base")) <= 520
     # The schedule variant trains what train trains, in a run of its own, one setting apart.
-    train, variant = (re.search(r"tfm train .*?;", plan[name][2]).group(0) for name in ("train", "train_budget"))
-    assert variant == train.replace("runs/gpu-checks/de-en-gpu ", "runs/gpu-checks/de-en-gpu-budget ").replace(
-        ";", " --set train.lr_schedule=budget;")
+    train, variant = (re.search(r"sampled_train \S+ (.*?) &&", plan[name][2]).group(1) for name in ("train", "train_budget"))
+    assert variant == train.replace("runs/gpu-checks/de-en-gpu ", "runs/gpu-checks/de-en-gpu-budget ") + \
+        " --set train.lr_schedule=budget"
     # The WMT shapes run at their configs' batch size; the target sections as `tfm train` runs the
     # configs (their train.compile), the eager ones without torch.compile.
     for name, config in (("bench_wmt_big", "big"), ("bench_wmt_base", "base"), ("eager_big", "big"), ("eager_base", "base")):
@@ -249,7 +249,8 @@ def test_bench_train_runs_tfm_trains_own_loop_beside_its_steps(tiny_prepared, tm
 def test_the_gpu_clock_samples_of_a_training_reach_the_table(tmp_path):
     """gpu_clocks, the script's own function, against a stand-in nvidia-smi (none on CPU machines)
     whose driver does not know the clock-event field: it falls back to the fields every driver has,
-    samples until killed, and the table reads what it wrote. A sample with the field is read too."""
+    samples while sampled_train trains and stops with it (whose exit status it passes on), and the
+    table reads what it wrote. A sample with the field is read too."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(
@@ -259,11 +260,13 @@ def test_the_gpu_clock_samples_of_a_training_reach_the_table(tmp_path):
         "sleep 0.1; done ;; esac\n")
     (bin_dir / "nvidia-smi").chmod(0o755)
     samples = tmp_path / "train.clocks"
-    shell = (f"{script_function('gpu_clocks')}\ngpu_clocks {samples} & clocks=$!\nsleep 1; kill $clocks; wait $clocks\n"
-             "sleep 0.3; exit 0")
+    # sampled_train, as the train sections call it, around a stand-in training that fails after 1 s
+    shell = (f"{script_function('gpu_clocks')}\n{script_function('sampled_train')}\n"
+             'tfm() { sleep 1; echo "tfm $*"; return 3; }\n'
+             f"sampled_train {samples} --config x.yaml; echo trained $?; sleep 0.3")
     run = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
-    assert run.returncode == 0, run.stderr
+    assert run.returncode == 0 and run.stdout == "tfm train --config x.yaml\ntrained 3\n", run.stdout + run.stderr
     written = samples.read_text()
     assert written.count("\n") >= 3 and "not a valid field" not in written
     time.sleep(0.3)
