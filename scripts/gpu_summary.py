@@ -132,33 +132,35 @@ def clock_line(samples: str) -> str | None:
             f"{max(number(row[4]) for row in rows):.0f} °C; {len(rows)} samples every 5 s; clock held down by: {held}")
 
 
+def trained_result(figures: dict[str, float | None]) -> str:
+    """A 150-s training's test BLEU and what explains it, as its rows show them."""
+    return (f"{shown(figures['bleu'], '', 2)} (chrF {shown(figures['chrf'], '', 2)}; brevity penalty "
+            f"{shown(figures['bp'], '', 3)}; {shown(figures['steps'])} steps, best valid {shown(figures['best_valid'], '', 2)}")
+
+
 def train_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]:
-    """The 150-s `tfm train` of configs/de-en-gpu.yaml (target: test BLEU >= 41), its scores at the
-    other length penalty, and the budget-schedule variant's."""
+    """The 150-s `tfm train` of configs/de-en-gpu.yaml (target: test BLEU >= 41), the GPU's clocks
+    meanwhile, its scores at the other length penalty, and the budget-schedule variant's."""
     log = sections["train"].log if "train" in sections else ""
-    train = train_figures(log)
+    train, evaluated = train_figures(log), evaluations(log)
     stopped = re.findall(r"^done \((.*?)\)", log, flags=re.MULTILINE)
     rows = [(f"configs/de-en-gpu.yaml, `tfm train` ({stopped[-1] if stopped else 'did not finish'}): "
              "test2016 BLEU (beam 5)",
-             f"{shown(train['bleu'], '', 2)} (chrF {shown(train['chrf'], '', 2)}; brevity penalty "
-             f"{shown(train['bp'], '', 3)}; {shown(train['steps'])} steps, median logged "
-             f"{shown(train['tokens_per_s'])} target tokens/s, the first log window "
-             f"{shown(train['first_window'])}, best valid {shown(train['best_valid'], '', 2)})",
-             "≥ 41", verdict(train["bleu"], 41.0))]
-    if "train" in sections and clock_line(sections["train"].clocks):
-        rows.append(("the GPU while `tfm train` ran", str(clock_line(sections["train"].clocks)), "", ""))
-    evaluated = evaluations(log)
+             f"{trained_result(train)}; median logged {shown(train['tokens_per_s'])} target tokens/s, the first "
+             f"log window {shown(train['first_window'])})", "≥ 41", verdict(train["bleu"], 41.0))]
+    clocks = clock_line(sections["train"].clocks) if "train" in sections else None
+    if clocks:
+        rows.append(("the GPU while `tfm train` ran", clocks, "", ""))
     if len(evaluated) > 1:
         rows.append(("the same model, beam 5 at each length penalty (BLEU, brevity penalty)",
                      "; ".join(f"{label}: {shown(got['bleu'], '', 2)} ({shown(got['bp'], '', 3)})"
                                for label, got in evaluated.items()), "", ""))
     if "train_budget" in sections and sections["train_budget"].ran:
-        variant = train_figures(sections["train_budget"].log)
-        valid = [got for label, got in evaluations(sections["train_budget"].log).items() if label.startswith("valid")]
+        variant_log = sections["train_budget"].log
+        valid = [got for label, got in evaluations(variant_log).items() if label.startswith("valid")]
         rows.append(("the same with `--set train.lr_schedule=budget`: test2016 BLEU (beam 5)",
-                     f"{shown(variant['bleu'], '', 2)} (chrF {shown(variant['chrf'], '', 2)}; brevity penalty "
-                     f"{shown(variant['bp'], '', 3)}; valid beam 5 {shown(valid[0]['bleu'] if valid else None, '', 2)}; "
-                     f"{shown(variant['steps'])} steps, best valid {shown(variant['best_valid'], '', 2)})", "", ""))
+                     f"{trained_result(train_figures(variant_log))}; valid beam 5 "
+                     f"{shown(valid[0]['bleu'] if valid else None, '', 2)})", "", ""))
     return rows
 
 
