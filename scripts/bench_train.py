@@ -39,6 +39,7 @@ from transformer_cli.special_tokens import PAD_ID
 from transformer_cli.batches import ParallelData
 from transformer_cli.kernels import compile_for_training, leave_out_cudnn_attention
 from transformer_cli.loss import batch_loss
+from transformer_cli.master_weights import MasterWeights
 from transformer_cli.precision import autocast_dtype, choose_precision
 from transformer_cli.rundir import RunDirectory
 from transformer_cli.schedule import learning_rate
@@ -94,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tfm's encoder and decoder layers through torch.compile (kernels.compile_for_training; "
                              "HF stays eager): as the config's train.compile (default), or on / off; the "
                              "steady-state pass compiles every batch shape before timing")
+    parser.add_argument("--bf16-weights", action="store_true",
+                        help="tfm's parameters held in bf16, Adam on fp32 master copies (transformer_cli."
+                             "master_weights), no autocast: against `tfm train`'s bf16 autocast over fp32 "
+                             "weights (HF stays on --precision)")
     return parser
 
 
@@ -133,6 +138,7 @@ def main() -> None:
     smoothing = config.train.label_smoothing
 
     tfm = tfm_model(config, vocab).to(device).train() if args.only != "hf" else None
+    masters = MasterWeights(tfm) if tfm is not None and args.bf16_weights else None  # casts tfm to bf16
     if tfm is not None and compiled:
         compile_for_training(tfm)  # its layers, in place
     hf = hf_model(config, vocab).to(device).train() if args.only != "tfm" else None
@@ -141,12 +147,14 @@ def main() -> None:
           f"{config.model.enc_layers}+{config.model.dec_layers}, ffn {config.model.d_ff}, vocab {vocab}; "
           f"params tfm {tfm.num_parameters() if tfm else 0:,} / HF {sum(p.numel() for p in hf.parameters()) if hf else 0:,}; "
           f"batches of <= {args.max_tokens} tokens; {device}, {'bf16 autocast' if amp_dtype else 'fp32'}"
+          f"{'; tfm: bf16 weights, fp32 master copies, no autocast' if args.bf16_weights else ''}"
           f"{'; tfm layers through torch.compile' if compiled else ''}"
           f"{'' if device.type != 'cuda' else '; SDPA with cuDNN' if args.cudnn_attention else '; SDPA without cuDNN'}"
           f"{'; SDPA without flash attention' if device.type == 'cuda' and args.no_flash_attention else ''}")
 
     # tfm: what `tfm train` uses. HF: what its Trainer uses unless --hf-optimizer fused.
-    opt_tfm = torch.optim.Adam(tfm.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True) if tfm else None
+    adam = dict(lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    opt_tfm = None if tfm is None else masters.optimizer(**adam) if masters else torch.optim.Adam(tfm.parameters(), **adam)
     if hf is None:
         opt_hf = None
     elif args.hf_optimizer == "fused":
@@ -160,9 +168,12 @@ def main() -> None:
     def tfm_step(batch, step):
         for g in opt_tfm.param_groups:
             g["lr"] = learning_rate(step, config.train, config.model.d_model)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None and masters is None):
             loss, _ = batch_loss(tfm, batch, smoothing)
         (loss / batch.n_tgt_tokens).backward()
+        if masters:
+            masters.step(opt_tfm)  # the update on the fp32 copies, cast back into tfm
+            return
         opt_tfm.step()
         opt_tfm.zero_grad(set_to_none=True)
 
@@ -251,9 +262,10 @@ def main() -> None:
                   f"tokens/s ({rate / back_to_back['tfm']:.2f}x the bench's steps back to back)")
     peak, source = args.peak_tflops, "given"
     if peak is None and device.type == "cuda" and any(n in torch.cuda.get_device_name(device) for n in ("H100", "H200")):
-        peak, source = (989.0 if amp_dtype else 494.5), "data sheet, dense SXM"  # bf16 / tf32 tensor cores
+        peak, source = (989.0 if amp_dtype or args.bf16_weights else 494.5), "data sheet, dense SXM"  # bf16 / tf32 tensor cores
     if peak is None and device.type == "cpu":
-        peak, source = matmul_peak(amp_dtype or torch.float32), f"measured: {'bf16' if amp_dtype else 'fp32'} matmul"
+        peak_dtype = torch.bfloat16 if args.bf16_weights else amp_dtype or torch.float32
+        peak, source = matmul_peak(peak_dtype), f"measured: {str(peak_dtype)[6:]} matmul"
     if peak:
         matmul = matmul_parameters(config, vocab)
         for name in ("tfm", "hf"):

@@ -9,15 +9,18 @@
 #                    (targets: MFU >= 30%, >= 1.3x HF)
 #   big_no_flash     bench_wmt_big with flash attention left out too (--no-flash-attention): decoder
 #                    self-attention through the memory-efficient kernel, for tfm and HF alike
-#   bench_loss       scripts/bench_loss.py --device cuda at the big shape's batch (28,000 target tokens,
-#                    d_model 1024, 32k vocabulary): the output loss with its chunks eager vs fused by
-#                    torch.compile (what train.compile: true trains with)
+#   big_bf16_weights bench_wmt_big with tfm's weights in bf16 and fp32 master copies in Adam (--bf16-weights)
+#                    instead of bf16 autocast over fp32 weights: the elementwise work between matmuls at
+#                    half the bytes (HF as before)
 #   train            tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
 #                    test2016, beam 5, at the config's length penalty (target: BLEU >= 41), and at 0.6 on
 #                    test and valid (valid picks the penalty), the GPU's clocks sampled while it trains
 #                    (train.clocks); its run directory is runs/gpu-checks/de-en-gpu, made afresh on every call
 #   train_budget     the same with train.lr_schedule=budget (the cosine decay to 0 when max_time ends that
 #                    the CPU configs use) in runs/gpu-checks/de-en-gpu-budget: test and valid BLEU
+#   bench_loss       scripts/bench_loss.py --device cuda at the big shape's batch (28,000 target tokens,
+#                    d_model 1024, 32k vocabulary): the output loss with its chunks eager vs fused by
+#                    torch.compile (what train.compile: true trains with)
 #   tests            the CUDA DDP test (torchrun, nccl)
 #   bench_wmt_base   the same as bench_wmt_big on configs/wmt14-en-de-base.yaml (targets: MFU >= 15%, >= 1.3x HF;
 #                    both met before, so after the unmet ones; compiled, it needs ~105 s)
@@ -45,7 +48,7 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [section ...]}
 shift
-all="env bench_wmt_big big_no_flash bench_loss train train_budget tests bench_wmt_base eager_big eager_base bench_base bench_base_cudnn decode bench_small"
+all="env bench_wmt_big big_no_flash big_bf16_weights train train_budget bench_loss tests bench_wmt_base eager_big eager_base bench_base bench_base_cudnn decode bench_small"
 sections=${*:-$all}
 for s in $sections; do
     case " $all " in *" $s "*) ;; *) echo "gpu_checks.sh: unknown section '$s' ($all)" >&2; exit 2 ;; esac
@@ -207,7 +210,7 @@ for s in $sections; do
         needs_data bench_base && section bench_base 30 100 "$bench --config configs/de-en-gpu.yaml --max-tokens 8192 --steps 60 --warmup 20 --no-memory"
         ;;
     train)
-        needs_data train && section train 180 270 "sampled_train $work/train.clocks --config $gpu_config --set run_dir=$train_dir --set train.max_time=$train_time &&
+        needs_data train && section train 220 270 "sampled_train $work/train.clocks --config $gpu_config --set run_dir=$train_dir --set train.max_time=$train_time &&
             evaluate_at $gpu_config $train_dir test && evaluate_at $gpu_config $train_dir test 0.6 &&
             evaluate_at $gpu_config $train_dir valid && evaluate_at $gpu_config $train_dir valid 0.6"
         ;;
@@ -240,6 +243,9 @@ for s in $sections; do
         ;;
     big_no_flash)
         section big_no_flash 60 150 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --profile 3 --no-flash-attention"
+        ;;
+    big_bf16_weights)
+        section big_bf16_weights 60 150 "$bench --config configs/wmt14-en-de-big.yaml --synthetic wmt --max-tokens 32768 --steps 20 --warmup 5 --no-memory --profile 3 --bf16-weights"
         ;;
     eager_base)
         section eager_base 40 80 "$bench --config configs/wmt14-en-de-base.yaml --synthetic wmt --max-tokens 32768 --steps 30 --warmup 5 --no-memory --compile off --profile 3"

@@ -238,6 +238,7 @@ def figure_rows(sections: dict[str, Section]) -> list[tuple[str, str, str, str]]
     for name, what in (("eager_big", "big shape (WMT14 lengths), tfm eager (no torch.compile)"),
                        ("eager_base", "base shape (WMT14 lengths), tfm eager (no torch.compile)"),
                        ("big_no_flash", "big shape (WMT14 lengths), SDPA without flash attention"),
+                       ("big_bf16_weights", "big shape (WMT14 lengths), tfm bf16 weights with fp32 masters"),
                        ("bench_base", "base shape, Multi30k lengths"),
                        ("bench_base_cudnn", "base shape, Multi30k lengths, SDPA allowed cuDNN"),
                        ("bench_small", "small shape (configs/de-en.yaml)")):
