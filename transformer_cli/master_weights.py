@@ -1,5 +1,5 @@
 """bf16 weights with fp32 master copies: the alternative to autocast that `scripts/bench_train.py
---weights bf16` measures (`tfm train` trains with autocast).
+--bf16-weights` measures (`tfm train` trains with autocast).
 
 Under autocast the parameters stay fp32: each matmul casts its weight to bf16 (once per forward,
 cached for the backward), and the ops autocast keeps in fp32 (layer norm, softmax) hand fp32
