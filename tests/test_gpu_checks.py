@@ -217,12 +217,17 @@ def test_bench_train_runs_the_wmt_shape_on_synthetic_batches(tmp_path):
     assert kernels is not None and "scaled_dot_product" in kernels, kernels
 
 
+def tiny_synthetic_bench(*args: str) -> subprocess.CompletedProcess:
+    """bench_train.py on CPU, configs/tiny.yaml at WMT lengths: two timed steps after one."""
+    return subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/tiny.yaml", "--synthetic", "wmt",
+                           "--device", "cpu", "--steps", "2", "--warmup", "1", "--max-tokens", "256", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
 def test_bench_train_measures_each_toolkit_alone_in_a_child():
     """`--only NAME`, what bench_train.py starts a child with for each toolkit's peak memory:
     that toolkit alone trains on the same batches and reports its peak resident memory."""
-    run = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/tiny.yaml", "--synthetic", "wmt",
-                          "--device", "cpu", "--steps", "2", "--warmup", "1", "--max-tokens", "256", "--only", "tfm"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    run = tiny_synthetic_bench("--only", "tfm")
     assert run.returncode == 0, run.stderr[-2000:]
     peak = re.search(r"^peak tfm: RSS ([0-9.]+) GiB$", run.stdout, flags=re.MULTILINE)
     assert peak and 0.05 < float(peak.group(1)) < 8, run.stdout
@@ -233,9 +238,7 @@ def test_bench_train_measures_each_toolkit_alone_in_a_child():
 def test_bench_train_times_tfm_on_bf16_weights_with_fp32_masters():
     """`--bf16-weights` (the big_bf16_weights section): tfm's steps run on bf16 parameters with Adam on
     fp32 copies, HF as before; the table reads its figures."""
-    run = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/tiny.yaml", "--synthetic", "wmt",
-                          "--device", "cpu", "--steps", "2", "--warmup", "1", "--max-tokens", "256", "--no-memory",
-                          "--bf16-weights"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    run = tiny_synthetic_bench("--no-memory", "--bf16-weights")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "tfm: bf16 weights, fp32 master copies, no autocast" in run.stdout
     figures = script_module("gpu_summary").bench_figures(run.stdout)
