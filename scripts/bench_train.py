@@ -261,11 +261,12 @@ def main() -> None:
                   f", clip, skip check, step ledger; no logging or validation), back to back: {rate:.0f} target "
                   f"tokens/s ({rate / back_to_back['tfm']:.2f}x the bench's steps back to back)")
     peak, source = args.peak_tflops, "given"
+    bf16_matmuls = amp_dtype is not None or args.bf16_weights  # tfm's matmuls: bf16, or fp32 (tf32 on a GPU)
     if peak is None and device.type == "cuda" and any(n in torch.cuda.get_device_name(device) for n in ("H100", "H200")):
-        peak, source = (989.0 if amp_dtype or args.bf16_weights else 494.5), "data sheet, dense SXM"  # bf16 / tf32 tensor cores
+        peak, source = (989.0 if bf16_matmuls else 494.5), "data sheet, dense SXM"  # bf16 / tf32 tensor cores
     if peak is None and device.type == "cpu":
-        peak_dtype = torch.bfloat16 if args.bf16_weights else amp_dtype or torch.float32
-        peak, source = matmul_peak(peak_dtype), f"measured: {str(peak_dtype)[6:]} matmul"
+        peak = matmul_peak(torch.bfloat16 if bf16_matmuls else torch.float32)
+        source = f"measured: {'bf16' if bf16_matmuls else 'fp32'} matmul"
     if peak:
         matmul = matmul_parameters(config, vocab)
         for name in ("tfm", "hf"):
