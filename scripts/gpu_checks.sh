@@ -1,29 +1,28 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a machine with one CUDA GPU, within a time budget (default 520 s,
-# so the whole call, wheel installs included, stays under 9 minutes). Sections, most important first:
+# so the whole call, wheel installs included, stays under 9 minutes). Sections in their order: the
+# targets first (env to tests fit the default budget together), then the open questions and the rest:
 #   env              the GPU, torch, transformers, CTranslate2, the host CPU
 #   bench_wmt_big    scripts/bench_train.py --device cuda on configs/wmt14-en-de-big.yaml as `tfm train` runs
 #                    it (its batch size, 32,768 tokens; its train.compile: true) at WMT14 en-de's sentence
 #                    lengths (--synthetic wmt, no corpus): tfm vs HF MarianMT, steady state, back to back, the
 #                    first pass over new batch shapes, and a profile of where the GPU's time goes
 #                    (targets: MFU >= 30%, >= 1.3x HF)
-#   big_no_flash     bench_wmt_big with flash attention left out too (--no-flash-attention): decoder
-#                    self-attention through the memory-efficient kernel, for tfm and HF alike
-#   big_bf16_weights bench_wmt_big with tfm's weights in bf16 and fp32 master copies in Adam (--bf16-weights)
-#                    instead of bf16 autocast over fp32 weights: the elementwise work between matmuls at
-#                    half the bytes (HF as before)
+#   bench_wmt_base   the same as bench_wmt_big on configs/wmt14-en-de-base.yaml (targets: MFU >= 15%, >= 1.3x HF;
+#                    compiled, it needs ~95 s)
 #   train            tfm train --config configs/de-en-gpu.yaml for TRAIN_TIME (150s), then tfm evaluate on
 #                    test2016, beam 5, at the config's length penalty (target: BLEU >= 41), and at 0.6 on
 #                    test and valid (valid picks the penalty), the GPU's clocks sampled while it trains
 #                    (train.clocks); its run directory is runs/gpu-checks/de-en-gpu, made afresh on every call
+#   tests            the CUDA DDP test (torchrun, nccl)
 #   train_budget     the same with train.lr_schedule=budget (the cosine decay to 0 when max_time ends that
 #                    the CPU configs use) in runs/gpu-checks/de-en-gpu-budget: test and valid BLEU
+#   big_bf16_weights bench_wmt_big with tfm's weights in bf16 and fp32 master copies in Adam (--bf16-weights)
+#                    instead of bf16 autocast over fp32 weights: the elementwise work between matmuls at
+#                    half the bytes (HF as before)
 #   bench_loss       scripts/bench_loss.py --device cuda at the big shape's batch (28,000 target tokens,
 #                    d_model 1024, 32k vocabulary): the output loss with its chunks eager vs fused by
 #                    torch.compile (what train.compile: true trains with)
-#   tests            the CUDA DDP test (torchrun, nccl)
-#   bench_wmt_base   the same as bench_wmt_big on configs/wmt14-en-de-base.yaml (targets: MFU >= 15%, >= 1.3x HF;
-#                    both met before, so after the unmet ones; compiled, it needs ~105 s)
 #   eager_big        bench_wmt_big without torch.compile (--compile off)
 #   eager_base       bench_wmt_base without torch.compile
 #   bench_base       bench_train.py on configs/de-en-gpu.yaml (the base shape on Multi30k's batches, what
@@ -31,6 +30,9 @@
 #   bench_base_cudnn bench_base with SDPA allowed to pick cuDNN's attention (torch's default; tfm
 #                    leaves it out): the first pass over new shapes is where the two differ
 #   decode           scripts/bench_engines.py --device cuda on train's checkpoint: tfm vs CTranslate2
+#   big_no_flash     bench_wmt_big with flash attention left out too (--no-flash-attention): decoder
+#                    self-attention through the memory-efficient kernel, for tfm and HF alike (on an H200
+#                    as fast as flash for tfm: kept for other GPUs)
 #   bench_small      bench_train.py on configs/de-en.yaml
 # `tfm prepare` of the Multi30k runs (the two configs' and the two train sections') runs in the
 # background from the start, on the host's cores. The benchmarks skip their peak-memory child runs
@@ -48,7 +50,7 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [section ...]}
 shift
-all="env bench_wmt_big big_no_flash big_bf16_weights train train_budget bench_loss tests bench_wmt_base eager_big eager_base bench_base bench_base_cudnn decode bench_small"
+all="env bench_wmt_big bench_wmt_base train tests train_budget big_bf16_weights bench_loss eager_big eager_base bench_base bench_base_cudnn decode big_no_flash bench_small"
 sections=${*:-$all}
 for s in $sections; do
     case " $all " in *" $s "*) ;; *) echo "gpu_checks.sh: unknown section '$s' ($all)" >&2; exit 2 ;; esac
