@@ -7,10 +7,10 @@ import platform
 
 import torch
 
-from transformer_cli.config import ExperimentConfig
-from transformer_cli.special_tokens import BOS_ID, EOS_ID, PAD_ID
-from transformer_cli.model import Transformer, ffn_dropout
-from transformer_cli.train import build_model
+from transformer_cli.experiment.config import ExperimentConfig
+from transformer_cli.model.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from transformer_cli.model.transformer import Transformer, ffn_dropout
+from transformer_cli.training.train import build_model
 
 
 def tfm_model(config: ExperimentConfig, vocab_size: int) -> Transformer:

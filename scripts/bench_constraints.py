@@ -34,14 +34,10 @@ from bench_common import machine_line  # noqa: E402
 from sample_constraints import sample_constraints  # noqa: E402
 
 from transformer_cli.evaluate import term_use  # noqa: E402
-from transformer_cli.files import read_lines  # noqa: E402
-from transformer_cli.terms import (  # noqa: E402
-    Glossary,
-    LineTerms,
-    split_constraints_line,
-)
-from transformer_cli.translate import Translator  # noqa: E402
-from transformer_cli.translation import translate_texts  # noqa: E402
+from transformer_cli.runtime.files import read_lines  # noqa: E402
+from transformer_cli.decoding.terms import Glossary, LineTerms, split_constraints_line
+from transformer_cli.decoding.torch_engine import Translator  # noqa: E402
+from transformer_cli.decoding.translation import translate_texts  # noqa: E402
 
 
 def scores(hyps: list[str], refs: list[str]) -> tuple[float, float]:

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from transformer_cli.ct2_cache import cached_conversion  # noqa: E402
+from transformer_cli.interop.ct2_cache import cached_conversion  # noqa: E402
 
 
 def machine() -> str:

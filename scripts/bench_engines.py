@@ -42,12 +42,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import machine_line  # noqa: E402
 
-from transformer_cli.cpu import usable_cores  # noqa: E402
-from transformer_cli.engine import open_engine  # noqa: E402
-from transformer_cli.files import read_lines  # noqa: E402
-from transformer_cli.translation import Translation, translate_texts  # noqa: E402
-from transformer_cli.precision import choose_decoding_precision  # noqa: E402
-from transformer_cli.translate import Translator  # noqa: E402
+from transformer_cli.runtime.cpu import usable_cores  # noqa: E402
+from transformer_cli.decoding.engine import open_engine  # noqa: E402
+from transformer_cli.runtime.files import read_lines  # noqa: E402
+from transformer_cli.decoding.translation import Translation, translate_texts  # noqa: E402
+from transformer_cli.runtime.precision import choose_decoding_precision  # noqa: E402
+from transformer_cli.decoding.torch_engine import Translator  # noqa: E402
 
 
 class DefaultPath:
@@ -133,7 +133,8 @@ def main() -> None:
     try:
         import ctranslate2
 
-        from transformer_cli.ct2 import CT2Translator, export_ctranslate2
+        from transformer_cli.decoding.ct2_engine import CT2Translator
+        from transformer_cli.interop.ct2 import export_ctranslate2
 
         folder = Path(tempfile.mkdtemp()) / "ct2"
         export_ctranslate2(args.checkpoint, folder)

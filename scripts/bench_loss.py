@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from transformer_cli.loss import compiled_chunk_loss, output_layer_loss, smoothed_chunk_loss
+from transformer_cli.training.loss import compiled_chunk_loss, output_layer_loss, smoothed_chunk_loss
 
 
 def positive(text: str) -> int:

@@ -32,17 +32,17 @@ import torch
 import torch.nn.functional as F
 from bench_common import hf_model, machine_line, tfm_model
 
-from transformer_cli.allocator import loaded_allocator, use_allocator
-from transformer_cli.config import load_config
-from transformer_cli.cpu import keep_freed_memory, limit_training_kernel_cache
-from transformer_cli.special_tokens import PAD_ID
-from transformer_cli.batches import ParallelData
-from transformer_cli.kernels import compile_for_training, leave_out_cudnn_attention
-from transformer_cli.loss import batch_loss
-from transformer_cli.master_weights import MasterWeights
-from transformer_cli.precision import autocast_dtype, choose_precision
-from transformer_cli.rundir import RunDirectory
-from transformer_cli.schedule import learning_rate
+from transformer_cli.runtime.allocator import loaded_allocator, use_allocator
+from transformer_cli.experiment.config import load_config
+from transformer_cli.runtime.cpu import keep_freed_memory, limit_training_kernel_cache
+from transformer_cli.model.special_tokens import PAD_ID
+from transformer_cli.data.batches import ParallelData
+from transformer_cli.model.kernels import compile_for_training, leave_out_cudnn_attention
+from transformer_cli.training.loss import batch_loss
+from transformer_cli.training.master_weights import MasterWeights
+from transformer_cli.runtime.precision import autocast_dtype, choose_precision
+from transformer_cli.experiment.rundir import RunDirectory
+from transformer_cli.training.schedule import learning_rate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,15 +323,15 @@ def back_to_back_rates(steps: dict, batches: list, sync) -> dict[str, float]:
 
 
 def trainer_loop_rate(config, device: torch.device, steps: int, ahead: bool) -> float:
-    """Target tokens/s of `tfm train`'s own Trainer (train.py) over `steps` updates back to back, after
+    """Target tokens/s of `tfm train`'s own Trainer (training/train.py) over `steps` updates back to back, after
     as many untimed ones (shapes seen): what its log reports, minus logging and validation; `ahead`:
     train.prefetch (a thread collates the next update, into pinned memory on CUDA). It trains in a
     temporary run directory that links the prepared data (a trained run_dir is not touched)."""
     import tempfile
     from pathlib import Path
 
-    from transformer_cli.distributed import World
-    from transformer_cli.train import Trainer
+    from transformer_cli.training.distributed import World
+    from transformer_cli.training.train import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         for entry in config.run_path.iterdir():
@@ -372,7 +372,7 @@ def synthetic_wmt_batches(vocab: int, max_tokens: int, count: int, seed: int = 0
     WMT14 en-de's distribution, bucketed by length as `tfm train` buckets (token_batches)."""
     import numpy as np
 
-    from transformer_cli.batches import collate, token_batches
+    from transformer_cli.data.batches import collate, token_batches
 
     rng = np.random.default_rng(seed)
     pairs = max(20 * count * max_tokens // 27, 10_000)

@@ -26,16 +26,16 @@ import numpy as np
 import torch
 from bench_common import hf_model, machine_line, tfm_model
 
-from transformer_cli.config import load_config
-from transformer_cli.cpu import keep_freed_memory
-from transformer_cli.cpu_inference import pack_linear_layers
-from transformer_cli.special_tokens import EOS_ID, PAD_ID, UNK_ID
-from transformer_cli.batches import ParallelData
-from transformer_cli.precision import choose_precision
-from transformer_cli.rundir import RunDirectory
-from transformer_cli.translate import decode_task, decode_in_batches
-from transformer_cli.translation import length_sorted_batches
-from transformer_cli.workers import DecodingWorkers, resolve_workers
+from transformer_cli.experiment.config import load_config
+from transformer_cli.runtime.cpu import keep_freed_memory
+from transformer_cli.model.cpu_inference import pack_linear_layers
+from transformer_cli.model.special_tokens import EOS_ID, PAD_ID, UNK_ID
+from transformer_cli.data.batches import ParallelData
+from transformer_cli.runtime.precision import choose_precision
+from transformer_cli.experiment.rundir import RunDirectory
+from transformer_cli.decoding.torch_engine import decode_task, decode_in_batches
+from transformer_cli.decoding.translation import length_sorted_batches
+from transformer_cli.decoding.workers import DecodingWorkers, resolve_workers
 
 
 def best_times(runs: list, repeats: int) -> list[float]:
@@ -145,7 +145,7 @@ def main() -> None:
     pool.close()
 
     if args.checkpoint:
-        from transformer_cli.translate import Translator
+        from transformer_cli.decoding.torch_engine import Translator
 
         trained = Translator.from_checkpoint(args.checkpoint, decode=decode.model_copy(
             update={"precision": args.precision, "workers": args.workers}), device="cpu")

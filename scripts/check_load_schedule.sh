@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TIME=${TIME:-9m}
 C=configs/de-en.yaml
-seconds=$(python -c "from transformer_cli.config import parse_duration as p; print(int(p('$TIME')))")
+seconds=$(python -c "from transformer_cli.experiment.config import parse_duration as p; print(int(p('$TIME')))")
 scripts/get_data.sh multi30k > /dev/null
 rm -rf runs/load-hog runs/load-calm
 tfm prepare --config $C --set run_dir=runs/load-hog > /dev/null

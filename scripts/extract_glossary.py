@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformer_cli.files import atomic_write_text, read_lines  # noqa: E402
-from transformer_cli.translate import Translator  # noqa: E402
+from transformer_cli.runtime.files import atomic_write_text, read_lines  # noqa: E402
+from transformer_cli.decoding.torch_engine import Translator  # noqa: E402
 
 WORD = re.compile(r"^[^\W\d_]+$")  # letters only
 

@@ -11,14 +11,14 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from transformer_cli.config import load_config
-from transformer_cli.cpu import keep_freed_memory
-from transformer_cli.special_tokens import BOS_ID, EOS_ID
-from transformer_cli.batches import ParallelData
-from transformer_cli.decoding import beam_search
-from transformer_cli.loss import batch_loss
-from transformer_cli.rundir import RunDirectory
-from transformer_cli.train import build_model
+from transformer_cli.experiment.config import load_config
+from transformer_cli.runtime.cpu import keep_freed_memory
+from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
+from transformer_cli.data.batches import ParallelData
+from transformer_cli.decoding.search import beam_search
+from transformer_cli.training.loss import batch_loss
+from transformer_cli.experiment.rundir import RunDirectory
+from transformer_cli.training.train import build_model
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transformer_cli.files import atomic_write_text, read_lines  # noqa: E402
+from transformer_cli.runtime.files import atomic_write_text, read_lines  # noqa: E402
 
 EDGES = string.punctuation + "“”‘’«»„"
 

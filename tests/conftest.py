@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer_cli.config import config_from_dict
-from transformer_cli.data import prepare
-from transformer_cli.train import train
+from transformer_cli.experiment.config import config_from_dict
+from transformer_cli.data.prepare import prepare
+from transformer_cli.training.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,7 +181,7 @@ def wait_until_training(run_dir: Path, records: int = 5, meanwhile=lambda: time.
 
 def assert_same_final_weights(a_path: Path, b_path: Path, step: int) -> None:
     """Two runs' checkpoint_last.pt are at `step` with bit-identical weights."""
-    from transformer_cli.checkpoint import load_checkpoint
+    from transformer_cli.experiment.checkpoint import load_checkpoint
 
     a, b = load_checkpoint(a_path), load_checkpoint(b_path)
     assert a["progress"]["step"] == b["progress"]["step"] == step
@@ -194,7 +194,7 @@ FP32 = ["decode.precision=fp32"]  # batch-invariant results: a line's output doe
 
 def fp32_translator(*checkpoints, **decode):
     """tfm's engine on `checkpoints` (several: an ensemble) in fp32, with `decode` settings."""
-    from transformer_cli.translate import Translator
+    from transformer_cli.decoding.torch_engine import Translator
 
     overrides = FP32 + [f"decode.{k}={json.dumps(v)}" for k, v in decode.items()]
     return Translator.from_checkpoint(list(checkpoints), device="cpu", overrides=overrides)

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from .conftest import tfm, tiny_run
-from transformer_cli import allocator
-from transformer_cli.errors import TfmError
+from transformer_cli.runtime import allocator
+from transformer_cli.runtime.errors import TfmError
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux's")
 
@@ -48,7 +48,7 @@ def test_asking_for_mimalloc_where_it_is_missing_is_a_one_line_error(monkeypatch
      "64 64 /lib/libmimalloc.so /lib/other.so 5"),
 ])
 def test_the_process_started_again_sees_the_users_environment_not_what_tfm_set(user, expected):
-    code = ("import os, pathlib, transformer_cli.allocator as a; "
+    code = ("import os, pathlib, transformer_cli.runtime.allocator as a; "
             "e = a.relaunch_environment(pathlib.Path('/lib/libmimalloc.so')); "
             "print(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'), e.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'), "
             "e['LD_PRELOAD'], e['MIMALLOC_PURGE_DELAY'], e[a.RELAUNCHED])")

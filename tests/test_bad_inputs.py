@@ -24,9 +24,9 @@ import sentencepiece as spm
 import torch
 
 from tests.conftest import tiny_reverse_config, tiny_run, write_reverse_task
-from transformer_cli.config import load_config
-from transformer_cli.data import prepare
-from transformer_cli.train import train
+from transformer_cli.experiment.config import load_config
+from transformer_cli.data.prepare import prepare
+from transformer_cli.training.train import train
 
 # --------------------------------------------------------------------------- corpus helpers
 

@@ -9,9 +9,9 @@ import torch
 from tests.conftest import tfm_in_process as tfm
 from tests.conftest import tiny_run
 from tests.test_bad_inputs import other_vocabulary_same_size
-from transformer_cli.checkpoint import load_checkpoint
-from transformer_cli.config import load_config
-from transformer_cli.rundir import RunDirectory
+from transformer_cli.experiment.checkpoint import load_checkpoint
+from transformer_cli.experiment.config import load_config
+from transformer_cli.experiment.rundir import RunDirectory
 
 
 def mean_of(*paths):

@@ -24,7 +24,7 @@ def test_reading_the_command_line_and_the_config_does_not_import_torch():
     # tfm train starts itself again on mimalloc after reading its config: importing torch first
     # would cost every run a second torch import (~1 s on these CPUs)
     config = Path(__file__).parents[1] / "configs/de-en.yaml"
-    code = ("import sys, transformer_cli.cli; from transformer_cli.config import load_config; "
+    code = ("import sys, transformer_cli.cli; from transformer_cli.experiment.config import load_config; "
             f"load_config({str(config)!r}, []); print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"

@@ -28,9 +28,9 @@ import typer.main
 
 from tests.conftest import tfm_in_process, tiny_reverse_config, write_reverse_task
 from transformer_cli.cli import app
-from transformer_cli.config import DataConfig, DecodeConfig, TrainConfig, config_from_dict
-from transformer_cli.data import prepare
-from transformer_cli.train import train
+from transformer_cli.experiment.config import DataConfig, DecodeConfig, TrainConfig, config_from_dict
+from transformer_cli.data.prepare import prepare
+from transformer_cli.training.train import train
 
 NUMBERS = ["0", "-1", "nan", "inf", "1e308", str(2**63)]
 WORDS = ["", "nonsense"]
@@ -217,7 +217,7 @@ def with_value(args: list[str], opts: list[str], value: str, positional_index: i
 
 def run_case(ws: Workspace, case_dir: Path, args: list[str]) -> None:
     """Run `args` in this process; check the exit code, the message and the tree."""
-    # Written by design: outputs, evaluations, caches (the checkpoint's CTranslate2 conversion, ct2_cache.py).
+    # Written by design: outputs, evaluations, caches (the checkpoint's CTranslate2 conversion, interop/ct2_cache.py).
     stated = [ws.out, ws.run / "eval", ws.root / "tfm_cache", ws.run / "checkpoints" / "ctranslate2"] + (
         [ws.run] if args[0] in ("train", "prepare") else [])
     before = snapshot(ws.root, stated + [case_dir])

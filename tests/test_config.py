@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from transformer_cli.config import ExperimentConfig, load_config, parse_duration
-from transformer_cli.errors import TfmError
+from transformer_cli.experiment.config import ExperimentConfig, load_config, parse_duration
+from transformer_cli.runtime.errors import TfmError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_shipped_configs_build_their_model(name):
     """Every shipped config's model section builds (on the meta device: no memory, no time)."""
     import torch
 
-    from transformer_cli.train import build_model
+    from transformer_cli.training.train import build_model
 
     cfg = load_config(ROOT / "configs" / name)
     with torch.device("meta"):

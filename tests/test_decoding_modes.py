@@ -11,14 +11,14 @@ import sacrebleu
 import torch
 
 from tests.conftest import fp32_translator, reverse_task_config, tfm_in_process
-from transformer_cli.alignment import pharaoh, word_numbers
-from transformer_cli.config import config_from_dict
-from transformer_cli.data import prepare
-from transformer_cli.decoding import Sampling, draw, sampling_distribution
-from transformer_cli.ensemble import Ensemble
-from transformer_cli.files import read_lines
-from transformer_cli.train import train
-from transformer_cli.terms import LineTerms
+from transformer_cli.decoding.alignment import pharaoh, word_numbers
+from transformer_cli.experiment.config import config_from_dict
+from transformer_cli.data.prepare import prepare
+from transformer_cli.decoding.search import Sampling, draw, sampling_distribution
+from transformer_cli.decoding.ensemble import Ensemble
+from transformer_cli.runtime.files import read_lines
+from transformer_cli.training.train import train
+from transformer_cli.decoding.terms import LineTerms
 
 
 
@@ -203,9 +203,14 @@ def test_sampling_is_the_greedy_loop_with_a_draw_and_keeps_each_sentences_sample
     """Sampling picks by drawing inside the greedy loop (`SamplingPick`): decoding several batches at
     once with continuous batching, rows changing sentences as they finish, draws for every sentence
     what it draws alone; and a draw whose distribution keeps only the best token is the greedy pick."""
-    from transformer_cli.special_tokens import BOS_ID, EOS_ID
-    from transformer_cli.batches import pad_batch
-    from transformer_cli.decoding import SamplingPick, greedy_search_continuous, sample_search, sampling_generators
+    from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
+    from transformer_cli.data.batches import pad_batch
+    from transformer_cli.decoding.search import (
+        SamplingPick,
+        greedy_search_continuous,
+        sample_search,
+        sampling_generators,
+    )
 
     model = engine(checkpoint).model
     ids = [engine(checkpoint).src_sp.encode(line) + [EOS_ID] for line in held_out[0][:12]]

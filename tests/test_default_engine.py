@@ -24,10 +24,10 @@ import sentencepiece as spm
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
-from transformer_cli.checkpoint import bytes_to_tensor, load_checkpoint, save_checkpoint  # noqa: E402
-from transformer_cli.config import load_config  # noqa: E402
-from transformer_cli.ct2_cache import CACHE_NAME, cached_conversion  # noqa: E402
-from transformer_cli.train import train  # noqa: E402
+from transformer_cli.experiment.checkpoint import bytes_to_tensor, load_checkpoint, save_checkpoint  # noqa: E402
+from transformer_cli.experiment.config import load_config  # noqa: E402
+from transformer_cli.interop.ct2_cache import CACHE_NAME, cached_conversion  # noqa: E402
+from transformer_cli.training.train import train  # noqa: E402
 
 from .conftest import TFM, tfm_in_process, tiny_run  # noqa: E402
 
@@ -93,7 +93,7 @@ def test_the_cache_is_reused_and_follows_the_checkpoints_content(checkpoint, tra
 
 
 def test_a_kill_mid_conversion_leaves_no_half_model(checkpoint):
-    converting = subprocess.Popen([sys.executable, "-c", "import sys; from transformer_cli.ct2_cache import "
+    converting = subprocess.Popen([sys.executable, "-c", "import sys; from transformer_cli.interop.ct2_cache import "
                                    "cached_conversion; cached_conversion(sys.argv[1])", str(checkpoint)])
     cache = checkpoint.parent / CACHE_NAME
     deadline = time.monotonic() + 60
@@ -202,7 +202,8 @@ def test_without_quantize_dynamic_the_torch_fallback_ends_in_fp32_with_a_message
     """torch.ao.quantization is deprecated: its removal must leave tfm working (fp32, saying why)."""
     import torch.ao.quantization
 
-    from transformer_cli import cpu_inference, precision
+    from transformer_cli.model import cpu_inference
+    from transformer_cli.runtime import precision
 
     monkeypatch.delattr(torch.ao.quantization, "quantize_dynamic")
     cpu_inference.int8_quantization_works.cache_clear()
@@ -281,7 +282,7 @@ def test_a_prefix_through_ctranslate2_is_tfms_prefix(checkpoint):
 
 
 def test_device_cuda_without_a_gpu_is_one_line(checkpoint):
-    from transformer_cli.engine import gpu_present
+    from transformer_cli.decoding.engine import gpu_present
 
     if gpu_present():
         pytest.skip("this machine has a GPU")

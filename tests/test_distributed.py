@@ -20,10 +20,10 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 
-from transformer_cli.checkpoint import load_checkpoint
-from transformer_cli.config import config_from_dict
-from transformer_cli.data import prepare
-from transformer_cli.train import train
+from transformer_cli.experiment.checkpoint import load_checkpoint
+from transformer_cli.experiment.config import config_from_dict
+from transformer_cli.data.prepare import prepare
+from transformer_cli.training.train import train
 
 from .conftest import assert_same_final_weights, multi30k_config, wait_until_training
 
@@ -122,7 +122,7 @@ def _rank_recording_communication(rank: int, world_size: int, port: int, raw: di
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    import transformer_cli.train as training
+    import transformer_cli.training.train as training
 
     events: list[str] = []
 
@@ -178,7 +178,7 @@ def _rank_counting_reads(rank: int, world_size: int, port: int, raw: dict, log_d
     """One rank under tests/test_host_sync.py's counter of tensor-value reads, with the stop decision
     counted as part of the step (it runs after every update)."""
     from tests.test_host_sync import STEP_METHODS, ScalarReads, mark_steps
-    from transformer_cli.train import Trainer
+    from transformer_cli.training.train import Trainer
 
     inside = [False]
     mark_steps(inside, (*STEP_METHODS, (Trainer, "stop_decision")))
@@ -304,7 +304,7 @@ def test_torchrun_on_a_locked_run_directory_stops_every_rank_at_once(multi30k_2k
     (rank 1 once waited for rank 0's process group until torchrun killed it, ~30 s later)."""
     import time
 
-    from transformer_cli.runlock import RunLock
+    from transformer_cli.experiment.runlock import RunLock
 
     raw = ddp_config(multi30k_2k, tmp_path / "run", steps=4)
     path = tmp_path / "run.yaml"

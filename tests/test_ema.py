@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from tests.conftest import tiny_run
-from transformer_cli.checkpoint import load_checkpoint
-from transformer_cli.config import load_config
-from transformer_cli.ema import WeightAverage
-from transformer_cli.errors import TfmError
-from transformer_cli.model import Transformer, TransformerConfig
-from transformer_cli.rundir import RunDirectory
-from transformer_cli.train import train
+from transformer_cli.experiment.checkpoint import load_checkpoint
+from transformer_cli.experiment.config import load_config
+from transformer_cli.training.ema import WeightAverage
+from transformer_cli.runtime.errors import TfmError
+from transformer_cli.model.transformer import Transformer, TransformerConfig
+from transformer_cli.experiment.rundir import RunDirectory
+from transformer_cli.training.train import train
 
 
 def test_update_is_the_warmed_up_exponential_average():
@@ -59,7 +59,7 @@ def test_applied_swaps_in_the_average_and_restores_exactly_with_tied_weights():
 
 def initial_parameters(config) -> list[torch.Tensor]:
     """The weights `train()` starts from: the same seed builds the same model."""
-    from transformer_cli.train import build_model
+    from transformer_cli.training.train import build_model
 
     manifest = RunDirectory(config.run_path).load_manifest()
     torch.manual_seed(config.train.seed)

@@ -5,7 +5,7 @@ import sacrebleu
 
 from tests.conftest import tfm_in_process
 from transformer_cli.evaluate import score
-from transformer_cli.files import read_lines
+from transformer_cli.runtime.files import read_lines
 
 
 @pytest.fixture(scope="module")

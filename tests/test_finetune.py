@@ -11,11 +11,11 @@ import pytest
 import sentencepiece as spm
 
 from tests.conftest import reverse_task_config, write_reverse_task
-from transformer_cli.checkpoint import load_checkpoint
-from transformer_cli.config import config_from_dict
-from transformer_cli.data import prepare
-from transformer_cli.errors import TfmError
-from transformer_cli.train import train
+from transformer_cli.experiment.checkpoint import load_checkpoint
+from transformer_cli.experiment.config import config_from_dict
+from transformer_cli.data.prepare import prepare
+from transformer_cli.runtime.errors import TfmError
+from transformer_cli.training.train import train
 
 
 def child_config(folder: Path, parent_run: str, **train_settings) -> dict:

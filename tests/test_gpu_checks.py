@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tfm, tiny_run
-from transformer_cli.config import load_config
+from transformer_cli.experiment.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"

@@ -1,7 +1,9 @@
 """The shape of the code base: what keeps it readable is checked like behaviour.
 
-- model.py reads beside the paper (≤ 500 lines); no function in the package is over 100 lines;
-- the modules import one way (no cycle, function-level imports included);
+- the package is in wings, one per stage (docs/architecture.md), and imports between wings run one
+  way, lower wings never importing higher ones (function-level and type-checking imports included);
+  no import cycle inside a wing; the model wing imports nothing of the toolkit but itself;
+- model/transformer.py reads beside the paper (≤ 500 lines); no function in the package is over 100 lines;
 - the README is a user's page (≤ 350 lines) and nothing tracked speaks of how the work is organised.
 """
 
@@ -15,36 +17,88 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 PACKAGE = ROOT / "transformer_cli"
+# Lowest first: a wing imports its own modules and those of the wings before it, never after.
+WINGS = ["model", "runtime", "experiment", "data", "interop", "decoding", "training", "serve"]
+# The modules at the top: the commands' front (cli, __main__) and the commands whose work spans the
+# stages (evaluate, plot, attention_maps). They may import any wing; no wing imports them.
+TOP = {"__init__", "__main__", "cli", "evaluate", "plot", "attention_maps"}
 
 
-def test_model_file_and_functions_stay_short():
-    assert len((PACKAGE / "model.py").read_text(encoding="utf-8").splitlines()) <= 500
-    long = []
-    for path in sorted(PACKAGE.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
-                long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
-    assert not long, long
+def module_name(path: Path) -> str:
+    """transformer_cli/decoding/search.py → "decoding.search"; the package's own __init__ → "__init__"."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
 
 
-def imports_of(path: Path) -> set[str]:
-    """The package modules `path` imports, at module level or inside functions."""
+def all_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules `path` imports, at module level, inside functions or for type checking."""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py" or package == ["__init__"]:
+        package = package[:-1]  # a module's package; a wing's __init__ is its own package
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-            found.add(node.module.split(".")[0])
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("transformer_cli."):
-            found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "transformer_cli":
+            base = node.module.split(".")[1:]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("transformer_cli."):
+                    found.add(".".join(alias.name.split(".")[1:]))
+            continue
+        else:
+            continue
+        for alias in node.names:  # `from .. import files` names a module; `from .files import x` a name
+            name = ".".join([*base, alias.name])
+            found.add(name if name in modules else (".".join(base) or "__init__"))
     return found
 
 
-def test_modules_import_one_way():
-    graph = {path.stem: imports_of(path) for path in PACKAGE.glob("*.py")}
+def wing_of(module: str) -> str:
+    return module.split(".")[0] if "." in module or module in WINGS else module
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {name: imports_of(path, modules) for name, path in modules.items()}
+
+
+def layout_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Everything in `graph` (module → the modules it imports) that breaks the wing order."""
+    problems = []
+    for module, imported in sorted(graph.items()):
+        wing = wing_of(module)
+        if wing not in WINGS and module not in TOP:
+            problems.append(f"{module}: neither in a wing ({', '.join(WINGS)}) nor named at the top")
+            continue
+        for other in sorted(imported):
+            other_wing = wing_of(other)
+            if other == "__init__" or wing in TOP and other_wing in WINGS:
+                continue  # the package root's constants; the top imports every wing
+            if wing == "model" and other_wing != "model":
+                problems.append(f"{module} imports {other}: the model wing imports nothing outside it")
+            elif other_wing in TOP:
+                if wing not in TOP:
+                    problems.append(f"{module} imports {other}: a wing never imports the top")
+            elif WINGS.index(other_wing) > WINGS.index(wing):
+                problems.append(f"{module} imports {other}: {wing} comes before {other_wing} in the wing order")
+    return problems + import_cycles(graph)
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[str]:
     done: set[str] = set()
+    cycles: list[str] = []
 
     def visit(module: str, stack: list[str]) -> None:
         if module in stack:
-            raise AssertionError("import cycle: " + " → ".join([*stack[stack.index(module):], module]))
+            cycles.append("import cycle: " + " → ".join([*stack[stack.index(module):], module]))
+            return
         if module in done:
             return
         for imported in sorted(graph.get(module, ())):
@@ -53,9 +107,47 @@ def test_modules_import_one_way():
 
     for module in sorted(graph):
         visit(module, [])
-    # The paper's model depends on nothing of the toolkit but its kernels and decoding state.
-    assert graph["model"] <= {"kernels", "decoder_state"}, graph["model"]
-    assert not graph["kernels"] and not graph["decoder_state"]
+    return cycles
+
+
+def test_every_module_is_in_a_wing_and_imports_run_one_way():
+    graph = import_graph()
+    assert layout_violations(graph) == []
+    assert graph["model.transformer"] <= {"model.kernels", "model.decoder_state"}, graph["model.transformer"]
+
+
+def test_an_import_against_the_wing_order_or_a_cycle_is_caught():
+    graph = import_graph()
+    for module, imported, expected in [
+        ("decoding.search", "training.train", "decoding comes before training"),
+        ("model.transformer", "runtime.errors", "the model wing imports nothing outside it"),
+        ("runtime.files", "cli", "a wing never imports the top"),
+        ("decoding.top_k", "decoding.search", "import cycle"),
+    ]:
+        broken = {**graph, module: graph[module] | {imported}}
+        assert any(expected in problem for problem in layout_violations(broken)), (module, imported)
+    assert any("neither in a wing" in p for p in layout_violations({**graph, "stray": set()}))
+    # A function-level import counts: engine.py imports tfm's own engine only inside a function.
+    assert "decoding.torch_engine" in graph["decoding.engine"]
+
+
+def test_each_wing_says_what_it_holds_and_re_exports_nothing():
+    for wing in WINGS:
+        tree = ast.parse((PACKAGE / wing / "__init__.py").read_text(encoding="utf-8"))
+        docstring = ast.get_docstring(tree) or ""
+        assert len(docstring.split()) >= 20, f"{wing}/__init__.py: say what the wing holds and may import"
+        assert "may import" in docstring.lower(), wing
+        assert not [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))], wing
+
+
+def test_model_file_and_functions_stay_short():
+    assert len((PACKAGE / "model" / "transformer.py").read_text(encoding="utf-8").splitlines()) <= 500
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                long.append(f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
 
 
 PROCESS_WORDS = re.compile(r"(first|second|third|[a-z]+th|this|last|previous|earlier|next) session|issue #?[0-9]+",
@@ -69,7 +161,7 @@ def test_readme_is_a_users_page_and_nothing_speaks_of_the_process():
     offending = []
     for name in tracked:
         path = ROOT / name
-        if name.startswith("tests/") or not path.is_file() or path.suffix in {".png", ".gz"}:
+        if name.startswith("tests/") or not path.is_file() or path.suffix in {".png", ".gz", ".xz"}:
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         offending += [f"{name}: {m.group(0)}" for m in PROCESS_WORDS.finditer(text)]

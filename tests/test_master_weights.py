@@ -1,4 +1,4 @@
-"""bf16 weights with fp32 master copies (transformer_cli.master_weights), what
+"""bf16 weights with fp32 master copies (transformer_cli.training.master_weights), what
 `scripts/bench_train.py --bf16-weights` trains with: the masters start as the exact fp32 weights,
 updates too small for bf16 still add up, and a tiny Transformer learns."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from tests.test_model import tiny_config
-from transformer_cli.batches import collate
-from transformer_cli.loss import batch_loss
-from transformer_cli.master_weights import MasterWeights
-from transformer_cli.model import Transformer
+from transformer_cli.data.batches import collate
+from transformer_cli.training.loss import batch_loss
+from transformer_cli.training.master_weights import MasterWeights
+from transformer_cli.model.transformer import Transformer
 
 
 def test_masters_are_the_exact_fp32_weights_and_the_model_runs_in_bf16():

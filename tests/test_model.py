@@ -5,16 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.checkpoint import load_checkpoint, save_checkpoint
-from transformer_cli.cpu_inference import fold_query_scale
-from transformer_cli.decoder_state import BeamKVCache, KVCache
-from transformer_cli.kernels import (
-    attention_softmax,
-    causal_mask,
-    matmul_attention,
-    single_query_attention,
-)
-from transformer_cli.model import (
+from transformer_cli.experiment.checkpoint import load_checkpoint, save_checkpoint
+from transformer_cli.model.cpu_inference import fold_query_scale
+from transformer_cli.model.decoder_state import BeamKVCache, KVCache
+from transformer_cli.model.kernels import attention_softmax, causal_mask, matmul_attention, single_query_attention
+from transformer_cli.model.transformer import (
     CAUSAL,
     MultiHeadAttention,
     PositionalEncoding,
@@ -132,7 +127,7 @@ def test_bf16_training_attention_on_cpu_takes_the_matmul_path_and_matches_fp32()
     x = torch.randn(3, 7, 32)
     reference, _ = mha(x, x, CAUSAL)
     calls = []
-    import transformer_cli.kernels as kernels
+    import transformer_cli.model.kernels as kernels
 
     original = kernels.matmul_attention
     kernels.matmul_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
@@ -435,7 +430,7 @@ def test_padding_does_not_change_the_output():
 
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
 def test_dropout_keeps_expected_fraction_and_scale(p):
-    from transformer_cli.model import Dropout
+    from transformer_cli.model.transformer import Dropout
 
     torch.manual_seed(0)
     drop = Dropout(p).train()
@@ -459,7 +454,7 @@ def test_dropout_scales_kept_values_exactly_and_backpropagates_through_the_same_
     """A kept value is x · 256/(256 − d) computed in fp32 and rounded once to x's dtype (in bf16 the
     scale itself is not rounded to bf16 first), a dropped one is 0, and the gradient flows through
     the same mask."""
-    from transformer_cli.model import Dropout
+    from transformer_cli.model.transformer import Dropout
 
     torch.manual_seed(0)
     x = (torch.randn(64, 300) * 3).to(dtype).requires_grad_()
@@ -491,7 +486,7 @@ def test_decoder_returns_cross_attention_weights_on_request():
 def test_ffn_dropout_follows_activation_dropout_where_it_is_set():
     """model.activation_dropout drops out the FFN's hidden activations (0.0: none, as the paper);
     unset, the FFN uses `dropout`, as before the key existed. Residual dropout is unaffected."""
-    from transformer_cli.model import DecoderLayer, EncoderLayer
+    from transformer_cli.model.transformer import DecoderLayer, EncoderLayer
 
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16)

@@ -17,13 +17,19 @@ import pytest
 import torch
 
 from tests.conftest import TFM, tfm_in_process, tiny_run
-from transformer_cli.budget import check_decoding_budget, decoding_bytes, decoding_shape
-from transformer_cli.config import DecodeConfig, load_config
-from transformer_cli.special_tokens import BOS_ID, EOS_ID
-from transformer_cli.decoding import Sampling, greedy_search, max_output_lengths, sample_search, sampling_distribution
-from transformer_cli.errors import TfmError
-from transformer_cli.model import Transformer, TransformerConfig
-from transformer_cli.train import train
+from transformer_cli.decoding.budget import check_decoding_budget, decoding_bytes, decoding_shape
+from transformer_cli.experiment.config import DecodeConfig, load_config
+from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
+from transformer_cli.decoding.search import (
+    Sampling,
+    greedy_search,
+    max_output_lengths,
+    sample_search,
+    sampling_distribution,
+)
+from transformer_cli.runtime.errors import TfmError
+from transformer_cli.model.transformer import Transformer, TransformerConfig
+from transformer_cli.training.train import train
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +158,9 @@ MEASURE = """
 import json, sys
 from pathlib import Path
 import torch
-from transformer_cli.budget import decoding_bytes, decoding_shape
-from transformer_cli.config import DecodeConfig
-from transformer_cli.translate import Translator, decode_in_batches
+from transformer_cli.decoding.budget import decoding_bytes, decoding_shape
+from transformer_cli.experiment.config import DecodeConfig
+from transformer_cli.decoding.torch_engine import Translator, decode_in_batches
 
 def resident():  # (current, peak) resident bytes
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
@@ -190,8 +196,8 @@ def test_the_bound_holds_a_real_decode_within_a_small_factor(checkpoint):
 def test_a_long_target_prefix_raises_the_bound():
     """A prefix forces the output through its tokens: a 1-token source with a 500-token prefix may
     decode 501 tokens, not a · 2 + b; the bound (and so the refusal) follows."""
-    from transformer_cli.config import DecodeConfig
-    from transformer_cli.model import TransformerConfig
+    from transformer_cli.experiment.config import DecodeConfig
+    from transformer_cli.model.transformer import TransformerConfig
 
     cfg = TransformerConfig(src_vocab_size=8000, tgt_vocab_size=8000, max_positions=1024)
     decode = DecodeConfig(beam=4)

@@ -7,13 +7,13 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from transformer_cli.config import config_from_dict
-from transformer_cli.batches import ParallelData, TokenArray, token_batches
-from transformer_cli.data import prepare
-from transformer_cli.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer_cli.errors import TfmError
-from transformer_cli.files import read_lines
-from transformer_cli.rundir import RunDirectory
+from transformer_cli.experiment.config import config_from_dict
+from transformer_cli.data.batches import ParallelData, TokenArray, token_batches
+from transformer_cli.data.prepare import prepare
+from transformer_cli.model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_cli.runtime.errors import TfmError
+from transformer_cli.runtime.files import read_lines
+from transformer_cli.experiment.rundir import RunDirectory
 
 from .conftest import multi30k_config, tfm_in_process
 
@@ -171,7 +171,7 @@ def test_parallel_workers_write_the_same_files_as_one_process(multi30k_2k, tmp_p
 
 
 def test_vocab_sample_is_uniform_aligned_and_in_corpus_order(tmp_path):
-    from transformer_cli.corpus import sample_pairs
+    from transformer_cli.data.corpus import sample_pairs
 
     (tmp_path / "a.src").write_text("".join(f"s{i}\n" for i in range(5000)))
     (tmp_path / "a.tgt").write_text("".join(f"t{i}\n" for i in range(5000)))
@@ -199,7 +199,7 @@ def test_small_vocab_sample_still_builds_a_working_vocab(multi30k_2k, tmp_path):
 
 
 def test_npy_appender_round_trip_and_abort(tmp_path):
-    from transformer_cli.corpus import NpyAppender
+    from transformer_cli.data.corpus import NpyAppender
 
     writer = NpyAppender(tmp_path / "x.npy", np.uint16)
     parts = [np.arange(n, dtype=np.uint16) for n in (0, 5, 70_000 % 65_536, 3)]

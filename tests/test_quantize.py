@@ -5,8 +5,8 @@ import pytest
 import sacrebleu
 import torch
 
-from transformer_cli.files import read_lines
-from transformer_cli.translate import Translator
+from transformer_cli.runtime.files import read_lines
+from transformer_cli.decoding.torch_engine import Translator
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 
@@ -37,7 +37,7 @@ def quantized_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     (0.02, "bf16", "bf16"),
 ])
 def test_auto_decodes_in_int8_where_bf16_is_slow(reverse_model, monkeypatch, bf16_speedup, env, expected):
-    from transformer_cli import precision
+    from transformer_cli.runtime import precision
 
     _, summary = reverse_model
     monkeypatch.setattr(precision, "measure_bf16_speedup", lambda *shape: bf16_speedup)
@@ -56,7 +56,8 @@ def test_auto_decodes_in_int8_where_bf16_is_slow(reverse_model, monkeypatch, bf1
 
 
 def test_auto_falls_back_to_fp32_where_torch_cannot_quantize(monkeypatch):
-    from transformer_cli import cpu_inference, precision
+    from transformer_cli.model import cpu_inference
+    from transformer_cli.runtime import precision
 
     assert cpu_inference.int8_quantization_works()  # this torch can (the probe agrees with nn.Linear)
     monkeypatch.setattr(precision, "measure_bf16_speedup", lambda *shape: 0.02)

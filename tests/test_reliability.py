@@ -27,17 +27,12 @@ from tests.conftest import (
     tiny_run,
     wait_until_training,
 )
-from transformer_cli.checkpoint import load_checkpoint
-from transformer_cli.config import load_config
-from transformer_cli.devices import split_on_out_of_memory
-from transformer_cli.errors import Diverged
-from transformer_cli.signals import (
-    StopRequest,
-    Terminated,
-    _exit_at_once,
-    terminate_like_ctrl_c,
-)
-from transformer_cli.train import train
+from transformer_cli.experiment.checkpoint import load_checkpoint
+from transformer_cli.experiment.config import load_config
+from transformer_cli.runtime.devices import split_on_out_of_memory
+from transformer_cli.runtime.errors import Diverged
+from transformer_cli.runtime.signals import StopRequest, Terminated, _exit_at_once, terminate_like_ctrl_c
+from transformer_cli.training.train import train
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:

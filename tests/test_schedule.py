@@ -9,9 +9,9 @@ from dataclasses import asdict
 
 import pytest
 
-from transformer_cli.config import TrainConfig
-from transformer_cli.schedule import budget_used, learning_rate, next_learning_rate
-from transformer_cli.train import TrainProgress
+from transformer_cli.experiment.config import TrainConfig
+from transformer_cli.training.schedule import budget_used, learning_rate, next_learning_rate
+from transformer_cli.training.train import TrainProgress
 
 PEAK = 1e-3
 THIRTY_MINUTES = TrainConfig(lr_schedule="budget", lr=PEAK, warmup=100, max_time="30m", max_steps=10**6)

@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from transformer_cli.files import read_lines
-from transformer_cli.translate import Translator
+from transformer_cli.runtime.files import read_lines
+from transformer_cli.decoding.torch_engine import Translator
 
 pytest.importorskip("fastapi", reason="tfm serve needs the [serve] extra (CI installs it with [test])")
 
@@ -178,7 +178,7 @@ def test_the_server_runs_the_model_on_the_main_thread_only():
     the awaiting request, and `run_until` returns once it is told to and nothing is left."""
     import asyncio
 
-    from transformer_cli.serve import MainThreadDecoder
+    from transformer_cli.serve.server import MainThreadDecoder
 
     decoder = MainThreadDecoder()
     answers: dict = {}

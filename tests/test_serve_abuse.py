@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import TFM
 from tests.test_serve import Server, free_port, post
-from transformer_cli.translate import Translator
+from transformer_cli.decoding.torch_engine import Translator
 
 pytest.importorskip("fastapi", reason="tfm serve needs the [serve] extra (CI installs it with [test])")
 
@@ -168,7 +168,7 @@ def test_requests_generated_from_the_openapi_schema_long_run(abused):
 def test_the_schema_fuzzer_covers_every_request_field(abused):
     """The fuzzer reads the fields from the schema the server publishes: every decode setting a
     request may choose is there (a new field is fuzzed without a new row)."""
-    from transformer_cli.serve import REQUEST_SETTINGS, TERM_FIELDS
+    from transformer_cli.serve.server import REQUEST_SETTINGS, TERM_FIELDS
 
     _, _, schema = abused
     fields = schema["components"]["schemas"]["TranslateRequest"]["properties"]

@@ -9,9 +9,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import tiny_run
-from transformer_cli.config import load_config
-from transformer_cli.errors import TfmError
-from transformer_cli.train import train
+from transformer_cli.experiment.config import load_config
+from transformer_cli.runtime.errors import TfmError
+from transformer_cli.training.train import train
 
 
 def test_event_files_hold_the_runs_scalars_and_a_resume_appends_to_them(tiny_prepared, tmp_path):

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.conftest import FP32, WORDS, fp32_translator, tfm, tfm_in_process
-from transformer_cli.constraints import AvoidedSequences, ConstraintTable, kmp_transitions, recent_tokens
-from transformer_cli.files import read_lines
-from transformer_cli.terms import Glossary, LineTerms, spellings, split_constraints_line, whole_word_pattern
-from transformer_cli.translate import Translator
+from transformer_cli.decoding.constraints import AvoidedSequences, ConstraintTable, kmp_transitions, recent_tokens
+from transformer_cli.runtime.files import read_lines
+from transformer_cli.decoding.terms import Glossary, LineTerms, spellings, split_constraints_line, whole_word_pattern
+from transformer_cli.decoding.torch_engine import Translator
 
 
 
@@ -308,7 +308,7 @@ def test_split_constraints_line_reads_escapes():
 def test_the_memory_bound_counts_the_constrained_beams_candidates(checkpoint):
     """Each candidate of the constrained beam is compared with every piece of every term: the bound
     grows with them, so that a server's limit refuses 32 long terms on many lines at beam 64."""
-    from transformer_cli.budget import decoding_bytes, decoding_shape
+    from transformer_cli.decoding.budget import decoding_bytes, decoding_shape
 
     cfg = engine(checkpoint).model.cfg
     decode = engine(checkpoint).decode

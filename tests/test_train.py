@@ -9,19 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer_cli.checkpoint import load_checkpoint
-from transformer_cli.config import TrainConfig, config_from_dict, load_config
-from transformer_cli.data import prepare
-from transformer_cli.errors import TfmError
-from transformer_cli.loss import compiled_chunk_loss, fused_chunk_loss, output_layer_loss, smoothed_chunk_loss
-from transformer_cli.precision import (
-    autocast_dtype,
-    choose_precision,
-    cpu_has_fast_bf16,
-    measure_bf16_speedup,
-)
-from transformer_cli.schedule import budget_used, learning_rate, warmup_steps
-from transformer_cli.train import train
+from transformer_cli.experiment.checkpoint import load_checkpoint
+from transformer_cli.experiment.config import TrainConfig, config_from_dict, load_config
+from transformer_cli.data.prepare import prepare
+from transformer_cli.runtime.errors import TfmError
+from transformer_cli.training.loss import compiled_chunk_loss, fused_chunk_loss, output_layer_loss, smoothed_chunk_loss
+from transformer_cli.runtime.precision import autocast_dtype, choose_precision, cpu_has_fast_bf16, measure_bf16_speedup
+from transformer_cli.training.schedule import budget_used, learning_rate, warmup_steps
+from transformer_cli.training.train import train
 
 from .conftest import (
     ROOT,
@@ -89,7 +84,7 @@ def test_warmup_ratio_ends_the_warmup_at_a_fraction_of_the_budget():
 
 
 def test_budget_schedule_in_a_real_run_ends_at_lr_min(tiny_prepared, tmp_path):
-    from transformer_cli.config import load_config
+    from transformer_cli.experiment.config import load_config
 
     from .conftest import tiny_run
 
@@ -277,8 +272,8 @@ def test_loss_without_gradients_computes_none():
 
 
 def test_logits_for_target_rows_equal_the_full_projection():
-    from transformer_cli.loss import target_rows
-    from transformer_cli.model import Transformer, TransformerConfig
+    from transformer_cli.training.loss import target_rows
+    from transformer_cli.model.transformer import Transformer, TransformerConfig
 
     torch.manual_seed(0)
     model = Transformer(TransformerConfig(30, 30, d_model=16, n_heads=2, enc_layers=1, dec_layers=1, d_ff=32)).eval()
@@ -453,7 +448,7 @@ def test_memory_kept_for_reuse_goes_back_to_the_os_when_released():
     each validation, hands it back: the resident set shrinks by what was freed."""
     script = (
         "import torch\n"
-        "from transformer_cli.cpu import keep_freed_memory, release_freed_memory\n"
+        "from transformer_cli.runtime.cpu import keep_freed_memory, release_freed_memory\n"
         "def rss():\n"
         "    return int(open('/proc/self/statm').read().split()[1]) * 4096 // 2**20\n"
         "assert keep_freed_memory()\n"
@@ -476,7 +471,7 @@ def test_training_keeps_few_kernels_unless_the_user_says(user_setting, expected)
     if user_setting is not None:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = user_setting
     script = ("import os, transformer_cli\n"
-              "from transformer_cli.cpu import limit_training_kernel_cache\n"
+              "from transformer_cli.runtime.cpu import limit_training_kernel_cache\n"
               "decoding = os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']\n"
               "limit_training_kernel_cache()\n"
               "print(decoding, os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])\n")

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.batches import collate
-from transformer_cli.loss import batch_loss
-from transformer_cli.model import Transformer, TransformerConfig
+from transformer_cli.data.batches import collate
+from transformer_cli.training.loss import batch_loss
+from transformer_cli.model.transformer import Transformer, TransformerConfig
 
 from tests.conftest import tiny_run
 
@@ -68,7 +68,7 @@ def test_training_compiles_one_graph_per_layer_kind_for_batches_of_every_shape()
     would specialise on the first shape and capture again at the second."""
     from torch._dynamo.utils import counters
 
-    from transformer_cli.kernels import compile_for_training
+    from transformer_cli.model.kernels import compile_for_training
 
     cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=4, enc_layers=3, dec_layers=2,
                             d_ff=64, pad_id=0, dropout=0.1)
@@ -100,9 +100,9 @@ def test_a_compiled_run_trains_checkpoints_and_resumes_as_an_eager_one(tiny_prep
     """`train.compile: true` end to end with torch's own compiler (inductor, on CPU): the loss
     falls, the checkpoints load into an eager model under the usual names, the weight average is
     made, and --resume goes on from the step reached."""
-    from transformer_cli.checkpoint import load_checkpoint
-    from transformer_cli.config import load_config
-    from transformer_cli.train import train
+    from transformer_cli.experiment.checkpoint import load_checkpoint
+    from transformer_cli.experiment.config import load_config
+    from transformer_cli.training.train import train
 
     config_path = tiny_run(tiny_prepared, tmp_path, max_steps=40, eval_every=4, compile=True, average_last=2)
     config = load_config(config_path)
@@ -124,8 +124,8 @@ def test_cuda_attention_is_chosen_among_kernels_that_build_nothing_per_shape():
     """On CUDA tfm leaves cuDNN's attention out of SDPA's choice (it builds a graph per new batch
     shape, kernels.leave_out_cudnn_attention); flash and memory-efficient attention stay, and the
     switch restores torch's default. A CPU device changes nothing."""
-    from transformer_cli.devices import resolve_device
-    from transformer_cli.kernels import leave_out_cudnn_attention
+    from transformer_cli.runtime.devices import resolve_device
+    from transformer_cli.model.kernels import leave_out_cudnn_attention
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

@@ -11,24 +11,17 @@ import pytest
 import sacrebleu
 import torch
 
-from transformer_cli.cpu import denormals_flushed_to_zero, usable_cores
-from transformer_cli.cpu_inference import PackedLinear
-from transformer_cli.special_tokens import BOS_ID, EOS_ID
-from transformer_cli.decoding import (
-    beam_search,
-    beam_top_k,
-    greedy_search,
-    log_probs,
-    logits_buffer,
-    top_k,
-)
-from transformer_cli.errors import TfmError
-from transformer_cli.files import read_lines
-from transformer_cli.model import MultiHeadAttention, TransformerConfig
-from transformer_cli.translate import Translator
-from transformer_cli.translation import balanced_batches
-from transformer_cli.translation import format_nbest, length_sorted_batches
-from transformer_cli.workers import resolve_workers
+from transformer_cli.runtime.cpu import denormals_flushed_to_zero, usable_cores
+from transformer_cli.model.cpu_inference import PackedLinear
+from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
+from transformer_cli.decoding.search import beam_search, beam_top_k, greedy_search, log_probs, logits_buffer, top_k
+from transformer_cli.runtime.errors import TfmError
+from transformer_cli.runtime.files import read_lines
+from transformer_cli.model.transformer import MultiHeadAttention, TransformerConfig
+from transformer_cli.decoding.torch_engine import Translator
+from transformer_cli.decoding.translation import balanced_batches
+from transformer_cli.decoding.translation import format_nbest, length_sorted_batches
+from transformer_cli.decoding.workers import resolve_workers
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 
@@ -277,11 +270,7 @@ def test_cli_bad_checkpoint_is_one_line_exit_2(tmp_path, reverse_model):
 
 
 def test_vocab_mismatch_is_detected(reverse_model, tmp_path):
-    from transformer_cli.checkpoint import (
-        bytes_to_tensor,
-        load_checkpoint,
-        save_checkpoint,
-    )
+    from transformer_cli.experiment.checkpoint import bytes_to_tensor, load_checkpoint, save_checkpoint
 
     _, summary = reverse_model
     payload = load_checkpoint(summary.best_checkpoint)
@@ -360,7 +349,7 @@ def test_packed_linear_layers_decode_exactly_like_nn_linear(reverse_model, held_
     _, summary = reverse_model
     packed = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=fp32"])
     assert any(isinstance(m, PackedLinear) for m in packed.model.modules()), "no layer was packed on this CPU"
-    monkeypatch.setattr("transformer_cli.translate.pack_linear_layers", lambda model: False)
+    monkeypatch.setattr("transformer_cli.decoding.torch_engine.pack_linear_layers", lambda model: False)
     plain = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=fp32"])
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
     x = torch.randn(6, 1, plain.model.cfg.d_model)
@@ -625,8 +614,8 @@ def test_continuous_greedy_equals_greedy_batch_by_batch(translator, held_out_pai
     same tokens, scores up to rounding (joined rows attend over masked-out older cache slots). With
     12 batches of 4 the run outlives its first cache slots, which are dropped, and the shorter
     sentences joining rows that held long ones narrow the sources again (both counted)."""
-    from transformer_cli.decoding import greedy_search_continuous
-    from transformer_cli.model import DecoderState
+    from transformer_cli.decoding.search import greedy_search_continuous
+    from transformer_cli.model.transformer import DecoderState
 
     dropped, narrowed = [], []
     drop_front, narrow_sources = DecoderState.drop_front, DecoderState.narrow_sources
@@ -687,7 +676,7 @@ def test_joining_rows_attend_only_to_their_own_cache_slots(translator, held_out_
 def test_continuous_greedy_out_of_memory_falls_back_to_batch_by_batch(translator, held_out_pairs, monkeypatch):
     """A task of several batches that runs out of memory when decoded together is decoded one batch
     at a time instead (each batch still halved if need be): the same translations."""
-    import transformer_cli.translate as translate_module
+    import transformer_cli.decoding.torch_engine as translate_module
 
     src, _ = held_out_pairs
     lines = src[:40]

@@ -11,10 +11,10 @@ __version__ = "0.1.0"
 # ~1,000 page faults). With room for 16,384 the second epoch compiles nothing (faster training:
 # docs/performance.md). Read once, when oneDNN first runs, so it is set on import; a user's
 # own ONEDNN_PRIMITIVE_CACHE_CAPACITY wins.
-# `tfm train` keeps fewer (cpu.py, TRAINING_KERNEL_CACHE): there every batch brings new shapes.
+# `tfm train` keeps fewer (runtime/cpu.py, TRAINING_KERNEL_CACHE): there every batch brings new shapes.
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 16384
 # The environment as the user started this process with, before the line below changes it: what a
-# process that tfm starts again in its place must see (allocator.py).
+# process that tfm starts again in its place must see (runtime/allocator.py).
 LAUNCH_ENVIRONMENT = dict(_os.environ)
 USER_KERNEL_CACHE = _os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 _os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))

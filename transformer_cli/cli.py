@@ -16,10 +16,10 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from . import __version__
-from .console import discard_writes, say, warn
-from .errors import Diverged, Interrupted, TfmError, describe_os_error
-from .files import refuse_output_among_inputs
-from .signals import Terminated, terminate_like_ctrl_c
+from .runtime.console import discard_writes, say, warn
+from .runtime.errors import Diverged, Interrupted, TfmError, describe_os_error
+from .runtime.files import refuse_output_among_inputs
+from .runtime.signals import Terminated, terminate_like_ctrl_c
 
 class OneValueOptions(TyperCommand):
     """A command whose single-valued options refuse a second value: click keeps the last one
@@ -122,7 +122,7 @@ def user_errors(fn):
 
 
 def _load(config: Optional[Path], overrides: Optional[list[str]]):
-    from .config import load_config
+    from .experiment.config import load_config
 
     if config is None:
         raise TfmError("--config is required (e.g. --config configs/de-en.yaml)")
@@ -133,12 +133,12 @@ def _load_for_inference(config: Path, overrides: Optional[list[str]], checkpoint
     """A config for translating/evaluating a trained model. `--set model.*`/`vocab.*` cannot change
     it: accepted only where they repeat what the config's run was trained with (its resolved
     config.yaml), when that run's checkpoint is the one translating."""
-    from .config import check_inference_overrides, fixed_by_checkpoint, load_config
+    from .experiment.config import check_inference_overrides, fixed_by_checkpoint, load_config
 
     cfg = _load(config, overrides)
     trained = None
     if any(map(fixed_by_checkpoint, overrides or [])) and not checkpoint and not cfg.decode.checkpoints:
-        from .rundir import RunDirectory  # imports torch: only when needed
+        from .experiment.rundir import RunDirectory  # imports torch: only when needed
 
         resolved = RunDirectory(cfg.run_path).config_file
         trained = load_config(resolved) if resolved.is_file() else None
@@ -190,7 +190,7 @@ def prepare(
 ) -> None:
     """Train the sentencepiece vocabulary and binarise train/valid/test into the run directory."""
     cfg = _load(config, set_)  # before importing torch (seconds on a slow CPU): config errors come at once
-    from .data import prepare as run_prepare
+    from .data.prepare import prepare as run_prepare
 
     result = run_prepare(cfg, force=force, progress=sys.stderr.isatty(), discard_checkpoints=discard_checkpoints)
     if result.discarded is not None:
@@ -221,14 +221,14 @@ def train(
     """Train the model (warm-up LR, teacher forcing, label smoothing; GPU when present)."""
     cfg = _load(config, set_)  # before importing torch: config errors come at once
     if _RUN_AS_PROGRAM:  # not when a test or a program calls the command in its own process
-        from .allocator import use_allocator
+        from .runtime.allocator import use_allocator
 
         # may start this program again, on mimalloc
         use_allocator(cfg.train.allocator, ["-m", "transformer_cli", *sys.argv[1:]])
-    from .cpu import limit_training_kernel_cache
+    from .runtime.cpu import limit_training_kernel_cache
 
     limit_training_kernel_cache()  # before torch runs its first kernel
-    from .train import train as run_train
+    from .training.train import train as run_train
 
     run_train(cfg, resume=resume, progress_bar=sys.stderr.isatty())
 
@@ -311,8 +311,8 @@ def translate(
         raise TfmError(f"--quantize {quantize}: only int8 is supported")
     terminology = _terminology(constraints, prefix, avoid, glossary, input_)
     # Imports torch only where tfm's own engine translates: after the checks above.
-    from .engine import open_engine
-    from .translation import read_decoded_lines, translate_stream
+    from .decoding.engine import open_engine
+    from .decoding.translation import read_decoded_lines, translate_stream
 
     translator = open_engine(cfg, set_, checkpoint, device, quantize, engine=engine, compute_type=compute_type,
                              model_dir=model_dir, lexical=bool(constraints or avoid or glossary),
@@ -336,7 +336,7 @@ def translate(
     if constraints or avoid or glossary:  # settings that cannot apply them: refused before any input is read
         translator.check_lexical(constraints or glossary is not None, avoid is not None, beam or translator.decode.beam,
                                  translator.decode)
-    from .budget import check_decoding_budget, decoding_memory_limit
+    from .decoding.budget import check_decoding_budget, decoding_memory_limit
 
     translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
     # Before reading any input: settings that even one line of one token cannot afford are refused at
@@ -345,7 +345,7 @@ def translate(
         check_decoding_budget(translator.member_configs, translator.decode, 1, 1, translator.memory_limit,
                               beam=beam, nbest=nbest)
     source = open_input(input_)
-    from .files import atomic_path
+    from .runtime.files import atomic_path
 
     def run(out_stream):
         lines = read_decoded_lines(source, sys.stderr, str(input_) if input_ is not None else "standard input",
@@ -369,7 +369,7 @@ def translate(
 def _terminology(constraints: bool, prefix: str | None, avoid: Path | None, glossary: Path | None,
                  input_: Path | None):
     """`tfm translate`'s terminology options, read and checked before a model loads."""
-    from .terms import Glossary, Terminology, read_term_list
+    from .decoding.terms import Glossary, Terminology, read_term_list
 
     if prefix is not None and (not prefix.strip() or "\n" in prefix or "\r" in prefix):
         raise TfmError("--prefix: give one line of text, not empty, that every translation starts with")
@@ -421,13 +421,13 @@ def serve(
     """
     cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
     try:
-        from .serve import listening_address, serve as run_server
+        from .serve.server import listening_address, serve as run_server
     except ImportError as exc:
         raise TfmError(f"tfm serve needs FastAPI and uvicorn: pip install -e '.[serve]' ({exc})") from None
     shown_host, loopback = listening_address(host)
     if engine is not None and engine not in ENGINES:
         raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
-    from .engine import open_engine
+    from .decoding.engine import open_engine
 
     # One engine for the whole server: a setting only tfm's engine has (an ensemble, alignments,
     # sampling) chooses it for every request, and auto says so at start.
@@ -436,10 +436,10 @@ def serve(
                              beam=beam, nbest=nbest, sample=sample, top_k=top_k, top_p=top_p,
                              temperature=temperature, seed=seed, alignment=alignment, tgt_lang=tgt_lang)
     translator.target_languages().check(translator.decode.tgt_lang)
-    from .budget import decoding_memory_limit
+    from .decoding.budget import decoding_memory_limit
 
     translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
-    from .engine import lexical_engine
+    from .decoding.engine import lexical_engine
 
     lexical = lexical_engine(translator, cfg, set_, checkpoint, device, engine, model_dir, batch_size=batch_size,
                              batch_tokens=batch_tokens, beam=beam, nbest=nbest, sample=sample, top_k=top_k,
@@ -483,13 +483,7 @@ def evaluate(
 ) -> None:
     """Score translations with sacreBLEU: files (--hyp/--ref) or a model on a split (--config); a
     multilingual run: a table of every direction and their average."""
-    from .evaluate import (
-        evaluate_files,
-        evaluate_model,
-        gate_verdict,
-        parse_gate,
-        parse_metrics,
-    )
+    from .evaluate import evaluate_files, evaluate_model, gate_verdict, parse_gate, parse_metrics
 
     gate_direction, gate = parse_gate(min_bleu) if min_bleu is not None else (None, None)
     if constraints is not None and (config is None or hyp):
@@ -514,7 +508,7 @@ def evaluate(
             raise TfmError(f"--split {split!r}: choose valid or test")
         if engine is not None and engine not in ENGINES:
             raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
-        from .engine import model_files
+        from .decoding.engine import model_files
 
         cfg = _load_for_inference(config, set_, checkpoint)
         if cfg.data.multilingual or directions is not None:
@@ -539,7 +533,7 @@ def _evaluate_paired(hyp: list[Path], ref: Path, names: list[str], confidence: b
                      gate: float | None) -> None:
     """`--hyp A --hyp B …`: each system against the first; a gate applies to every system."""
     from .evaluate import check_aligned, format_paired, paired_comparison
-    from .files import read_lines
+    from .runtime.files import read_lines
 
     refs = read_lines(ref)
     systems = {}
@@ -583,7 +577,7 @@ def _print_evaluation(result, as_json: bool) -> None:
 
 def _chosen_directions(spec: str) -> list | str:
     """--directions: "all", or the directions it lists (a bad one is an error naming it)."""
-    from .directions import parse_directions
+    from .experiment.directions import parse_directions
 
     if spec.strip() == "all":
         return "all"
@@ -596,8 +590,8 @@ def _chosen_directions(spec: str) -> list | str:
 def _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine, compute_type, chosen,
                          constraints, tgt_lang):
     """`tfm evaluate --config` of a multilingual run (or with --directions): every direction."""
-    from .directions import Direction
-    from .engine import model_files
+    from .experiment.directions import Direction
+    from .decoding.engine import model_files
     from .evaluate import evaluate_directions
 
     if constraints is not None or tgt_lang is not None:
@@ -620,8 +614,8 @@ def average(
                                "checkpoint_avg.pt); never over checkpoint_last.pt or step_<N>.pt."),
 ) -> None:
     """Average the weights of several checkpoints (paper §6.1) into one."""
-    from .checkpoint import average_checkpoints
-    from .rundir import save_checkpoint_file
+    from .experiment.checkpoint import average_checkpoints
+    from .experiment.rundir import save_checkpoint_file
 
     refuse_output_among_inputs(output, {"a checkpoint to average": list(checkpoints)})
     save_checkpoint_file(output, lambda: average_checkpoints(list(checkpoints)), force, "tfm average")
@@ -665,7 +659,7 @@ def attention(
     Needs matplotlib: pip install -e '.\\[plot]'.
     """
     from .attention_maps import attention_maps, check_layer, plot_attention
-    from .checkpoint import load_trained_model
+    from .experiment.checkpoint import load_trained_model
     from .plot import figure_format
 
     figure_format(output)  # before any work
@@ -691,7 +685,7 @@ def export(
 
     Translate with it: tfm translate --engine ctranslate2 --model DIR. Needs pip install -e '.\\[ct2]'.
     """
-    from .ct2 import export_ctranslate2
+    from .interop.ct2 import export_ctranslate2
 
     if format_ != "ctranslate2":
         raise TfmError(f"--format {format_}: only ctranslate2 is supported")
@@ -711,7 +705,7 @@ def import_model(
     fine-tune it like one of tfm's own (tfm translate --config RUN_DIR/config.yaml)."""
     if format_ != "marian":
         raise TfmError(f"--format {format_}: only marian is supported")
-    from .marian import import_marian
+    from .interop.marian import import_marian
 
     result = import_marian(source, output)
     for warning in result.warnings:

@@ -11,10 +11,10 @@ from pathlib import Path
 from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.significance import PairedTest
 
-from .directions import Direction, tag
-from .errors import TfmError
-from .files import atomic_write_text, read_lines
-from .terms import LineTerms, avoided_present, missing_constraints, split_constraints_line
+from .experiment.directions import Direction, tag
+from .runtime.errors import TfmError
+from .runtime.files import atomic_write_text, read_lines
+from .decoding.terms import LineTerms, avoided_present, missing_constraints, split_constraints_line
 
 METRICS = {"bleu": BLEU, "chrf": CHRF, "ter": TER}
 
@@ -129,10 +129,10 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
     lines with their terms, translated instead of the source; the result adds the term-use rate.
     `tgt_lang`: the target-language tag for a model that translates into several."""
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
-    from .data import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
-    from .rundir import RunDirectory
-    from .engine import open_engine
-    from .translation import translate_texts
+    from .data.prepare import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
+    from .experiment.rundir import RunDirectory
+    from .decoding.engine import open_engine
+    from .decoding.translation import translate_texts
 
     src_path, ref_path = split_files(config, split)
     src, refs = read_lines(src_path), read_lines(ref_path)
@@ -200,14 +200,14 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
                         engine: str | None = None, compute_type: str | None = None) -> EvalResult:
     """A multilingual model on every direction of a split (`directions`, default: the run's): each
     direction's source translated with its target tag, scored against its reference, and checked
-    for the output language (off-target rate, `language_id.py`). A direction the run never trained
+    for the output language (off-target rate, `data/language_id.py`). A direction the run never trained
     is marked zero-shot. The result's scores are the average over the trained directions scored
     (over all of them where none was trained); `extra["directions"]` holds each one's."""
-    from .data import language_files, split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
-    from .engine import open_engine
-    from .language_id import LanguageId
-    from .rundir import RunDirectory
-    from .translation import translate_texts
+    from .data.prepare import language_files, split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
+    from .decoding.engine import open_engine
+    from .data.language_id import LanguageId
+    from .experiment.rundir import RunDirectory
+    from .decoding.translation import translate_texts
 
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
     trained = config.data.pairs

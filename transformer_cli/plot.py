@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import TfmError
-from .files import atomic_path
+from .runtime.errors import TfmError
+from .runtime.files import atomic_path
 
 INSTALL_HINT = "matplotlib is not installed: pip install -e '.[plot]' (or pip install matplotlib)"
 

@@ -1,0 +1,11 @@
+"""Stage 1, prepare: raw parallel text in, a sentencepiece model and encoded splits out; and the
+batches training reads.
+
+prepare.py is `tfm prepare` (reading, checking, encoding, the manifest); corpus.py reads corpora
+(plain or gzipped, several files, line checks); batches.py groups encoded pairs into token-bucketed
+batches; batch_stream.py feeds them to training ahead of time; language_tags.py the `>>de<<` tags of
+multilingual runs; language_id.py tells which language a line is in.
+
+Entry points: `prepare.prepare`, `batches.ParallelData`, `batches.token_batches`.
+May import: the model, runtime and experiment wings.
+"""

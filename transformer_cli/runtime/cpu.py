@@ -1,0 +1,107 @@
+"""The CPU this process runs on: how many cores it may use, its name, and two process settings
+that make training and decoding on it faster (freed memory kept for reuse, denormals flushed).
+Measurements behind them: docs/performance.md."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import sys
+from collections.abc import Iterator
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_configured = False
+
+
+def usable_cores() -> int:
+    """Cores this process may use (affinity-aware where the OS tells)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on Linux
+        return max(os.cpu_count() or 1, 1)
+
+
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse instead of returning it to the OS.
+
+    By default every allocation above 32 MB (logits, FFN activations and their gradients) is a
+    fresh mmap whose pages the kernel must fault in and zero on first touch, and is unmapped
+    again when freed — every step. Serving all allocations from the heap and never trimming it
+    makes CPU training steps faster. No-op where glibc is not the allocator (`tfm train` on
+    mimalloc: runtime/allocator.py, which keeps freed pages by its own setting).
+    """
+    global _configured
+    if _configured or not sys.platform.startswith("linux"):
+        return _configured
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    _configured = ok
+    return ok
+
+
+# oneDNN kernels kept built while training. Every kernel kept holds memory of its own, and
+# token-bucketed batches bring ~6,000 matmul shapes: with room for 16,384 a 30-minute
+# configs/de-en.yaml run peaked at 3.7 GB of RSS, with 16 at 2.6 GB, at the same tokens/s
+# (AMD EPYC Zen 4; docs/performance.md). Decoding keeps the larger cache: its shapes recur.
+TRAINING_KERNEL_CACHE = 16
+
+
+def limit_training_kernel_cache() -> None:
+    """Keep TRAINING_KERNEL_CACHE oneDNN kernels at most, unless the user set
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY. oneDNN reads it once, when torch runs its first kernel, so
+    this must come before any torch work in the process (`tfm train` calls it first)."""
+    from .. import USER_KERNEL_CACHE
+
+    if USER_KERNEL_CACHE is None:
+        os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(TRAINING_KERNEL_CACHE)
+
+
+def release_freed_memory() -> bool:
+    """Hand the freed memory that `keep_freed_memory` keeps back to the OS (glibc's malloc_trim),
+    e.g. after a validation pass, whose allocations training does not reuse. No-op elsewhere."""
+    if not _configured:
+        return False
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def denormals_flushed_to_zero() -> Iterator[None]:
+    """Treat denormal floats as zero on CPU inside the block (restored to IEEE behaviour after).
+
+    A trained model's log-softmax over the vocabulary takes exp() of logits far below the
+    maximum; results under 1e-38 are denormals, which x86 cores compute far more slowly. Flushed,
+    they become 0, a change far below bf16/fp32 rounding of any probability that can matter to the
+    search.
+    """
+    import torch  # cpu.py's other helpers serve commands that never load torch
+
+    changed = torch.set_flush_denormal(True)  # False where the CPU does not support it
+    try:
+        yield
+    finally:
+        if changed:
+            torch.set_flush_denormal(False)

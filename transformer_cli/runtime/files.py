@@ -1,0 +1,313 @@
+"""Files: gzip-aware UTF-8 reading of corpora and inputs, and atomic writes of everything tfm writes."""
+
+from __future__ import annotations
+
+import fnmatch
+import gzip
+import os
+import re
+import shutil
+import socket
+import stat
+import tempfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO
+
+from .errors import TfmError
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    if not path.is_file():
+        raise TfmError(f"file not found: {path}")
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def iter_raw_lines(path: str | Path) -> Iterator[bytes]:
+    """Lines of a plain or gzipped file as bytes (line ending included); a broken gzip is a TfmError."""
+    path = Path(path)
+    try:
+        with _open_binary(path) as f:
+            yield from f
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise TfmError(f"{path}: cannot read it to the end: truncated or corrupt file ({exc})") from None
+
+
+def decode_line(raw: bytes, path: str | Path, number: int) -> str:
+    """UTF-8 text of one line without its ending; invalid UTF-8 names the file and line.
+
+    (Invalid bytes are an error rather than replaced: they would otherwise corrupt the vocab.
+    So is a NUL byte, which text never contains: the file is binary or mis-encoded, e.g. UTF-16.)
+    CRLF endings are handled; a UTF-8 byte-order mark at the start of the file is dropped.
+    """
+    if b"\0" in raw:
+        raise TfmError(f"{path}: line {number} contains a NUL byte: not a UTF-8 text file (binary? UTF-16?)")
+    try:
+        text = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        raise TfmError(f"{path}: line {number} is not valid UTF-8 ({exc.reason})") from None
+    return text[1:] if number == 1 and text.startswith("\ufeff") else text
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """All lines of a plain or gzipped UTF-8 file, without line endings."""
+    return [decode_line(raw, path, number) for number, raw in enumerate(iter_raw_lines(path), start=1)]
+
+
+# --------------------------------------------------------------------------- who may write where
+
+MANIFEST_NAME, CONFIG_NAME = "prepare.json", "config.yaml"  # a directory holding prepare.json is a run directory
+# A run's own files: what `tfm prepare` and `tfm train` write there, and nothing else does.
+_RUN_OWN_DIRECTORIES = ("checkpoints", "data", "tensorboard")
+_RUN_OWN_FILES = (MANIFEST_NAME, CONFIG_NAME, "metrics.jsonl", ".tfm.lock")
+
+# Directories this process is the writer of: the runs whose lock it holds (`RunLock`) and the
+# staging directories it made. Their own files may be written; everyone else's are refused.
+_WRITER_OF: set[Path] = set()
+
+
+def claim_directory(directory: Path) -> None:
+    _WRITER_OF.add(Path(directory).resolve())
+
+
+def release_directory(directory: Path) -> None:
+    _WRITER_OF.discard(Path(directory).resolve())
+
+
+def run_owning(target: str | Path) -> Path | None:
+    """The run directory of which `target` is one of the own files (its checkpoints/, data/,
+    tensorboard/, prepare.json, config.yaml, metrics.jsonl, sentencepiece models), else None."""
+    resolved = Path(target).resolve()
+    for folder in resolved.parents:
+        if (folder / MANIFEST_NAME).is_file():
+            inside = resolved.relative_to(folder).parts
+            own = inside[0] in _RUN_OWN_DIRECTORIES or (
+                len(inside) == 1 and (inside[0] in _RUN_OWN_FILES or fnmatch.fnmatch(inside[0], "spm*.model")))
+            return folder if own else None  # the innermost run directory decides
+    return None
+
+
+def refuse_run_files(target: str | Path, hint: str = "choose another output path") -> None:
+    """Raise a TfmError where `target` is a run's own file and this process is not that run's
+    writer: its checkpoints, data, vocabulary and settings are written only by `tfm prepare` and
+    `tfm train` on it (which hold its lock), so that no other command's output replaces them."""
+    run = run_owning(target)
+    if run is not None and run not in _WRITER_OF:
+        raise TfmError(f"{target} is one of the run directory {run}'s own files (only tfm prepare and tfm train on "
+                       f"that run write its checkpoints, data, vocabulary and settings); {hint}")
+
+
+def refuse_output_among_inputs(output: Path | None, inputs: dict[str, list[Path | None]]) -> None:
+    """Raise a TfmError where `output` is the same file as one the command reads (`inputs`: option →
+    the paths given to it): the atomic write would replace it, e.g. a source text by its
+    translation, or a checkpoint by an average."""
+    if output is None or not output.is_file():
+        return
+    for option, paths in inputs.items():
+        for path in paths:
+            if path is not None and path.is_file() and os.path.samefile(output, path):
+                raise TfmError(f"-o {output} is also this command's input ({option}): writing it would "
+                               f"replace it; choose another output path")
+
+
+# --------------------------------------------------------------------------- temporaries that name their writer
+
+TEMP_SUFFIX = ".tmp"
+STAGING_SUFFIX = ".staging"
+# `.<target name>.tfm-<host>-<pid>-<start>.<random>.tmp` (a file) or `….staging` (a directory; a
+# directory it replaces is moved aside to `….staging.old`): the writing process, so that whoever
+# writes there next can tell a dead writer's leftovers from a live writer's work.
+_TAGGED = re.compile(r"^\.(?P<name>.+)\.tfm-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)\.[a-z0-9_]+"
+                     r"(?:\.tmp|\.staging(?P<aside>\.old)?)$")
+_HOST = f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def _process_start(pid: int) -> int | None:
+    """When process `pid` started (Linux: clock ticks after boot), which tells a reused PID from
+    the process that wrote a file; None where it cannot be known."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read()
+        return int(fields[fields.rindex(b")") + 2:].split()[19])  # field 22; the name in (…) may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def writer_tag() -> str:
+    """`tfm-<host>-<pid>-<start>` of this process (computed per call: a forked child is another writer)."""
+    pid = os.getpid()
+    return f"tfm-{_HOST}-{pid}-{_process_start(pid) or 0}"
+
+
+def _writer_alive(found: re.Match) -> bool:
+    if found["host"] != _HOST:  # another machine's, on a shared filesystem: it may well be alive
+        return True
+    pid, start = int(found["pid"]), int(found["start"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    now = _process_start(pid) if start else None
+    return now is None or now == start  # another start time: the PID was reused, the writer is gone
+
+
+def _remove(path: Path) -> bool:
+    """Best effort: cleaning up must not fail the write that does it (another user's leftovers,
+    another process cleaning the same ones)."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except OSError:
+        return False
+    return True
+
+
+def remove_dead_writers_temps(directory: Path) -> list[Path]:
+    """Delete, in `directory`, the temporary files and staging directories whose writer is dead
+    (killed mid-write: kill -9, power loss); returns them. A live writer's are never touched. A
+    directory a dead writer had moved aside to replace it goes back to its name if nothing took
+    its place."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:  # not there (yet), not readable: nothing of ours to clean
+        return removed
+    for name in names:
+        found = _TAGGED.match(name)
+        if found is None or _writer_alive(found):
+            continue
+        path = Path(directory) / name
+        if found["aside"] and not (Path(directory) / found["name"]).exists():
+            try:
+                path.rename(Path(directory) / found["name"])
+                continue
+            except OSError:
+                pass
+        if _remove(path):
+            removed.append(path)
+    return removed
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """What `remove_dead_writers_temps` removes, plus temporary files named the way older tfm
+    versions named them (`.<name>.<random>.tmp`, no writer). Call it only in a run directory whose
+    lock this process holds: an old-style name cannot tell whether its writer is alive."""
+    removed = remove_dead_writers_temps(directory)
+    if directory.is_dir():
+        for path in directory.glob(f".*{TEMP_SUFFIX}"):
+            if _TAGGED.match(path.name) is None and path.is_file() and _remove(path):
+                removed.append(path)
+    return removed
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename durable: the directory entry itself must reach the disk (POSIX)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # not possible on some platforms/filesystems: the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _written_into(target: Path) -> bool:
+    """A FIFO, a character device (/dev/stdout, /dev/null), a socket: what is there is not a file to
+    replace but a place to write into."""
+    try:
+        mode = target.stat().st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+@contextmanager
+def atomic_path(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary path next to `target`; on success fsync it and rename it over `target`.
+
+    A crash (even kill -9 or power loss) leaves either the old file or the new one, never a
+    mixture. The temporary file names its writer (`.<name>.tfm-<host>-<pid>-<start>.<random>.tmp`):
+    every write into a directory first removes the temporaries of dead writers there. A run's own
+    files are refused unless this process is its writer (`refuse_run_files`). Where `target` is a
+    FIFO or a device, the path yielded is `target` itself: it is written into, not replaced. The new
+    file gets the usual umask permissions.
+    """
+    target = Path(target)
+    refuse_run_files(target)
+    if _written_into(target):
+        try:
+            yield target
+        except OSError as exc:
+            raise named_after(exc, target) from None
+        return
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_writers_temps(target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{writer_tag()}.", suffix=TEMP_SUFFIX, dir=target.parent)
+    except OSError as exc:
+        raise named_after(exc, target) from None
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp makes 0600; a normal file is expected
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, target)
+        _fsync_directory(target.parent)
+    except OSError as exc:
+        raise named_after(exc, target) from None
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def staging_directory(target: str | Path, run_cache: bool = False) -> Path:
+    """A new, empty hidden directory beside `target` to build the directory `target` in (an
+    export, an import), named after this process like `atomic_path`'s temporaries; dead writers'
+    leftovers there are removed first. The caller renames it into place, or removes it.
+    `run_cache`: `target` is a cache that any command may keep inside a run (interop/ct2_cache.py), not one
+    of the files only the run's writer writes."""
+    target = Path(target)
+    if not run_cache:
+        refuse_run_files(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_writers_temps(target.parent)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{writer_tag()}.", suffix=STAGING_SUFFIX,
+                                    dir=target.parent))
+    claim_directory(staging)  # a run built in it may write its own files there
+    return staging
+
+
+def named_after(exc: OSError, target: Path) -> OSError:
+    """The same error, naming the file the user knows rather than its temporary stand-in."""
+    if exc.filename is None or TEMP_SUFFIX in str(exc.filename) or Path(exc.filename) == target.parent:
+        return type(exc)(exc.errno, exc.strerror, str(target))
+    return exc
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
+def atomic_write_bytes(target: str | Path, data: bytes | memoryview) -> None:
+    with atomic_path(target) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_text(target: str | Path, text: str) -> None:
+    atomic_write_bytes(target, text.encode("utf-8"))
