@@ -20,6 +20,7 @@ def test_mimalloc_is_installed_with_tfm():
     assert library is not None and library.name.startswith("libmimalloc.so")
 
 
+@pytest.mark.slow
 @linux_only
 @pytest.mark.parametrize("choice, expected", [("auto", "mimalloc"), ("mimalloc", "mimalloc"), ("system", "system")])
 def test_tfm_train_runs_on_the_allocator_the_config_picks(tiny_prepared, tmp_path, choice, expected):
@@ -59,6 +60,7 @@ def test_the_process_started_again_sees_the_users_environment_not_what_tfm_set(u
 
 
 @linux_only
+@pytest.mark.slow
 def test_a_library_the_loader_cannot_preload_is_an_error_only_when_asked_for(tiny_prepared, tmp_path):
     config = tiny_run(tiny_prepared, tmp_path, max_steps=2, eval_every=2)
     broken = tmp_path / "libmimalloc.so"

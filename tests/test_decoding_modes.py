@@ -68,6 +68,7 @@ def two_weak_models(tmp_path_factory, reverse_model):
     return paths
 
 
+@pytest.mark.slow
 def test_an_ensemble_of_two_seeds_scores_at_least_their_mean(two_weak_models, held_out):
     src, ref = held_out
     bleu = {}

@@ -92,6 +92,7 @@ def test_the_cache_is_reused_and_follows_the_checkpoints_content(checkpoint, tra
     assert conversions(checkpoint) == [changed.directory.name]
 
 
+@pytest.mark.slow
 def test_a_kill_mid_conversion_leaves_no_half_model(checkpoint):
     converting = subprocess.Popen([sys.executable, "-c", "import sys; from transformer_cli.interop.ct2_cache import "
                                    "cached_conversion; cached_conversion(sys.argv[1])", str(checkpoint)])
@@ -114,6 +115,7 @@ def test_a_kill_mid_conversion_leaves_no_half_model(checkpoint):
     assert result.exit_code == 0 and "CTranslate2" in result.stderr
 
 
+@pytest.mark.slow
 def test_two_first_uses_at_once_end_with_one_good_conversion(checkpoint, tmp_path):
     source = tmp_path / "in.txt"
     source.write_text(LINES * 20)
@@ -126,6 +128,7 @@ def test_two_first_uses_at_once_end_with_one_good_conversion(checkpoint, tmp_pat
     assert len(conversions(checkpoint)) == 1  # one conversion, no staging directory left
 
 
+@pytest.mark.slow
 def test_an_unwritable_checkpoint_directory_converts_into_a_temporary_one(checkpoint):
     (checkpoint.parent / CACHE_NAME).write_text("not a directory")  # the cache cannot be made there
     proc = subprocess.run([*TFM, "translate", "--checkpoint", str(checkpoint)], input=LINES, capture_output=True,
@@ -233,6 +236,7 @@ def post(port: int, body: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
+@pytest.mark.slow
 def test_serve_decodes_through_ctranslate2_as_translate_does(checkpoint):
     """The same answers as `tfm translate`, where the length limit is the same for every line (CTranslate2
     takes one limit per batch, and the server batches lines otherwise than translate does)."""

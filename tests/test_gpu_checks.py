@@ -101,6 +101,7 @@ def test_an_unknown_section_is_refused_before_anything_runs(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_section_runs_within_the_budget_and_the_run_ends_in_the_table(tmp_path):
     """On a machine without a GPU `env` still runs (nvidia-smi missing is its own finding); the
     run leaves the table, sections.tsv and every log in one archive, and says what it did not measure."""
@@ -135,6 +136,7 @@ def script_function(name: str) -> str:
     return found.group(0)
 
 
+@pytest.mark.slow
 def test_the_table_reads_what_tfm_train_and_evaluate_print(tiny_prepared, tmp_path):
     """A real (tiny) `tfm train`, then the script's own `evaluate_at` at the config's length penalty
     and at another, their output as the train section's log: the table shows the step count and the
@@ -224,6 +226,7 @@ def tiny_synthetic_bench(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_bench_train_measures_each_toolkit_alone_in_a_child():
     """`--only NAME`, what bench_train.py starts a child with for each toolkit's peak memory:
     that toolkit alone trains on the same batches and reports its peak resident memory."""
@@ -235,6 +238,7 @@ def test_bench_train_measures_each_toolkit_alone_in_a_child():
 
 
 
+@pytest.mark.slow
 def test_bench_train_times_tfm_on_bf16_weights_with_fp32_masters():
     """`--bf16-weights` (the big_bf16_weights section): tfm's steps run on bf16 parameters with Adam on
     fp32 copies, HF as before; the table reads its figures."""
@@ -245,6 +249,7 @@ def test_bench_train_times_tfm_on_bf16_weights_with_fp32_masters():
     assert figures["tfm"] > 0 and figures["hf"] > 0 and figures["mfu_tfm"] is not None
 
 
+@pytest.mark.slow
 def test_bench_train_runs_tfm_trains_own_loop_beside_its_steps(tiny_prepared, tmp_path):
     """On a prepared run bench_train.py also times `tfm train`'s own Trainer loop (collated ahead,
     clip, skip check, ledger) over the run's batches, in a temporary run directory: a run that has
@@ -265,6 +270,7 @@ def test_bench_train_runs_tfm_trains_own_loop_beside_its_steps(tiny_prepared, tm
     assert sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_the_gpu_clock_samples_of_a_training_reach_the_table(tmp_path):
     """gpu_clocks, the script's own function, against a stand-in nvidia-smi (none on CPU machines)
     whose driver does not know the clock-event field: it falls back to the fields every driver has,
@@ -299,6 +305,7 @@ def test_the_gpu_clock_samples_of_a_training_reach_the_table(tmp_path):
     assert summary.clock_line("nvidia-smi: command not found\n") is None
 
 
+@pytest.mark.slow
 def test_bench_loss_times_the_output_loss_eager_and_compiled_and_the_table_reads_it(tmp_path):
     """scripts/bench_loss.py on CPU at a small shape, through torch's own compiler: both ways of
     computing the chunks are timed in one run, and the table shows their ratio as printed."""

@@ -223,6 +223,7 @@ def test_the_exported_model_translates_the_same(shift_model, tmp_path):
 # --------------------------------------------------------------------------- evaluation
 
 
+@pytest.mark.slow
 def test_evaluate_scores_every_direction_and_gates_one(shift_model):
     data, config_path = shift_model
     table = tfm("evaluate", "--config", config_path, "--engine", "torch", "--min-bleu", "src-up=80")
@@ -259,6 +260,7 @@ def test_language_id_tells_the_multi30k_languages_apart(multi30k_2k):
 # --------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_resuming_a_multilingual_run_is_exact(tmp_path):
     write_shift_task(tmp_path / "data", n_train=600, n_test=20)
     runs = {}
@@ -308,6 +310,7 @@ def test_one_direction_fine_tuned_from_a_multilingual_run_keeps_the_tags(shift_m
 # --------------------------------------------------------------------------- the rest of tfm on a multilingual run
 
 
+@pytest.mark.slow
 def test_serve_takes_the_target_language_per_request(shift_model):
     pytest.importorskip("fastapi", reason="tfm serve needs the [serve] extra (CI installs it with [test])")
     from tests.test_serve import Server, post

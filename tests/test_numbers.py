@@ -182,6 +182,7 @@ print(json.dumps({"estimate": decoding_bytes(translator.model.cfg, shape), "used
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures peak memory the Linux way")
 def test_the_bound_holds_a_real_decode_within_a_small_factor(checkpoint):
     """Peak resident memory of a real beam search (fp32, 32 lines × 600 tokens, 4 beams, every

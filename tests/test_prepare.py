@@ -148,6 +148,7 @@ def _pieces(model: Path) -> list[tuple[str, float]]:
     return [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.vocab_size())]
 
 
+@pytest.mark.slow
 def test_parallel_workers_write_the_same_files_as_one_process(multi30k_2k, tmp_path):
     """Chunked encoding in 2 worker processes (small chunks, so many tasks) = in-process encoding."""
     outputs = []

@@ -234,6 +234,7 @@ def test_the_next_writer_removes_dead_writers_temporaries_and_never_a_live_ones(
     assert live_in_run.exists()
 
 
+@pytest.mark.slow
 def test_a_kill_9_mid_write_leaves_a_temporary_that_the_next_command_removes(trained, tmp_path):
     """A real `tfm translate -o` killed while it writes (its input, a FIFO, still open)."""
     fifo, out = tmp_path / "source", tmp_path / "out/hyp.txt"

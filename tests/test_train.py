@@ -124,7 +124,7 @@ def test_model_learns_the_reverse_task(reverse_model):
     assert train_losses[-1] < 0.2 * train_losses[0]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_resume_gives_identical_weights(multi30k_2k, tmp_path, precision):
     def run(run_dir: Path, steps: int, resume: bool = False) -> None:
         raw = multi30k_config(multi30k_2k, run_dir, train={"max_steps": steps, "eval_every": 10,
@@ -241,6 +241,7 @@ def output_loss_and_gradients(hidden: torch.Tensor, projection: torch.nn.Linear,
     return [loss.detach(), nll, hidden.grad, projection.weight.grad, projection.bias.grad]
 
 
+@pytest.mark.slow
 def test_the_compiled_chunk_loss_equals_the_eager_one():
     """`train.compile`'s output loss: `fused_chunk_loss` through torch's own compiler (inductor, on
     CPU), dynamic in the rows (chunks of 64 and a last one of 8). Its loss, NLL and gradients equal
@@ -443,6 +444,7 @@ def test_importing_tfm_enlarges_onednn_kernel_cache_unless_the_user_set_it():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+@pytest.mark.slow
 def test_memory_kept_for_reuse_goes_back_to_the_os_when_released():
     """Training keeps freed memory in the heap (keep_freed_memory); release_freed_memory, run after
     each validation, hands it back: the resident set shrinks by what was freed."""

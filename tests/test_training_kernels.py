@@ -42,6 +42,7 @@ def test_training_attention_is_causal_or_a_boolean_key_mask(monkeypatch):
             assert mask.shape == (q_shape[0], 1, 1, k_shape[2])  # never expanded over heads or queries
 
 
+@pytest.mark.slow
 def test_the_training_forward_compiles_as_one_graph():
     """`train.compile: true` hands the model to torch.compile: a graph break (an op dynamo cannot
     trace, such as the CPU dropout's in-place `random_`) splits the step into many small graphs,
@@ -60,6 +61,7 @@ def test_the_training_forward_compiles_as_one_graph():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_training_compiles_one_graph_per_layer_kind_for_batches_of_every_shape():
     """Batches of three shapes through `train.compile`'s regional compilation (dynamo's graph
     capture with the eager backend: what is compiled, without the compiler's minutes): one graph
