@@ -247,6 +247,47 @@ def test_a_decoding_process_killed_mid_request_is_a_503_and_the_server_goes_on(r
     assert stderr.count("503") == 1, stderr  # logged once, one line
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` is a process that has not ended (a zombie has ended: its parent just has not reaped it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def assert_no_process_left(pids: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.05)
+    assert not [pid for pid in pids if alive(pid)], "decoding processes outlived their parent"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["serve", "translate"])
+def test_a_kill_9_of_the_parent_leaves_no_decoding_process(reverse_model, tmp_path, command):
+    """kill -9 cannot be caught: the decoding processes end by themselves (PR_SET_PDEATHSIG), idle
+    (serve, between requests) or mid-batch (translate), instead of waiting forever on their pipe."""
+    checkpoint = str(reverse_model[1].best_checkpoint)
+    if command == "serve":
+        server = Server(reverse_model[1].best_checkpoint, "--workers", "2")
+        parent = server.process
+    else:
+        source = tmp_path / "big.txt"
+        source.write_text("wa wb wc wd we wf wg wh\n" * 3000)
+        parent = subprocess.Popen([*TFM, "translate", "--checkpoint", checkpoint, "-i", str(source), "-o",
+                                   str(tmp_path / "out.txt"), "--workers", "2", "--beam", "4", "--batch-size", "4",
+                                   "--engine", "torch"], stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(worker_pids(parent.pid)) < 2:
+        time.sleep(0.05)
+    workers = worker_pids(parent.pid)
+    assert len(workers) == 2, workers
+    time.sleep(0.3)
+    parent.kill()
+    parent.wait(timeout=30)
+    assert_no_process_left(workers)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGINT, signal.SIGTERM])
 def test_hangup_interrupt_and_terminate_stop_serve_and_free_its_port(reverse_model, signum):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
 import random
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ import sentencepiece as spm
 
 from ..runtime.errors import TfmError
 from ..runtime.files import atomic_path, decode_line, iter_raw_lines, named_after
+from ..runtime.signals import die_with_parent
 
 UNK_ID = 1  # as data.UNK_ID (kept here so workers import nothing heavy)
 
@@ -217,6 +219,11 @@ def encode_chunk(task: EncodeTask) -> EncodedChunk:
                         len(src_ids), dropped, truncated, task.direction)
 
 
+def _start_worker(parent: int, initializer: Callable, initargs: tuple) -> None:
+    die_with_parent(parent)  # a kill -9 of `tfm prepare` leaves no encoder behind
+    initializer(*initargs)
+
+
 def ordered_map(fn: Callable, tasks: Iterator, workers: int, initializer: Callable, initargs: tuple
                 ) -> Iterator:
     """`map(fn, tasks)` over `workers` processes, in input order, with ≤ 2·workers tasks in flight.
@@ -229,7 +236,7 @@ def ordered_map(fn: Callable, tasks: Iterator, workers: int, initializer: Callab
         yield from map(fn, tasks)
         return
     # spawn: children start clean (no copy of torch's thread pools or of the parent's memory).
-    with multiprocessing.get_context("spawn").Pool(workers, initializer, initargs) as pool:
+    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (os.getpid(), initializer, initargs)) as pool:
         pending: deque = deque()
         for task in tasks:
             pending.append(pool.apply_async(fn, (task,)))

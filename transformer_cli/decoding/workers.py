@@ -11,6 +11,7 @@ forked child of a process that used one (it hangs), and one thread per core is t
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -20,8 +21,10 @@ from typing import Any
 
 from ..runtime.cpu import usable_cores
 from ..runtime.errors import TfmError
+from ..runtime.signals import die_with_parent
 
 _TASK: Callable[..., Any] | None = None  # set in the parent just before forking; inherited by the workers
+_PARENT: int | None = None  # the forking process's id, likewise
 
 
 def resolve_workers(setting: int | str, device: Any) -> int:
@@ -34,6 +37,7 @@ def resolve_workers(setting: int | str, device: Any) -> int:
 
 
 def _start_worker() -> None:
+    die_with_parent(_PARENT)
     import torch  # loaded already: the workers fork from tfm's own engine
 
     torch.set_num_threads(1)
@@ -118,8 +122,8 @@ class DecodingWorkers:
     def start(self) -> None:
         """Fork the workers now (a server forks them before it starts threads of its own)."""
         if self._pool is None and self.processes > 1:
-            global _TASK
-            _TASK = self.task
+            global _TASK, _PARENT
+            _TASK, _PARENT = self.task, os.getpid()
             # Workers flush the standard streams when they end: unwritten output must not be copied into them.
             sys.stdout.flush()
             sys.stderr.flush()

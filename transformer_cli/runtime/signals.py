@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import signal
 import stat
@@ -136,3 +137,24 @@ def terminate_like_ctrl_c() -> Iterator[None]:
 def _ignore_repeats() -> None:
     for signum in EXIT_CODES:
         signal.signal(signum, signal.SIG_IGN)
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
+
+
+def die_with_parent(parent: int | None) -> None:
+    """Called first in a child process tfm starts (decoding workers, prepare's encoders): on Linux
+    the child gets SIGKILL when its parent ends, however it ends, so a kill -9 of `tfm translate`,
+    `tfm serve` or `tfm prepare` leaves no process behind, blocked on a pipe nobody writes and
+    holding its copy of the model. The kernel sends it when the *thread* that started the child
+    ends: tfm starts its children on the main thread. `parent`: the parent's pid as it was before
+    the child started; a parent that ended before this call is caught by the check after it.
+    Elsewhere a child still ends at the EOF of its task pipe, as multiprocessing's workers do."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: the pipe's EOF still ends the child
+        return
+    if parent is not None and os.getppid() != parent:  # the parent ended before the prctl
+        os._exit(1)
