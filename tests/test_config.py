@@ -172,3 +172,39 @@ def test_rules_across_keys_and_non_finite_values_name_the_key(settings, key):
     # the same keys within the rules are fine
     load_config(None, ["train.keep_last=3", "train.average_last=3", "train.lr_schedule=budget", "train.lr_min=0.0005",
                        "decode.max_len_a=0", "decode.max_len_b=1", "decode.beam=3", "decode.nbest=3"])
+
+
+@pytest.mark.parametrize("text, says", [
+    ("decode:\n  beam: 4\ntrain:\n  max_steps: 3\ndecode:\n  beam: 2\n",
+     "line 5 invalid YAML: key 'decode' given twice (first on line 1)"),
+    ("decode:\n  beam: 4\n  beam: 5\n", "line 3 invalid YAML: key 'beam' given twice (first on line 2)"),
+    ("train: {max_steps: 3, max_steps: 4}\n", "key 'max_steps' given twice"),
+])
+def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(tmp_path, text, says):
+    """PyYAML keeps the last of two equal keys: a second `decode:` section silently replaced the first."""
+    with pytest.raises(TfmError) as err:
+        load_config(write(tmp_path, text))
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_nesting_is_bounded_in_a_file_and_in_set(tmp_path):
+    deep = "[" * 50_000 + "]" * 50_000
+    with pytest.raises(TfmError, match=r"line 2 invalid YAML: nested more than 32 levels deep"):
+        load_config(write(tmp_path, f"train:\n  max_steps: {deep}\n"))
+    with pytest.raises(TfmError, match=r"key 'train.max_steps'"):  # not YAML: read as text, and refused as such
+        load_config(None, [f"train.max_steps={deep}"])
+
+
+@pytest.mark.parametrize("assignment, says", [
+    ("decode.beam=true", "key 'decode.beam': true is a boolean; give a number"),
+    ("train.max_steps=false", "key 'train.max_steps': false is a boolean"),
+    ("train.lr=true", "key 'train.lr': true is a boolean"),
+    ("decode.max_memory=true", "key 'decode.max_memory': true is a boolean; give a number or string"),
+    ("decode.alignment=1", "key 'decode.alignment': 1 is not a boolean; give true or false"),
+    ("decode.sample=on!", "key 'decode.sample': 'on!' is not a boolean"),
+])
+def test_booleans_are_not_numbers_nor_numbers_booleans(assignment, says):
+    with pytest.raises(TfmError) as err:
+        load_config(None, [assignment])
+    assert says in str(err.value)
+    assert load_config(None, ["decode.beam=3", "decode.alignment=true"]).decode.beam == 3

@@ -11,6 +11,7 @@ import difflib
 import json
 import math
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -30,11 +31,95 @@ from ..runtime.errors import TfmError
 from ..runtime.files import CONFIG_NAME, MANIFEST_NAME
 
 
+# --------------------------------------------------------------------------- reading YAML strictly
+
+MAX_YAML_DEPTH = 32  # sections nest 3 deep; a document nested 50,000 deep overflowed the parser's stack
+
+
+class StrictYamlLoader(yaml.SafeLoader):
+    """YAML as tfm reads configs and `--set` values: a key given twice in one mapping is an error
+    naming the key and both lines (PyYAML keeps the last silently: a second `decode:` section
+    replaced the first), and nesting deeper than MAX_YAML_DEPTH is an error, not a RecursionError."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_YAML_DEPTH} levels deep",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key '{key}' given twice (first on line {seen[key].line + 1})", key_node.start_mark)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(text: str) -> Any:
+    """`text` parsed by StrictYamlLoader; yaml.YAMLError where it is not valid (with its line)."""
+    return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader: plain data only)
+
+
+def refuse_booleans_as_numbers(model: type[BaseModel], data: Any) -> Any:
+    """pydantic reads `true` as 1 for an int field (`beam: true` was beam 1) and 1 as true: a boolean
+    is refused where the key takes none, and a number or string where it takes only booleans
+    (configs and serve requests alike)."""
+    if isinstance(data, dict):
+        own = {name for d in model.__pydantic_decorators__.field_validators.values() if d.info.mode == "before"
+               for name in d.info.fields}  # a key with a reading of its own names its own values
+        for name, value in data.items():
+            field = model.model_fields.get(name) if isinstance(name, str) else None
+            if field is None or name in own:
+                continue
+            if isinstance(value, bool) and not _takes_bool(field.annotation):
+                raise ValueError(f"{name}: {str(value).lower()} is a boolean; give a {_kind(field.annotation)}")
+            if isinstance(value, (int, float, str)) and not isinstance(value, bool) and _only_bool(field.annotation):
+                raise ValueError(f"{name}: {value!r} is not a boolean; give true or false")
+    return data
+
+
+def _only_bool(annotation: Any) -> bool:
+    """Whether a field takes booleans (and None) only: 1 or "yes" is refused there, not read as true."""
+    args = [a for a in (typing.get_args(annotation) or (annotation,)) if a is not type(None)]
+    return bool(args) and all(a is bool for a in args)
+
+
+def _takes_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    if typing.get_origin(annotation) is Literal:
+        return any(isinstance(a, bool) for a in typing.get_args(annotation))
+    return any(_takes_bool(a) for a in typing.get_args(annotation))
+
+
+def _kind(annotation: Any) -> str:
+    names = {int: "number", float: "number", str: "string"}
+    found = {names.get(a, "value") for a in (typing.get_args(annotation) or (annotation,)) if a is not type(None)}
+    return " or ".join(sorted(found)) or "value"
+
+
 class _Section(BaseModel):
     # Unknown keys are errors (typos must not be silently ignored); assignments are validated; NaN
     # and infinity are never a setting. Every number with a valid range says it here, so a bad
     # value is one line naming its key when the config is read, not a failure minutes later.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, data: Any) -> Any:
+        return refuse_booleans_as_numbers(cls, data)
 
 
 def _rule(key: str, message: str) -> ValueError:
@@ -485,7 +570,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     if not all(parts):
         raise TfmError(f"--set {assignment!r}: empty key")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = read_yaml(text) if text.strip() else None
     except yaml.YAMLError:
         value = text
     node = raw
@@ -545,7 +630,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not path.is_file():
             raise TfmError(f"config file not found: {path}")
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = read_yaml(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""

@@ -39,9 +39,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..experiment.config import DecodeConfig
+from ..experiment.config import DecodeConfig, refuse_booleans_as_numbers
 from ..runtime.console import discard_writes, warn
 from ..runtime.errors import TfmError
 from ..runtime.signals import outputs_a_hangup_takes
@@ -68,6 +68,11 @@ class TranslateRequest(BaseModel):
     avoid: list[str] | list[list[str]] | None = None
     # The target language of a model that translates into several (its tag >>xx<< starts each line without one).
     tgt_lang: str | None = Field(None, min_length=1, max_length=32, pattern=r"^[^\s<>]+$")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, data: Any) -> Any:  # {"beam": true} is no beam 1
+        return refuse_booleans_as_numbers(cls, data)
 
     @field_validator("text", "prefix", "constraints", "avoid")
     @classmethod
