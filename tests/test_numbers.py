@@ -11,13 +11,21 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import TFM, tfm_in_process, tiny_run
-from transformer_cli.decoding.budget import check_decoding_budget, decoding_bytes, decoding_shape
+from transformer_cli.decoding.budget import (
+    DeadlinePassed,
+    check_decoding_budget,
+    check_decoding_work,
+    decoding_bytes,
+    decoding_shape,
+    decoding_work,
+)
 from transformer_cli.experiment.config import DecodeConfig, load_config
 from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
 from transformer_cli.decoding.search import (
@@ -210,3 +218,59 @@ def test_a_long_target_prefix_raises_the_bound():
     check_decoding_budget(cfg, decode, 1, 1, limit)  # fits without the prefix
     with pytest.raises(TfmError, match="up to 501 output tokens"):
         check_decoding_budget(cfg, decode, 1, 1, limit, longest_prefix=500)
+
+
+# --------------------------------------------------------------------------- time
+
+
+def test_the_work_of_a_call_grows_with_each_setting_and_over_max_work_is_refused_naming_it():
+    """Time is budgeted like memory: the estimated work multiplies lines, beams, output length,
+    the decoder's size and the constrained beam's banks, and a call over decode.max_work is refused."""
+    cfg = TransformerConfig(src_vocab_size=8000, tgt_vocab_size=8000)  # the paper's base shape
+    decode = DecodeConfig()
+    work = {}
+    for name, (lines, beam, constraints) in {"one": (1, 4, 0), "lines": (256, 4, 0), "beam": (1, 64, 0),
+                                             "terms": (1, 4, 8)}.items():
+        shape = decoding_shape(cfg, decode, lines, 20, beam=beam, constraints=(constraints, 5))
+        work[name] = decoding_work([cfg], shape)
+    assert work["lines"] == pytest.approx(256 * work["one"], rel=0.01)
+    assert work["beam"] == pytest.approx(16 * work["one"], rel=0.01)
+    assert work["terms"] == pytest.approx(9 * work["one"], rel=0.2)
+    check_decoding_work(cfg, decode, 256, 20, beam=5)  # a full request of a normal size passes
+    heavy_terms = (32, 10)  # 256 lines, beam 64, nbest 64, 32 five-word constraints a line
+    with pytest.raises(TfmError, match=r"256 line\(s\).*beam 64.*32 constraint\(s\) a line.*decode.max_work"):
+        check_decoding_work(cfg, decode, 256, 20, beam=64, nbest=64, longest_prefix=160, constraints=heavy_terms)
+    check_decoding_work(cfg, decode.model_copy(update={"max_work": 1e17}), 256, 20, beam=64, nbest=64,
+                        longest_prefix=160, constraints=heavy_terms)  # raised: let in
+
+
+def test_translate_refuses_work_over_the_budget_before_decoding(checkpoint):
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--engine", "torch", "--beam", "64",
+                            "--set", "decode.max_work=1e6", input="wa wb wc\n")
+    assert result.exit_code == 2 and "decode.max_work" in result.stderr and not result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_search_past_its_deadline_stops_between_steps(checkpoint, workers):
+    from transformer_cli.decoding.torch_engine import Translator
+
+    translator = Translator.from_checkpoint(checkpoint, device="cpu",
+                                            overrides=["decode.precision=fp32", f"decode.workers={workers}",
+                                                       "decode.batch_size=2"])
+    lines = ["wa wb wc", "wd we", "wf wg wh wi", "wj wk"]
+    try:
+        with pytest.raises(DeadlinePassed):
+            translator.translate_later(lines, beam=4, deadline=time.monotonic() - 1)()
+        in_time = translator.translate_later(lines, beam=4, deadline=time.monotonic() + 600)()
+        assert [t[0].text for t in in_time] == [t[0].text for t in translator.translate(lines, beam=4)]
+    finally:
+        translator.close()
+
+
+def test_an_avoided_term_of_thousands_of_characters_is_refused_at_once(checkpoint, tmp_path):
+    avoid = tmp_path / "avoid.txt"
+    avoid.write_text("w" * 200_000 + "\n")
+    started = time.monotonic()
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--avoid", avoid, input="wa wb\n")
+    assert result.exit_code == 2 and "200000 characters, more than 256" in result.stderr, result.stderr
+    assert time.monotonic() - started < 30  # (it never finished)

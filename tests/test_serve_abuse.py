@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ pytest.importorskip("fastapi", reason="tfm serve needs the [serve] extra (CI ins
 
 MAX_LINES, MAX_CHARS, MAX_BODY = 20, 300, 64_000
 GOOD = ["wa wb wc", "wd we", "wf wg wh wi"]
+REQUEST_TIMEOUT = 5  # seconds (--request-timeout) the fuzzed server gives a request
 
 
 def send(port: int, data: bytes, timeout: float = 60, headers: dict | None = None) -> tuple[int, dict, float]:
@@ -61,7 +63,8 @@ def rss_kib(pid: int) -> int:
 @pytest.fixture(scope="module")
 def abused(reverse_model):
     server = Server(reverse_model[1].best_checkpoint, "--workers", "2", "--max-lines", str(MAX_LINES),
-                    "--max-chars", str(MAX_CHARS), "--max-body-bytes", str(MAX_BODY))
+                    "--max-chars", str(MAX_CHARS), "--max-body-bytes", str(MAX_BODY),
+                    "--request-timeout", str(REQUEST_TIMEOUT))
     translator = Translator.from_checkpoint(reverse_model[1].best_checkpoint, device="cpu",
                                             overrides=["decode.precision=fp32"])
     expected = [t[0].text for t in translator.translate(GOOD)]
@@ -146,9 +149,12 @@ def fuzz(abused, examples: int) -> None:
             fuzzed = clients.submit(send, server.port, body)
             good = clients.submit(send, server.port, json.dumps({"text": GOOD}).encode())
             status, answer, seconds = fuzzed.result()
-            assert good.result()[:2] == (200, {"translations": expected})
+            good_status, good_answer, good_seconds = good.result()
+            assert (good_status, good_answer) == (200, {"translations": expected})
         answered_well(status, answer, body)
-        assert seconds < 30
+        # Time is bounded like memory: no generated request, nor the good one beside it, runs past
+        # the deadline (and the moment the search takes to stop between two steps).
+        assert seconds < REQUEST_TIMEOUT + 3 and good_seconds < REQUEST_TIMEOUT + 3, (seconds, good_seconds, body[:200])
 
     one_request_beside_a_good_one()
     assert server.process.poll() is None
@@ -215,6 +221,102 @@ def test_one_abusive_client_beside_fifteen_good_ones_costs_them_nothing(abused):
         statuses = abuse.result()
     assert answers and all(a == (200, {"translations": expected}) for a in answers)
     assert len(statuses) >= len(bad_bodies) and all(400 <= s < 500 for s in statuses), statuses
+
+
+# --------------------------------------------------------------------------- time
+
+WORDS = [f"w{c}" for c in "abcdefghijklmnop"]
+
+
+def heavy_request(lines: int = 256) -> dict:
+    """Inside every documented limit: 256 lines, beam 64, nbest 64, 32 five-word constraints a line."""
+    rng = random.Random(0)
+    return {"text": [" ".join(WORDS[:10])] * lines, "beam": 64, "nbest": 64,
+            "constraints": [[" ".join(rng.choice(WORDS) for _ in range(5)) for _ in range(32)] for _ in range(lines)]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_work, status", [(None, 413), ("1e16", 504)])
+def test_a_request_that_would_hold_the_engine_is_cut_at_its_deadline_and_good_clients_are_served(
+        reverse_model, max_work, status):
+    """The heavy request is refused before decoding (413: its estimated work is over decode.max_work)
+    or, let in, cut at --request-timeout (504); meanwhile 15 good clients keep getting answers, none
+    waiting much longer than the deadline."""
+    let_in = ["--set", f"decode.max_work={max_work}"] if max_work else []
+    server = Server(reverse_model[1].best_checkpoint, "--request-timeout", "2", "--max-lines", "256",
+                    "--engine", "torch", *let_in)
+    try:
+        expected = post(server.port, {"text": GOOD})[1]["translations"]
+        heavy: list = []
+        started = time.monotonic()
+        abuse = threading.Thread(target=lambda: heavy.append(post(server.port, heavy_request(), timeout=60)))
+        abuse.start()
+        time.sleep(0.3)
+
+        def good_client() -> list[tuple[int, float]]:
+            answers = []
+            while time.monotonic() < started + 6:
+                sent = time.monotonic()
+                status, body = post(server.port, {"text": GOOD}, timeout=30)
+                assert body.get("translations") == expected, body
+                answers.append((status, time.monotonic() - sent))
+            return answers
+
+        with ThreadPoolExecutor(15) as clients:
+            answers = [a for c in [clients.submit(good_client) for _ in range(15)] for a in c.result()]
+        abuse.join(timeout=30)
+    finally:
+        code, stderr = server.stop()
+    assert heavy and heavy[0][0] == status, heavy
+    assert len(answers) >= 30 and all(status == 200 for status, _ in answers)
+    assert max(seconds for _, seconds in answers) < 2 + 3, max(answers, key=lambda a: a[1])
+    assert code == 0 and "Traceback" not in stderr, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_mid_decode_ends_serve_within_seconds_and_answers_503(reverse_model, workers):
+    server = Server(reverse_model[1].best_checkpoint, "--request-timeout", "600", "--max-lines", "256",
+                    "--engine", "torch", "--workers", workers, "--set", "decode.max_work=1e16")  # let it in
+    heavy: list = []
+    request = threading.Thread(target=lambda: heavy.append(post(server.port, heavy_request(), timeout=60)))
+    request.start()
+    time.sleep(1.5)  # decoding
+    signalled = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    _, stderr = server.process.communicate(timeout=60)
+    took = time.monotonic() - signalled
+    request.join(timeout=30)
+    assert server.process.returncode == 0 and "Traceback" not in stderr, stderr
+    assert took < 5 + 5, took  # SHUTDOWN_GRACE, then the search stops between two steps
+    assert heavy and heavy[0][0] == 503 and "stopping" in heavy[0][1]["error"], heavy
+
+
+@pytest.mark.slow
+def test_a_thousand_slow_header_connections_do_not_stop_a_good_client_and_are_closed(reverse_model):
+    server = Server(reverse_model[1].best_checkpoint, "--header-timeout", "2")
+    slow = []
+    try:
+        for _ in range(1000):
+            connection = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            connection.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+            slow.append(connection)
+        sent = time.monotonic()
+        assert post(server.port, {"text": GOOD}, timeout=30)[0] == 200
+        assert time.monotonic() - sent < 5
+        time.sleep(3)
+        closed = 0
+        for connection in slow:
+            try:
+                closed += connection.recv(1) == b""
+            except OSError:
+                closed += 1
+        assert closed == len(slow)
+    finally:
+        for connection in slow:
+            connection.close()
+        code, stderr = server.stop()
+    assert code == 0 and "Traceback" not in stderr, stderr
 
 
 # --------------------------------------------------------------------------- faults

@@ -411,6 +411,11 @@ def serve(
                                       help="How long a request waits for others to share its batch."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", min=1, max=1 << 30,
                                        help="Largest request body; a larger one gets 413 before it is read."),
+    request_timeout: float = typer.Option(60.0, "--request-timeout", min=0.1, max=86_400.0,
+                                          help="Seconds a request may take; past them it gets 504 and its decoding "
+                                          "stops, so that other requests are served."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", min=0.1, max=3_600.0,
+                                         help="Seconds a connection may take to send a request's headers."),
     debug: bool = typer.Option(False, "--debug", help="Log a traceback with each failed request (5xx)."),
     tgt_lang: Optional[str] = TgtLangOpt,
 ) -> None:
@@ -449,7 +454,8 @@ def serve(
         banner += (f"\nwarning: --host {host} reaches beyond this machine and the API has no authentication: "
                    "anyone who can reach it can use it (keep it behind a firewall or a proxy that checks)")
     run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000,
-               max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner), lexical_engine=lexical)
+               max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner), lexical_engine=lexical,
+               request_timeout=request_timeout, header_timeout=header_timeout)
     warn("tfm serve: stopped")
 
 

@@ -12,8 +12,10 @@ memory available when the command starts, or `decode.max_memory`.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -149,6 +151,40 @@ def check_decoding_budget(model_cfg: ModelSizes | Sequence[ModelSizes], decode: 
                    f"the memory available): {remedy(members, shape)}")
 
 
+def decoding_work(members: Sequence[ModelSizes], shape: DecodingShape) -> float:
+    """The floating-point operations a decoding call of `shape` is estimated to take, every
+    sentence running to its length limit: per decoding row and step, each member's decoder layers
+    (self- and cross-attention projections, the feed-forward layer, attention over the positions
+    so far) and its output layer; a constrained beam does that work for each of its banks (one per
+    constraint, plus its own)."""
+    lines = shape.lines * shape.batches
+    rows = lines * shape.beams * shape.samples
+    per_row_step = sum(2 * (cfg.dec_layers * (8 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.d_ff
+                                              + 2 * cfg.d_model * (shape.output + shape.source))
+                            + cfg.d_model * cfg.tgt_vocab_size) for cfg in members)
+    return float(rows) * shape.output * per_row_step * (1 + shape.terms)
+
+
+def check_decoding_work(model_cfg: ModelSizes | Sequence[ModelSizes], decode: DecodeConfig, n_lines: int,
+                        longest_source_tokens: int, *, beam: int | None = None, nbest: int | None = None,
+                        longest_prefix: int = 0, constraints: tuple[int, int] = (0, 0)) -> None:
+    """Refuse (TfmError, one line) a decoding call whose estimated work (`decoding_work`) is over
+    decode.max_work: time is budgeted like memory, before the work starts."""
+    members = list(model_cfg) if isinstance(model_cfg, Sequence) else [model_cfg]
+    shape = decoding_shape(members[0], decode, n_lines, longest_source_tokens, beam, nbest, 1, longest_prefix,
+                           constraints)
+    need = decoding_work(members, shape)
+    if need <= decode.max_work:
+        return
+    what = (f"{shape.samples} sample(s)" if decode.sample else f"beam {shape.beams}" if shape.beams > 1 else "greedy")
+    terms = f", {shape.terms} constraint(s) a line" if shape.terms else ""
+    raise TfmError(f"translating {n_lines} line(s) of up to {shape.source - 1} token(s) ({what}, up to {shape.output} "
+                   f"output tokens{terms}) is estimated at {need:.2g} floating-point operations, more than "
+                   f"decode.max_work ({decode.max_work:.2g}): send fewer lines, lower the beam"
+                   f"{', the samples' if decode.sample else ''}{' or the constraints' if shape.terms else ''}, "
+                   "or raise decode.max_work")
+
+
 def remedy(members: list[ModelSizes], shape: DecodingShape) -> str:
     """What to lower: of the settings that multiply the bound, the one whose smallest value cuts it
     most; the lines' length only where no setting multiplies it."""
@@ -222,3 +258,46 @@ def format_size(n: float) -> str:
     value = n / 1024**exponent
     return f"{value:.0f} {_UNITS[exponent]}" if exponent == 0 else f"{value:.1f} {_UNITS[exponent]}"
 
+
+
+# --------------------------------------------------------------------------- time
+
+_deadline: float | None = None  # time.monotonic() by which the searches of this process must end
+_stopped = False  # every search of this process stops at its next step (a server shutting down)
+
+
+class DeadlinePassed(TfmError):
+    """A search ran past its deadline (`tfm serve --request-timeout`, or the server stopping) and
+    was stopped between two decoding steps: the request gets 504, and the engine is free again."""
+
+
+@contextlib.contextmanager
+def searches_end_by(deadline: float | None) -> Iterator[None]:
+    """Within this block every search step checks the clock (`check_deadline`): past `deadline`
+    (a time.monotonic() value, the same clock in every process of the machine, so a decoding
+    process keeps its parent's deadline) the search raises DeadlinePassed. None: no deadline."""
+    global _deadline
+    before, _deadline = _deadline, deadline
+    try:
+        yield
+    finally:
+        _deadline = before
+
+
+class SearchesStopped(TfmError):
+    """The searches were stopped from outside (`tfm serve` shutting down after its grace period)."""
+
+
+def stop_searches() -> None:
+    """Every search of this process stops at its next step with SearchesStopped; callable from any
+    thread (a plain flag: the search reads it between steps)."""
+    global _stopped
+    _stopped = True
+
+
+def check_deadline() -> None:
+    """Called once per decoding step: cheap (one clock read) when a deadline is set, nothing otherwise."""
+    if _stopped:
+        raise SearchesStopped("the server is stopping: decoding was stopped")
+    if _deadline is not None and time.monotonic() > _deadline:
+        raise DeadlinePassed("decoding ran past its deadline and was stopped")

@@ -171,16 +171,19 @@ class CT2Translator(TranslationEngine):
         return self.tgt_sp.decode_pieces(tokens)
 
     def search(self, pieces: list[list[str]], beam: int, nbest: int = 1, decode: DecodeConfig | None = None,
-               terms: list[TermIds] | None = None, max_len: int | None = None) -> list[list[Hypothesis]]:
+               terms: list[TermIds] | None = None, max_len: int | None = None,
+               deadline: float | None = None) -> list[list[Hypothesis]]:
         """Sentencepiece pieces (no </s>) → per sentence its n-best hypotheses (pieces, score), in input order."""
         return self.search_later(pieces, beam, nbest, decode or self.decode, terms, max_len)()
 
     def search_later(self, pieces: list[list[str]], beam: int, nbest: int, decode: DecodeConfig,
-                     terms: list[TermIds] | None = None,
-                     max_len: int | None = None) -> Callable[[], list[list[Hypothesis]]]:
+                     terms: list[TermIds] | None = None, max_len: int | None = None,
+                     deadline: float | None = None) -> Callable[[], list[list[Hypothesis]]]:
         """The batches submitted to CTranslate2's threads now; what it returns waits for them.
         The prefixes of `terms` become CTranslate2's `target_prefix` (hypotheses include them);
-        constraints and avoided terms are tfm's engine's (`check_terms` refuses them)."""
+        constraints and avoided terms are tfm's engine's (`check_terms` refuses them). CTranslate2
+        cannot stop a batch it has started: `deadline` is kept by its caller (tfm serve answers 504
+        at the deadline) and by the work budget, which bounds what a batch may cost."""
         unsupported = self.unsupported(decode)
         if unsupported:
             raise TfmError(unsupported)

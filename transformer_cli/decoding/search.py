@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
+from .budget import check_deadline
 from .constraints import AvoidedSequences, ConstrainedBeams, recent_tokens
 from .top_k import top_k, top_k_in_chunks
 from ..model.decoder_state import SearchModel, SearchState
@@ -48,14 +49,16 @@ class SearchSettings:
     max_len_b: int = 10
     min_len: int = 0  # output tokens at least (benchmarks that force lengths)
     sampling: Sampling | None = None  # draw tokens instead of searching
+    deadline: float | None = None  # time.monotonic() by which the search must end (budget.searches_end_by)
 
     @classmethod
     def from_decode(cls, decode: DecodeConfig, beam: int | None = None, nbest: int = 1, min_len: int = 0,
-                    max_len: int | None = None) -> SearchSettings:
+                    max_len: int | None = None, deadline: float | None = None) -> SearchSettings:
         """`decode`'s settings; `beam` replaces its beam, `max_len` forces the length limit to a constant."""
         a, b = (0.0, max_len) if max_len is not None else (decode.max_len_a, decode.max_len_b)
         sampling = Sampling(decode.temperature, decode.top_k, decode.top_p, decode.seed) if decode.sample else None
-        return cls(decode.beam if beam is None else beam, nbest, decode.length_penalty, a, b, min_len, sampling)
+        return cls(decode.beam if beam is None else beam, nbest, decode.length_penalty, a, b, min_len, sampling,
+                   deadline)
 
     @property
     def continuous(self) -> bool:
@@ -283,6 +286,7 @@ def greedy_search_continuous(
     tokens = torch.full((counts[0],), bos, dtype=torch.long, device=device)
     buffer = None
     while True:
+        check_deadline()
         logits = model.decode_step(tokens, state)  # (A, V)
         if buffer is None:
             buffer = logits_buffer(counts[0], logits)
@@ -490,6 +494,7 @@ def beam_search(
     buffer = None
 
     for step in range(max(limits)):
+        check_deadline()
         n = len(alive_list)
         logits = model.decode_step(tokens, state)  # (N*K, V); the first step (N, V)
         if buffer is None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .alignment import word_alignments
+from .budget import searches_end_by
 from ..experiment.checkpoint import load_trained_model
 from ..experiment.config import DecodeConfig, apply_override, check_inference_overrides, config_from_dict
 from ..runtime.console import warn
@@ -114,11 +115,12 @@ class Translator(TranslationEngine):
         return self.workers
 
     def search(self, sources: list[list[int]], beam: int, nbest: int,
-               decode: DecodeConfig | None = None, terms: list[TermIds] | None = None) -> list[list[Hypothesis]]:
+               decode: DecodeConfig | None = None, terms: list[TermIds] | None = None,
+               deadline: float | None = None) -> list[list[Hypothesis]]:
         decode = decode or self.decode
         self.check_search_budget(sources, beam, nbest, decode, terms)
         return decode_in_batches(self.model, sources, decode, self.device, beam, nbest,
-                                 workers=self.decoding_workers(), terms=terms)
+                                 workers=self.decoding_workers(), terms=terms, deadline=deadline)
 
     def target_pieces(self) -> dict[str, int]:
         sp = self.tgt_sp
@@ -144,7 +146,7 @@ class Translator(TranslationEngine):
 def decode_in_batches(
     model: Transformer, sources: list[list[int]], decode: DecodeConfig, device: torch.device,
     beam: int | None = None, nbest: int = 1, min_len: int = 0, max_len: int | None = None,
-    workers: DecodingWorkers | None = None, terms: list[TermIds] | None = None,
+    workers: DecodingWorkers | None = None, terms: list[TermIds] | None = None, deadline: float | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate id sequences (no <eos>) → per sentence its n-best hypotheses, in input order:
     sources longer than the model's positions are cut, the rest grouped into length-sorted batches
@@ -153,8 +155,9 @@ def decode_in_batches(
     process). `beam` replaces decode.beam; `min_len`/`max_len` force the output length (benchmarks
     with untrained weights). `terms`: per source, the target ids its hypotheses start with, must
     contain and must not contain (`TermIds`); each travels with its source through batches and tasks.
+    `deadline`: the time.monotonic() by which every search must end (DeadlinePassed otherwise).
     """
-    settings = SearchSettings.from_decode(decode, beam, nbest, min_len, max_len)
+    settings = SearchSettings.from_decode(decode, beam, nbest, min_len, max_len, deadline)
     keep = source_token_limit(model.cfg.max_positions)
     sources = [s[:keep] + [EOS_ID] for s in sources]  # source too long → truncated
     results: list[list[Hypothesis]] = [[] for _ in sources]
@@ -239,7 +242,7 @@ def decode_task(model: Transformer, device: torch.device, batches: list[list[lis
     def one_by_one() -> list[list[list[Hypothesis]]]:
         return [split_on_out_of_memory(partial(search, n), list(range(len(b))), halved) for n, b in enumerate(batches)]
 
-    with denormals_flushed_to_zero():
+    with denormals_flushed_to_zero(), searches_end_by(s.deadline):
         if not s.continuous or len(batches) == 1:
             return one_by_one()
         srcs = [padded(b) for b in batches]

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .budget import check_decoding_budget
+from .budget import check_decoding_budget, check_decoding_work
 from ..experiment.config import DecodeConfig
 from ..runtime.console import warn, write_fully
 from ..runtime.errors import TfmError
@@ -37,6 +37,7 @@ class Translation:
 
 MAX_CONSTRAINTS = 32  # terms one line may have to contain
 MAX_TERM_PIECES = 64  # target pieces of one such term (the search compares every candidate with every piece)
+MAX_AVOIDED_CHARS = 256  # characters of a term to avoid: finding its spellings grows with its length
 
 
 class TranslationEngine:
@@ -89,19 +90,25 @@ class TranslationEngine:
     def check_search_budget(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
                             terms: list[TermIds] | None = None) -> None:
         """A TfmError, naming the setting, where searching `sources` (with `terms`, which may raise
-        the output length) could take more than `memory_limit` (decoding/budget.py)."""
-        if self.memory_limit is None or not self.member_configs:
+        the output length) could take more work than decode.max_work or more memory than
+        `memory_limit` (decoding/budget.py)."""
+        if not self.member_configs:
             return
-        check_decoding_budget(self.member_configs, decode, len(sources), max(map(len, sources), default=0),
-                              self.memory_limit, beam=beam, nbest=nbest, processes=self.budget_processes(),
-                              longest_prefix=max((t.room() - 1 for t in terms or []), default=0),
-                              constraints=(max((len(t.constraints) for t in terms or []), default=0),
-                                           max((len(c) for t in terms or [] for c in t.constraints), default=0)))
+        longest = max(map(len, sources), default=0)
+        prefix = max((t.room() - 1 for t in terms or []), default=0)
+        constraints = (max((len(t.constraints) for t in terms or []), default=0),
+                       max((len(c) for t in terms or [] for c in t.constraints), default=0))
+        check_decoding_work(self.member_configs, decode, len(sources), longest, beam=beam, nbest=nbest,
+                            longest_prefix=prefix, constraints=constraints)
+        if self.memory_limit is not None:
+            check_decoding_budget(self.member_configs, decode, len(sources), longest, self.memory_limit, beam=beam,
+                                  nbest=nbest, processes=self.budget_processes(), longest_prefix=prefix,
+                                  constraints=constraints)
 
     def check_budget(self, lines: list[str], decode: DecodeConfig, terms: list[LineTerms] | None = None) -> None:
         """`check_search_budget` for `translate(lines, decode=decode, terms=terms)`, before the call
         joins a batch (`tfm serve`)."""
-        if self.memory_limit is not None:
+        if self.member_configs:
             sources = self.tokenize([line for line in lines if line.strip()])
             room = [TermIds(self.tokenize_target([t.prefix])[0] if t.prefix else [],
                             self.tokenize_target(list(t.constraints)) if t.constraints else [])
@@ -168,6 +175,9 @@ class TranslationEngine:
     def spellings_of(self, term: str) -> list[list]:
         """Every way the target vocabulary writes `term`, as a word of its own or inside one
         (`terms.spellings`); remembered, since every line of a file shares its avoided terms."""
+        if len(term) > MAX_AVOIDED_CHARS:
+            raise TfmError(f"the avoided term {term[:24]!r}… has {len(term)} characters, more than {MAX_AVOIDED_CHARS} "
+                           "(a term to avoid is a word or a few)")
         cache = self.__dict__.setdefault("_spellings", {})
         if term not in cache:
             if len(cache) > 10_000:  # a server's clients send ever new terms
@@ -196,10 +206,12 @@ class TranslationEngine:
                                "use --beam 2 or more (decode.beam)")
 
     def search(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
-               terms: list[TermIds] | None = None) -> list[list[Hypothesis]]:
+               terms: list[TermIds] | None = None, deadline: float | None = None) -> list[list[Hypothesis]]:
         """Tokenized sources → per sentence its n-best hypotheses (tokens as `tokenize` gives them),
         under `decode`'s settings (sampling, length limits); each with its sentence's `terms`
-        (prefix, constraints, avoided sequences: `TermIds`)."""
+        (prefix, constraints, avoided sequences: `TermIds`). `deadline`: the time.monotonic() by
+        which the search must end; an engine that can stop between steps (tfm's) raises
+        `budget.DeadlinePassed` there, one that cannot (CTranslate2) ignores it."""
         raise NotImplementedError
 
     def align(self, lines: list[str], sources: list[list], hyps: list[list[Hypothesis]],
@@ -214,11 +226,12 @@ class TranslationEngine:
         """Release what the engine started (worker processes, threads); it also ends at exit."""
 
     def search_later(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
-                     terms: list[TermIds] | None = None) -> Callable[[], list[list[Hypothesis]]]:
+                     terms: list[TermIds] | None = None,
+                     deadline: float | None = None) -> Callable[[], list[list[Hypothesis]]]:
         """`search`, started now and collected by calling what it returns. An engine that decodes
         in the background (CTranslate2) returns at once, so that the next chunk can be started
         before this one is collected; tfm's engine searches here."""
-        hyps = self.search(sources, beam, nbest, decode, terms)
+        hyps = self.search(sources, beam, nbest, decode, terms, deadline=deadline)
         return lambda: hyps
 
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
@@ -239,8 +252,10 @@ class TranslationEngine:
 
     def translate_later(self, lines: list[str], beam: int | None = None, nbest: int = 1,
                         first_line: int = 1, decode: DecodeConfig | None = None, warn_long: bool = True,
-                        terms: list[LineTerms] | None = None) -> Callable[[], list[list[Translation]]]:
-        """`translate`, started now (`search_later`) and finished by calling what it returns."""
+                        terms: list[LineTerms] | None = None,
+                        deadline: float | None = None) -> Callable[[], list[list[Translation]]]:
+        """`translate`, started now (`search_later`) and finished by calling what it returns;
+        `deadline`: see `search`."""
         decode = self.decode if decode is None else decode
         beam = decode.beam if beam is None else beam
         lines = self.target_languages().tag_lines(lines, decode.tgt_lang, first_line)
@@ -253,7 +268,8 @@ class TranslationEngine:
             line_terms = [terms[i] for i in nonempty]
             self.check_terms(line_terms, beam, decode)
             steering = [self.term_ids(t, first_line + i, warn_long) for i, t in zip(nonempty, line_terms)]
-        collect = self.search_later(sources, max(beam, 1), nbest, decode, steering) if sources else list
+        collect = (self.search_later(sources, max(beam, 1), nbest, decode, steering, deadline=deadline)
+                   if sources else list)
 
         def finish() -> list[list[Translation]]:
             hyps = collect()

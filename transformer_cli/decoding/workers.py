@@ -21,6 +21,7 @@ from typing import Any
 
 from ..runtime.cpu import usable_cores
 from ..runtime.errors import TfmError
+from .budget import SearchesStopped
 from ..runtime.signals import die_with_parent
 
 _TASK: Callable[..., Any] | None = None  # set in the parent just before forking; inherited by the workers
@@ -76,6 +77,7 @@ class DecodingWorkers:
         self.task, self.processes = task, processes
         self._pool: ProcessPoolExecutor | None = None
         self._forked: list = []  # the pool's processes
+        self._stopping = False  # stop_now() was called: a broken pool means stopped, not died
 
     def map(self, args: Iterable[tuple]) -> Iterator[Any]:
         args = list(args)
@@ -99,6 +101,9 @@ class DecodingWorkers:
             for future in futures:
                 yield future.result()
         except BrokenProcessPool:
+            if self._stopping:
+                self.close()
+                raise SearchesStopped("the server is stopping: decoding was stopped") from None
             dead = self._dead_workers()
             self.close()
             raise DecodingProcessDied(f"a decoding process died{dead} while translating: out of memory? "
@@ -143,6 +148,13 @@ class DecodingWorkers:
     @property
     def started(self) -> bool:
         return self._pool is not None
+
+    def stop_now(self) -> None:
+        """Kill the workers (from any thread): the `map` waiting for them raises SearchesStopped."""
+        self._stopping = True
+        for process in self._processes():
+            if process.exitcode is None:
+                process.kill()
 
     def close(self) -> None:
         if self._pool is not None:

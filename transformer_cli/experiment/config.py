@@ -433,6 +433,11 @@ class DecodeConfig(_Section):
     # larger, naming the setting, instead of growing until the kernel kills it. None = half of the
     # memory available when the command starts (the GPU's free memory on CUDA).
     max_memory: int | str | None = None
+    # Work one decoding call may take: the estimated floating-point operations of its searches
+    # (decoding/budget.py: lines × beams or samples × output length × the decoder's cost per token,
+    # times the constraints' candidates). `tfm translate` (per chunk) and `tfm serve` (per request)
+    # refuse more before decoding, naming the setting: 1e13 is minutes on a laptop's cores.
+    max_work: float = Field(1e13, gt=0)
 
     @field_validator("max_memory")
     @classmethod

@@ -21,8 +21,13 @@ One client never hurts another (docs/reliability.md, "tfm serve under abuse"):
   next batch forks a fresh pool;
 - an error is one JSON object `{"error": "…"}` (never the request echoed back) and at most one log
   line, with a traceback only under `--debug`.
+Time is budgeted like memory: a request whose estimated work is over decode.max_work gets 413
+before it is decoded; one that runs past `--request-timeout` gets 504 and tfm's engine stops its
+search between two steps, so that the requests queued behind it are served; a connection that
+does not send its headers within `--header-timeout` is closed.
 SIGTERM, SIGINT (Ctrl-C) and SIGHUP (the terminal went away) stop accepting, let the requests in
-flight finish, and exit 0.
+flight finish for up to SHUTDOWN_GRACE seconds (then, or at a second signal, their decoding is cut),
+and exit 0.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -44,9 +50,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..experiment.config import DecodeConfig, refuse_booleans_as_numbers
 from ..runtime.console import discard_writes, warn
 from ..runtime.errors import TfmError
-from ..runtime.signals import outputs_a_hangup_takes
+from ..runtime.signals import Terminated, outputs_a_hangup_takes
 from ..decoding.terms import LineTerms, conflicts, unique
 from ..decoding.translation import MAX_CONSTRAINTS, Translation, TranslationEngine
+from ..decoding.budget import DeadlinePassed, SearchesStopped, stop_searches
 from ..decoding.workers import DecodingProcessDied
 
 class TranslateRequest(BaseModel):
@@ -101,8 +108,10 @@ def error_status(exc: BaseException) -> int:
     """The HTTP status of a failed decode: the server's fault or the request's."""
     if isinstance(exc, RequestError):
         return exc.status
-    if isinstance(exc, DecodingProcessDied):
-        return 503  # the pool is forked anew for the next batch: try again
+    if isinstance(exc, (DecodingProcessDied, SearchesStopped)):
+        return 503  # the pool is forked anew for the next batch, or the server is stopping: try again
+    if isinstance(exc, DeadlinePassed):
+        return 504
     return 422 if isinstance(exc, TfmError) else 500
 
 
@@ -119,10 +128,14 @@ class Job:
     decode: DecodeConfig
     done: asyncio.Future = field(repr=False)
     terms: list[LineTerms] | None = None  # per line
+    deadline: float | None = None  # time.monotonic() by which it must be translated (--request-timeout)
 
 
 Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a call of the engine off the event loop
 IN_FLIGHT = 2  # request batches decoding at once (Batcher.run)
+DEADLINE_SLACK = 1.0  # seconds the answer waits past a request's deadline for its search to stop between steps
+SHUTDOWN_GRACE = 5.0  # seconds requests in flight may take after SIGTERM/SIGINT/SIGHUP before they are cut
+HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers (slowloris)
 
 
 class MainThreadDecoder:
@@ -187,9 +200,9 @@ class Batcher:
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.runner = runner
 
-    async def translate(self, lines: list[str], decode: DecodeConfig,
-                        terms: list[LineTerms] | None = None) -> list[list[Translation]]:
-        job = Job(lines, decode, asyncio.get_running_loop().create_future(), terms)
+    async def translate(self, lines: list[str], decode: DecodeConfig, terms: list[LineTerms] | None = None,
+                        deadline: float | None = None) -> list[list[Translation]]:
+        job = Job(lines, decode, asyncio.get_running_loop().create_future(), terms, deadline)
         await self.queue.put(job)
         return await job.done
 
@@ -227,15 +240,24 @@ class Batcher:
 
     async def _decode_together(self, jobs: list[Job], decode: DecodeConfig) -> None:
         jobs = [job for job in jobs if not job.done.done()]  # a client that went away cancelled its future
+        now = time.monotonic()
+        for job in jobs:
+            if job.deadline is not None and job.deadline <= now:  # waited out its time: never started
+                job.done.set_exception(DeadlinePassed("the request waited past its deadline (tfm serve --request-timeout)"))
+        jobs = [job for job in jobs if not job.done.done()]
         if not jobs:
             return
+        # The search stops between two steps at the last of its requests' deadlines (tfm's engine):
+        # a request that would hold the engine longer is cut there, and the others are served.
+        deadlines = [job.deadline for job in jobs]
+        deadline = None if None in deadlines else max(deadlines)  # type: ignore[type-var]
         lines = [line for job in jobs for line in job.lines]
         terms = ([t for job in jobs for t in (job.terms or [LineTerms()] * len(job.lines))]
                  if any(job.terms for job in jobs) else None)  # each line keeps its request's terms
         decode = request_batch_decode(decode, len(lines), self.processes)
         def start() -> Callable[[], list[list[Translation]]]:  # long lines are cut silently: one client must not flood the log
             return self.engine.translate_later(lines, nbest=decode.nbest, decode=decode, warn_long=False,
-                                               terms=terms)
+                                               terms=terms, deadline=deadline)
 
         try:
             if self.engine.decodes_in_background:  # waited for off the decoding thread, which starts the next batch
@@ -409,6 +431,35 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": content})
 
 
+def within_budget(check: Callable[[list[str], DecodeConfig, list[LineTerms] | None], None] | None, lines: list[str],
+                  decode: DecodeConfig, terms: list[LineTerms] | None) -> None:
+    """RequestError 413 where `check` (the engine's work and memory budget) refuses the request."""
+    if check is not None:
+        try:
+            check(lines, decode, terms)
+        except TfmError as exc:
+            raise RequestError(413, str(exc)) from None
+
+
+async def by_deadline(translation: Awaitable[Any], deadline: float) -> Any:
+    """The translation's result, or DeadlinePassed once `deadline` (time.monotonic()) is past by
+    DEADLINE_SLACK: tfm's engine has stopped its search by then; CTranslate2's batch may run on."""
+    try:
+        return await asyncio.wait_for(translation, deadline - time.monotonic() + DEADLINE_SLACK)
+    except asyncio.TimeoutError:
+        raise DeadlinePassed("the request ran past its deadline") from None
+
+
+def failure_message(status: int, exc: BaseException, request_timeout: float) -> str:
+    """What a failed request is told: its own error, or what the server's trouble means for it."""
+    if status == 504:
+        return (f"the request was not translated within {request_timeout:g} s, this server's limit "
+                "(tfm serve --request-timeout): send fewer lines or a smaller beam")
+    if status < 500 or isinstance(exc, (DecodingProcessDied, SearchesStopped)):
+        return str(exc)
+    return f"internal error ({type(exc).__name__}); the server goes on"
+
+
 def log_failure(status: int, exc: BaseException, debug: bool) -> None:
     """One line per failed request that is the server's concern (5xx); a traceback only with --debug."""
     if status < 500:
@@ -419,14 +470,16 @@ def log_failure(status: int, exc: BaseException, debug: bool) -> None:
 
 
 def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, max_chars: int = 10_000,
-               max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1,
+               max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1, request_timeout: float = 60.0,
                budget: Callable[[list[str], DecodeConfig, list[LineTerms] | None], None] | None = None, debug: bool = False,
                lexical_engine: Callable[[], TranslationEngine] | None = None):
     """The FastAPI application serving `engine`, which decodes in `processes` processes, its calls
     made by `runner` (MainThreadDecoder.run). `budget(lines, decode, terms)` raises a TfmError for a
     request that would cost more than the server allows. `lexical_engine()` makes the engine that
     requests with constraints or avoided terms go to where `engine` cannot apply them (tfm's,
-    beside CTranslate2), at the first such request; `app.state.engines` lists the engines made."""
+    beside CTranslate2), at the first such request; `app.state.engines` lists the engines made.
+    `request_timeout`: seconds a request may take from its arrival; past it the answer is 504 (tfm's
+    engine stops its search there; CTranslate2's batch runs on, bounded by decode.max_work)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -483,6 +536,7 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
 
     @app.post("/translate")
     async def translate(request: TranslateRequest):
+        arrived = time.monotonic()
         lines = [request.text] if isinstance(request.text, str) else request.text
         try:
             check_lines(lines, max_lines, max_chars)
@@ -503,18 +557,13 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
                     target.check_terms(terms, decode.beam, decode)
                 except TfmError as exc:
                     raise RequestError(422, f"{exc} (this server decodes with {target.describe()})") from None
-            if check is not None:
-                try:
-                    check(lines, decode, terms)
-                except TfmError as exc:
-                    raise RequestError(413, str(exc)) from None
-            results = await queue.translate(lines, decode, terms)
+            within_budget(check, lines, decode, terms)
+            results = await by_deadline(queue.translate(lines, decode, terms, arrived + request_timeout),
+                                        arrived + request_timeout)
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             status = error_status(exc)
             log_failure(status, exc, debug)
-            message = str(exc) if status < 500 or isinstance(exc, DecodingProcessDied) else \
-                f"internal error ({type(exc).__name__}); the server goes on"
-            return error(status, message)
+            return error(status, failure_message(status, exc, request_timeout))
         return response(results, decode, terms)
 
     return app
@@ -536,10 +585,57 @@ def listening_address(host: str) -> tuple[str, bool]:
     return (f"[{host}]" if ":" in host else host), loopback
 
 
+def header_timeout_protocol(timeout: float) -> type:
+    """uvicorn's HTTP/1.1 protocol (h11) with a deadline for each request's headers: a connection
+    that has not sent a whole request head `timeout` seconds after it opened (or after its last
+    response) is closed. uvicorn has a keep-alive timeout for idle connections, but none for a
+    client that sends its headers a byte at a time (slowloris), which held connections forever."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeout(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _await_headers(self) -> None:
+            self._stop_waiting()
+            self._header_timer = self.loop.call_later(timeout, self._headers_too_slow)
+
+        def _stop_waiting(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._await_headers()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # the head is in
+                self._stop_waiting()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._await_headers()  # the next request's head, on a kept-alive connection
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+    return HeaderTimeout
+
+
 def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], None] | None = None,
           max_body_bytes: int = 1 << 20, debug: bool = False,
-          lexical_engine: Callable[[], TranslationEngine] | None = None, **limits) -> None:
-    """Serve until SIGTERM, SIGINT or SIGHUP; requests in flight finish first. Returns normally (exit 0).
+          lexical_engine: Callable[[], TranslationEngine] | None = None, header_timeout: float = HEADER_TIMEOUT,
+          **limits) -> None:
+    """Serve until SIGTERM, SIGINT or SIGHUP; requests in flight get SHUTDOWN_GRACE seconds to
+    finish, then the decoding is cut (a second signal cuts it at once). Returns normally (exit 0).
     `ready()` is called once the address is known to be free (before that, a bad one is an error).
     `lexical_engine`: see `create_app`."""
     import uvicorn
@@ -561,6 +657,8 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
                      debug=debug, budget=getattr(engine, "check_budget", None), lexical_engine=lexical_engine,
                      **limits)
     server = uvicorn.Server(uvicorn.Config(BodyLimit(app, max_body_bytes), host=host, port=port,
+                                           http=header_timeout_protocol(header_timeout),
+                                           timeout_graceful_shutdown=int(SHUTDOWN_GRACE) + 2,
                                            log_level="debug" if debug else "critical", access_log=False))
     failure: list[BaseException] = []
 
@@ -573,12 +671,26 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
     hangup = getattr(signal, "SIGHUP", None)
     terminal_outputs = outputs_a_hangup_takes()
 
+    grace: list[threading.Timer] = []
+
     def stop(signum: int, frame: Any) -> None:  # stop accepting, finish the requests in flight; twice: now
         if signum == hangup:  # the terminal is gone: every later write to it would fail
             discard_writes(terminal_outputs)
         if server.should_exit:
             server.force_exit = True
+            raise Terminated(signum)  # out of the decoding on this (the main) thread, between two steps
         server.should_exit = True
+        if not grace:  # a decoding that outlasts the grace is stopped: its requests get 503
+            grace.append(threading.Timer(SHUTDOWN_GRACE, cut_decoding))
+            grace[0].daemon = True
+            grace[0].start()
+
+    def cut_decoding() -> None:
+        stop_searches()  # tfm's engine in this process: at its next step
+        for made in [engine, *app.state.engines]:
+            pool = getattr(made, "workers", None)
+            if pool is not None:
+                pool.stop_now()  # its decoding processes
 
     handled = [s for s in (signal.SIGINT, signal.SIGTERM, hangup) if s is not None]
     previous = {s: signal.signal(s, stop) for s in handled if signal.getsignal(s) is not signal.SIG_IGN}
@@ -586,7 +698,12 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
     try:
         thread.start()
         decoder.run_until(lambda: not thread.is_alive())
+    except (Terminated, KeyboardInterrupt):  # a second signal: now, requests still decoding get no answer
+        if not server.should_exit:
+            raise
     finally:
+        for timer in grace:
+            timer.cancel()
         for s, handler in previous.items():
             signal.signal(s, handler)
         thread.join()
