@@ -7,7 +7,7 @@ beam 5, against the same lines translated without them.
         [--glossary glossary.tsv]
 
 Prints, as markdown rows:
-- constraints (1–2 reference phrases of 1–3 words per sentence, `sample_constraints.py`, seeded):
+- constraints (1–2 reference phrases of 1–3 words per sentence, `tfm sample-constraints`, seeded):
   term-use rate of the constraints (target: 100%), BLEU and chrF with and without them (expected: a
   clear gain), and speed: constrained / unconstrained beam-5 sentences/s on the same batches
   (target ≥ 0.5x; the median of --rounds paired rounds, each running both in alternating order);
@@ -31,13 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sacrebleu  # noqa: E402
 from bench_common import machine_line  # noqa: E402
-from sample_constraints import sample_constraints  # noqa: E402
+from transformer_cli.decoding.glossary import sample_constraints  # noqa: E402
 
 from transformer_cli.evaluate import term_use  # noqa: E402
 from transformer_cli.runtime.files import read_lines  # noqa: E402
 from transformer_cli.decoding.terms import Glossary, LineTerms, split_constraints_line
 from transformer_cli.decoding.torch_engine import Translator  # noqa: E402
 from transformer_cli.decoding.translation import translate_texts  # noqa: E402
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 
 
 def scores(hyps: list[str], refs: list[str]) -> tuple[float, float]:
@@ -51,14 +52,14 @@ def timed(translator: Translator, src: list[str], beam: int, terms: list[LineTer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--src", required=True)
     parser.add_argument("--ref", required=True)
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--glossary", help="source term<TAB>target term lines (extract_glossary.py)")
+    parser.add_argument("--glossary", help="source term<TAB>target term lines (tfm glossary)")
     parser.add_argument("--set", action="append", default=[], help="decode.KEY=VALUE overrides")
     args = parser.parse_args()
 
@@ -122,4 +123,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

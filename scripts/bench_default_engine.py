@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from transformer_cli.interop.ct2_cache import cached_conversion  # noqa: E402
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 
 
 def machine() -> str:
@@ -47,7 +48,7 @@ def timed(command: list[str]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--src", required=True, help="source text (.gz read too)")
     parser.add_argument("--beam", type=int, help="default: the checkpoint's decode.beam")
@@ -87,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -48,6 +48,7 @@ from transformer_cli.runtime.files import read_lines  # noqa: E402
 from transformer_cli.decoding.translation import Translation, translate_texts  # noqa: E402
 from transformer_cli.runtime.precision import choose_decoding_precision  # noqa: E402
 from transformer_cli.decoding.torch_engine import Translator  # noqa: E402
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 
 
 class DefaultPath:
@@ -94,7 +95,7 @@ SINGLE = ("tfm default", "CT2 direct")  # run as they come: their threads are th
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--src", required=True)
     parser.add_argument("--ref", required=True)
@@ -217,4 +218,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

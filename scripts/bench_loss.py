@@ -18,6 +18,7 @@ import time
 import torch
 
 from transformer_cli.training.loss import compiled_chunk_loss, output_layer_loss, smoothed_chunk_loss
+from transformer_cli.runtime.entry import ScriptParser, run_script
 
 
 def positive(text: str) -> int:
@@ -28,7 +29,7 @@ def positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--rows", type=positive, default=2048, help="target tokens of a batch (2048)")
     parser.add_argument("--d-model", type=positive, default=512, help="width of the decoder states (512)")
@@ -77,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

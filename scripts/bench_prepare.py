@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 
 
 def make_corpus(folder: Path, pairs: int, seed: int = 0) -> Path:
@@ -89,7 +90,7 @@ def run_prepare(prefix: Path, run_dir: Path, workers: int | None, multi30k: Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--millions", type=float, nargs="+", default=[1, 5, 10])
     parser.add_argument("--workers", type=int, nargs="+", default=[None])
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "tfm_bench_prepare")
@@ -127,4 +128,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

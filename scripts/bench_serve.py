@@ -45,6 +45,7 @@ from transformer_cli.decoding.engine import open_engine  # noqa: E402
 from transformer_cli.runtime.files import read_lines  # noqa: E402
 from transformer_cli.serve.server import request_batch_decode  # noqa: E402
 from transformer_cli.decoding.translation import TranslationEngine  # noqa: E402
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 
 
 def free_port() -> int:
@@ -159,7 +160,7 @@ def grouped_rate(translator: TranslationEngine, sentences: list[str], group: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--src", required=True, help="Source sentences (plain or .gz).")
     parser.add_argument("--clients", default="1,16,64")
@@ -226,4 +227,4 @@ def measure(args, engine: str, sentences: list[str], client_counts: list[int]) -
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

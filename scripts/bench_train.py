@@ -43,10 +43,11 @@ from transformer_cli.training.master_weights import MasterWeights
 from transformer_cli.runtime.precision import autocast_dtype, choose_precision
 from transformer_cli.experiment.rundir import RunDirectory
 from transformer_cli.training.schedule import learning_rate
+from transformer_cli.runtime.entry import ScriptParser, run_script
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/de-en.yaml")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per toolkit")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per toolkit first")
@@ -508,4 +509,4 @@ def training_flops(config, batch, vocab: int) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -36,6 +36,7 @@ from transformer_cli.experiment.rundir import RunDirectory
 from transformer_cli.decoding.torch_engine import decode_task, decode_in_batches
 from transformer_cli.decoding.translation import length_sorted_batches
 from transformer_cli.decoding.workers import DecodingWorkers, resolve_workers
+from transformer_cli.runtime.entry import ScriptParser, run_script
 
 
 def best_times(runs: list, repeats: int) -> list[float]:
@@ -51,7 +52,7 @@ def best_times(runs: list, repeats: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/de-en.yaml")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--length", type=int, default=30, help="forced output length in tokens")
@@ -226,4 +227,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

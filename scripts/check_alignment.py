@@ -26,6 +26,7 @@ from bench_common import machine_line  # noqa: E402
 
 from transformer_cli.runtime.files import read_lines  # noqa: E402
 from transformer_cli.decoding.torch_engine import Translator  # noqa: E402
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 
 Links = set[tuple[int, int]]
 
@@ -56,7 +57,7 @@ def scores(found: list[Links], sure: list[Links], possible: list[Links]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--train", required=True, help="Training corpus prefix (<prefix>.<lang>[.gz]).")
     parser.add_argument("--test", required=True, help="Test corpus prefix: its source is translated.")
@@ -95,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

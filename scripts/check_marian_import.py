@@ -31,6 +31,7 @@ from transformer_cli.experiment.checkpoint import load_trained_model  # noqa: E4
 from transformer_cli.interop.marian import import_marian, tfm_order  # noqa: E402
 from transformer_cli.model.special_tokens import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from transformer_cli.decoding.torch_engine import decode_in_batches  # noqa: E402
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 
 
 def read(path: Path) -> list[str]:
@@ -39,7 +40,7 @@ def read(path: Path) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--sentences", type=int, default=100)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/marian_check"))
@@ -92,4 +93,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -6,7 +6,6 @@ usage: python scripts/profile_step.py --config configs/de-en.yaml [--what train|
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,10 +18,11 @@ from transformer_cli.decoding.search import beam_search
 from transformer_cli.training.loss import batch_loss
 from transformer_cli.experiment.rundir import RunDirectory
 from transformer_cli.training.train import build_model
+from transformer_cli.runtime.entry import ScriptParser, run_script
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = ScriptParser()
     parser.add_argument("--config", default="configs/de-en.yaml")
     parser.add_argument("--what", default="both", choices=["train", "beam", "both"])
     parser.add_argument("--steps", type=int, default=3)
@@ -67,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -18,6 +18,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import threading
 import typing
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from pathlib import Path
 import pytest
 import typer.main
 
-from tests.conftest import tfm_in_process, tiny_reverse_config, write_reverse_task
+from tests.conftest import ROOT, tfm_in_process, tiny_reverse_config, write_reverse_task
 from transformer_cli.cli import app
 from transformer_cli.experiment.config import DataConfig, DecodeConfig, TrainConfig, config_from_dict
 from transformer_cli.data.prepare import prepare
@@ -88,6 +90,10 @@ def good_invocations(ws: Workspace) -> dict[str, list[str]]:
         "attention": ["attention", "--checkpoint", ck, "--src", "wa wb", "-o", str(out / "att.png")],
         "export": ["export", "--checkpoint", ck, "-o", str(out / "ct2")],
         "import": ["import", str(ws.run), "-o", str(out / "imported")],
+        "glossary": ["glossary", "--checkpoint", ck, "--src", str(ws.src), "--ref", str(ws.ref), "--lines", "20",
+                     "-o", str(out / "glossary.tsv")],
+        "sample-constraints": ["sample-constraints", "--src", str(ws.src), "--ref", str(ws.ref),
+                               "-o", str(out / "constraints.tsv")],
     }
 
 
@@ -327,3 +333,25 @@ def test_every_data_setting_with_a_hostile_value(ws, tmp_path, key, value):
     if result.exit_code == 2:
         assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1, output
     assert snapshot(ws.root, [ws.root / "tfm_cache"]) == before
+
+
+# --------------------------------------------------------------------------- the scripts users run
+
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py")
+                 if p.name not in ("bench_common.py", "ct2_reference.py", "gpu_summary.py"))  # modules and helpers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_ends_like_tfm_one_line_and_exit_2(script, tmp_path):
+    """Scripts are tfm: the same entry wrapper (runtime/entry.py), so `--help` works, and an unknown
+    option or a missing file is one `error:` line with exit 2, never a traceback."""
+    run = [sys.executable, str(ROOT / "scripts" / script)]
+    shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and shown.stdout, shown.stderr
+    for args in (["--no-such-option"], ["--checkpoint", str(tmp_path / "missing.pt"), "--src", str(tmp_path / "no.txt"),
+                                        "--ref", str(tmp_path / "no.txt"), "-o", str(tmp_path / "out.tsv")]):
+        bad = subprocess.run([*run, *args], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2, (args, bad.returncode, bad.stderr[-500:])
+        assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr[-500:]
+        assert bad.stderr.startswith("error: "), bad.stderr

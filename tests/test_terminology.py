@@ -315,3 +315,55 @@ def test_the_memory_bound_counts_the_constrained_beams_candidates(checkpoint):
     plain = decoding_bytes(cfg, decoding_shape(cfg, decode, 64, 20, beam=64))
     constrained = decoding_bytes(cfg, decoding_shape(cfg, decode, 64, 20, beam=64, constraints=(32, 64)))
     assert constrained > plain + 64 * 64 * 35 * 32 * 64
+
+
+# --------------------------------------------------------------------------- terminology from parallel text
+
+
+def test_a_glossary_keeps_consistent_alignments_confirmed_by_the_references():
+    from transformer_cli.decoding.glossary import extract
+
+    sources = ["das haus ist rot", "ein haus steht da", "der baum ist grün", "ein baum"]
+    hypotheses = ["the house is red", "a house stands there", "the tree is green", "a tree"]
+    alignments = ["0-0 1-1 2-2 3-3", "0-0 1-1 2-2 3-3", "0-0 1-1 2-2 3-3", "0-0 1-1"]
+    references = ["the house is red", "a house is there", "the tree is green", "a shrub"]
+    chosen = extract(sources, references, hypotheses, alignments, entries=10, agreement=0.6)
+    assert ("haus", "house", 2) in chosen  # consistent and confirmed by both references
+    assert not any(source == "baum" for source, _, _ in chosen)  # "tree" in 1 of its 2 references only
+    assert all(len(s) >= 4 for s, _, _ in chosen)  # "das", "ist": not content words
+
+
+def test_sampled_constraints_are_reference_phrases_seeded_and_never_replace_an_input(reverse_model, tmp_path):
+    config, _ = reverse_model
+    src, ref = f"{config.data.test}.src.gz", f"{config.data.test}.tgt.gz"
+    first, again = tmp_path / "a.tsv", tmp_path / "b.tsv"
+    for out in (first, again):
+        result = tfm_in_process("sample-constraints", "--src", src, "--ref", ref, "--seed", "3", "-o", out)
+        assert result.exit_code == 0, result.stderr
+    assert first.read_text() == again.read_text()
+    rows = first.read_text().splitlines()
+    references = read_lines(ref)
+    assert len(rows) == len(references) == len(read_lines(src))
+    for row, reference in zip(rows, references):
+        source, *phrases = row.split("\t")
+        assert 1 <= len([p for p in phrases if p]) <= 2 and all(p in reference for p in phrases if p), row
+    copy = tmp_path / "src.txt"
+    copy.write_text("\n".join(read_lines(src)) + "\n")
+    before = copy.read_text()
+    for output in (copy, tmp_path):  # an input, a directory
+        result = tfm_in_process("sample-constraints", "--src", copy, "--ref", ref, "-o", output)
+        assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert copy.read_text() == before
+
+
+def test_glossary_runs_on_a_model_and_refuses_to_replace_its_inputs(reverse_model, tmp_path):
+    config, summary = reverse_model
+    src, ref = f"{config.data.test}.src.gz", f"{config.data.test}.tgt.gz"
+    out = tmp_path / "glossary.tsv"
+    result = tfm_in_process("glossary", "--checkpoint", summary.best_checkpoint, "--src", src, "--ref", ref,
+                            "--lines", "50", "-o", out)
+    assert result.exit_code == 0 and json.loads(result.stdout)["lines"] == 50, result.stderr
+    assert out.is_file()
+    result = tfm_in_process("glossary", "--checkpoint", summary.best_checkpoint, "--src", src, "--ref", ref,
+                            "-o", summary.best_checkpoint)
+    assert result.exit_code == 2 and "also this command's input (--checkpoint)" in result.stderr, result.stderr

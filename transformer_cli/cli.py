@@ -16,10 +16,10 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from . import __version__
-from .runtime.console import discard_writes, say, warn
-from .runtime.errors import Diverged, Interrupted, TfmError, describe_os_error
-from .runtime.files import refuse_output_among_inputs
-from .runtime.signals import Terminated, terminate_like_ctrl_c
+from .runtime.console import say, warn
+from .runtime.entry import user_errors_in_one_line
+from .runtime.errors import TfmError, describe_os_error
+from .runtime.files import refuse_output_among_inputs, refuse_run_files
 
 class OneValueOptions(TyperCommand):
     """A command whose single-valued options refuse a second value: click keeps the last one
@@ -86,37 +86,13 @@ SetOpt = typer.Option(None, "--set", help="Override a config key, e.g. --set tra
 
 
 def user_errors(fn):
-    """Turn user errors into one line on stderr + exit 2; Ctrl-C into exit 130; no tracebacks."""
+    """Turn user errors into one line on stderr + exit 2; Ctrl-C into exit 130; no tracebacks
+    (runtime/entry.py: the scripts end the same way)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        try:
-            with terminate_like_ctrl_c():
-                return fn(*args, **kwargs)
-        except TfmError as err:
-            warn(f"error: {err}")
-            raise typer.Exit(2) from None
-        except Interrupted as stop:  # Diverged too
-            if str(stop):  # torchrun's other ranks stop silently: rank 0 has said it
-                warn(f"error: {stop}" if isinstance(stop, Diverged) else str(stop))
-            raise typer.Exit(stop.exit_code) from None
-        except KeyboardInterrupt:
-            warn("interrupted")
-            raise typer.Exit(130) from None
-        except Terminated as stop:
-            warn(f"{stop}: stopped")
-            raise typer.Exit(stop.exit_code) from None
-        except BrokenPipeError:
-            # Downstream closed the pipe (`tfm translate | head`): stop quietly.
-            discard_writes([sys.stdout.fileno()])  # Python's flush at exit would fail again
-            raise typer.Exit(0) from None
-        except OSError as exc:
-            # Disk full, read-only or unwritable directories, file-size limits: name the path and cause.
-            warn(f"error: {describe_os_error(exc)}")
-            raise typer.Exit(2) from None
-        except MemoryError:
-            warn("error: out of memory (use smaller batches: train.max_tokens / decode.batch_size)")
-            raise typer.Exit(2) from None
+        with user_errors_in_one_line():
+            return fn(*args, **kwargs)
 
     return wrapper
 
@@ -698,6 +674,49 @@ def export(
     export_ctranslate2(checkpoint, output, force=force)
     say(f"exported {checkpoint} → {output} (CTranslate2; translate with: tfm translate --engine "
          f"ctranslate2 --model {output})")
+
+
+def _output_file(output: Path, inputs: dict[str, list[Path | None]]) -> None:
+    """`-o` of a command that writes one file: never a directory, one of its inputs or a run's own file."""
+    if output.is_dir():
+        raise TfmError(f"-o {output} is a directory: give the file to write")
+    refuse_output_among_inputs(output, inputs)
+    refuse_run_files(output)
+
+
+@app.command(cls=OneValueOptions)
+@user_errors
+def glossary(
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="The model that translates and aligns (.pt)."),
+    src: Path = typer.Option(..., "--src", help="Source text (plain or .gz), one sentence a line."),
+    ref: Path = typer.Option(..., "--ref", help="Its reference translations, line by line."),
+    lines: int = typer.Option(3000, "--lines", min=1, max=1_000_000, help="Pairs read from the start."),
+    entries: int = typer.Option(50, "--entries", min=1, max=100_000, help="Glossary entries at most."),
+    agreement: float = typer.Option(0.6, "--agreement", min=0.0, max=1.0,
+                                    help="Share of a word's occurrences its target must agree on."),
+    output: Path = typer.Option(..., "--output", "-o", help="Glossary to write (source<TAB>target lines)."),
+) -> None:
+    """A glossary from parallel text by word alignment, for tfm translate --glossary."""
+    from .decoding.glossary import extract_glossary
+
+    _output_file(output, {"--checkpoint": [checkpoint], "--src": [src], "--ref": [ref]})
+    say(json.dumps(extract_glossary(checkpoint, src, ref, lines, entries, agreement, output), ensure_ascii=False))
+
+
+@app.command("sample-constraints", cls=OneValueOptions)
+@user_errors
+def sample_constraints(
+    src: Path = typer.Option(..., "--src", help="Source text (plain or .gz), one sentence a line."),
+    ref: Path = typer.Option(..., "--ref", help="Its reference translations, line by line."),
+    seed: int = typer.Option(1, "--seed", min=0, max=2**63 - 1, help="Random seed."),
+    output: Path = typer.Option(..., "--output", "-o", help="Constraints file to write (source<TAB>phrase…)."),
+) -> None:
+    """Constraints sampled from references (1–2 phrases a line), for tfm translate/evaluate --constraints."""
+    from .decoding.glossary import write_sampled_constraints
+
+    _output_file(output, {"--src": [src], "--ref": [ref]})
+    written = write_sampled_constraints(src, ref, seed, output)
+    say(f"sampled constraints for {written} lines → {output}")
 
 
 @app.command("import", cls=OneValueOptions)
