@@ -341,3 +341,79 @@ def test_a_ctranslate2_that_cannot_translate_on_the_gpu_gives_way_or_one_line(ch
     explicit = tfm_in_process("translate", "--engine", "ctranslate2", "--checkpoint", checkpoint, input=LINES)
     assert explicit.exit_code == 2 and "--engine ctranslate2: CTranslate2 cannot translate on cuda" in explicit.stderr
     assert "Traceback" not in explicit.stderr
+
+
+def _damage(directory: Path, how: str) -> None:
+    if how == "model.bin deleted":
+        (directory / "model.bin").unlink()
+    elif how == "model.bin truncated":
+        os.truncate(directory / "model.bin", 100)
+    elif how == "config.json replaced":
+        (directory / "config.json").write_text('{"add_source_eos": false}')
+    elif how == "tfm_decode.json deleted":
+        (directory / "tfm_decode.json").unlink()
+    elif how == "model.bin garbled, size and time kept":  # past what the record can see: CTranslate2's reading catches it
+        path = directory / "model.bin"
+        status = path.stat()
+        path.write_bytes(b"\0" * status.st_size)
+        os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
+    elif how == "its record deleted":
+        (directory / "tfm_source.json").unlink()
+
+
+@pytest.mark.parametrize("how", ["model.bin deleted", "model.bin truncated", "config.json replaced",
+                                 "tfm_decode.json deleted", "model.bin garbled, size and time kept",
+                                 "its record deleted"])
+def test_a_damaged_conversion_is_made_again_with_one_line_and_the_checkpoints_settings(checkpoint, how):
+    """tfm's own cache heals: whatever was damaged, the next command converts again (one warning
+    line, no temporary directory, no 'export it again'), and translates as before, with the decode
+    settings of the checkpoint (beam included), never a default."""
+    first = tfm_in_process("translate", "--checkpoint", checkpoint, "--set", "decode.beam=3", input=LINES)
+    assert first.exit_code == 0, first.stderr
+    [conversion] = conversions(checkpoint)
+    _damage(checkpoint.parent / CACHE_NAME / conversion, how)
+    healed = tfm_in_process("translate", "--checkpoint", checkpoint, "--set", "decode.beam=3", input=LINES)
+    assert healed.exit_code == 0, healed.stderr
+    assert healed.stdout == first.stdout
+    warnings = [line for line in healed.stderr.splitlines() if line.startswith("warning:")]
+    if how != "its record deleted":  # (without its record it is no conversion at all: simply made)
+        assert len(warnings) == 1 and "made it again" in warnings[0], healed.stderr
+    assert "temporary" not in healed.stderr and "export it again" not in healed.stderr
+    [again] = conversions(checkpoint)
+    record = json.loads((checkpoint.parent / CACHE_NAME / again / "tfm_source.json").read_text())
+    assert set(record["files"]) >= {"model.bin", "config.json", "tfm_decode.json"}
+    settings = json.loads((checkpoint.parent / CACHE_NAME / again / "tfm_decode.json").read_text())
+    assert settings["decode"] == load_checkpoint(checkpoint)["config"]["decode"]
+    quiet = tfm_in_process("translate", "--checkpoint", checkpoint, "--set", "decode.beam=3", input=LINES)
+    assert quiet.stdout == first.stdout and "warning" not in quiet.stderr  # healed for good
+
+
+@pytest.mark.slow
+def test_a_checkpoint_replaced_under_a_server_is_reported_not_half_used(checkpoint, tmp_path):
+    """One snapshot behind a server: after the checkpoint is replaced, the requests that need tfm's
+    engine (made at the first one) are refused with 503 naming the file, instead of loading the new
+    model beside the CTranslate2 one that answers the others, which keeps answering."""
+    port = free_port()
+    server = subprocess.Popen([*TFM, "serve", "--checkpoint", str(checkpoint), "--port", str(port)],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert "CTranslate2" in server.stderr.readline()
+        for _ in range(100):
+            try:
+                status, plain = post(port, {"text": ["a b c d"]})
+                break
+            except (ConnectionError, urllib.error.URLError):
+                time.sleep(0.1)
+        assert status == 200
+        payload = load_checkpoint(checkpoint)
+        payload["model"] = {name: tensor * 1.5 if name.endswith("weight") else tensor
+                            for name, tensor in payload["model"].items()}
+        save_checkpoint(tmp_path / "new.pt", payload)
+        os.replace(tmp_path / "new.pt", checkpoint)  # as training writes a checkpoint
+        status, body = post(port, {"text": ["a b c d"], "constraints": [["b d"]]})
+        assert status == 503 and "replaced after the server started" in body["error"], body
+        assert post(port, {"text": ["a b c d"]}) == (200, plain)  # the model it started with
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, stderr = server.communicate(timeout=60)
+    assert server.returncode == 0 and "Traceback" not in stderr, stderr

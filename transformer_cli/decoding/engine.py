@@ -130,14 +130,33 @@ def lexical_engine(chosen: TranslationEngine, cfg: ExperimentConfig | None, over
         return None
     if not checkpoints and cfg is None:
         return None
+    files = checkpoints or model_files(cfg)  # type: ignore[arg-type]
+    # One snapshot of the model behind a server: the files as they were when it started.
+    started = [_identity(path) for path in files]
 
     def make() -> TranslationEngine:
-        translator = torch_engine(cfg, overrides, checkpoints or model_files(cfg), device, None,  # type: ignore[arg-type]
-                                  {**updates, "workers": "1"})
+        for path, identity in zip(files, started):
+            if _identity(path) != identity:
+                raise CheckpointReplaced(f"{path} was replaced after the server started: requests with constraints "
+                                         "or avoided terms would load the new model beside the one that answers the "
+                                         "others; restart tfm serve to serve it")
+        translator = torch_engine(cfg, overrides, files, device, None, {**updates, "workers": "1"})
         translator.memory_limit = chosen.memory_limit
         return translator
 
     return make
+
+
+class CheckpointReplaced(TfmError):
+    """The checkpoint a server started with was replaced: a second engine is not made from the new file."""
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, checkpoints: list[Path] | None,
@@ -184,8 +203,8 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
     if reason or device_reason:
         return fall_back(reason or device_reason or "")
     from .ct2_engine import CT2Translator
-    from ..interop.ct2 import NotConvertible
-    from ..interop.ct2_cache import cached_conversion
+    from ..interop.ct2 import NotConvertible, read_export
+    from ..interop.ct2_cache import cached_conversion, discard
 
     try:
         conversion = cached_conversion(checkpoints[0])
@@ -193,6 +212,17 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
         return fall_back(f"CTranslate2 cannot express this model: {exc}")
     if conversion.note:
         announce(conversion.note)
+
+    try:
+        read_export(conversion.directory)
+    except TfmError as exc:  # tfm's own cache, damaged past what its record shows: made again, once
+        if conversion.converted:
+            raise
+        discard(conversion.directory)
+        why = str(exc).split(": export it again")[0]  # (advice for a user's export, not for tfm's own cache)
+        announce(f"warning: the cached CTranslate2 conversion of {checkpoints[0].name} could not be read ({why}): "
+                 "made it again")
+        conversion = cached_conversion(checkpoints[0])
     translator = CT2Translator(conversion.directory, device=ct2_device or "cpu", compute_type=compute_type,
                                decode=decode, overrides=None if cfg else overrides)
     if cfg is None:  # the checkpoint's own settings, now known

@@ -21,6 +21,12 @@ and later translations load that directly, without loading torch at all.
   uses the winner's and drops its own.
 - Where the checkpoint's directory cannot be written (read-only, another user's), the conversion
   goes to a temporary directory, removed at exit, and a warning says so.
+- tfm's own, so it heals: the record lists every file of the conversion with its size, time and
+  SHA-256 (`files`). A conversion whose file is missing, of another size, or of another content
+  (checked by digest where its time changed) is removed and made again, with one line on stderr;
+  its decode settings (tfm_decode.json) are therefore always the checkpoint's. A conversion that
+  CTranslate2 then cannot load is made again once (decoding/engine.py). A record written before
+  `files` existed is checked for the files every conversion has.
 """
 
 from __future__ import annotations
@@ -80,8 +86,54 @@ def _source_record(directory: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+CONVERSION_FILES = ("model.bin", "config.json", "tfm_decode.json", "source.spm.model", "target.spm.model")
+
+
 def _is_whole(directory: Path) -> bool:
     return (directory / "model.bin").is_file() and (directory / SOURCE_JSON).is_file()
+
+
+def file_manifest(directory: Path) -> dict[str, list]:
+    """Every file of a conversion (its record aside) → [size, modification time, SHA-256]."""
+    manifest = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.name != SOURCE_JSON and not path.name.startswith("."):
+            status = path.stat()
+            manifest[path.name] = [status.st_size, status.st_mtime_ns, content_hash(path)]
+    return manifest
+
+
+def damage(directory: Path, record: dict) -> str | None:
+    """What is wrong with a conversion in the cache (None: nothing): a file missing, of another size,
+    or, where its time changed, of another content than its record says."""
+    files = record.get("files")
+    if not isinstance(files, dict):  # recorded before manifests: the files every conversion has
+        missing = [name for name in CONVERSION_FILES if not (directory / name).is_file()]
+        return f"{missing[0]}: missing" if missing else None
+    for name, recorded in files.items():
+        path = directory / name
+        if not isinstance(recorded, list) or len(recorded) != 3:
+            return f"{SOURCE_JSON}: not a conversion's record"
+        try:
+            status = path.stat()
+        except OSError:
+            return f"{name}: missing"
+        if status.st_size != recorded[0]:
+            return f"{name}: {status.st_size} bytes, {recorded[0]} when converted"
+        if status.st_mtime_ns != recorded[1] and content_hash(path) != recorded[2]:
+            return f"{name}: changed since it was converted"
+    return None
+
+
+def discard(directory: Path) -> None:
+    """A conversion out of the cache: moved aside (out of the lookup at once), then deleted."""
+    aside = directory.parent / f".{directory.name}.{writer_tag()}.removing.staging"
+    try:
+        directory.rename(aside)
+    except OSError:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _conversions_of(cache: Path, checkpoint_name: str) -> list[Path]:
@@ -117,14 +169,22 @@ def cached_conversion(checkpoint: str | Path) -> Conversion:
         raise TfmError(f"checkpoint not found: {checkpoint}")
     cache = checkpoint.parent / CACHE_NAME
     identity, made_by = file_identity(checkpoint), converter()
+    healed = None  # what was wrong with the conversion found, where it is made again
     for directory in _conversions_of(cache, checkpoint.name):
         record = _source_record(directory)
         if identity in record.get("identities", []) and record.get("converter") == made_by and _is_whole(directory):
-            return Conversion(directory)
+            healed = damage(directory, record)
+            if healed is None:
+                return Conversion(directory)
+            discard(directory)
+            break
     digest = content_hash(checkpoint)
     key = hashlib.sha256(f"{digest} {made_by}".encode()).hexdigest()
     target = cache / f"{checkpoint.name}-{key[:HASH_DIGITS]}"
     record = _source_record(target)
+    if target.is_dir() and healed is None and (not _is_whole(target) or damage(target, record) is not None):
+        healed = damage(target, record) or f"{SOURCE_JSON} or model.bin: missing"
+        discard(target)
     if _is_whole(target) and record.get("sha256") == digest and record.get("converter") == made_by:
         # The same content under another identity (copied, touched): remembered, so it is not hashed again.
         try:
@@ -143,7 +203,8 @@ def cached_conversion(checkpoint: str | Path) -> Conversion:
 
         write_conversion(checkpoint, staging)
         (staging / SOURCE_JSON).write_text(json.dumps({"checkpoint": checkpoint.name, "sha256": digest,
-                                                       "converter": made_by, "identities": [identity]}) + "\n",
+                                                       "converter": made_by, "identities": [identity],
+                                                       "files": file_manifest(staging)}) + "\n",
                                            encoding="utf-8")
         try:
             staging.rename(target)
@@ -156,21 +217,17 @@ def cached_conversion(checkpoint: str | Path) -> Conversion:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     _remove_earlier_conversions(cache, checkpoint.name, keep=target)
-    return Conversion(target, converted=True)
+    note = (f"warning: the cached CTranslate2 conversion of {checkpoint.name} was damaged ({healed}): made it again "
+            f"in {target}") if healed else None
+    return Conversion(target, note, converted=True)
 
 
 def _remove_earlier_conversions(cache: Path, checkpoint_name: str, keep: Path) -> None:
     """Conversions of the checkpoint's earlier contents: moved aside (out of the lookup at once),
     then deleted. Best effort."""
     for directory in _conversions_of(cache, checkpoint_name):
-        if directory == keep:
-            continue
-        aside = cache / f".{directory.name}.{writer_tag()}.removing.staging"
-        try:
-            directory.rename(aside)
-        except OSError:
-            continue
-        shutil.rmtree(aside, ignore_errors=True)
+        if directory != keep:
+            discard(directory)
 
 
 def _temporary_conversion(checkpoint: Path, cache: Path, why: OSError) -> Conversion:

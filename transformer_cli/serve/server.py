@@ -54,6 +54,7 @@ from ..runtime.signals import Terminated, outputs_a_hangup_takes
 from ..decoding.terms import LineTerms, conflicts, unique
 from ..decoding.translation import MAX_CONSTRAINTS, Translation, TranslationEngine
 from ..decoding.budget import DeadlinePassed, SearchesStopped, stop_searches
+from ..decoding.engine import CheckpointReplaced
 from ..decoding.workers import DecodingProcessDied
 
 class TranslateRequest(BaseModel):
@@ -110,6 +111,8 @@ def error_status(exc: BaseException) -> int:
         return exc.status
     if isinstance(exc, (DecodingProcessDied, SearchesStopped)):
         return 503  # the pool is forked anew for the next batch, or the server is stopping: try again
+    if isinstance(exc, CheckpointReplaced):
+        return 503  # the server's own state: the operator restarts it
     if isinstance(exc, DeadlinePassed):
         return 504
     return 422 if isinstance(exc, TfmError) else 500
@@ -455,7 +458,7 @@ def failure_message(status: int, exc: BaseException, request_timeout: float) -> 
     if status == 504:
         return (f"the request was not translated within {request_timeout:g} s, this server's limit "
                 "(tfm serve --request-timeout): send fewer lines or a smaller beam")
-    if status < 500 or isinstance(exc, (DecodingProcessDied, SearchesStopped)):
+    if status < 500 or isinstance(exc, (DecodingProcessDied, SearchesStopped, CheckpointReplaced)):
         return str(exc)
     return f"internal error ({type(exc).__name__}); the server goes on"
 
