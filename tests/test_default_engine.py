@@ -417,3 +417,10 @@ def test_a_checkpoint_replaced_under_a_server_is_reported_not_half_used(checkpoi
         server.send_signal(signal.SIGTERM)
         _, stderr = server.communicate(timeout=60)
     assert server.returncode == 0 and "Traceback" not in stderr, stderr
+
+
+def test_a_compute_type_that_cannot_apply_is_refused_with_the_reason(checkpoint):
+    """--compute-type is CTranslate2's: where tfm's engine decodes (sampling, here) it was silently ignored."""
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--sample", "--compute-type", "int8", input=LINES)
+    assert result.exit_code == 2 and "--compute-type int8 is CTranslate2's" in result.stderr, result.stderr
+    assert "sampling" in result.stderr and not result.stdout

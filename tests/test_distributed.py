@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -319,3 +320,32 @@ def test_torchrun_on_a_locked_run_directory_stops_every_rank_at_once(multi30k_2k
     assert proc.stderr.count("is in use by PID") == 1, proc.stderr  # rank 0's one line
     assert "SIGKILL" not in proc.stderr and seconds < 25, (seconds, proc.stderr)
     assert not (tmp_path / "run/checkpoints").exists()
+
+
+@pytest.mark.parametrize("environment, says", [
+    ({"RANK": "abc"}, "RANK='abc': not a whole number"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0: must be at least 1"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 without MASTER_ADDR and MASTER_PORT"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "without MASTER_PORT"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "RANK=2: must be 0 to 1"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT=99999"),
+])
+def test_a_bad_distributed_environment_is_one_line_naming_the_variable(monkeypatch, environment, says):
+    from transformer_cli.runtime.errors import TfmError
+    from transformer_cli.training.distributed import world_from_environment
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(TfmError, match=re.escape(says)):
+        world_from_environment()
+
+
+def test_torchruns_environment_is_read_as_it_is_set(monkeypatch):
+    from transformer_cli.training.distributed import World, world_from_environment
+
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    assert world_from_environment() == World(1, 1, 2)

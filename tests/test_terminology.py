@@ -14,7 +14,15 @@ import torch
 from tests.conftest import FP32, WORDS, fp32_translator, tfm, tfm_in_process
 from transformer_cli.decoding.constraints import AvoidedSequences, ConstraintTable, kmp_transitions, recent_tokens
 from transformer_cli.runtime.files import read_lines
-from transformer_cli.decoding.terms import Glossary, LineTerms, spellings, split_constraints_line, whole_word_pattern
+from transformer_cli.decoding.terms import (
+    Glossary,
+    LineTerms,
+    avoided_present,
+    missing_constraints,
+    spellings,
+    split_constraints_line,
+    whole_word_pattern,
+)
 from transformer_cli.decoding.torch_engine import Translator
 
 
@@ -295,6 +303,11 @@ def test_evaluate_with_a_constraints_file_reports_term_use(reverse_model, tmp_pa
     assert report["scores"]["bleu"]["score"] >= plain["scores"]["bleu"]["score"] - 0.5
     bad = tfm_in_process(*args, "--constraints", write(tmp_path / "short.tsv", rows[0] + "\n"))
     assert bad.exit_code == 2 and "line counts differ" in bad.stderr
+    # The same number of lines, of other sentences (shifted by one): scored against these references
+    # they gave a BLEU that meant nothing, exit 0.
+    shifted = write(tmp_path / "shifted.tsv", "\n".join(rows[1:] + rows[:1]) + "\n")
+    bad = tfm_in_process(*args, "--constraints", shifted)
+    assert bad.exit_code == 2 and "line 1's source is not line 1 of" in bad.stderr, bad.stderr
 
 
 def test_split_constraints_line_reads_escapes():
@@ -367,3 +380,41 @@ def test_glossary_runs_on_a_model_and_refuses_to_replace_its_inputs(reverse_mode
     result = tfm_in_process("glossary", "--checkpoint", summary.best_checkpoint, "--src", src, "--ref", ref,
                             "-o", summary.best_checkpoint)
     assert result.exit_code == 2 and "also this command's input (--checkpoint)" in result.stderr, result.stderr
+
+
+# --------------------------------------------------------------------------- one strict reading of terms
+
+NFD_MUELLER, NFC_MUELLER = "Mu\u0308ller", "M\u00fcller"  # as macOS writes file names and text; as most text is
+
+
+def test_a_constraint_is_met_as_whole_words_as_an_avoided_term_is_present():
+    terms = LineTerms(constraints=("Hund",), avoid=("Katze",))
+    assert missing_constraints("Der Hundeeee bellt", terms) == ["Hund"]  # not inside a longer word
+    assert missing_constraints("Der Hund bellt.", terms) == []
+    assert missing_constraints("Hund", terms) == [] and missing_constraints("(Hund)", terms) == []
+    assert avoided_present("Katzenfutter", terms) == [] and avoided_present("die Katze", terms) == ["Katze"]
+
+
+def test_terms_glossaries_and_texts_are_compared_in_nfc(tmp_path):
+    assert NFD_MUELLER != NFC_MUELLER
+    terms = LineTerms(prefix=NFD_MUELLER, constraints=(NFD_MUELLER,), avoid=(f"{NFD_MUELLER}s",))
+    assert terms.prefix == terms.constraints[0] == NFC_MUELLER and terms.avoid == (f"{NFC_MUELLER}s",)
+    assert missing_constraints(f"Herr {NFC_MUELLER} kommt", terms) == []
+    assert missing_constraints(f"Herr {NFD_MUELLER} kommt", terms) == []  # an output in NFD, too
+    assert avoided_present(f"des {NFD_MUELLER}s", terms) == [f"{NFC_MUELLER}s"]
+    glossary_file = tmp_path / "glossary.tsv"
+    glossary_file.write_text(f"{NFD_MUELLER}\tmiller\n", encoding="utf-8")
+    glossary = Glossary.read(glossary_file)
+    assert glossary.matches(f"Herr {NFC_MUELLER} kommt") == ((NFC_MUELLER, "miller"),)
+    assert glossary.matches(f"Herr {NFD_MUELLER} kommt") == ((NFC_MUELLER, "miller"),)
+    _, from_file = split_constraints_line(f"Herr {NFC_MUELLER}\t{NFD_MUELLER}\t!{NFD_MUELLER}s", "line 1")
+    assert from_file.constraints == (NFC_MUELLER,) and from_file.avoid == (f"{NFC_MUELLER}s",)
+
+
+def test_a_lines_own_prefix_and_another_prefix_option_are_refused_not_one_dropped(checkpoint):
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--engine", "torch", "--constraints",
+                            "--prefix", "wb", input="wa wb wc\t^wc\n")
+    assert result.exit_code == 2 and "line 1: its own ^prefix 'wc' and --prefix 'wb'" in result.stderr, result.stderr
+    same = tfm_in_process("translate", "--checkpoint", checkpoint, "--engine", "torch", "--constraints",
+                          "--prefix", "wc", input="wa wb wc\t^wc\nwd we\t\n", )
+    assert same.exit_code == 0 and all(line.startswith("wc") for line in same.stdout.splitlines()), same.stderr

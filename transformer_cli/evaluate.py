@@ -55,6 +55,15 @@ def check_aligned(hyps: list[str], refs: list[str], hyp_name: str, ref_name: str
         raise TfmError(f"line counts differ: {hyp_name} has {len(hyps)} lines, {ref_name} has {len(refs)}")
 
 
+def check_same_sources(given: list[str], split: list[str], given_name: str, split_name: str) -> None:
+    """A constraints file scored against a split's references must hold that split's source lines,
+    line by line (another file's sentences would be scored against references they do not match)."""
+    for number, (a, b) in enumerate(zip(given, split), start=1):
+        if " ".join(a.split()) != " ".join(b.split()):
+            raise TfmError(f"{given_name}: line {number}'s source is not line {number} of {split_name} "
+                           f"({a[:40]!r} ≠ {b[:40]!r}): --constraints takes this split's sources with their terms")
+
+
 def score(hyps: list[str], refs: list[str], metrics: list[str] = ("bleu",), confidence: bool = False) -> EvalResult:
     """Corpus scores of `hyps` against one reference set, exactly as sacrebleu computes them."""
     results = {}
@@ -142,6 +151,7 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
         pairs = [split_constraints_line(line, f"{constraints}: line {n}")
                  for n, line in enumerate(read_lines(constraints), start=1)]
         check_aligned([p[0] for p in pairs], refs, str(constraints), str(ref_path))
+        check_same_sources([p[0] for p in pairs], src, str(constraints), str(src_path))
         src, terms = [p[0] for p in pairs], [p[1] for p in pairs]
     translator = open_engine(config, None, checkpoints, device=config.train.device, engine=engine,
                              compute_type=compute_type, lexical=terms is not None, tgt_lang=tgt_lang)

@@ -195,6 +195,9 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
     def fall_back(reason: str) -> TranslationEngine:
         if explicit:
             raise TfmError(f"--engine ctranslate2: {reason}")
+        if compute_type is not None:  # given for CTranslate2, which will not decode: refused, not ignored
+            raise TfmError(f"--compute-type {compute_type} is CTranslate2's, but tfm's engine decodes this ({reason}): "
+                           "leave --compute-type out (tfm's engine takes --quantize or decode.precision)")
         announce(f"engine: torch ({reason})")
         return torch_engine(cfg, overrides, checkpoints, device, quantize, updates)
 

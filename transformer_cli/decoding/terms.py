@@ -3,15 +3,18 @@
 input lines, `--avoid`, `--glossary`); and the check of a finished translation against them.
 
 Nothing here imports torch: the search side (token tables, the constrained beam) is in
-decoding/constraints.py. Matching is on detokenized text, as a user reads it: a constraint is met when its
-text occurs verbatim (case-sensitive) in the translation; an avoided term is present when it occurs
-as whole words (not inside a longer word: avoiding "Hund" does not forbid "Hunde").
+decoding/constraints.py. Matching is on detokenized text, as a user reads it, in Unicode NFC (terms,
+glossary entries and the text they are compared with alike: a term typed on macOS comes in
+decomposed, NFD, and must still match): a constraint is met, and an avoided term present, where it
+occurs as whole words, case-sensitive (not inside a longer word: "Hund" is not met by "Hundeeee",
+and avoiding "Hund" does not forbid "Hunde").
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +33,11 @@ class LineTerms:
     constraints: tuple[str, ...] = ()  # each occurs in the translation
     avoid: tuple[str, ...] = ()  # none occurs in it (as whole words)
     glossary: tuple[tuple[str, str], ...] = ()  # (source term, target term) entries that fired on this line
+
+    def __post_init__(self) -> None:  # NFC, however the terms came (files, options, serve requests)
+        object.__setattr__(self, "prefix", nfc(self.prefix))
+        object.__setattr__(self, "constraints", unique(nfc(c) for c in self.constraints))
+        object.__setattr__(self, "avoid", unique(nfc(a) for a in self.avoid))
 
     @property
     def empty(self) -> bool:
@@ -57,6 +65,11 @@ def unique(texts: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(texts))
 
 
+def nfc(text: str) -> str:
+    """Unicode NFC: composed characters ("ü" as one code point, not "u" and a combining diaeresis)."""
+    return text if text.isascii() else unicodedata.normalize("NFC", text)
+
+
 # --------------------------------------------------------------------------- checks
 
 
@@ -74,10 +87,13 @@ def occurs_as_words(term: str, text: str) -> bool:
 
 
 def missing_constraints(text: str, terms: LineTerms) -> list[str]:
-    return [c for c in terms.constraints if c not in text]
+    """The constraints `text` does not contain as whole words (NFC)."""
+    text = nfc(text)
+    return [c for c in terms.constraints if not occurs_as_words(c, text)]
 
 
 def avoided_present(text: str, terms: LineTerms) -> list[str]:
+    text = nfc(text)
     return [a for a in terms.avoid if occurs_as_words(a, text)]
 
 
@@ -203,11 +219,11 @@ class Glossary:
             if len(fields) != 2:
                 raise TfmError(f"{where}: {len(fields)} fields: a glossary line is source term<TAB>target term")
             source, target = check_term(fields[0], f"{where}, source term"), check_term(fields[1], f"{where}, target term")
-            key = source.strip().casefold()
+            key = nfc(source.strip()).casefold()
             if key in seen:
                 raise TfmError(f"{where}: the source term {source!r} is also on line {seen[key]} (one target per term)")
             seen[key] = number
-            entries.append((source.strip(), target.strip()))
+            entries.append((nfc(source.strip()), nfc(target.strip())))
         if not entries:
             raise TfmError(f"{path}: no entries in it (source term<TAB>target term per line)")
         return cls(tuple(entries))
@@ -218,7 +234,7 @@ class Glossary:
 
     def matches(self, line: str) -> tuple[tuple[str, str], ...]:
         """The entries whose source term occurs in `line`."""
-        folded = line.casefold()
+        folded = nfc(line).casefold()
         return tuple(entry for entry, source in zip(self.entries, self.folded) if occurs_as_words(source, folded))
 
     def apply(self, line: str, terms: LineTerms) -> LineTerms:
@@ -256,6 +272,9 @@ class Terminology:
         for number, line in enumerate(chunk, start=first_line):
             where = f"{self.name}: line {number}"
             source, terms = split_constraints_line(line, where) if self.constraints_input else (line, LineTerms())
+            if self.prefix and terms.prefix and terms.prefix != nfc(self.prefix):
+                raise TfmError(f"{where}: its own ^prefix {terms.prefix!r} and --prefix {self.prefix!r}: a translation "
+                               "starts with one prefix (give it on the line or with --prefix)")
             if self.prefix and not terms.prefix:
                 terms = replace(terms, prefix=self.prefix)
             if self.avoid:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..runtime.errors import TfmError
+
 
 @dataclass(frozen=True)
 class World:
@@ -26,8 +28,31 @@ class World:
 
 
 def world_from_environment() -> World:
+    """The world torchrun describes in the environment, checked: a variable that is not a whole
+    number in range, or a world of several processes without a rendezvous address, is a TfmError
+    naming it (not a traceback from int() or from the process group)."""
     env = os.environ
-    return World(int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)), int(env.get("WORLD_SIZE", 1)))
+    size = _whole_number("WORLD_SIZE", env.get("WORLD_SIZE", "1"), low=1)
+    rank = _whole_number("RANK", env.get("RANK", "0"), low=0, below=size)
+    local_rank = _whole_number("LOCAL_RANK", env.get("LOCAL_RANK", "0"), low=0, below=size)
+    if size > 1:
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name, "").strip()]
+        if missing:
+            raise TfmError(f"WORLD_SIZE={size} without {' and '.join(missing)}: start several processes with "
+                           "torchrun, which sets them (docs/scaling.md)")
+        _whole_number("MASTER_PORT", env["MASTER_PORT"], low=1, below=65536)
+    return World(rank, local_rank, size)
+
+
+def _whole_number(name: str, text: str, low: int, below: int | None = None) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise TfmError(f"environment variable {name}={text!r}: not a whole number (torchrun sets it)") from None
+    if value < low or (below is not None and value >= below):
+        bound = f"{low} to {below - 1}" if below is not None else f"at least {low}"
+        raise TfmError(f"environment variable {name}={value}: must be {bound}")
+    return value
 
 
 def join(world: World, device: torch.device) -> torch.device:
