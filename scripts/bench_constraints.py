@@ -31,14 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sacrebleu  # noqa: E402
 from bench_common import machine_line  # noqa: E402
-from transformer_cli.decoding.glossary import sample_constraints  # noqa: E402
 
-from transformer_cli.evaluate import term_use  # noqa: E402
-from transformer_cli.runtime.files import read_lines  # noqa: E402
+from transformer_cli.decoding.glossary import sample_constraints  # noqa: E402
 from transformer_cli.decoding.terms import Glossary, LineTerms, split_constraints_line
 from transformer_cli.decoding.torch_engine import Translator  # noqa: E402
 from transformer_cli.decoding.translation import translate_texts  # noqa: E402
+from transformer_cli.evaluate import term_use  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.files import read_lines  # noqa: E402
 
 
 def scores(hyps: list[str], refs: list[str]) -> tuple[float, float]:

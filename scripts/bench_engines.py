@@ -42,13 +42,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import machine_line  # noqa: E402
 
-from transformer_cli.runtime.cpu import usable_cores  # noqa: E402
 from transformer_cli.decoding.engine import open_engine  # noqa: E402
-from transformer_cli.runtime.files import read_lines  # noqa: E402
-from transformer_cli.decoding.translation import Translation, translate_texts  # noqa: E402
-from transformer_cli.runtime.precision import choose_decoding_precision  # noqa: E402
 from transformer_cli.decoding.torch_engine import Translator  # noqa: E402
+from transformer_cli.decoding.translation import Translation, translate_texts  # noqa: E402
+from transformer_cli.runtime.cpu import usable_cores  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.files import read_lines  # noqa: E402
+from transformer_cli.runtime.precision import choose_decoding_precision  # noqa: E402
 
 
 class DefaultPath:

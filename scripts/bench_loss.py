@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from transformer_cli.training.loss import compiled_chunk_loss, output_layer_loss, smoothed_chunk_loss
 from transformer_cli.runtime.entry import ScriptParser, run_script
+from transformer_cli.training.loss import compiled_chunk_loss, output_layer_loss, smoothed_chunk_loss
 
 
 def positive(text: str) -> int:

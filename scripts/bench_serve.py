@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import machine_line  # noqa: E402
 
 from transformer_cli.decoding.engine import open_engine  # noqa: E402
-from transformer_cli.runtime.files import read_lines  # noqa: E402
-from transformer_cli.serve.server import request_batch_decode  # noqa: E402
 from transformer_cli.decoding.translation import TranslationEngine  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.files import read_lines  # noqa: E402
+from transformer_cli.serve.server import request_batch_decode  # noqa: E402
 
 
 def free_port() -> int:

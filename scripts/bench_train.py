@@ -32,18 +32,18 @@ import torch
 import torch.nn.functional as F
 from bench_common import hf_model, machine_line, tfm_model
 
-from transformer_cli.runtime.allocator import loaded_allocator, use_allocator
-from transformer_cli.experiment.config import load_config
-from transformer_cli.runtime.cpu import keep_freed_memory, limit_training_kernel_cache
-from transformer_cli.model.special_tokens import PAD_ID
 from transformer_cli.data.batches import ParallelData
+from transformer_cli.experiment.config import load_config
+from transformer_cli.experiment.rundir import RunDirectory
 from transformer_cli.model.kernels import compile_for_training, leave_out_cudnn_attention
+from transformer_cli.model.special_tokens import PAD_ID
+from transformer_cli.runtime.allocator import loaded_allocator, use_allocator
+from transformer_cli.runtime.cpu import keep_freed_memory, limit_training_kernel_cache
+from transformer_cli.runtime.entry import ScriptParser, run_script
+from transformer_cli.runtime.precision import autocast_dtype, choose_precision
 from transformer_cli.training.loss import batch_loss
 from transformer_cli.training.master_weights import MasterWeights
-from transformer_cli.runtime.precision import autocast_dtype, choose_precision
-from transformer_cli.experiment.rundir import RunDirectory
 from transformer_cli.training.schedule import learning_rate
-from transformer_cli.runtime.entry import ScriptParser, run_script
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,17 +26,17 @@ import numpy as np
 import torch
 from bench_common import hf_model, machine_line, tfm_model
 
-from transformer_cli.experiment.config import load_config
-from transformer_cli.runtime.cpu import keep_freed_memory
-from transformer_cli.model.cpu_inference import pack_linear_layers
-from transformer_cli.model.special_tokens import EOS_ID, PAD_ID, UNK_ID
 from transformer_cli.data.batches import ParallelData
-from transformer_cli.runtime.precision import choose_precision
-from transformer_cli.experiment.rundir import RunDirectory
-from transformer_cli.decoding.torch_engine import decode_task, decode_in_batches
+from transformer_cli.decoding.torch_engine import decode_in_batches, decode_task
 from transformer_cli.decoding.translation import length_sorted_batches
 from transformer_cli.decoding.workers import DecodingWorkers, resolve_workers
+from transformer_cli.experiment.config import load_config
+from transformer_cli.experiment.rundir import RunDirectory
+from transformer_cli.model.cpu_inference import pack_linear_layers
+from transformer_cli.model.special_tokens import EOS_ID, PAD_ID, UNK_ID
+from transformer_cli.runtime.cpu import keep_freed_memory
 from transformer_cli.runtime.entry import ScriptParser, run_script
+from transformer_cli.runtime.precision import choose_precision
 
 
 def best_times(runs: list, repeats: int) -> list[float]:

@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import machine_line  # noqa: E402
 
-from transformer_cli.runtime.files import read_lines  # noqa: E402
 from transformer_cli.decoding.torch_engine import Translator  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.files import read_lines  # noqa: E402
 
 Links = set[tuple[int, int]]
 

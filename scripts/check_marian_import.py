@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.test_marian import generate, save_hf_marian  # noqa: E402  (the tests' model builder)
+from transformer_cli.decoding.torch_engine import decode_in_batches  # noqa: E402
 from transformer_cli.experiment.checkpoint import load_trained_model  # noqa: E402
 from transformer_cli.interop.marian import import_marian, tfm_order  # noqa: E402
 from transformer_cli.model.special_tokens import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
-from transformer_cli.decoding.torch_engine import decode_in_batches  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 
 

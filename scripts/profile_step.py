@@ -6,19 +6,18 @@ usage: python scripts/profile_step.py --config configs/de-en.yaml [--what train|
 
 from __future__ import annotations
 
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from transformer_cli.experiment.config import load_config
-from transformer_cli.runtime.cpu import keep_freed_memory
-from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
 from transformer_cli.data.batches import ParallelData
 from transformer_cli.decoding.search import beam_search
-from transformer_cli.training.loss import batch_loss
+from transformer_cli.experiment.config import load_config
 from transformer_cli.experiment.rundir import RunDirectory
-from transformer_cli.training.train import build_model
+from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
+from transformer_cli.runtime.cpu import keep_freed_memory
 from transformer_cli.runtime.entry import ScriptParser, run_script
+from transformer_cli.training.loss import batch_loss
+from transformer_cli.training.train import build_model
 
 
 def main() -> None:

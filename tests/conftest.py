@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.data.prepare import prepare
+from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.training.train import train
 
 ROOT = Path(__file__).resolve().parents[1]

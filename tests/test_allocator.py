@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from .conftest import tfm, tiny_run
 from transformer_cli.runtime import allocator
 from transformer_cli.runtime.errors import TfmError
+
+from .conftest import tfm, tiny_run
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux's")
 

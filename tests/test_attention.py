@@ -6,11 +6,11 @@ import torch
 
 from tests.conftest import tfm_in_process
 from transformer_cli.attention_maps import attention_maps, attention_weights
+from transformer_cli.data.batches import pad_batch
+from transformer_cli.decoding.torch_engine import Translator
 from transformer_cli.experiment.checkpoint import load_trained_model
 from transformer_cli.model.special_tokens import EOS_ID
-from transformer_cli.data.batches import pad_batch
 from transformer_cli.runtime.errors import TfmError
-from transformer_cli.decoding.torch_engine import Translator
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 

@@ -24,8 +24,8 @@ import sentencepiece as spm
 import torch
 
 from tests.conftest import tiny_reverse_config, tiny_run, write_reverse_task
-from transformer_cli.experiment.config import load_config
 from transformer_cli.data.prepare import prepare
+from transformer_cli.experiment.config import load_config
 from transformer_cli.training.train import train
 
 # --------------------------------------------------------------------------- corpus helpers

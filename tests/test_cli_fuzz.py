@@ -30,8 +30,8 @@ import typer.main
 
 from tests.conftest import ROOT, tfm_in_process, tiny_reverse_config, write_reverse_task
 from transformer_cli.cli import app
-from transformer_cli.experiment.config import DataConfig, DecodeConfig, TrainConfig, config_from_dict
 from transformer_cli.data.prepare import prepare
+from transformer_cli.experiment.config import DataConfig, DecodeConfig, TrainConfig, config_from_dict
 from transformer_cli.training.train import train
 
 NUMBERS = ["0", "-1", "nan", "inf", "1e308", str(2**63)]

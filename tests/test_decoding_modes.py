@@ -11,15 +11,14 @@ import sacrebleu
 import torch
 
 from tests.conftest import fp32_translator, reverse_task_config, tfm_in_process
-from transformer_cli.decoding.alignment import pharaoh, word_numbers
-from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.data.prepare import prepare
-from transformer_cli.decoding.search import Sampling, draw, sampling_distribution
+from transformer_cli.decoding.alignment import pharaoh, word_numbers
 from transformer_cli.decoding.ensemble import Ensemble
+from transformer_cli.decoding.search import Sampling, draw, sampling_distribution
+from transformer_cli.decoding.terms import LineTerms
+from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.runtime.files import read_lines
 from transformer_cli.training.train import train
-from transformer_cli.decoding.terms import LineTerms
-
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +203,6 @@ def test_sampling_is_the_greedy_loop_with_a_draw_and_keeps_each_sentences_sample
     """Sampling picks by drawing inside the greedy loop (`SamplingPick`): decoding several batches at
     once with continuous batching, rows changing sentences as they finish, draws for every sentence
     what it draws alone; and a draw whose distribution keeps only the best token is the greedy pick."""
-    from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
     from transformer_cli.data.batches import pad_batch
     from transformer_cli.decoding.search import (
         SamplingPick,
@@ -212,6 +210,7 @@ def test_sampling_is_the_greedy_loop_with_a_draw_and_keeps_each_sentences_sample
         sample_search,
         sampling_generators,
     )
+    from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
 
     model = engine(checkpoint).model
     ids = [engine(checkpoint).src_sp.encode(line) + [EOS_ID] for line in held_out[0][:12]]

@@ -21,9 +21,9 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 
+from transformer_cli.data.prepare import prepare
 from transformer_cli.experiment.checkpoint import load_checkpoint
 from transformer_cli.experiment.config import config_from_dict
-from transformer_cli.data.prepare import prepare
 from transformer_cli.training.train import train
 
 from .conftest import assert_same_final_weights, multi30k_config, wait_until_training

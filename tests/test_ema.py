@@ -10,10 +10,10 @@ import torch
 from tests.conftest import tiny_run
 from transformer_cli.experiment.checkpoint import load_checkpoint
 from transformer_cli.experiment.config import load_config
-from transformer_cli.training.ema import WeightAverage
-from transformer_cli.runtime.errors import TfmError
-from transformer_cli.model.transformer import Transformer, TransformerConfig
 from transformer_cli.experiment.rundir import RunDirectory
+from transformer_cli.model.transformer import Transformer, TransformerConfig
+from transformer_cli.runtime.errors import TfmError
+from transformer_cli.training.ema import WeightAverage
 from transformer_cli.training.train import train
 
 

@@ -13,17 +13,17 @@ import torch
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
+from transformer_cli.data.prepare import prepare  # noqa: E402
+from transformer_cli.decoding.ct2_engine import CT2Translator
+from transformer_cli.decoding.torch_engine import Translator, decode_in_batches  # noqa: E402
 from transformer_cli.experiment.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from transformer_cli.experiment.config import config_from_dict  # noqa: E402
-from transformer_cli.decoding.ct2_engine import CT2Translator
 from transformer_cli.interop.ct2 import check_convertible, export_ctranslate2  # noqa: E402
 from transformer_cli.model.special_tokens import BOS_ID, EOS_ID  # noqa: E402
-from transformer_cli.data.prepare import prepare  # noqa: E402
+from transformer_cli.model.transformer import Transformer, TransformerConfig  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
 from transformer_cli.runtime.files import read_lines  # noqa: E402
-from transformer_cli.model.transformer import Transformer, TransformerConfig  # noqa: E402
 from transformer_cli.training.train import train  # noqa: E402
-from transformer_cli.decoding.torch_engine import Translator, decode_in_batches  # noqa: E402
 
 from .conftest import multi30k_config, tfm_in_process  # noqa: E402
 

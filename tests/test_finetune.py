@@ -11,9 +11,9 @@ import pytest
 import sentencepiece as spm
 
 from tests.conftest import reverse_task_config, write_reverse_task
+from transformer_cli.data.prepare import prepare
 from transformer_cli.experiment.checkpoint import load_checkpoint
 from transformer_cli.experiment.config import config_from_dict
-from transformer_cli.data.prepare import prepare
 from transformer_cli.runtime.errors import TfmError
 from transformer_cli.training.train import train
 

@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 
 from tests.conftest import tiny_reverse_config
 from tests.test_marian import read_gz, save_hf_marian, tfm_decode
-from transformer_cli.experiment.checkpoint import load_trained_model
 from transformer_cli.cli import app
+from transformer_cli.experiment.checkpoint import load_trained_model
 from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.training.train import train
 

@@ -10,9 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import tiny_run
+from transformer_cli.data.batch_stream import CollatedUpdates
 from transformer_cli.experiment.checkpoint import load_checkpoint
 from transformer_cli.experiment.config import load_config
-from transformer_cli.data.batch_stream import CollatedUpdates
 from transformer_cli.training.train import Trainer, train
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import tfm_in_process
-from transformer_cli.runtime.errors import TfmError
 from transformer_cli.data.language_tags import TargetLanguages, known_languages
+from transformer_cli.runtime.errors import TfmError
 
 
 def test_known_languages_are_the_tag_pieces_with_or_without_the_word_mark():

@@ -17,14 +17,14 @@ import torch
 from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 
 from tests.conftest import multi30k_config, tfm_in_process
+from transformer_cli.data.prepare import prepare
+from transformer_cli.decoding.torch_engine import decode_in_batches
 from transformer_cli.experiment.checkpoint import load_trained_model
 from transformer_cli.experiment.config import config_from_dict
-from transformer_cli.model.special_tokens import BOS_ID, EOS_ID, PAD_ID
-from transformer_cli.data.prepare import prepare
-from transformer_cli.runtime.errors import TfmError
 from transformer_cli.interop.marian import import_marian, tfm_order
+from transformer_cli.model.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from transformer_cli.runtime.errors import TfmError
 from transformer_cli.training.train import train
-from transformer_cli.decoding.torch_engine import decode_in_batches
 
 SENTENCES = 60
 

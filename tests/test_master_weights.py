@@ -9,9 +9,9 @@ import torch
 
 from tests.test_model import tiny_config
 from transformer_cli.data.batches import collate
+from transformer_cli.model.transformer import Transformer
 from transformer_cli.training.loss import batch_loss
 from transformer_cli.training.master_weights import MasterWeights
-from transformer_cli.model.transformer import Transformer
 
 
 def test_masters_are_the_exact_fp32_weights_and_the_model_runs_in_bf16():

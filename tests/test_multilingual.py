@@ -15,11 +15,11 @@ import pytest
 
 from tests.conftest import WORDS, assert_same_final_weights, tfm, tfm_in_process
 from transformer_cli.data.batches import ParallelData
-from transformer_cli.experiment.config import config_from_dict
+from transformer_cli.data.language_id import LanguageId
 from transformer_cli.data.prepare import prepare
+from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.experiment.directions import DirectionRange, epoch_sample, sampling_rates, tag_piece
 from transformer_cli.runtime.errors import TfmError
-from transformer_cli.data.language_id import LanguageId
 from transformer_cli.training.train import train
 
 SHIFT = {"up": 1, "dn": -1}

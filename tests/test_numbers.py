@@ -26,8 +26,6 @@ from transformer_cli.decoding.budget import (
     decoding_shape,
     decoding_work,
 )
-from transformer_cli.experiment.config import DecodeConfig, load_config
-from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
 from transformer_cli.decoding.search import (
     Sampling,
     greedy_search,
@@ -35,8 +33,10 @@ from transformer_cli.decoding.search import (
     sample_search,
     sampling_distribution,
 )
-from transformer_cli.runtime.errors import TfmError
+from transformer_cli.experiment.config import DecodeConfig, load_config
+from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
 from transformer_cli.model.transformer import Transformer, TransformerConfig
+from transformer_cli.runtime.errors import TfmError
 from transformer_cli.training.train import train
 
 

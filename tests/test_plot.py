@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("matplotlib")
 from PIL import Image  # noqa: E402  (matplotlib depends on pillow)
 
-from transformer_cli.runtime.errors import TfmError  # noqa: E402
 from transformer_cli.plot import plot_runs, read_metrics  # noqa: E402
+from transformer_cli.runtime.errors import TfmError  # noqa: E402
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 

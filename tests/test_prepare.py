@@ -7,13 +7,13 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.data.batches import ParallelData, TokenArray, token_batches
 from transformer_cli.data.prepare import prepare
+from transformer_cli.experiment.config import config_from_dict
+from transformer_cli.experiment.rundir import RunDirectory
 from transformer_cli.model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_cli.runtime.errors import TfmError
 from transformer_cli.runtime.files import read_lines
-from transformer_cli.experiment.rundir import RunDirectory
 
 from .conftest import multi30k_config, tfm_in_process
 

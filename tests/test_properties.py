@@ -10,13 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import multi30k_config, tiny_run
-from transformer_cli.experiment.config import ExperimentConfig, config_from_dict, load_config
 from transformer_cli.data.prepare import prepare
-from transformer_cli.runtime.errors import TfmError
-from transformer_cli.experiment.rundir import RunDirectory
-from transformer_cli.training.train import train
 from transformer_cli.decoding.torch_engine import Translator
 from transformer_cli.decoding.translation import read_decoded_lines, translate_stream
+from transformer_cli.experiment.config import ExperimentConfig, config_from_dict, load_config
+from transformer_cli.experiment.rundir import RunDirectory
+from transformer_cli.runtime.errors import TfmError
+from transformer_cli.training.train import train
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,  # CI sees the same examples each run
                     suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -5,8 +5,8 @@ import pytest
 import sacrebleu
 import torch
 
-from transformer_cli.runtime.files import read_lines
 from transformer_cli.decoding.torch_engine import Translator
+from transformer_cli.runtime.files import read_lines
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 

@@ -23,11 +23,11 @@ import yaml
 
 from tests.conftest import TFM, tiny_run
 from tests.conftest import tfm_in_process as tfm
-from transformer_cli.runtime import files
 from transformer_cli.experiment.checkpoint import load_checkpoint
 from transformer_cli.experiment.config import load_config
-from transformer_cli.runtime.files import atomic_write_text, remove_stale_temps, staging_directory, writer_tag
 from transformer_cli.experiment.runlock import RunLock
+from transformer_cli.runtime import files
+from transformer_cli.runtime.files import atomic_write_text, remove_stale_temps, staging_directory, writer_tag
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from transformer_cli.runtime.files import read_lines
 from transformer_cli.decoding.torch_engine import Translator
+from transformer_cli.runtime.files import read_lines
 
 pytest.importorskip("fastapi", reason="tfm serve needs the [serve] extra (CI installs it with [test])")
 

@@ -13,7 +13,6 @@ import torch
 
 from tests.conftest import FP32, WORDS, fp32_translator, tfm, tfm_in_process
 from transformer_cli.decoding.constraints import AvoidedSequences, ConstraintTable, kmp_transitions, recent_tokens
-from transformer_cli.runtime.files import read_lines
 from transformer_cli.decoding.terms import (
     Glossary,
     LineTerms,
@@ -24,7 +23,7 @@ from transformer_cli.decoding.terms import (
     whole_word_pattern,
 )
 from transformer_cli.decoding.torch_engine import Translator
-
+from transformer_cli.runtime.files import read_lines
 
 
 @pytest.fixture(scope="module")

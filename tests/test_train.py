@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from transformer_cli.data.prepare import prepare
 from transformer_cli.experiment.checkpoint import load_checkpoint
 from transformer_cli.experiment.config import TrainConfig, config_from_dict, load_config
-from transformer_cli.data.prepare import prepare
 from transformer_cli.runtime.errors import TfmError
-from transformer_cli.training.loss import compiled_chunk_loss, fused_chunk_loss, output_layer_loss, smoothed_chunk_loss
 from transformer_cli.runtime.precision import autocast_dtype, choose_precision, cpu_has_fast_bf16, measure_bf16_speedup
+from transformer_cli.training.loss import compiled_chunk_loss, fused_chunk_loss, output_layer_loss, smoothed_chunk_loss
 from transformer_cli.training.schedule import budget_used, learning_rate, warmup_steps
 from transformer_cli.training.train import train
 
@@ -273,8 +273,8 @@ def test_loss_without_gradients_computes_none():
 
 
 def test_logits_for_target_rows_equal_the_full_projection():
-    from transformer_cli.training.loss import target_rows
     from transformer_cli.model.transformer import Transformer, TransformerConfig
+    from transformer_cli.training.loss import target_rows
 
     torch.manual_seed(0)
     model = Transformer(TransformerConfig(30, 30, d_model=16, n_heads=2, enc_layers=1, dec_layers=1, d_ff=32)).eval()

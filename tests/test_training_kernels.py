@@ -11,11 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.data.batches import collate
-from transformer_cli.training.loss import batch_loss
-from transformer_cli.model.transformer import Transformer, TransformerConfig
-
 from tests.conftest import tiny_run
+from transformer_cli.data.batches import collate
+from transformer_cli.model.transformer import Transformer, TransformerConfig
+from transformer_cli.training.loss import batch_loss
 
 
 def test_training_attention_is_causal_or_a_boolean_key_mask(monkeypatch):
@@ -126,8 +125,8 @@ def test_cuda_attention_is_chosen_among_kernels_that_build_nothing_per_shape():
     """On CUDA tfm leaves cuDNN's attention out of SDPA's choice (it builds a graph per new batch
     shape, kernels.leave_out_cudnn_attention); flash and memory-efficient attention stay, and the
     switch restores torch's default. A CPU device changes nothing."""
-    from transformer_cli.runtime.devices import resolve_device
     from transformer_cli.model.kernels import leave_out_cudnn_attention
+    from transformer_cli.runtime.devices import resolve_device
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

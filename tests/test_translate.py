@@ -11,17 +11,16 @@ import pytest
 import sacrebleu
 import torch
 
-from transformer_cli.runtime.cpu import denormals_flushed_to_zero, usable_cores
+from transformer_cli.decoding.search import beam_search, beam_top_k, greedy_search, log_probs, logits_buffer, top_k
+from transformer_cli.decoding.torch_engine import Translator
+from transformer_cli.decoding.translation import balanced_batches, format_nbest, length_sorted_batches
+from transformer_cli.decoding.workers import resolve_workers
 from transformer_cli.model.cpu_inference import PackedLinear
 from transformer_cli.model.special_tokens import BOS_ID, EOS_ID
-from transformer_cli.decoding.search import beam_search, beam_top_k, greedy_search, log_probs, logits_buffer, top_k
+from transformer_cli.model.transformer import MultiHeadAttention, TransformerConfig
+from transformer_cli.runtime.cpu import denormals_flushed_to_zero, usable_cores
 from transformer_cli.runtime.errors import TfmError
 from transformer_cli.runtime.files import read_lines
-from transformer_cli.model.transformer import MultiHeadAttention, TransformerConfig
-from transformer_cli.decoding.torch_engine import Translator
-from transformer_cli.decoding.translation import balanced_batches
-from transformer_cli.decoding.translation import format_nbest, length_sorted_batches
-from transformer_cli.decoding.workers import resolve_workers
 
 TFM = [sys.executable, "-m", "transformer_cli.cli"]
 

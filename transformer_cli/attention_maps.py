@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .data.batches import pad_batch
+from .decoding.search import greedy_search
+from .decoding.translation import warn_long_lines
 from .experiment.checkpoint import TrainedModel
 from .model.lengths import source_token_limit
 from .model.special_tokens import BOS_ID, EOS_ID
-from .data.batches import pad_batch
-from .decoding.search import greedy_search
-from .runtime.errors import TfmError
 from .model.transformer import Transformer
-from .decoding.translation import warn_long_lines
+from .runtime.errors import TfmError
 
 
 @torch.inference_mode()

@@ -21,6 +21,7 @@ from .runtime.entry import user_errors_in_one_line
 from .runtime.errors import TfmError, describe_os_error
 from .runtime.files import refuse_output_among_inputs, refuse_run_files
 
+
 class OneValueOptions(TyperCommand):
     """A command whose single-valued options refuse a second value: click keeps the last one
     silently (`translate --checkpoint A --checkpoint B` translated with B alone)."""
@@ -402,7 +403,8 @@ def serve(
     """
     cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
     try:
-        from .serve.server import listening_address, serve as run_server
+        from .serve.server import listening_address
+        from .serve.server import serve as run_server
     except ImportError as exc:
         raise TfmError(f"tfm serve needs FastAPI and uvicorn: pip install -e '.[serve]' ({exc})") from None
     shown_host, loopback = listening_address(host)
@@ -572,9 +574,9 @@ def _chosen_directions(spec: str) -> list | str:
 def _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine, compute_type, chosen,
                          constraints, tgt_lang):
     """`tfm evaluate --config` of a multilingual run (or with --directions): every direction."""
-    from .experiment.directions import Direction
     from .decoding.engine import model_files
     from .evaluate import evaluate_directions
+    from .experiment.directions import Direction
 
     if constraints is not None or tgt_lang is not None:
         option = "--constraints" if constraints is not None else "--tgt-lang"

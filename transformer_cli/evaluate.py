@@ -11,10 +11,10 @@ from pathlib import Path
 from sacrebleu.metrics import BLEU, CHRF, TER
 from sacrebleu.significance import PairedTest
 
+from .decoding.terms import LineTerms, avoided_present, missing_constraints, split_constraints_line
 from .experiment.directions import Direction, tag
 from .runtime.errors import TfmError
 from .runtime.files import atomic_write_text, read_lines
-from .decoding.terms import LineTerms, avoided_present, missing_constraints, split_constraints_line
 
 METRICS = {"bleu": BLEU, "chrf": CHRF, "ter": TER}
 
@@ -139,9 +139,9 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
     `tgt_lang`: the target-language tag for a model that translates into several."""
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
     from .data.prepare import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
-    from .experiment.rundir import RunDirectory
     from .decoding.engine import open_engine
     from .decoding.translation import translate_texts
+    from .experiment.rundir import RunDirectory
 
     src_path, ref_path = split_files(config, split)
     src, refs = read_lines(src_path), read_lines(ref_path)
@@ -213,11 +213,11 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
     for the output language (off-target rate, `data/language_id.py`). A direction the run never trained
     is marked zero-shot. The result's scores are the average over the trained directions scored
     (over all of them where none was trained); `extra["directions"]` holds each one's."""
+    from .data.language_id import LanguageId
     from .data.prepare import language_files, split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .decoding.engine import open_engine
-    from .data.language_id import LanguageId
-    from .experiment.rundir import RunDirectory
     from .decoding.translation import translate_texts
+    from .experiment.rundir import RunDirectory
 
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
     trained = config.data.pairs

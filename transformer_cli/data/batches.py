@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from ..experiment.directions import epoch_sample, split_ranges
-from ..runtime.errors import TfmError
 from ..experiment.rundir import RunDirectory
 from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID
+from ..runtime.errors import TfmError
 
 
 def array_path(stem: Path, name: str) -> Path:

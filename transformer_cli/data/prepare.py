@@ -24,28 +24,28 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from ..experiment.config import ExperimentConfig, config_to_yaml
+from ..experiment.directions import Direction, sampling_rates, tag, tag_piece
+from ..experiment.rundir import SIDES, SPLITS, RunDirectory
+from ..experiment.runlock import RunLock
+from ..model.lengths import source_token_limit
+from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from ..runtime.cpu import usable_cores
+from ..runtime.errors import TfmError
+from ..runtime.files import atomic_path, atomic_write_bytes, atomic_write_text, iter_raw_lines, remove_stale_temps
+from .batches import array_path
 from .corpus import (
+    Corpus,
     EncodeTask,
-    count_lines,
-    sample_lines,
     NpyAppender,
+    corpora_chunks,
+    count_lines,
     encode_chunk,
     init_encoder,
     ordered_map,
-    Corpus,
-    corpora_chunks,
+    sample_lines,
     sample_pairs,
 )
-from ..runtime.cpu import usable_cores
-from ..experiment.directions import Direction, sampling_rates, tag, tag_piece
 from .language_tags import known_languages
-from ..runtime.errors import TfmError
-from ..runtime.files import atomic_path, atomic_write_bytes, atomic_write_text, iter_raw_lines, remove_stale_temps
-from ..experiment.rundir import SIDES, SPLITS, RunDirectory
-from ..experiment.runlock import RunLock
-from .batches import array_path
-from ..model.lengths import source_token_limit
-from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 
 def corpus_file(prefix: str, lang: str) -> Path:

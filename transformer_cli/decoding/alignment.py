@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from ..model.special_tokens import BOS_ID, EOS_ID
-
 from ..data.batches import pad_batch
-from .hypothesis import Hypothesis
 from ..model.lengths import source_token_limit
-from .ensemble import Ensemble
-from ..runtime.errors import TfmError
+from ..model.special_tokens import BOS_ID, EOS_ID
 from ..model.transformer import Transformer
+from ..runtime.errors import TfmError
+from .ensemble import Ensemble
+from .hypothesis import Hypothesis
 
 WORD_START = "\u2581"  # sentencepiece's mark for "a new word starts here" (▁)
 

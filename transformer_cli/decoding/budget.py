@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..experiment.config import DecodeConfig, parse_size
-from ..runtime.errors import TfmError
 from ..model.lengths import output_length_limit, output_token_cap, source_token_limit
+from ..runtime.errors import TfmError
 
 
 class ModelSizes(Protocol):

@@ -88,8 +88,8 @@ def model_files(cfg: ExperimentConfig) -> list[Path]:
     run's best-validated checkpoint."""
     if cfg.decode.checkpoints:
         return [Path(p) for p in cfg.decode.checkpoints]
-    from ..runtime.console import warn
     from ..experiment.rundir import RunDirectory, vocab_mismatch
+    from ..runtime.console import warn
 
     run = RunDirectory(cfg.run_path)
     checkpoint = run.default_checkpoint()
@@ -205,9 +205,9 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
     ct2_device, device_reason = ctranslate2_device(device) if reason is None else (None, None)
     if reason or device_reason:
         return fall_back(reason or device_reason or "")
-    from .ct2_engine import CT2Translator
     from ..interop.ct2 import NotConvertible, read_export
     from ..interop.ct2_cache import cached_conversion, discard
+    from .ct2_engine import CT2Translator
 
     try:
         conversion = cached_conversion(checkpoints[0])

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
+from ..model.decoder_state import SearchModel, SearchState
+from ..model.lengths import output_token_cap
 from .budget import check_deadline
 from .constraints import AvoidedSequences, ConstrainedBeams, recent_tokens
-from .top_k import top_k, top_k_in_chunks
-from ..model.decoder_state import SearchModel, SearchState
 from .hypothesis import Hypothesis
-from ..model.lengths import output_token_cap
+from .top_k import top_k, top_k_in_chunks
 
 if TYPE_CHECKING:
     from ..experiment.config import DecodeConfig

@@ -9,23 +9,23 @@ from pathlib import Path
 
 import torch
 
-from .alignment import word_alignments
-from .budget import searches_end_by
+from ..data.batches import pad_batch
 from ..experiment.checkpoint import load_trained_model
 from ..experiment.config import DecodeConfig, apply_override, check_inference_overrides, config_from_dict
+from ..model.cpu_inference import pack_linear_layers, quantize_int8
+from ..model.lengths import source_token_limit
+from ..model.special_tokens import BOS_ID, EOS_ID
+from ..model.transformer import Transformer, TransformerConfig
 from ..runtime.console import warn
 from ..runtime.cpu import denormals_flushed_to_zero, keep_freed_memory
-from ..model.cpu_inference import pack_linear_layers, quantize_int8
-from ..model.special_tokens import BOS_ID, EOS_ID
-from ..data.batches import pad_batch
-from .search import SearchSettings, beam_search, greedy_search, greedy_search_continuous, sample_search
 from ..runtime.devices import is_out_of_memory, resolve_device, split_on_out_of_memory
-from .ensemble import load_ensemble
 from ..runtime.errors import TfmError
-from .hypothesis import Hypothesis
-from ..model.lengths import source_token_limit
-from ..model.transformer import Transformer, TransformerConfig
 from ..runtime.precision import choose_decoding_precision
+from .alignment import word_alignments
+from .budget import searches_end_by
+from .ensemble import load_ensemble
+from .hypothesis import Hypothesis
+from .search import SearchSettings, beam_search, greedy_search, greedy_search_continuous, sample_search
 from .terms import TermIds
 from .translation import TranslationEngine, balanced_batches, length_sorted_batches
 from .workers import DecodingWorkers, resolve_workers

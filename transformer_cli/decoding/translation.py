@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .budget import check_decoding_budget, check_decoding_work
+from ..data.language_tags import TargetLanguages, known_languages
 from ..experiment.config import DecodeConfig
 from ..runtime.console import warn, write_fully
 from ..runtime.errors import TfmError
+from .budget import check_decoding_budget, check_decoding_work
 from .hypothesis import Hypothesis
-from ..data.language_tags import TargetLanguages, known_languages
 from .terms import LineTerms, TermIds, avoided_present, conflicts, missing_constraints, spellings
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from ..runtime.cpu import usable_cores
 from ..runtime.errors import TfmError
-from .budget import SearchesStopped
 from ..runtime.signals import die_with_parent
+from .budget import SearchesStopped
 
 _TASK: Callable[..., Any] | None = None  # set in the parent just before forking; inherited by the workers
 _PARENT: int | None = None  # the forking process's id, likewise

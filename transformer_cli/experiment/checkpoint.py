@@ -13,10 +13,10 @@ from typing import Any
 import sentencepiece as spm
 import torch
 
-from .config import ExperimentConfig, config_from_dict
+from ..model.transformer import Transformer, TransformerConfig
 from ..runtime.errors import TfmError
 from ..runtime.files import atomic_write_bytes
-from ..model.transformer import Transformer, TransformerConfig
+from .config import ExperimentConfig, config_from_dict
 
 FORMAT = "tfm-checkpoint-1"
 # What only checkpoint_last.pt holds (resuming needs it; translating does not).

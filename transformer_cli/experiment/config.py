@@ -26,10 +26,9 @@ from pydantic import (
     model_validator,
 )
 
-from .directions import Direction, parse_direction
 from ..runtime.errors import TfmError
 from ..runtime.files import CONFIG_NAME, MANIFEST_NAME
-
+from .directions import Direction, parse_direction
 
 # --------------------------------------------------------------------------- reading YAML strictly
 

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 import sentencepiece as spm
 
 from ..experiment.config import DecodeConfig, apply_override, check_inference_overrides, config_from_dict
+from ..model.special_tokens import BOS_ID, EOS_ID, UNK_ID
 from ..runtime.errors import TfmError
 from ..runtime.files import staging_directory
-from ..model.special_tokens import BOS_ID, EOS_ID, UNK_ID
 
 if TYPE_CHECKING:  # this module imports neither torch nor numpy: CTranslate2 translates without them
     import numpy as np

@@ -30,11 +30,11 @@ import torch
 
 from ..experiment.checkpoint import model_payload, save_checkpoint
 from ..experiment.config import config_from_dict, config_to_yaml
+from ..experiment.rundir import BEST, RunDirectory
 from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from ..model.transformer import Transformer, TransformerConfig, sinusoidal_table
 from ..runtime.errors import TfmError
 from ..runtime.files import atomic_write_text, staging_directory
-from ..model.transformer import Transformer, TransformerConfig, sinusoidal_table
-from ..experiment.rundir import BEST, RunDirectory
 
 NEVER = -1.0e4  # output bias of tokens an imported model never produces (<pad>, tfm's added <s>)
 ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu", "gelu": "gelu"}

@@ -11,7 +11,6 @@ import os
 import sys
 from collections.abc import Iterator
 
-
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _configured = False
 

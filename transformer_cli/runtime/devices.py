@@ -7,8 +7,8 @@ from typing import TypeVar
 
 import torch
 
-from .errors import TfmError
 from ..model.kernels import leave_out_cudnn_attention
+from .errors import TfmError
 
 T = TypeVar("T")
 R = TypeVar("R")

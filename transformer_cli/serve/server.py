@@ -47,15 +47,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..decoding.budget import DeadlinePassed, SearchesStopped, stop_searches
+from ..decoding.engine import CheckpointReplaced
+from ..decoding.terms import LineTerms, conflicts, unique
+from ..decoding.translation import MAX_CONSTRAINTS, Translation, TranslationEngine
+from ..decoding.workers import DecodingProcessDied
 from ..experiment.config import DecodeConfig, refuse_booleans_as_numbers
 from ..runtime.console import discard_writes, warn
 from ..runtime.errors import TfmError
 from ..runtime.signals import Terminated, outputs_a_hangup_takes
-from ..decoding.terms import LineTerms, conflicts, unique
-from ..decoding.translation import MAX_CONSTRAINTS, Translation, TranslationEngine
-from ..decoding.budget import DeadlinePassed, SearchesStopped, stop_searches
-from ..decoding.engine import CheckpointReplaced
-from ..decoding.workers import DecodingProcessDied
+
 
 class TranslateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

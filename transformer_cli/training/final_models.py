@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 from ..experiment.checkpoint import average_state_dicts
 from ..experiment.config import TrainConfig
-from .ema import WeightAverage
-from ..model.transformer import Transformer
 from ..experiment.rundir import AVERAGE, EMA, RunDirectory, step_of
+from ..model.transformer import Transformer
+from .ema import WeightAverage
 from .validation import Validation
 
 

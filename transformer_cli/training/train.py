@@ -23,30 +23,30 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..runtime.allocator import loaded_allocator
+from ..data.batch_stream import BatchStream, CollatedUpdates, Update
+from ..data.batches import ParallelData, padding_ratio
 from ..experiment.checkpoint import TrainingState, load_initial_weights, model_payload, training_payload
 from ..experiment.config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
-from ..runtime.console import TrainingConsole
-from ..runtime.cpu import keep_freed_memory, release_freed_memory
-from ..model.special_tokens import PAD_ID
-from ..data.batches import ParallelData, padding_ratio
-from ..runtime.devices import is_out_of_memory, resolve_device
-from .distributed import StopVote, World, all_max, all_rng_states, all_sum, join, leave, world_from_environment
-from ..data.batch_stream import BatchStream, CollatedUpdates, Update
-from .ema import WeightAverage
-from ..model.kernels import compile_for_training
-from .step_health import StepLedger, gradient_norm
-from ..runtime.errors import Interrupted, TfmError
-from ..runtime.files import atomic_write_text, remove_stale_temps
-from .loss import batch_loss
-from ..model.transformer import Transformer, TransformerConfig
-from ..runtime.precision import autocast_dtype, choose_precision
 from ..experiment.rundir import AVERAGE, BEST, EMA, LAST, MetricsLog, RunDirectory, vocab_mismatch
 from ..experiment.runlock import RunLock
-from .schedule import next_learning_rate
+from ..model.kernels import compile_for_training
+from ..model.special_tokens import PAD_ID
+from ..model.transformer import Transformer, TransformerConfig
+from ..runtime.allocator import loaded_allocator
+from ..runtime.console import TrainingConsole
+from ..runtime.cpu import keep_freed_memory, release_freed_memory
+from ..runtime.devices import is_out_of_memory, resolve_device
+from ..runtime.errors import Interrupted, TfmError
+from ..runtime.files import atomic_write_text, remove_stale_temps
+from ..runtime.precision import autocast_dtype, choose_precision
 from ..runtime.signals import EXIT_CODES, StopRequest
-from .tensorboard_log import TensorBoardLog
+from .distributed import StopVote, World, all_max, all_rng_states, all_sum, join, leave, world_from_environment
+from .ema import WeightAverage
 from .final_models import FinalModels
+from .loss import batch_loss
+from .schedule import next_learning_rate
+from .step_health import StepLedger, gradient_norm
+from .tensorboard_log import TensorBoardLog
 from .validation import Validation
 
 

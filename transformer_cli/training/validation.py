@@ -10,13 +10,13 @@ import sacrebleu
 import sentencepiece as spm
 import torch
 
-from ..experiment.config import ExperimentConfig
 from ..data.batches import ParallelData
+from ..decoding.torch_engine import decode_in_batches
+from ..experiment.config import ExperimentConfig
+from ..experiment.rundir import RunDirectory
+from ..model.transformer import Transformer
 from ..runtime.files import read_lines
 from .loss import batch_loss
-from ..model.transformer import Transformer
-from ..experiment.rundir import RunDirectory
-from ..decoding.torch_engine import decode_in_batches
 
 
 @torch.no_grad()
