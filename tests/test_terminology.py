@@ -417,3 +417,26 @@ def test_a_lines_own_prefix_and_another_prefix_option_are_refused_not_one_droppe
     same = tfm_in_process("translate", "--checkpoint", checkpoint, "--engine", "torch", "--constraints",
                           "--prefix", "wc", input="wa wb wc\t^wc\nwd we\t\n", )
     assert same.exit_code == 0 and all(line.startswith("wc") for line in same.stdout.splitlines()), same.stderr
+
+
+def test_after_a_term_the_constrained_beam_bars_pieces_that_would_continue_its_word():
+    from transformer_cli.decoding.constraints import ConstrainedBeams
+
+    beams = ConstrainedBeams([[[5, 6]], [[7]]], torch.arange(2), k=2)  # sentence 0: term 5 6; sentence 1: term 7
+    beams.just_met = torch.tensor([True, False, False, True])  # rows 0 and 3 just placed their term's last token
+    logprobs = torch.zeros(4, 10)
+    continuations = torch.zeros(10, dtype=torch.bool)
+    continuations[[2, 8]] = True  # e.g. "eeee", "s": no "▁" before a letter
+    beams.bar_word_continuations(logprobs, continuations)
+    barred = logprobs == float("-inf")
+    assert barred[0].nonzero().flatten().tolist() == [2, 8] and barred[3].nonzero().flatten().tolist() == [2, 8]
+    assert not barred[1].any() and not barred[2].any()
+
+
+def test_constraints_placed_by_the_search_are_met_as_whole_words(checkpoint, lines):
+    """Every term the constrained beam places is reported met under the whole-word rule."""
+    translator = engine(checkpoint)
+    terms = [LineTerms(constraints=tuple(absent_words(line, 2, seed))) for seed, line in enumerate(lines)]
+    found = translator.translate(lines, beam=4, terms=terms)
+    assert all(not t[0].unmet for t in found), [(t[0].text, t[0].unmet) for t in found if t[0].unmet]
+    assert all(missing_constraints(t[0].text, terms) == [] for t, terms in zip(found, terms))

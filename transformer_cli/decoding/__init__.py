@@ -4,8 +4,9 @@ translation.py is what every engine shares (the `TranslationEngine` interface, s
 over-long lines, n-best); engine.py picks the engine (`decode.engine`); torch_engine.py is tfm's own
 (batches, worker processes, ensembles) over search.py (greedy, beam and sampling searches);
 ct2_engine.py is CTranslate2's. Around the search: constraints.py, terms.py and top_k.py
-(terminology), ensemble.py, alignment.py (word alignments), budget.py (what a search may cost,
-checked before it starts), workers.py (decoding processes), hypothesis.py (what a search returns).
+(terminology), glossary.py (terminology made from parallel text), ensemble.py, alignment.py (word
+alignments), budget.py (what a search may cost, checked before it starts, and its deadline),
+workers.py (decoding processes), hypothesis.py (what a search returns).
 
 Entry points: `engine.open_engine`, `translation.translate_stream`, `torch_engine.Translator`.
 May import: the model, runtime, experiment, data and interop wings.

@@ -233,7 +233,8 @@ class ConstrainedBeams:
         self.table = ConstraintTable(constraints, alive.device)
         self.k = k
         self.matched, self.met = self.table.initial(alive.repeat_interleave(k))  # (N·K, C)
-        self.chosen: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.just_met = torch.zeros(len(self.met), dtype=torch.bool, device=alive.device)  # (N·K,) a term ended here
+        self.chosen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def unfinished(self) -> torch.Tensor:
         """(N·K,) rows with a term still to place."""
@@ -243,6 +244,12 @@ class ConstrainedBeams:
         """In place: <eos> is -inf for rows with a term still to place."""
         unfinished = self.unfinished()[:: self.k] if rows_per_sentence == 1 else self.unfinished()
         logprobs[:, eos].masked_fill_(unfinished, NEG_INF)
+
+    def bar_word_continuations(self, logprobs: torch.Tensor, continuations: torch.Tensor) -> None:
+        """In place: a row whose last token ended a term may not go on with a piece that continues
+        the word (`continuations` (V,) bool): a term is met as whole words ("Hund", not "Hundeeee")."""
+        if bool(self.just_met.any()):
+            logprobs.masked_fill_(self.just_met[:, None] & continuations[None, :], NEG_INF)
 
     def extra_candidates(self, logprobs: torch.Tensor, beam_scores: torch.Tensor, alive: torch.Tensor,
                          rows_per_sentence: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,6 +285,7 @@ class ConstrainedBeams:
         beams, tokens = ids // vocab, ids % vocab
         rows = torch.arange(n, device=ids.device)[:, None] * self.k + beams  # (N, M) the row each extends
         matched, met = self.table.advance(alive, self.matched[rows], self.met[rows], tokens)  # (N, M, C)
+        just_met = (met & ~self.met[rows]).any(dim=-1)  # (N, M) the candidate's token ends a term
         bank = self.table.progress(alive[:, None].expand(n, m), matched, met)  # (N, M)
 
         by_score = scores.argsort(dim=1, descending=True, stable=True)
@@ -288,7 +296,7 @@ class ConstrainedBeams:
         key = key.masked_fill(scores.gather(1, by_score) == NEG_INF, m * self.table.banks)
         filled = by_score.gather(1, key.argsort(dim=1, stable=True))  # (N, M) positions, in filling order
         index = filled[:, :, None].expand(n, m, self.table.count)
-        self.chosen = (matched.gather(1, index), met.gather(1, index))
+        self.chosen = (matched.gather(1, index), met.gather(1, index), just_met.gather(1, filled))
         return scores.gather(1, filled), ids.gather(1, filled)
 
     def select(self, picked: torch.Tensor) -> None:
@@ -297,6 +305,7 @@ class ConstrainedBeams:
         index = picked[:, :, None].expand(*picked.shape, self.table.count)
         self.matched = self.chosen[0].gather(1, index).view(-1, self.table.count)
         self.met = self.chosen[1].gather(1, index).view(-1, self.table.count)
+        self.just_met = self.chosen[2].gather(1, picked).view(-1)
         self.chosen = None
 
     def complete(self) -> torch.Tensor:
@@ -305,3 +314,4 @@ class ConstrainedBeams:
 
     def keep(self, rows: torch.Tensor) -> None:
         self.matched, self.met = self.matched.index_select(0, rows), self.met.index_select(0, rows)
+        self.just_met = self.just_met.index_select(0, rows)

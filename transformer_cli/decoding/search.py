@@ -50,6 +50,7 @@ class SearchSettings:
     min_len: int = 0  # output tokens at least (benchmarks that force lengths)
     sampling: Sampling | None = None  # draw tokens instead of searching
     deadline: float | None = None  # time.monotonic() by which the search must end (budget.searches_end_by)
+    word_continuations: tuple[int, ...] = ()  # target pieces that continue a word (constraints: whole words)
 
     @classmethod
     def from_decode(cls, decode: DecodeConfig, beam: int | None = None, nbest: int = 1, min_len: int = 0,
@@ -447,7 +448,7 @@ def force_prefix(logprobs: torch.Tensor, tokens: torch.Tensor, rows_per_sentence
 def beam_search(
     model: SearchModel, src: torch.Tensor, bos: int, eos: int, beam: int = 5,
     alpha: float = 0.6, max_len_a: float = 1.5, max_len_b: int = 10, nbest: int = 1, min_len: int = 0,
-    terms: list[TermIds] | None = None,
+    terms: list[TermIds] | None = None, word_continuations: torch.Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search with GNMT length penalty; returns the `nbest` best hypotheses per sentence.
 
@@ -463,7 +464,9 @@ def beam_search(
 
     `terms`: per sentence, target ids every hypothesis starts with (`bar_tokens`), sequences none
     may contain, and terms each must contain (`beam_candidates`); a sentence whose terms cannot all
-    be placed within its length limit gets no hypothesis ([]).
+    be placed within its length limit gets no hypothesis ([]). `word_continuations` (V,) bool: the
+    pieces that continue a word (no "▁" before a letter or digit); none may follow a term's last
+    token, so that a term is placed as whole words.
     """
     pad = model.cfg.pad_id
     device = src.device
@@ -502,6 +505,8 @@ def beam_search(
         logprobs = log_probs(logits, buffer)
         vocab = logprobs.size(-1)
         bar_tokens(logprobs, step, eos, min_len, forced, avoided, alive, history, k)
+        if constrained is not None and word_continuations is not None and step:
+            constrained.bar_word_continuations(logprobs, word_continuations)
         top_scores, top_ids = beam_candidates(logprobs, beam_scores, step, k, eos, alive, constrained)
         top_beams, top_tokens = top_ids // vocab, top_ids % vocab
         is_eos = top_tokens == eos

@@ -4,6 +4,8 @@ search in torch, in length-sorted batches, on worker processes. What every engin
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -29,6 +31,8 @@ from .search import SearchSettings, beam_search, greedy_search, greedy_search_co
 from .terms import TermIds
 from .translation import TranslationEngine, balanced_batches, length_sorted_batches
 from .workers import DecodingWorkers, resolve_workers
+
+WORD_CHARACTER = re.compile(r"[^\W_]")  # a piece that starts with one (not "▁") continues the word before it
 
 
 class Translator(TranslationEngine):
@@ -119,8 +123,21 @@ class Translator(TranslationEngine):
                deadline: float | None = None) -> list[list[Hypothesis]]:
         decode = decode or self.decode
         self.check_search_budget(sources, beam, nbest, decode, terms)
+        continuations = self.word_continuations() if terms and any(t.constraints for t in terms) else ()
         return decode_in_batches(self.model, sources, decode, self.device, beam, nbest,
-                                 workers=self.decoding_workers(), terms=terms, deadline=deadline)
+                                 workers=self.decoding_workers(), terms=terms, deadline=deadline,
+                                 word_continuations=continuations)
+
+    def word_continuations(self) -> tuple[int, ...]:
+        """The target pieces that continue a word: no "▁" before a letter or digit (constraints are
+        placed as whole words: none of these may follow a term)."""
+        if "_continuations" not in self.__dict__:
+            sp = self.tgt_sp
+            self._continuations = tuple(
+                i for i in range(sp.get_piece_size())
+                if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))
+                and WORD_CHARACTER.match(sp.id_to_piece(i)))
+        return self._continuations
 
     def target_pieces(self) -> dict[str, int]:
         sp = self.tgt_sp
@@ -147,6 +164,7 @@ def decode_in_batches(
     model: Transformer, sources: list[list[int]], decode: DecodeConfig, device: torch.device,
     beam: int | None = None, nbest: int = 1, min_len: int = 0, max_len: int | None = None,
     workers: DecodingWorkers | None = None, terms: list[TermIds] | None = None, deadline: float | None = None,
+    word_continuations: tuple[int, ...] = (),
 ) -> list[list[Hypothesis]]:
     """Translate id sequences (no <eos>) → per sentence its n-best hypotheses, in input order:
     sources longer than the model's positions are cut, the rest grouped into length-sorted batches
@@ -156,8 +174,10 @@ def decode_in_batches(
     with untrained weights). `terms`: per source, the target ids its hypotheses start with, must
     contain and must not contain (`TermIds`); each travels with its source through batches and tasks.
     `deadline`: the time.monotonic() by which every search must end (DeadlinePassed otherwise).
+    `word_continuations`: the target pieces that continue a word (none may follow a constraint).
     """
-    settings = SearchSettings.from_decode(decode, beam, nbest, min_len, max_len, deadline)
+    settings = replace(SearchSettings.from_decode(decode, beam, nbest, min_len, max_len, deadline),
+                       word_continuations=word_continuations)
     keep = source_token_limit(model.cfg.max_positions)
     sources = [s[:keep] + [EOS_ID] for s in sources]  # source too long → truncated
     results: list[list[Hypothesis]] = [[] for _ in sources]
@@ -215,6 +235,11 @@ def decode_task(model: Transformer, device: torch.device, batches: list[list[lis
     def padded(rows: list[list[int]]) -> torch.Tensor:
         return pad_batch(rows).to(device)
 
+    continuations = None
+    if s.word_continuations:
+        continuations = torch.zeros(model.cfg.tgt_vocab_size, dtype=torch.bool, device=device)
+        continuations[list(s.word_continuations)] = True
+
     def search(number: int, rows: list[int]) -> list[list[Hypothesis]]:
         src = padded([batches[number][i] for i in rows])
         own = [terms[number][i] for i in rows] if terms else None  # each row's own
@@ -225,7 +250,7 @@ def decode_task(model: Transformer, device: torch.device, batches: list[list[lis
             return [[h] for h in greedy_search(model, src, BOS_ID, EOS_ID, s.max_len_a, s.max_len_b, s.min_len,
                                                terms=own)]
         found = beam_search(model, src, BOS_ID, EOS_ID, s.beam, s.length_penalty, s.max_len_a, s.max_len_b,
-                            s.nbest, s.min_len, terms=own)
+                            s.nbest, s.min_len, terms=own, word_continuations=continuations)
         unmet = [i for i, hyps in enumerate(found) if not hyps and own and own[i].constraints]
         if unmet:  # constraints that do not fit: the best translation without them
             loose = [TermIds(own[i].prefix, [], own[i].avoid) for i in unmet]  # type: ignore[index]
