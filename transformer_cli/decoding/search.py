@@ -394,12 +394,16 @@ def finished_needed(terms: list[TermIds] | None, n_sent: int, nbest: int, k: int
 
 
 def bar_tokens(logprobs: torch.Tensor, step: int, eos: int, min_len: int, forced: torch.Tensor | None,
-               avoided: AvoidedSequences | None, alive: torch.Tensor, history: torch.Tensor, k: int) -> None:
+               avoided: AvoidedSequences | None, alive: torch.Tensor, history: torch.Tensor, k: int,
+               constrained: ConstrainedBeams | None = None, word_continuations: torch.Tensor | None = None) -> None:
     """In place, beam search's -inf before the candidates are chosen: <eos> before `min_len`;
     while a sentence is in its prefix (`forced` (N, P) target ids, -1 after it), every token but
     the prefix's (its beams hold the prefix, then spread); the last token of an avoided sequence
-    whose other tokens a row's `history` ends with."""
+    whose other tokens a row's `history` ends with; after a term's last token, the pieces that
+    would continue its word (`word_continuations`)."""
     rows_per_sentence = 1 if step == 0 else k
+    if constrained is not None and word_continuations is not None and step:
+        constrained.bar_word_continuations(logprobs, word_continuations)
     if step < min_len:
         logprobs[:, eos] = float("-inf")
     if forced is not None and step < forced.size(1):
@@ -460,13 +464,11 @@ def beam_search(
     alpha = 0 this is exact: live scores only fall. Stopping at K finished hypotheses alone
     (fairseq's rule) loses the best translation of a confident model, whose K finished hypotheses
     can all be improbable early <eos> picks made while the one good beam is still running.
-    Done sentences leave the batch, so no compute is spent on them.
-
-    `terms`: per sentence, target ids every hypothesis starts with (`bar_tokens`), sequences none
-    may contain, and terms each must contain (`beam_candidates`); a sentence whose terms cannot all
-    be placed within its length limit gets no hypothesis ([]). `word_continuations` (V,) bool: the
-    pieces that continue a word (no "▁" before a letter or digit); none may follow a term's last
-    token, so that a term is placed as whole words.
+    Done sentences leave the batch, so no compute is spent on them. `terms`: per sentence, target
+    ids every hypothesis starts with (`bar_tokens`), sequences none may contain, and terms each must
+    contain (`beam_candidates`; whole words: none of `word_continuations` (V,) follows a term's
+    last token); a sentence whose terms cannot all be placed within its length limit gets no
+    hypothesis ([]).
     """
     pad = model.cfg.pad_id
     device = src.device
@@ -504,9 +506,7 @@ def beam_search(
             buffer = logits_buffer(n_sent * k, logits)
         logprobs = log_probs(logits, buffer)
         vocab = logprobs.size(-1)
-        bar_tokens(logprobs, step, eos, min_len, forced, avoided, alive, history, k)
-        if constrained is not None and word_continuations is not None and step:
-            constrained.bar_word_continuations(logprobs, word_continuations)
+        bar_tokens(logprobs, step, eos, min_len, forced, avoided, alive, history, k, constrained, word_continuations)
         top_scores, top_ids = beam_candidates(logprobs, beam_scores, step, k, eos, alive, constrained)
         top_beams, top_tokens = top_ids // vocab, top_ids % vocab
         is_eos = top_tokens == eos
