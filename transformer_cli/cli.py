@@ -389,8 +389,8 @@ def serve(
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", min=1, max=1 << 30,
                                        help="Largest request body; a larger one gets 413 before it is read."),
     request_timeout: float = typer.Option(60.0, "--request-timeout", min=0.1, max=86_400.0,
-                                          help="Seconds a request may take; past them it gets 504 and its decoding "
-                                          "stops, so that other requests are served."),
+                                          help="Seconds a request's decoding may take; past them it gets 504 and its "
+                                          "decoding stops, so that the requests behind it are served."),
     header_timeout: float = typer.Option(10.0, "--header-timeout", min=0.1, max=3_600.0,
                                          help="Seconds a connection may take to send a request's headers."),
     debug: bool = typer.Option(False, "--debug", help="Log a traceback with each failed request (5xx)."),

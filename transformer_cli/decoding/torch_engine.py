@@ -44,6 +44,7 @@ class Translator(TranslationEngine):
 
     name = "torch"
     lexical_constraints = True
+    stops_at_deadline = True
 
     def __init__(self, model: Transformer, src_sp, tgt_sp, decode: DecodeConfig, device: torch.device):
         self.model, self.src_sp, self.tgt_sp, self.decode, self.device = model, src_sp, tgt_sp, decode, device

@@ -53,6 +53,7 @@ class TranslationEngine:
     memory_limit: int | None = None
     decodes_in_background = False  # `search_later` returns before the search is done (CTranslate2)
     lexical_constraints = False  # terms a translation must contain or avoid (tfm's engine); prefixes: every engine
+    stops_at_deadline = False  # the search ends itself between two steps at `search`'s deadline (tfm's engine)
     own_language: str | None = None  # the target language of the config the model was trained with
     src_sp: Any  # the source sentencepiece model (its pieces hold the target-language tags)
 

@@ -22,8 +22,9 @@ One client never hurts another (docs/reliability.md, "tfm serve under abuse"):
 - an error is one JSON object `{"error": "…"}` (never the request echoed back) and at most one log
   line, with a traceback only under `--debug`.
 Time is budgeted like memory: a request whose estimated work is over decode.max_work gets 413
-before it is decoded; one that runs past `--request-timeout` gets 504 and tfm's engine stops its
-search between two steps, so that the requests queued behind it are served; a connection that
+before it is decoded; one whose decoding runs past `--request-timeout` gets 504 and tfm's engine
+stops its search between two steps, so that the requests queued behind it are served (their wait
+does not count against them); a connection that
 does not send its headers within `--header-timeout` is closed.
 SIGTERM, SIGINT (Ctrl-C) and SIGHUP (the terminal went away) stop accepting, let the requests in
 flight finish for up to SHUTDOWN_GRACE seconds (then, or at a second signal, their decoding is cut),
@@ -132,12 +133,12 @@ class Job:
     decode: DecodeConfig
     done: asyncio.Future = field(repr=False)
     terms: list[LineTerms] | None = None  # per line
-    deadline: float | None = None  # time.monotonic() by which it must be translated (--request-timeout)
+    timeout: float | None = None  # seconds its decoding may take (--request-timeout)
 
 
 Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a call of the engine off the event loop
 IN_FLIGHT = 2  # request batches decoding at once (Batcher.run)
-DEADLINE_SLACK = 1.0  # seconds the answer waits past a request's deadline for its search to stop between steps
+DEADLINE_SLACK = 1.0  # seconds an answer from CTranslate2 (which cannot stop a batch) is waited for past the timeout
 SHUTDOWN_GRACE = 5.0  # seconds requests in flight may take after SIGTERM/SIGINT/SIGHUP before they are cut
 HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers (slowloris)
 
@@ -205,8 +206,8 @@ class Batcher:
         self.runner = runner
 
     async def translate(self, lines: list[str], decode: DecodeConfig, terms: list[LineTerms] | None = None,
-                        deadline: float | None = None) -> list[list[Translation]]:
-        job = Job(lines, decode, asyncio.get_running_loop().create_future(), terms, deadline)
+                        timeout: float | None = None) -> list[list[Translation]]:
+        job = Job(lines, decode, asyncio.get_running_loop().create_future(), terms, timeout)
         await self.queue.put(job)
         return await job.done
 
@@ -244,22 +245,19 @@ class Batcher:
 
     async def _decode_together(self, jobs: list[Job], decode: DecodeConfig) -> None:
         jobs = [job for job in jobs if not job.done.done()]  # a client that went away cancelled its future
-        now = time.monotonic()
-        for job in jobs:
-            if job.deadline is not None and job.deadline <= now:  # waited out its time: never started
-                job.done.set_exception(DeadlinePassed("the request waited past its deadline (tfm serve --request-timeout)"))
-        jobs = [job for job in jobs if not job.done.done()]
         if not jobs:
             return
-        # The search stops between two steps at the last of its requests' deadlines (tfm's engine):
-        # a request that would hold the engine longer is cut there, and the others are served.
-        deadlines = [job.deadline for job in jobs]
-        deadline = None if None in deadlines else max(deadlines)  # type: ignore[type-var]
+        # tfm's engine stops the search between two steps once it has decoded for the requests'
+        # timeout: a request that would hold the engine longer is cut there (504), and the requests
+        # queued behind it, whose waiting does not count against them, are served next.
+        timeouts = [job.timeout for job in jobs]
+        timeout = None if None in timeouts else max(timeouts)  # type: ignore[type-var]
         lines = [line for job in jobs for line in job.lines]
         terms = ([t for job in jobs for t in (job.terms or [LineTerms()] * len(job.lines))]
                  if any(job.terms for job in jobs) else None)  # each line keeps its request's terms
         decode = request_batch_decode(decode, len(lines), self.processes)
         def start() -> Callable[[], list[list[Translation]]]:  # long lines are cut silently: one client must not flood the log
+            deadline = None if timeout is None else time.monotonic() + timeout  # from the start of its decoding
             return self.engine.translate_later(lines, nbest=decode.nbest, decode=decode, warn_long=False,
                                                terms=terms, deadline=deadline)
 
@@ -445,9 +443,12 @@ def within_budget(check: Callable[[list[str], DecodeConfig, list[LineTerms] | No
             raise RequestError(413, str(exc)) from None
 
 
-async def by_deadline(translation: Awaitable[Any], deadline: float) -> Any:
-    """The translation's result, or DeadlinePassed once `deadline` (time.monotonic()) is past by
-    DEADLINE_SLACK: tfm's engine has stopped its search by then; CTranslate2's batch may run on."""
+async def by_deadline(translation: Awaitable[Any], engine: TranslationEngine, deadline: float) -> Any:
+    """The translation's result. tfm's engine stops its own search at the timeout; an engine that
+    cannot (CTranslate2, whose batch runs on) is answered DeadlinePassed once `deadline`
+    (time.monotonic(), the request's arrival + timeout) is past by DEADLINE_SLACK."""
+    if engine.stops_at_deadline:
+        return await translation
     try:
         return await asyncio.wait_for(translation, deadline - time.monotonic() + DEADLINE_SLACK)
     except asyncio.TimeoutError:
@@ -457,7 +458,7 @@ async def by_deadline(translation: Awaitable[Any], deadline: float) -> Any:
 def failure_message(status: int, exc: BaseException, request_timeout: float) -> str:
     """What a failed request is told: its own error, or what the server's trouble means for it."""
     if status == 504:
-        return (f"the request was not translated within {request_timeout:g} s, this server's limit "
+        return (f"the request's decoding ran past {request_timeout:g} s, this server's limit "
                 "(tfm serve --request-timeout): send fewer lines or a smaller beam")
     if status < 500 or isinstance(exc, (DecodingProcessDied, SearchesStopped, CheckpointReplaced)):
         return str(exc)
@@ -562,7 +563,7 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
                 except TfmError as exc:
                     raise RequestError(422, f"{exc} (this server decodes with {target.describe()})") from None
             within_budget(check, lines, decode, terms)
-            results = await by_deadline(queue.translate(lines, decode, terms, arrived + request_timeout),
+            results = await by_deadline(queue.translate(lines, decode, terms, request_timeout), target,
                                         arrived + request_timeout)
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             status = error_status(exc)
