@@ -151,12 +151,14 @@ class CheckpointReplaced(TfmError):
     """The checkpoint a server started with was replaced: a second engine is not made from the new file."""
 
 
-def _identity(path: Path) -> tuple[int, ...] | None:
+def _identity(path: Path) -> list[int] | None:
+    """The file as the conversion cache tells files apart (device, inode, size, time); None: gone."""
+    from ..interop.ct2_cache import file_identity
+
     try:
-        status = path.stat()
+        return file_identity(path)
     except OSError:
         return None
-    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, checkpoints: list[Path] | None,
