@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..experiment.config import DecodeConfig
-from ..interop.ct2 import exported_decode, import_ctranslate2, read_export
+from ..interop.ct2 import ExportedModel, exported_decode, import_ctranslate2, read_export
 from ..model.lengths import output_length_limit, source_token_limit
 from ..runtime.errors import TfmError
 from .hypothesis import Hypothesis
@@ -54,13 +54,14 @@ class CT2Translator(TranslationEngine):
     decodes_in_background = True  # its threads: search_later submits and returns
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", compute_type: str | None = None,
-                 threads: int = 0, decode: DecodeConfig | None = None, overrides: list[str] | None = None):
+                 threads: int = 0, decode: DecodeConfig | None = None, overrides: list[str] | None = None,
+                 model: ExportedModel | None = None):
         """`decode` replaces the exported decode settings; `overrides` (`decode.beam=4`…) edit them.
         `compute_type` (decode.compute_type's values; None: decode.compute_type): auto is int8 on
-        CPU, float16 on CUDA."""
+        CPU, float16 on CUDA. `model`: the directory as `read_export` read it already."""
         ctranslate2 = import_ctranslate2()
         model_dir = Path(model_dir)
-        model = read_export(model_dir)
+        model = model if model is not None else read_export(model_dir)
         if decode is None:
             decode = exported_decode(model_dir, model.settings, overrides or [])
         if device not in ("auto", "cpu", "cuda"):

@@ -219,7 +219,7 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
         announce(conversion.note)
 
     try:
-        read_export(conversion.directory)
+        exported = read_export(conversion.directory)
     except TfmError as exc:  # tfm's own cache, damaged past what its record shows: made again, once
         if conversion.converted:
             raise
@@ -228,8 +228,9 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
         announce(f"warning: the cached CTranslate2 conversion of {checkpoints[0].name} could not be read ({why}): "
                  "made it again")
         conversion = cached_conversion(checkpoints[0])
+        exported = read_export(conversion.directory)
     translator = CT2Translator(conversion.directory, device=ct2_device or "cpu", compute_type=compute_type,
-                               decode=decode, overrides=None if cfg else overrides)
+                               decode=decode, overrides=None if cfg else overrides, model=exported)
     if cfg is None:  # the checkpoint's own settings, now known
         apply_decode_options(translator, updates)
         if translator.decode.engine == "torch" and engine is None:

@@ -8,6 +8,7 @@ run from the project root finds `data/multi30k/...` and writes `runs/...`.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 import re
@@ -76,8 +77,7 @@ def refuse_booleans_as_numbers(model: type[BaseModel], data: Any) -> Any:
     is refused where the key takes none, and a number or string where it takes only booleans
     (configs and serve requests alike)."""
     if isinstance(data, dict):
-        own = {name for d in model.__pydantic_decorators__.field_validators.values() if d.info.mode == "before"
-               for name in d.info.fields}  # a key with a reading of its own names its own values
+        own = _read_by_their_own_validators(model)  # such a key names its own values
         for name, value in data.items():
             field = model.model_fields.get(name) if isinstance(name, str) else None
             if field is None or name in own:
@@ -87,6 +87,13 @@ def refuse_booleans_as_numbers(model: type[BaseModel], data: Any) -> Any:
             if isinstance(value, (int, float, str)) and not isinstance(value, bool) and _only_bool(field.annotation):
                 raise ValueError(f"{name}: {value!r} is not a boolean; give true or false")
     return data
+
+
+@functools.lru_cache(maxsize=None)
+def _read_by_their_own_validators(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` with a `mode="before"` validator (computed once per model, not per request)."""
+    return frozenset(name for d in model.__pydantic_decorators__.field_validators.values()
+                     if d.info.mode == "before" for name in d.info.fields)
 
 
 def _only_bool(annotation: Any) -> bool:
