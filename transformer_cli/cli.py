@@ -164,23 +164,30 @@ def prepare(
     discard_checkpoints: bool = typer.Option(
         False, "--discard-checkpoints", help="Rebuild a run that has been trained: first move its checkpoints/, "
         "metrics.jsonl and tensorboard/ into a discarded-<time>/ folder of the run (without it, refused)."),
+    dropped: Optional[Path] = typer.Option(
+        None, "--dropped", help="Also write every training pair the filters drop, with its reason, to this file "
+        "(JSON lines: reason, direction, file, line, src, tgt)."),
 ) -> None:
-    """Train the sentencepiece vocabulary and binarise train/valid/test into the run directory."""
+    """Train the sentencepiece vocabulary and binarise train/valid/test into the run directory,
+    dropping the training pairs that data.filters finds noisy (a report says which and why)."""
     cfg = _load(config, set_)  # before importing torch (seconds on a slow CPU): config errors come at once
+    from .data.prepare import REPORT_FILE
     from .data.prepare import prepare as run_prepare
 
-    result = run_prepare(cfg, force=force, progress=sys.stderr.isatty(), discard_checkpoints=discard_checkpoints)
+    result = run_prepare(cfg, force=force, progress=sys.stderr.isatty(), discard_checkpoints=discard_checkpoints,
+                         dropped=dropped)
     if result.discarded is not None:
         warn(f"moved the earlier training (checkpoints/, metrics) to {result.discarded}")
     m = result.manifest
     if result.reused:
         say(f"{result.run_dir}: up to date, reused existing vocab and data (--force to rebuild)")
     else:
-        dropped = m["train_pairs_dropped"]
         say(f"prepared {result.run_dir} in {m['seconds']:.1f}s; vocab {m['vocab_size']['src']} "
-             f"({'joint' if cfg.vocab.joint else 'separate'}); dropped {sum(dropped.values())} of "
-             f"{m['train_pairs_read']} training pairs "
-             f"({', '.join(f'{k}: {v}' for k, v in dropped.items())})")
+            f"({'joint' if cfg.vocab.joint else 'separate'}); report {result.run_dir / REPORT_FILE}"
+            + (f"; dropped pairs in {dropped}" if dropped is not None else ""))
+        say(result.cleaning.table())
+        for warning in result.cleaning.warnings():
+            warn(f"WARNING: {warning}")
     for split, cut in m.get("truncated", {}).items():
         warn(f"warning: data.{split}: {cut['count']} pair(s) longer than {cut['max_tokens']} tokens "
              f"(model.max_positions - 2) kept but truncated; line(s) {', '.join(map(str, cut['lines']))}"

@@ -210,11 +210,12 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
                         engine: str | None = None, compute_type: str | None = None) -> EvalResult:
     """A multilingual model on every direction of a split (`directions`, default: the run's): each
     direction's source translated with its target tag, scored against its reference, and checked
-    for the output language (off-target rate, `data/language_id.py`). A direction the run never trained
+    for the output language (off-target rate, `data/language_id.py`; None for a language the
+    identifier does not know). A direction the run never trained
     is marked zero-shot. The result's scores are the average over the trained directions scored
     (over all of them where none was trained); `extra["directions"]` holds each one's."""
-    from .data.language_id import LanguageId
-    from .data.prepare import language_files, split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
+    from .data import language_id
+    from .data.prepare import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .decoding.engine import open_engine
     from .decoding.translation import translate_texts
     from .experiment.rundir import RunDirectory
@@ -228,11 +229,6 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
     try:
         for d in chosen:
             translator.target_languages().check(d.tgt, f"direction {d.name}: target")
-        # every language of the run and of the directions scored, from the run's training text: an
-        # output in a language no direction targets (English in a de→fr zero-shot) must be a class
-        languages = dict.fromkeys(lang for d in [*trained, *chosen] for lang in (d.src, d.tgt))
-        samples = {lang: paths for lang in languages if (paths := language_files(config, lang))}
-        language_id = LanguageId.from_files(samples, seed=config.train.seed)
         beam_used = config.decode.beam if beam is None else beam
         out_dir = RunDirectory(config.run_path).eval_dir
         stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam_used}"
@@ -245,7 +241,8 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
             result = score(hyps, refs, metrics, confidence)
             atomic_write_text(out_dir / f"{stem}.{d.name}.hyp", "\n".join(hyps) + "\n")
             per_direction[d.name] = {"zero_shot": d not in trained, "n_sentences": len(hyps),
-                                     "off_target": round(language_id.off_target_rate(hyps, d.tgt), 4),
+                                     "off_target": round(language_id.off_target_rate(hyps, d.tgt), 4)
+                                     if language_id.model_language(d.tgt) else None,
                                      "scores": {k: asdict(v) for k, v in result.scores.items()}}
     finally:
         translator.close()
@@ -259,7 +256,7 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
         "split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": beam_used,
         "engine": translator.describe(), "decode_seconds": round(seconds, 2),
         "sentences_per_s": round(total / seconds, 2), "averaged_over": counted, "directions": per_direction,
-        "languages_identified": language_id.languages,  # the classes of the off-target check
+        "language_id": language_id.MODEL_NAME,  # what the off-target rate was measured with
         "hyp_file": str(out_dir / f"{stem}.<direction>.hyp")})
     atomic_write_text(out_dir / f"{stem}.directions.json", json.dumps(result.to_json(), indent=2))
     return result
@@ -273,7 +270,8 @@ def directions_table(result: EvalResult) -> str:
     for name, r in result.extra["directions"].items():
         label = f"{name}{' (0-shot)' if r['zero_shot'] else ''}"
         rows.append(f"{label:<16}" + "".join(f"{r['scores'][m]['score']:>8.2f}" for m in metrics)
-                    + f"{100 * r['off_target']:>11.1f}%{r['n_sentences']:>7}")
+                    + (f"{100 * r['off_target']:>11.1f}%" if r["off_target"] is not None else f"{'-':>12}")
+                    + f"{r['n_sentences']:>7}")
     averaged = result.extra["averaged_over"]
     rows.append(f"{'average':<16}" + "".join(f"{s.score:>8.2f}" for s in result.scores.values())
                 + f"   (of {len(averaged)}: {', '.join(averaged)})")

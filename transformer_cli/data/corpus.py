@@ -16,7 +16,7 @@ import itertools
 import multiprocessing
 import os
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +27,7 @@ import sentencepiece as spm
 from ..runtime.errors import TfmError
 from ..runtime.files import atomic_path, decode_line, iter_raw_lines, named_after
 from ..runtime.signals import die_with_parent
+from .filters import DirectionFilters, pair_hashes
 
 UNK_ID = 1  # as data.UNK_ID (kept here so workers import nothing heavy)
 
@@ -80,12 +81,14 @@ def corpora_chunks(corpora: list[Corpus], chunk_lines: int, limit: int | None = 
             yield number, chunk
 
 
-def sample_pairs(corpora: list[Corpus], k: int, seed: int, limit: int | None = None
+def sample_pairs(corpora: list[Corpus], k: int, seed: int, limit: int | None = None, skip_invalid: bool = False
                  ) -> tuple[list[str], list[str], int]:
     """A uniform random sample of ≤ k pairs (all of them when the corpora are smaller), in corpus order.
 
     Reservoir sampling (Algorithm R) over one pass: memory holds k pairs, never the corpus.
-    Returns (source sentences, target sentences, pairs read). k ≤ 0 keeps every pair.
+    Returns (source sentences, target sentences, pairs read). k ≤ 0 keeps every pair. A pair that
+    is not valid UTF-8 is an error, or left out of the sample (`skip_invalid`: the text filter
+    drops it from the training data).
     """
     rng = random.Random(seed)
     reservoir: list[tuple[int, int, bytes, bytes]] = []  # (corpus number, line number, source, target)
@@ -101,9 +104,10 @@ def sample_pairs(corpora: list[Corpus], k: int, seed: int, limit: int | None = N
                     reservoir[j] = item
             seen += 1
     reservoir.sort(key=lambda item: item[:2])
-    src_text = [decode_line(s, corpora[c][0], n) for c, n, s, _ in reservoir]
-    tgt_text = [decode_line(t, corpora[c][1], n) for c, n, _, t in reservoir]
-    return src_text, tgt_text, seen
+    decoded = [(_decode(s, corpora[c][0], n, skip_invalid), _decode(t, corpora[c][1], n, skip_invalid))
+               for c, n, s, t in reservoir]
+    decoded = [(s, t) for s, t in decoded if s is not None and t is not None]
+    return [s for s, _ in decoded], [t for _, t in decoded], seen
 
 
 def count_lines(path: Path, limit: int | None = None) -> int:
@@ -144,6 +148,9 @@ class EncodeTask:
     truncate_to: int | None = None  # valid/test: longer sentences are cut to this many tokens
     source_tag: str | None = None  # a multilingual run's target-language tag, put before each source
     direction: int = 0  # which of the run's directions the pairs are (reported with the result)
+    filtered: bool = False  # training: the direction's text filters run first (init_encoder's filters)
+    keep_dropped: bool = False  # return every dropped pair's text (`tfm prepare --dropped`)
+    hash_by: str | None = None  # "pair" or "source": return an 8-byte hash of each kept pair (duplicates)
 
 
 @dataclass
@@ -154,6 +161,14 @@ class EncodedSide:
 
 
 @dataclass
+class DroppedPair:
+    reason: str
+    line: int  # in the corpus files
+    src: str | None  # None: not valid UTF-8
+    tgt: str | None
+
+
+@dataclass
 class EncodedChunk:
     src: EncodedSide
     tgt: EncodedSide
@@ -161,15 +176,26 @@ class EncodedChunk:
     dropped: dict[str, int] = field(default_factory=dict)
     truncated: list[int] = field(default_factory=list)  # line numbers of truncated pairs
     direction: int = 0
+    # the first EXAMPLES dropped pairs of each reason, or every one (task.keep_dropped)
+    dropped_pairs: list[DroppedPair] = field(default_factory=list)
+    kept_lines: np.ndarray | None = None  # (kept,) line numbers, with hashes
+    hashes: np.ndarray | None = None  # (kept,) uint64 (task.hash_by)
+    kept_text: list[tuple[str, str]] | None = None  # with keep_dropped and hashes: duplicates' text
+
+
+EXAMPLES = 3  # dropped pairs of each reason a chunk reports (the report shows a few)
 
 
 _processors: dict[str, spm.SentencePieceProcessor] = {}
+_filters: list[DirectionFilters] = []  # per direction, for training chunks
 
 
-def init_encoder(src_model: str, tgt_model: str) -> None:
-    """Load the sentencepiece models once per worker process."""
+def init_encoder(src_model: str, tgt_model: str, filters: list[DirectionFilters] | None = None) -> None:
+    """Load the sentencepiece models once per worker process, and take the directions' filters
+    (their lexical models are large: they travel once per worker, not with every chunk)."""
     _processors["src"] = spm.SentencePieceProcessor(model_file=src_model)
     _processors["tgt"] = spm.SentencePieceProcessor(model_file=tgt_model)
+    _filters[:] = filters or []
 
 
 def _flatten(encoded: list[list[int]], keep: np.ndarray, dtype: str) -> EncodedSide:
@@ -181,42 +207,76 @@ def _flatten(encoded: list[list[int]], keep: np.ndarray, dtype: str) -> EncodedS
     return EncodedSide(flat, lengths.astype(np.int32), int((flat == UNK_ID).sum()))
 
 
+def subset_side(side: EncodedSide, keep: np.ndarray) -> EncodedSide:
+    """The sentences of `side` where `keep` (bool, one per sentence)."""
+    tokens = side.tokens[np.repeat(keep, side.lengths)]
+    return EncodedSide(tokens, side.lengths[keep], int((tokens == UNK_ID).sum()))
+
+
 def training_filter(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, max_ratio: float
-                    ) -> tuple[np.ndarray, dict[str, int]]:
-    """Keep-mask for training pairs and the counts of each drop reason (first reason wins)."""
+                    ) -> list[str | None]:
+    """Each pair's reason to be dropped by its lengths in pieces, or None."""
     empty = (src_len == 0) | (tgt_len == 0)
     too_long = ~empty & ((src_len > max_len) | (tgt_len > max_len))
     longer, shorter = np.maximum(src_len, tgt_len), np.maximum(np.minimum(src_len, tgt_len), 1)
     # Short pairs (≤ 5 tokens) are exempt: "Ja ." → "Yes ." is a fine 1:2 pair.
     ratio = ~empty & ~too_long & (longer / shorter > max_ratio) & (longer > 5)
-    keep = ~(empty | too_long | ratio)
-    return keep, {"empty": int(empty.sum()), "too_long": int(too_long.sum()), "length_ratio": int(ratio.sum())}
+    return np.select([empty, too_long, ratio], ["empty", "too_long", "length_ratio"], "").tolist()
+
+
+def _decode(raw: bytes, path: str, number: int, lenient: bool) -> str | None:
+    """The line's text; None for invalid UTF-8 when `lenient` (the text filter drops it)."""
+    if not lenient:
+        return decode_line(raw, path, number)
+    try:
+        return decode_line(raw, path, number)
+    except TfmError:
+        return None
 
 
 def encode_chunk(task: EncodeTask) -> EncodedChunk:
     chunk = task.chunk
-    src_text = [decode_line(raw, task.src_path, chunk.first_line + i) for i, raw in enumerate(chunk.src)]
-    tgt_text = [decode_line(raw, task.tgt_path, chunk.first_line + i) for i, raw in enumerate(chunk.tgt)]
+    lenient = task.filtered and _filters[task.direction].on("text")
+    src_text = [_decode(raw, task.src_path, chunk.first_line + i, lenient) for i, raw in enumerate(chunk.src)]
+    tgt_text = [_decode(raw, task.tgt_path, chunk.first_line + i, lenient) for i, raw in enumerate(chunk.tgt)]
+    reasons = _filters[task.direction].reasons(src_text, tgt_text) if task.filtered else [None] * len(src_text)
+    rows = [i for i, r in enumerate(reasons) if r is None]  # the pairs still kept: only they are encoded
+    src_kept, tgt_kept = [src_text[i] for i in rows], [tgt_text[i] for i in rows]
     if task.source_tag is not None:  # as `tfm translate --tgt-lang` writes it; an empty line stays empty
-        src_text = [f"{task.source_tag} {text}" if text.strip() else text for text in src_text]
+        src_kept = [f"{task.source_tag} {text}" if text.strip() else text for text in src_kept]
     # One thread per worker: parallelism comes from the worker processes (sentencepiece would
     # otherwise start a thread per core inside every worker).
-    src_ids = _processors["src"].encode(src_text, out_type=int, num_threads=1)
-    tgt_ids = _processors["tgt"].encode(tgt_text, out_type=int, num_threads=1)
-    keep, dropped = np.ones(len(src_ids), dtype=bool), {}
+    src_ids = _processors["src"].encode(src_kept, out_type=int, num_threads=1)
+    tgt_ids = _processors["tgt"].encode(tgt_kept, out_type=int, num_threads=1)
     truncated: list[int] = []
     if task.truncate_to is not None:
         n = task.truncate_to
         for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):
             if len(s) > n or len(t) > n:
                 src_ids[i], tgt_ids[i] = s[:n], t[:n]
-                truncated.append(chunk.first_line + i)
+                truncated.append(chunk.first_line + rows[i])
+    keep = np.ones(len(rows), dtype=bool)
     if task.max_len is not None:
         src_len = np.fromiter(map(len, src_ids), dtype=np.int64, count=len(src_ids))
         tgt_len = np.fromiter(map(len, tgt_ids), dtype=np.int64, count=len(tgt_ids))
-        keep, dropped = training_filter(src_len, tgt_len, task.max_len, task.max_len_ratio or float("inf"))
-    return EncodedChunk(_flatten(src_ids, keep, task.token_dtype), _flatten(tgt_ids, keep, task.token_dtype),
-                        len(src_ids), dropped, truncated, task.direction)
+        for i, reason in enumerate(training_filter(src_len, tgt_len, task.max_len, task.max_len_ratio or float("inf"))):
+            if reason:
+                reasons[rows[i]], keep[i] = reason, False
+    result = EncodedChunk(_flatten(src_ids, keep, task.token_dtype), _flatten(tgt_ids, keep, task.token_dtype),
+                          len(src_text), dict(Counter(r for r in reasons if r)), truncated, task.direction)
+    shown: Counter = Counter()
+    for i, reason in enumerate(reasons):
+        if reason and (task.keep_dropped or shown[reason] < EXAMPLES):
+            shown[reason] += 1
+            result.dropped_pairs.append(DroppedPair(reason, chunk.first_line + i, src_text[i], tgt_text[i]))
+    if task.hash_by:
+        final = [i for i, r in enumerate(reasons) if r is None]
+        result.kept_lines = np.asarray(final, dtype=np.int64) + chunk.first_line
+        result.hashes = pair_hashes([src_text[i] for i in final], [tgt_text[i] for i in final], task.hash_by,
+                                    task.direction)
+        if task.keep_dropped:
+            result.kept_text = [(src_text[i], tgt_text[i]) for i in final]
+    return result
 
 
 def _start_worker(parent: int, initializer: Callable, initargs: tuple) -> None:

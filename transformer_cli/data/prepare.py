@@ -33,6 +33,7 @@ from ..runtime.cpu import usable_cores
 from ..runtime.errors import TfmError
 from ..runtime.files import atomic_path, atomic_write_bytes, atomic_write_text, iter_raw_lines, remove_stale_temps
 from .batches import array_path
+from .cleaning import Cleaning, CleaningReport, clean_result, make_cleaning
 from .corpus import (
     Corpus,
     EncodeTask,
@@ -147,6 +148,8 @@ def load_sentencepiece(path: Path) -> spm.SentencePieceProcessor:
 
 # --------------------------------------------------------------------------- prepare
 
+REPORT_FILE = "prepare_report.json"  # what the training-pair filters dropped (data/cleaning_report.py)
+
 
 @dataclass
 class PrepareResult:
@@ -155,6 +158,7 @@ class PrepareResult:
     summary: str
     manifest: dict
     discarded: Path | None = None  # where the run's earlier training went (discard_checkpoints)
+    cleaning: CleaningReport | None = None  # what the training-pair filters dropped (None: reused)
 
 
 def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
@@ -210,7 +214,8 @@ def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) ->
     pairs = (size + 1) // 2 if vocab.joint and size > 0 else size
     if config.data.multilingual:
         return _train_multilingual_vocab(config, paths["src"], seed)
-    src, tgt, read = sample_pairs(split_corpora(config, "train"), pairs, seed, config.data.train_limit)
+    src, tgt, read = sample_pairs(split_corpora(config, "train"), pairs, seed, config.data.train_limit,
+                                  skip_invalid=config.data.filters.text.enabled)
     sampled = len(src) < read
     if vocab.joint:
         train_sentencepiece(src + tgt, paths["src"], config, sampled)
@@ -299,41 +304,49 @@ def _inherit_vocab(config: ExperimentConfig, parent: ParentVocab, paths: dict[st
 
 
 def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], tags: list[str | None], dtype: str,
-                  workers: int, bar: tqdm) -> tuple[dict, dict[str, int], int, list[int]]:
+                  workers: int, bar: tqdm, cleaning: Cleaning | None = None) -> tuple[dict, int, list[int]]:
     """Stream one split through the encoders into its token/offset files, direction after direction.
 
-    Returns stats (with the pairs written per direction), training drops, pairs read and the line numbers of valid/test pairs that were
-    truncated to the model's positions (they are kept: scores must cover every line).
+    Returns stats (with the pairs written per direction), pairs read and the line numbers of
+    valid/test pairs that were truncated to the model's positions (they are kept: scores must cover
+    every line). The training split is filtered (`cleaning`, whose report counts what was dropped).
     """
     is_train = split == "train"
     limit = config.data.train_limit if is_train else None
+    hash_by = config.data.filters.duplicates.by if is_train and config.data.filters.duplicates.enabled else None
+    corpora_of = [direction_corpora(config, split, direction) for direction in config.data.pairs]
 
     def tasks():  # each direction's corpora in turn (train_limit counts each direction's pairs)
-        for which, direction in enumerate(config.data.pairs):
-            corpora = direction_corpora(config, split, direction)
+        for which, corpora in enumerate(corpora_of):
             for number, chunk in corpora_chunks(corpora, config.prepare.chunk_lines, limit):
-                yield EncodeTask(chunk, str(corpora[number][0]), str(corpora[number][1]), dtype,
-                                 config.data.max_len if is_train else None,
-                                 config.data.max_len_ratio if is_train else None,
-                                 None if is_train else source_token_limit(config.model.max_positions),
-                                 tags[which], which)
+                yield number, EncodeTask(chunk, str(corpora[number][0]), str(corpora[number][1]), dtype,
+                                         config.data.max_len if is_train else None,
+                                         config.data.max_len_ratio if is_train else None,
+                                         None if is_train else source_token_limit(config.model.max_positions),
+                                         tags[which], which, filtered=is_train,
+                                         keep_dropped=bool(cleaning and cleaning.dropped), hash_by=hash_by)
+    numbers: list[int] = []  # each task's corpus number, in order (results come back in order)
+
+    def numbered_tasks():
+        for number, task in tasks():
+            numbers.append(number)
+            yield task
     writers = {side: NpyAppender(array_path(RunDirectory(config.run_path).binary_stem(split, side), "tokens"), np.dtype(dtype))
                for side in SIDES}
     lengths: dict[str, list[np.ndarray]] = {side: [] for side in SIDES}
     unk = {side: 0 for side in SIDES}
-    dropped = {"empty": 0, "too_long": 0, "length_ratio": 0}
     read = 0
     truncated: list[int] = []
     kept = [0] * len(config.data.pairs)  # pairs written, per direction
+    initargs = (str(paths["src"]), str(paths["tgt"]), cleaning.filters if cleaning and is_train else None)
     try:
-        for result in ordered_map(encode_chunk, tasks(), workers, init_encoder,
-                                  (str(paths["src"]), str(paths["tgt"]))):
+        for index, result in enumerate(ordered_map(encode_chunk, numbered_tasks(), workers, init_encoder, initargs)):
+            if is_train and cleaning is not None:
+                clean_result(result, cleaning, str(corpora_of[result.direction][numbers[index]][0]))
             for side, encoded in (("src", result.src), ("tgt", result.tgt)):
                 writers[side].append(encoded.tokens)
                 lengths[side].append(encoded.lengths)
                 unk[side] += encoded.unk
-            for reason, count in result.dropped.items():
-                dropped[reason] += count
             read += result.read
             kept[result.direction] += len(result.src.lengths)
             truncated += result.truncated
@@ -353,11 +366,11 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
                 np.save(f, offsets)
         stats[side] = _side_stats(side_lengths, unk[side])
     stats["pairs_per_direction"] = kept
-    return stats, dropped, read, truncated
+    return stats, read, truncated
 
 
 def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True,
-            discard_checkpoints: bool = False) -> PrepareResult:
+            discard_checkpoints: bool = False, dropped: Path | None = None) -> PrepareResult:
     """Train the vocab and binarise train/valid/test into `config.run_dir` (idempotent).
 
     Streams: sentencepiece trains on a bounded uniform sample, and each split is encoded chunk by
@@ -373,13 +386,13 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
     with RunLock(config.run_path, "tfm prepare"):
         for directory in (config.run_path, config.run_path / "data"):
             remove_stale_temps(directory)  # left by an interrupted write
-        result = _prepare(config, force, progress, parent, discard_checkpoints)
+        result = _prepare(config, force, progress, parent, discard_checkpoints, dropped)
         atomic_write_text(RunDirectory(config.run_path).config_file, config_to_yaml(config))
     return result
 
 
 def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: ParentVocab | None,
-             discard_checkpoints: bool) -> PrepareResult:
+             discard_checkpoints: bool, dropped_file: Path | None) -> PrepareResult:
     run_dir = config.run_path
     run = RunDirectory(run_dir)
     manifest_path = run.manifest_file
@@ -390,6 +403,10 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         files_ok = all(array_path(p, n).is_file() for p in expected for n in ("tokens", "offsets")) and all(
             p.is_file() for p in run.vocab_files(config.vocab.joint).values())
         if manifest.get("fingerprint") == fingerprint and files_ok:
+            if dropped_file is not None:
+                raise TfmError(f"--dropped {dropped_file}: {run_dir} is already prepared with these settings, so "
+                               f"no pair is filtered again (what was dropped is counted in {run_dir / REPORT_FILE}); "
+                               "add --force to filter again")
             return PrepareResult(run_dir, True, _summary_table(manifest["stats"]), manifest)
 
     discarded = _make_room(run, force, discard_checkpoints)
@@ -410,19 +427,27 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         workers = usable_cores() if train_read >= 50_000 else 1
 
     stats: dict = {}
-    dropped: dict[str, int] = {}
     truncated: dict[str, dict] = {}
     per_direction: dict[str, list[int]] = {}
     tags = source_tags(config, paths["src"])  # each direction's source tag (None: untagged)
-    with tqdm(desc="encoding", unit=" pairs", unit_scale=True, disable=not progress, leave=False) as bar:
-        for split in SPLITS:
-            stats[split], split_dropped, _, lines = _encode_split(config, split, paths, tags, dtype, workers, bar)
-            per_direction[split] = stats[split].pop("pairs_per_direction")
-            if split == "train":
-                dropped = split_dropped
-            elif lines:
-                truncated[split] = {"count": len(lines), "lines": lines[:10],
-                                    "max_tokens": source_token_limit(config.model.max_positions)}
+    corpora = [direction_corpora(config, "train", d) for d in config.data.pairs]
+    cleaning = make_cleaning(config, corpora, dropped_file)
+    try:
+        with tqdm(desc="encoding", unit=" pairs", unit_scale=True, disable=not progress, leave=False) as bar:
+            for split in SPLITS:
+                stats[split], _, lines = _encode_split(config, split, paths, tags, dtype, workers, bar, cleaning)
+                per_direction[split] = stats[split].pop("pairs_per_direction")
+                if lines:
+                    truncated[split] = {"count": len(lines), "lines": lines[:10],
+                                        "max_tokens": source_token_limit(config.model.max_positions)}
+    except BaseException:
+        if cleaning.dropped is not None:
+            cleaning.dropped.abort()
+        raise
+    if cleaning.dropped is not None:
+        cleaning.dropped.close()
+    report = cleaning.report.to_json()
+    atomic_write_text(run.root / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False))
 
     manifest = {
         "fingerprint": fingerprint,
@@ -439,7 +464,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         "tagged": tags[0] is not None,
         "files": {split: [str(p) for corpus in split_corpora(config, split) for p in corpus] for split in SPLITS},
         "train_pairs_read": train_read,
-        "train_pairs_dropped": dropped,
+        "train_pairs_dropped": {reason: count for reason, count in report["dropped"].items() if count},
         "truncated": truncated,  # valid/test pairs cut to the model's positions (first line numbers)
         "vocab_sample_pairs": sampled,
         "workers": workers,
@@ -449,7 +474,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         "seconds_vocab": round(vocab_seconds, 2),  # sampling pass + sentencepiece training
     }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2))
-    return PrepareResult(run_dir, False, _summary_table(stats), manifest, discarded)
+    return PrepareResult(run_dir, False, _summary_table(stats), manifest, discarded, cleaning.report)
 
 
 def _direction_ranges(config: ExperimentConfig, per_direction: dict[str, list[int]]) -> list[dict]:

@@ -153,6 +153,62 @@ class DirectionData(_Section):
         return parse_direction(value).name
 
 
+class _Filter(_Section):
+    enabled: bool = True
+
+
+class LengthFilter(_Filter):
+    # pieces: data.max_len and data.max_len_ratio, after encoding
+    min_words: int = Field(3, ge=1)  # a pair whose sides both have fewer words is a fragment
+    max_words: int = Field(250, ge=1)  # either side
+    max_chars: int = Field(2000, ge=1)  # either side
+    max_sentences: int = Field(4, ge=1)  # either side: more is a failed sentence split
+
+
+class CopiesFilter(_Filter):
+    max_overlap: float = Field(0.8, gt=0.0, le=1.0)  # word-set overlap (Jaccard) from which a target is a copy
+
+
+class CharactersFilter(_Filter):
+    min_letters: float = Field(0.6, ge=0.0, le=1.0)  # share of letters among a side's non-space characters
+    min_script: float = Field(0.9, ge=0.0, le=1.0)  # share of those letters in the language's script
+
+
+class RepeatsFilter(_Filter):
+    max_share: float = Field(0.5, gt=0.0, le=1.0)  # one word making up more of a side than this
+    min_words: int = Field(5, ge=2)  # sides with fewer words are not checked
+
+
+class NumbersFilter(_Filter):
+    min_similarity: float = Field(0.5, ge=0.0, le=1.0)  # of the sides' non-zero digits, in order
+
+
+class LexicalFilter(_Filter):
+    enabled: bool = False  # costs more than all other filters together (docs/training.md)
+    recall: float = Field(0.85, gt=0.0, lt=1.0)  # share of randomly re-paired sample pairs it should drop
+    sample_pairs: int = Field(100_000, ge=100)  # training pairs it learns from (uniform sample)
+    min_count: int = Field(3, ge=1)  # words seen fewer times in the sample are not scored
+
+
+class DuplicatesFilter(_Filter):
+    by: Literal["pair", "source"] = "pair"  # source: a second pair with the same source is dropped too
+
+
+class FiltersConfig(_Section):
+    """`tfm prepare`'s training-pair filters, in the order they run (data/filters.py)."""
+
+    text: _Filter = Field(default_factory=_Filter)  # invalid UTF-8, NUL, control characters, U+FFFD
+    length: LengthFilter = Field(default_factory=LengthFilter)
+    copies: CopiesFilter = Field(default_factory=CopiesFilter)
+    characters: CharactersFilter = Field(default_factory=CharactersFilter)
+    repeats: RepeatsFilter = Field(default_factory=RepeatsFilter)
+    numbers: NumbersFilter = Field(default_factory=NumbersFilter)
+    language: _Filter = Field(default_factory=_Filter)  # each side identified as its language
+    lexical: LexicalFilter = Field(default_factory=LexicalFilter)  # misaligned pairs
+    duplicates: DuplicatesFilter = Field(default_factory=DuplicatesFilter)
+    warn_share: float = Field(0.5, gt=0.0, le=1.0)  # a filter dropping more of a direction than this warns
+
+
 class DataConfig(_Section):
     src_lang: str = Field("de", min_length=1)
     tgt_lang: str = Field("en", min_length=1)
@@ -163,6 +219,7 @@ class DataConfig(_Section):
     test: str = Field("data/multi30k/test_2016_flickr", min_length=1)
     max_len: int = Field(128, ge=1)  # training pairs longer than this (in tokens, either side) are dropped
     max_len_ratio: float = Field(3.0, ge=1.0)  # ... and pairs whose length ratio exceeds this
+    filters: FiltersConfig = Field(default_factory=FiltersConfig)  # training-pair cleaning (data/filters.py)
     train_limit: int | None = Field(None, ge=1)  # use only the first N training pairs (smoke runs; per direction)
     # A multilingual run: its directions, e.g. [en-de, de-en, en-fr, fr-en] (experiment/directions.py). Each reads
     # `<prefix>.<src>` and `<prefix>.<tgt>` of the train/valid/test prefixes above; every source gets

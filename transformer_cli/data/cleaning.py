@@ -1,0 +1,194 @@
+"""Cleaning the training split in `tfm prepare`: the directions' filters (data/filters.py) built
+from the config, duplicates dropped in corpus order, and the report of what was dropped: counts
+per direction and reason, a few examples of each, the warnings, and the table `tfm prepare`
+prints (written to `<run>/prepare_report.json`). `DroppedWriter` streams every dropped pair to the
+file of `tfm prepare --dropped` (JSON lines).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..experiment.config import ExperimentConfig
+from ..runtime.files import atomic_path, named_after
+from .corpus import EXAMPLES, Corpus, DroppedPair, EncodedChunk, sample_pairs, subset_side
+from .filters import REASONS, DirectionFilters, SeenHashes
+from .lexical import learn_lexical_model
+
+# The filter (config key under data.filters) behind each reason; None: not a filter of its own.
+FILTER_OF = {"empty": None, "encoding": "text", "length": "length", "copy": "copies", "characters": "characters",
+             "repeats": "repeats", "numbers": "numbers", "language": "language", "misaligned": "lexical",
+             "too_long": None, "length_ratio": None, "duplicate": "duplicates"}
+
+
+@dataclass
+class DirectionCounts:
+    name: str
+    files: list[str]  # the direction's source files, by corpus number
+    read: int = 0
+    kept: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    examples: dict[str, list[dict]] = field(default_factory=dict)
+
+    def add_examples(self, pairs: list[DroppedPair], source_file: str) -> None:
+        for pair in pairs:
+            shown = self.examples.setdefault(pair.reason, [])
+            if len(shown) < EXAMPLES:
+                shown.append({"file": source_file, "line": pair.line, "src": pair.src, "tgt": pair.tgt})
+
+
+@dataclass
+class CleaningReport:
+    directions: list[DirectionCounts]
+    warn_share: float
+    settings: dict
+
+    @property
+    def read(self) -> int:
+        return sum(d.read for d in self.directions)
+
+    @property
+    def kept(self) -> int:
+        return sum(d.kept for d in self.directions)
+
+    def dropped(self) -> dict[str, int]:
+        """Pairs dropped per reason, all directions, in the order the filters run."""
+        total = sum((d.dropped for d in self.directions), Counter())
+        return {reason: total[reason] for reason in REASONS}
+
+    def warnings(self) -> list[str]:
+        """A filter that drops more than warn_share of a direction: usually a wrong language code or
+        swapped files, not a dirty corpus."""
+        out = []
+        for d in self.directions:
+            for reason in REASONS:
+                if d.read and d.dropped[reason] > self.warn_share * d.read:
+                    key = FILTER_OF[reason]
+                    what = f"data.filters.{key}" if key else "data.max_len / data.max_len_ratio"
+                    hint = (" (is data.src_lang/tgt_lang right, or are the files swapped?)"
+                            if reason in ("language", "characters", "misaligned") else "")
+                    out.append(f"filter '{reason}' dropped {d.dropped[reason] / d.read:.0%} of {d.name}'s "
+                               f"{d.read:,} training pairs{hint}; see {what}")
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "pairs_read": self.read,
+            "pairs_kept": self.kept,
+            "dropped": self.dropped(),
+            "directions": [{"name": d.name, "read": d.read, "kept": d.kept,
+                            "dropped": {r: d.dropped[r] for r in REASONS if d.dropped[r]},
+                            "examples": {r: d.examples[r] for r in REASONS if r in d.examples}}
+                           for d in self.directions],
+            "warnings": self.warnings(),
+            "filters": self.settings,
+        }
+
+    def table(self) -> str:
+        """Pairs read, dropped by each reason (share), kept: the one table `tfm prepare` prints."""
+        read = max(self.read, 1)
+        rows = [f"{'training pairs':<22}{'pairs':>11}{'share':>8}", "-" * 41,
+                f"{'read':<22}{self.read:>11,}{'':>8}"]
+        for reason, count in self.dropped().items():
+            if count:
+                rows.append(f"{'dropped: ' + reason:<22}{count:>11,}{count / read:>8.1%}")
+        rows.append(f"{'kept':<22}{self.kept:>11,}{self.kept / read:>8.1%}")
+        return "\n".join(rows)
+
+
+class DroppedWriter:
+    """Every dropped pair with its reason, one JSON object a line, written to a temporary file and
+    moved to `target` only when the whole split is through (an interrupted run leaves no half file)."""
+
+    def __init__(self, target: Path):
+        self.target = target
+        self._atomic = atomic_path(target)
+        self._file = open(self._atomic.__enter__(), "w", encoding="utf-8")
+
+    def write(self, direction: str, source_file: str, pairs: list[DroppedPair]) -> None:
+        try:
+            for pair in pairs:
+                self._file.write(json.dumps({"reason": pair.reason, "direction": direction, "file": source_file,
+                                             "line": pair.line, "src": pair.src, "tgt": pair.tgt},
+                                            ensure_ascii=False) + "\n")
+        except OSError as exc:
+            raise named_after(exc, self.target) from None
+
+    def close(self) -> None:
+        try:
+            self._file.close()
+        except OSError as exc:
+            raise named_after(exc, self.target) from None
+        self._atomic.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        self._atomic.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+
+@dataclass
+class Cleaning:
+    """The training split's filters and where their results go (`_encode_split`)."""
+
+    filters: list[DirectionFilters]  # per direction
+    report: CleaningReport
+    dropped: DroppedWriter | None = None  # `--dropped FILE`
+    seen: SeenHashes | None = None  # duplicates: the hashes of the pairs kept so far
+
+
+def clean_result(result: EncodedChunk, cleaning: Cleaning, source_file: str) -> None:
+    """Drop a chunk's repeats of earlier pairs (in corpus order: the first is kept) and count
+    everything the chunk's filters dropped in the report (and the --dropped file)."""
+    counts = cleaning.report.directions[result.direction]
+    dropped = list(result.dropped_pairs)
+    if result.hashes is not None:
+        new = cleaning.seen.first_seen(result.hashes)
+        if not new.all():
+            result.src, result.tgt = subset_side(result.src, new), subset_side(result.tgt, new)
+            repeats = np.flatnonzero(~new)
+            result.dropped["duplicate"] = len(repeats)
+            for i in repeats:
+                src, tgt = result.kept_text[i] if result.kept_text else (None, None)
+                dropped.append(DroppedPair("duplicate", int(result.kept_lines[i]), src, tgt))
+    counts.read += result.read
+    counts.kept += len(result.src.lengths)
+    counts.dropped.update(result.dropped)
+    counts.add_examples(dropped, source_file)
+    if cleaning.dropped is not None:
+        cleaning.dropped.write(counts.name, source_file, dropped)
+
+
+def make_cleaning(config: ExperimentConfig, corpora: list[list[Corpus]], dropped_file: Path | None) -> Cleaning:
+    """The filters, an empty report and the --dropped writer for a run's training split
+    (`corpora`: each direction's training corpora)."""
+    filters = config.data.filters
+    report = CleaningReport([DirectionCounts(d.name, [str(src) for src, _ in direction])
+                             for d, direction in zip(config.data.pairs, corpora)], filters.warn_share,
+                            filters.model_dump())
+    return Cleaning(build_filters(config, corpora, config.train.seed), report,
+                    DroppedWriter(dropped_file) if dropped_file is not None else None,
+                    SeenHashes() if filters.duplicates.enabled else None)
+
+
+def build_filters(config: ExperimentConfig, corpora: list[list[Corpus]], seed: int) -> list[DirectionFilters]:
+    """Each direction's filters; with data.filters.lexical on, each direction's lexical model,
+    learned from a uniform sample of its training pairs (one more pass over its corpora)."""
+    settings = config.data.filters.model_dump()
+    out = []
+    for direction, direction_corpora in zip(config.data.pairs, corpora):
+        lexical = None
+        if config.data.filters.lexical.enabled:
+            rule = config.data.filters.lexical
+            src, tgt, _ = sample_pairs(direction_corpora, rule.sample_pairs, seed,
+                                       config.data.train_limit, skip_invalid=True)
+            lexical = learn_lexical_model(src, tgt, rule.recall, seed, rule.min_count)
+        out.append(DirectionFilters(settings, direction.src, direction.tgt, lexical))
+    return out

@@ -1,0 +1,220 @@
+"""Corpus cleaning: which training pairs `tfm prepare` drops, and why (`data.filters`).
+
+Each pair meets the filters in this order and is counted at the first that drops it:
+
+    empty        a side empty or whitespace only (always on)
+    encoding     invalid UTF-8, a NUL byte, a control character or U+FFFD on a side   (text)
+    length       fragments (both sides under min_words words), a side over max_words words or
+                 max_chars characters, or with more than max_sentences sentences       (length)
+    copy         the target is the source, or nearly: word-set overlap ≥ max_overlap  (copies)
+    characters   a side with too few letters, or letters of another script            (characters)
+    repeats      a word making up too much of a side (crawl garbage)                  (repeats)
+    numbers      the sides' digits disagree                                           (numbers)
+    language     a side identified as another language than its own                   (language)
+    misaligned   a low lexical translation score (data/lexical.py; off by default)    (lexical)
+    too_long     a side over data.max_len pieces (after encoding)
+    length_ratio the sides' pieces differ by more than data.max_len_ratio (after encoding)
+    duplicate    a pair (or source) seen before in the direction, by an 8-byte hash   (duplicates)
+
+Everything up to `misaligned` runs on text, before encoding (a dropped pair is never encoded),
+in the encoding workers; `duplicate` runs in the main process, in corpus order, so the first of
+equal pairs is kept whatever the number of workers. No torch here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from .lexical import LexicalModel, words
+
+# The reasons in the order the filters run (the report lists them so).
+REASONS = ("empty", "encoding", "length", "copy", "characters", "repeats", "numbers", "language", "misaligned",
+           "too_long", "length_ratio", "duplicate")
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ufffd]")  # tab is allowed
+_NOT_LETTER = re.compile(r"[\W\d_]+")
+_SPACE = re.compile(r"\s+")
+_SENTENCE_END = re.compile(r"[.!?…。！？][\"'»”’)\]]*\s+(\w)")  # followed by a word: a boundary if it is capitalised
+
+# Letters of the script each language is written in (a language not listed is not checked).
+_LATIN = "A-Za-z\u00aa\u00ba\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u024f\u1e00-\u1eff"
+_HAN = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_SCRIPTS = {
+    "latin": _LATIN,
+    "cyrillic": "\u0400-\u052f",
+    "greek": "\u0370-\u03ff\u1f00-\u1fff",
+    "arabic": "\u0600-\u06ff\u0750-\u077f\u08a0-\u08ff\ufb50-\ufdff\ufe70-\ufeff",
+    "hebrew": "\u0590-\u05ff\ufb1d-\ufb4f",
+    "devanagari": "\u0900-\u097f",
+    "thai": "\u0e00-\u0e7f",
+    "han": _HAN,
+    "japanese": _HAN + "\u3040-\u30ff\u31f0-\u31ff",
+    "korean": _HAN + "\uac00-\ud7af\u1100-\u11ff\u3130-\u318f",
+}
+_LANGUAGE_SCRIPT = {
+    **dict.fromkeys("af az br bs ca cs cy da de en eo es et eu fi fo fr fy ga gd gl hr ht hu id is it la lb lt "
+                    "lv mg ms mt nb nl nn no oc pl pt rm ro sk sl so sq sv sw tl tr uz vi wa yo zu".split(), "latin"),
+    **dict.fromkeys("be bg kk ky mk mn ru tg tt uk".split(), "cyrillic"),
+    "el": "greek", **dict.fromkeys("ar fa ps ur ug".split(), "arabic"), **dict.fromkeys("he yi".split(), "hebrew"),
+    **dict.fromkeys("hi mr ne sa".split(), "devanagari"), "th": "thai", "zh": "han", "ja": "japanese", "ko": "korean",
+}
+
+
+def script_of(language: str) -> str | None:
+    """The script a language code is written in (`de`, `pt_BR`, `zh-Hans`), None when not known."""
+    return _LANGUAGE_SCRIPT.get(re.split(r"[-_]", language.lower(), maxsplit=1)[0])
+
+
+@dataclass
+class DirectionFilters:
+    """What the workers need to filter one direction's pairs: the settings (`data.filters` as a
+    plain dict), the direction's languages, and the lexical model learned for it (or None)."""
+
+    settings: dict
+    src_lang: str
+    tgt_lang: str
+    lexical: LexicalModel | None = None
+
+    def __post_init__(self) -> None:
+        self._script = {side: (re.compile(f"[{_SCRIPTS[s]}]") if (s := script_of(lang)) else None)
+                        for side, lang in (("src", self.src_lang), ("tgt", self.tgt_lang))}
+        from .language_id import model_language  # noqa: PLC0415 (loads fastText's model when asked)
+
+        self._language = ({side: model_language(lang) for side, lang in (("src", self.src_lang), ("tgt", self.tgt_lang))}
+                          if self.settings["language"]["enabled"] else {"src": None, "tgt": None})
+
+    def on(self, name: str) -> bool:
+        return bool(self.settings[name]["enabled"])
+
+    # ------------------------------------------------------------------ one pair's text checks
+
+    def _length(self, src: str, tgt: str) -> bool:
+        rule = self.settings["length"]
+        n_src, n_tgt = len(src.split()), len(tgt.split())
+        if max(n_src, n_tgt) < rule["min_words"] or max(n_src, n_tgt) > rule["max_words"]:
+            return True
+        if max(len(src), len(tgt)) > rule["max_chars"]:
+            return True
+        return max(sentences(src), sentences(tgt)) > rule["max_sentences"]
+
+    def _characters(self, text: str, side: str) -> bool:
+        rule = self.settings["characters"]
+        visible = _SPACE.sub("", text)
+        letters = _NOT_LETTER.sub("", visible)
+        if len(letters) < rule["min_letters"] * len(visible):
+            return True
+        script = self._script[side]
+        return bool(script and letters and len(script.findall(letters)) < rule["min_script"] * len(letters))
+
+    def _repeats(self, text: str) -> bool:
+        tokens = text.split()
+        if len(tokens) < self.settings["repeats"]["min_words"]:
+            return False
+        return Counter(tokens).most_common(1)[0][1] > self.settings["repeats"]["max_share"] * len(tokens)
+
+    def reason(self, src: str | None, tgt: str | None) -> str | None:
+        """The first text filter that drops the pair (None: kept so far). `None` text: undecodable."""
+        if src is None or tgt is None:
+            return "encoding"
+        if not src.strip() or not tgt.strip():
+            return "empty"
+        if self.on("text") and (_CONTROL.search(src) or _CONTROL.search(tgt)):
+            return "encoding"
+        if self.on("length") and self._length(src, tgt):
+            return "length"
+        if self.on("copies") and is_copy(src, tgt, self.settings["copies"]["max_overlap"]):
+            return "copy"
+        if self.on("characters") and (self._characters(src, "src") or self._characters(tgt, "tgt")):
+            return "characters"
+        if self.on("repeats") and (self._repeats(src) or self._repeats(tgt)):
+            return "repeats"
+        if self.on("numbers") and numbers_similarity(src, tgt) < self.settings["numbers"]["min_similarity"]:
+            return "numbers"
+        return None
+
+    def _wrong_language(self, src: str, tgt: str) -> bool:
+        from .language_id import identify  # noqa: PLC0415
+
+        return any(expected is not None and identify(text)[0] != expected
+                   for text, expected in ((src, self._language["src"]), (tgt, self._language["tgt"])))
+
+    def reasons(self, src: list[str | None], tgt: list[str | None]) -> list[str | None]:
+        """Each pair's reason to be dropped by the text filters, or None."""
+        found = [self.reason(s, t) for s, t in zip(src, tgt)]
+        if self._language["src"] or self._language["tgt"]:
+            found = [r or ("language" if self._wrong_language(s, t) else None) for r, s, t in zip(found, src, tgt)]
+        if self.lexical is not None and self.on("lexical"):
+            open_rows = [i for i, r in enumerate(found) if r is None]
+            if open_rows:
+                bad = self.lexical.misaligned([src[i] for i in open_rows], [tgt[i] for i in open_rows])
+                for i in np.asarray(open_rows)[bad]:
+                    found[i] = "misaligned"
+        return found
+
+
+def sentences(text: str) -> int:
+    """Sentences in a line: 1 + the sentence ends followed by a capitalised word."""
+    return 1 + sum(1 for m in _SENTENCE_END.finditer(text) if m.group(1).isupper())
+
+
+def is_copy(src: str, tgt: str, max_overlap: float) -> bool:
+    """The target is the source untranslated: the same text, or word sets (case-folded) that
+    overlap by `max_overlap` or more (Jaccard)."""
+    if src.strip() == tgt.strip():
+        return True
+    a, b = set(words(src)), set(words(tgt))
+    return bool(a and b) and len(a & b) >= max_overlap * len(a | b)
+
+
+def numbers_similarity(src: str, tgt: str) -> float:
+    """How alike the sides' non-zero digits are, in order (OpusFilter's NonZeroNumeralsFilter:
+    zeros are left out so 1,000 and 1.000.000 style differences weigh less); 1.0 without digits.
+    Unlike OpusFilter, a single digit on one side alone is no mismatch: "vier Kühe" is "4 cows"."""
+    a = [c for c in src if c in "123456789"]
+    b = [c for c in tgt if c in "123456789"]
+    if len(a) + len(b) <= 1:
+        return 1.0
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+def pair_hashes(src: list[str], tgt: list[str], by: str, direction: int) -> np.ndarray:
+    """(pairs,) uint64: an 8-byte digest of each pair (or source, `by`), of its direction."""
+    out = np.empty(len(src), dtype=np.uint64)
+    for i, (s, t) in enumerate(zip(src, tgt)):
+        text = f"{direction}\t{s}" if by == "source" else f"{direction}\t{s}\t{t}"
+        out[i] = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return out
+
+
+class SeenHashes:
+    """The set of hashes seen so far, in sorted numpy runs merged like a binary counter (a run of n
+    hashes is merged with the next only when that is no larger than 2n): 8 bytes a pair and
+    O(log n) runs to search, where a Python set would take about 70 bytes a pair."""
+
+    def __init__(self) -> None:
+        self.runs: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return sum(len(run) for run in self.runs)
+
+    def first_seen(self, hashes: np.ndarray) -> np.ndarray:
+        """(n,) bool: which of `hashes` are new (not seen before, nor earlier in `hashes`); adds them."""
+        new = np.zeros(len(hashes), dtype=bool)
+        if not len(hashes):
+            return new
+        _, first = np.unique(hashes, return_index=True)
+        new[first] = True
+        for run in self.runs:
+            where = np.minimum(np.searchsorted(run, hashes), len(run) - 1)
+            new &= run[where] != hashes
+        run = np.sort(hashes[new])
+        while self.runs and len(self.runs[-1]) <= 2 * len(run):
+            run = np.sort(np.concatenate([self.runs.pop(), run]))
+        self.runs.append(run)
+        return new
