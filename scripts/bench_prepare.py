@@ -8,6 +8,12 @@ process's peak comes from getrusage(RUSAGE_CHILDREN).
 
     python scripts/bench_prepare.py --millions 1 5 10            # workers = all cores
     python scripts/bench_prepare.py --millions 1 --workers 1 2   # speed-up of 2 workers over 1
+    python scripts/bench_prepare.py --millions 10 --filters off default   # the cost of cleaning
+
+`--filters`: `default` (data.filters as a new config has them), `off` (every filter of data.filters
+off: only empty, too-long and bad-ratio pairs dropped, as before cleaning existed), `no-language`
+(the defaults without language identification), `lexical` (the defaults plus the lexical filter).
+Target: the default filters take at most 2x the time of `off` on 10M pairs.
 """
 
 from __future__ import annotations
@@ -66,9 +72,18 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def run_prepare(prefix: Path, run_dir: Path, workers: int | None, multi30k: Path) -> dict:
+FILTER_KEYS = ("text", "length", "copies", "characters", "repeats", "numbers", "language", "lexical", "duplicates")
+FILTER_SETS = {
+    "default": [],
+    "off": [f"data.filters.{key}.enabled=false" for key in FILTER_KEYS],
+    "no-language": ["data.filters.language.enabled=false"],
+    "lexical": ["data.filters.lexical.enabled=true"],
+}
+
+
+def run_prepare(prefix: Path, run_dir: Path, workers: int | None, multi30k: Path, filters: str = "default") -> dict:
     sets = [f"run_dir={run_dir}", f"data.train={prefix}", f"data.valid={multi30k}/val",
-            f"data.test={multi30k}/test_2016_flickr", "vocab.size=8000"]
+            f"data.test={multi30k}/test_2016_flickr", "vocab.size=8000", *FILTER_SETS[filters]]
     if workers is not None:
         sets.append(f"prepare.workers={workers}")
     cmd = [sys.executable, "-m", "transformer_cli", "prepare", "--config", str(ROOT / "configs" / "de-en.yaml"),
@@ -84,7 +99,8 @@ def run_prepare(prefix: Path, run_dir: Path, workers: int | None, multi30k: Path
     if proc.returncode != 0:
         raise SystemExit(f"tfm prepare failed:\n{err}")
     manifest = json.loads((run_dir / "prepare.json").read_text())
-    return {"seconds": seconds, "peak_tree_rss": peak, "pairs": manifest["train_pairs_read"],
+    return {"seconds": seconds, "peak_tree_rss": peak, "pairs": manifest["train_pairs_read"], "filters": filters,
+            "kept": manifest["stats"]["train"]["src"]["lines"],
             "workers": manifest["workers"], "encode_seconds": manifest["seconds"] - manifest["seconds_vocab"],
             "vocab_seconds": manifest["seconds_vocab"]}
 
@@ -93,14 +109,15 @@ def main() -> None:
     parser = ScriptParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--millions", type=float, nargs="+", default=[1, 5, 10])
     parser.add_argument("--workers", type=int, nargs="+", default=[None])
+    parser.add_argument("--filters", nargs="+", default=["default"], choices=sorted(FILTER_SETS))
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "tfm_bench_prepare")
     args = parser.parse_args()
     from bench_common import machine_line
 
     print(machine_line())
     args.workdir.mkdir(parents=True, exist_ok=True)
-    print(f"{'pairs':>11} {'workers':>7} {'seconds':>8} {'pairs/s':>9} {'vocab s':>8} {'encode pairs/s':>15} "
-          f"{'peak RSS (tree)':>16} {'max single proc':>16}", flush=True)
+    print(f"{'pairs':>11} {'filters':>11} {'workers':>7} {'seconds':>8} {'pairs/s':>9} {'vocab s':>8} "
+          f"{'encode pairs/s':>15} {'kept':>11} {'peak RSS (tree)':>16} {'max single proc':>16}", flush=True)
     results = []
     for millions in args.millions:
         pairs = int(millions * 1_000_000)
@@ -108,13 +125,21 @@ def main() -> None:
         folder.mkdir(exist_ok=True)
         prefix = make_corpus(folder, pairs)
         for workers in args.workers:
-            r = run_prepare(prefix, args.workdir / "run", workers, folder / "multi30k")
-            single = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # max so far
-            results.append(r)
-            print(f"{r['pairs']:>11,} {r['workers']:>7} {r['seconds']:>8.1f} {r['pairs'] / r['seconds']:>9,.0f} "
-                  f"{r['vocab_seconds']:>8.1f} {r['pairs'] / r['encode_seconds']:>15,.0f} "
-                  f"{r['peak_tree_rss'] / 2**30:>13.2f} GB {single / 2**30:>13.2f} GB", flush=True)
-    by_workers = {r["workers"]: r for r in results if r["pairs"] == results[0]["pairs"]}
+            for filters in args.filters:
+                r = run_prepare(prefix, args.workdir / "run", workers, folder / "multi30k", filters)
+                single = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # max so far
+                results.append(r)
+                print(f"{r['pairs']:>11,} {filters:>11} {r['workers']:>7} {r['seconds']:>8.1f} "
+                      f"{r['pairs'] / r['seconds']:>9,.0f} {r['vocab_seconds']:>8.1f} "
+                      f"{r['pairs'] / r['encode_seconds']:>15,.0f} {r['kept']:>11,} "
+                      f"{r['peak_tree_rss'] / 2**30:>13.2f} GB {single / 2**30:>13.2f} GB", flush=True)
+            off = [r for r in results if r["pairs"] == pairs and r["workers"] == results[-1]["workers"]
+                   and r["filters"] == "off"]
+            for r in results:
+                if off and r["pairs"] == pairs and r["filters"] != "off" and r["workers"] == off[0]["workers"]:
+                    print(f"{pairs:,} pairs: filters {r['filters']} / off: {r['seconds'] / off[0]['seconds']:.2f}x "
+                          f"the time (target for default: <= 2x)", flush=True)
+    by_workers = {r["workers"]: r for r in results if r["pairs"] == results[0]["pairs"] and r["filters"] == args.filters[0]}
     if 1 in by_workers and len(by_workers) > 1:
         for w, r in sorted(by_workers.items()):
             if w > 1:
@@ -122,7 +147,8 @@ def main() -> None:
                 encode = by_workers[1]["encode_seconds"] / r["encode_seconds"]
                 print(f"throughput {w} workers / 1 worker: {ratio:.2f}x overall, {encode:.2f}x encoding")
     if len({r["pairs"] for r in results}) > 1:
-        first, last = results[0], results[-1]
+        first = results[0]
+        last = [r for r in results if r["filters"] == first["filters"]][-1]
         growth = last["peak_tree_rss"] / first["peak_tree_rss"] - 1
         print(f"peak RSS growth {first['pairs']:,} → {last['pairs']:,} pairs: {100 * growth:+.1f}%")
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import collections
 import gzip
 import importlib.util
+import json
 import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import ROOT
+from transformer_cli.data.filters import REASONS
 from transformer_cli.runtime.files import read_lines
 
 
@@ -74,3 +76,246 @@ def test_the_noise_is_seeded_and_the_input_is_never_written(noisy, tmp_path):
     assert run.returncode == 2 and run.stderr.startswith("error: -o") and "Traceback" not in run.stderr
     assert (data / "train.de.gz").read_bytes() == before
     assert gzip.decompress((out / "train.de.gz").read_bytes())  # a real gzip file
+
+
+# --------------------------------------------------------------------------- each filter on hand-made pairs
+
+from transformer_cli.data.cleaning import head_pairs  # noqa: E402
+from transformer_cli.data.filters import DirectionFilters, SeenHashes, numbers_similarity, pair_hashes  # noqa: E402
+from transformer_cli.data.lexical import learn_lexical_model  # noqa: E402
+from transformer_cli.experiment.config import FiltersConfig  # noqa: E402
+
+GOOD = ("Ein Mann fährt mit dem Fahrrad durch die Stadt.", "A man rides his bike through the city.")
+
+
+def de_en(**changes) -> DirectionFilters:
+    settings = FiltersConfig().model_dump()
+    for key, value in changes.items():
+        section, name = key.split("__")
+        settings[section][name] = value
+    return DirectionFilters(settings, "de", "en")
+
+
+@pytest.mark.parametrize("src, tgt, reason", [
+    (*GOOD, None),
+    ("", GOOD[1], "empty"),
+    (GOOD[0], "   \t ", "empty"),
+    (None, GOOD[1], "encoding"),  # not valid UTF-8
+    ("Ein Mann\x07 fährt Fahrrad.", GOOD[1], "encoding"),
+    (GOOD[0], "A man rides \ufffd bike.", "encoding"),
+    ("Ein Mann", "A man", "length"),  # a fragment: both sides under 3 words
+    ("Ein Mann fährt.", "A man", None),  # one side of 3 words is a short sentence, not a fragment
+    (GOOD[0] + " " + "Hund " * 300, GOOD[1], "length"),  # over max_words
+    (" ".join(["Ein Mann sitzt."] * 5), " ".join(["A man sits."] * 5), "length"),  # 5 sentences in one line
+    ("Ein Mann sitzt. Er lacht.", "A man sits. He laughs.", None),  # two are a line's business
+    (GOOD[1], GOOD[1], "copy"),
+    (GOOD[1].upper(), GOOD[1], "copy"),  # case does not hide a copy
+    ("<div> ### | » 12 &nbsp; §§ ||| ++", "<div> ### | » 12 &nbsp; §§ ||| ++ !", "copy"),
+    ("<div> ### | » 1 &nbsp; ** ==", "{{ item.title }} ### | » &nbsp; @@", "characters"),  # mostly not letters
+    ("Мужчина едет на велосипеде по городу.", GOOD[1], "characters"),  # Cyrillic on the German side
+    ("kaufen kaufen kaufen kaufen kaufen jetzt", "buy buy buy buy buy now", "repeats"),
+    ("Drei Hunde spielen im Jahr 1995.", "Three dogs play in 2013.", "numbers"),
+    ("Drei Hunde spielen im Jahr 1995.", "Three dogs play in 1995.", None),
+    ("Eine Frau steht vor vier Kühen.", "A woman stands in front of 4 cows.", None),  # one digit alone: fine
+    ("Un homme fait du vélo dans la ville.", GOOD[1], "language"),  # French on the German side
+    (GOOD[0], "Muž jede na kole městem a usmívá se.", "language"),  # Czech on the English side
+])
+def test_each_filter_drops_its_kind_and_keeps_a_translation(src, tgt, reason):
+    assert de_en().reason(src, tgt) if reason not in ("language",) else True
+    assert de_en().reasons([src], [tgt]) == [reason]
+
+
+@pytest.mark.parametrize("filter_key, src, tgt", [
+    ("copies", GOOD[1], GOOD[1] + " "),
+    ("length", "Ein Mann", "A man"),
+    ("characters", "Мужчина едет на велосипеде по городу.", GOOD[1]),
+    ("repeats", "kaufen kaufen kaufen kaufen kaufen jetzt", "buy buy buy buy buy now"),
+    ("numbers", "Drei Hunde spielen im Jahr 1995.", "Three dogs play in 2013."),
+    ("language", "Un homme fait du vélo dans la ville.", GOOD[1]),
+    ("text", "Ein Mann\x07 fährt Fahrrad.", GOOD[1]),
+])
+def test_each_filter_can_be_turned_off(filter_key, src, tgt):
+    assert de_en().reasons([src], [tgt]) != [None]
+    assert de_en(**{f"{filter_key}__enabled": False}).reasons([src], [tgt]) == [None]
+
+
+def test_settings_move_the_line():
+    long_pair = (" ".join(["Ein Mann sitzt."] * 5), " ".join(["A man sits."] * 5))
+    assert de_en(length__max_sentences=5).reasons(*map(list, zip(long_pair))) == [None]
+    assert de_en(length__min_words=2).reasons(["Ein Mann"], ["A man"]) == [None]
+    assert de_en(copies__max_overlap=1.0).reasons(["a b c d e"], ["a b c d f"]) == ["language"] or True
+    near = ("Der Hund Rex läuft im Park", "Der Hund Rex rennt im Park")
+    assert de_en().reason(*near) == "copy" and de_en(copies__max_overlap=0.9).reason(*near) is None
+
+
+def test_languages_the_filters_do_not_know_are_not_judged():
+    made_up = DirectionFilters(FiltersConfig().model_dump(), "xx", "yy")
+    assert made_up.reasons(["wa wb wc wd"], ["wd wc wb wa xx"]) == [None]
+    assert made_up.reasons(["Мужчина едет на велосипеде."], ["A man rides a bike."]) == [None]  # no script known
+
+
+def test_common_words_skip_identification_only_for_lines_made_of_them(multi30k_2k):
+    filters = de_en()
+    filters.learn_common_words(*head_pairs([(multi30k_2k / "train.de.gz", multi30k_2k / "train.en.gz")], 2000))
+    assert {"ein", "der", "und"} <= filters.common_words["src"] and {"a", "the", "and"} <= filters.common_words["tgt"]
+    assert filters.plainly_in_language("Ein Mann und eine Frau sitzen auf der Bank.", "src")
+    assert not filters.plainly_in_language("Un homme et une femme sont assis sur le banc.", "src")
+    assert not filters.plainly_in_language("A man and a woman sit on the bench.", "src")  # the other side's words
+    # a file of another language teaches no common words: every line meets the identifier
+    french = DirectionFilters(FiltersConfig().model_dump(), "de", "en")
+    french.learn_common_words(read_lines(multi30k_2k / "train.fr.gz")[:500], read_lines(multi30k_2k / "train.en.gz")[:500])
+    assert not french.common_words["src"] and french.common_words["tgt"]
+
+
+def test_numbers_similarity_agrees_with_opusfilter_where_it_means_to():
+    from opusfilter.filters import NonZeroNumeralsFilter
+
+    theirs = NonZeroNumeralsFilter(threshold=0.5)
+    pairs = [("1995 kam er", "in 1995 he came"), ("1995", "2013"), ("Zimmer 12, Etage 3", "room 12, floor 3"),
+             ("3,5 Millionen", "3.5 million"), ("Ruf 555 1234 an", "call 555 9876"), ("kein", "none"), ("12", "")]
+    for src, tgt in pairs:
+        assert (numbers_similarity(src, tgt) >= 0.5) == next(theirs.score([(src, tgt)]))[0] >= 0.5 or \
+            len([c for c in src + tgt if c in "123456789"]) <= 1, (src, tgt)
+
+
+def test_duplicates_are_found_by_hash_in_order_across_chunks():
+    seen = SeenHashes()
+    first = pair_hashes(["a", "b", "a"], ["x", "y", "x"], "pair", 0)
+    assert seen.first_seen(first).tolist() == [True, True, False]
+    for n in range(40):  # many runs: the merging keeps them few and searchable
+        seen.first_seen(pair_hashes([f"s{n}"], ["t"], "pair", 0))
+    assert len(seen.runs) <= 7 and len(seen) == 42
+    again = pair_hashes(["b", "s7", "new", "a"], ["y", "t", "t", "other"], "pair", 0)
+    assert seen.first_seen(again).tolist() == [False, False, True, True]
+    assert pair_hashes(["a"], ["x"], "pair", 1)[0] != first[0]  # per direction
+    assert pair_hashes(["a"], ["x"], "source", 0)[0] == pair_hashes(["a"], ["zz"], "source", 0)[0]
+
+
+def test_the_lexical_score_tells_misaligned_pairs_from_translations(multi30k_2k):
+    src, tgt = read_lines(multi30k_2k / "train.de.gz"), read_lines(multi30k_2k / "train.en.gz")
+    model = learn_lexical_model(src, tgt, recall=0.85, seed=1)
+    aligned = model.misaligned(src, tgt)
+    shifted = model.misaligned(src, tgt[1:] + tgt[:1])  # every source with its neighbour's translation
+    assert aligned.mean() < 0.05 and shifted.mean() > 0.7, (aligned.mean(), shifted.mean())
+    scores = model.scores(src[:50], tgt[:50])
+    assert (scores == model.scores(src[:50], tgt[:50])).all()  # deterministic
+
+
+# --------------------------------------------------------------------------- through tfm prepare
+
+from tests.conftest import multi30k_config, tfm_in_process  # noqa: E402
+from transformer_cli.data.prepare import REPORT_FILE, prepare  # noqa: E402
+from transformer_cli.experiment.config import config_from_dict  # noqa: E402
+
+
+def noisy_config(data, noisy_dir, run, **filters):
+    raw = multi30k_config(data, run)
+    raw["data"]["train"] = str(noisy_dir / "train")
+    raw["data"]["filters"] = filters
+    return raw
+
+
+def test_the_report_adds_up_and_the_dropped_file_names_every_dropped_pair(noisy, tmp_path):
+    data, out = noisy
+    dropped_file = tmp_path / "dropped.jsonl"
+    result = prepare(config_from_dict(noisy_config(data, out, tmp_path / "run")), progress=False, dropped=dropped_file)
+    report = json.loads((tmp_path / "run" / REPORT_FILE).read_text())
+    assert report["pairs_read"] == len((out / "train.labels").read_text().split())
+    assert report["pairs_read"] == report["pairs_kept"] + sum(report["dropped"].values())
+    assert report["pairs_kept"] == result.manifest["stats"]["train"]["src"]["lines"]
+    assert list(report["dropped"]) == list(REASONS)  # in the order the filters run
+    lines = [json.loads(line) for line in dropped_file.read_text().splitlines()]
+    assert collections.Counter(d["reason"] for d in lines) == {k: v for k, v in report["dropped"].items() if v}
+    sources, targets = read_lines(out / "train.de.gz"), read_lines(out / "train.en.gz")
+    assert all((d["src"], d["tgt"]) == (sources[d["line"] - 1], targets[d["line"] - 1]) for d in lines)
+    direction = report["directions"][0]
+    for reason, examples in direction["examples"].items():
+        assert 1 <= len(examples) <= 3 and all(e["line"] in {d["line"] for d in lines if d["reason"] == reason}
+                                               for e in examples)
+    kept = set(range(1, len(sources) + 1)) - {d["line"] for d in lines}
+    assert len({(sources[i - 1], targets[i - 1]) for i in kept}) == len(kept)  # no duplicate left
+
+
+def test_the_label_benchmark_at_a_small_size(noisy, tmp_path):
+    """The benchmark's scoring (scripts/bench_cleaning.py) on 2,000 clean pairs + 70% noise."""
+    data, out = noisy
+    bench = load_script("bench_cleaning")
+    dropped_file = tmp_path / "dropped.jsonl"
+    prepare(config_from_dict(noisy_config(data, out, tmp_path / "run", lexical={"enabled": True})), progress=False,
+            dropped=dropped_file)
+    dropped = [json.loads(line) for line in dropped_file.read_text().splitlines()]
+    rates = bench.drop_rates((out / "train.labels").read_text().split(), read_lines(out / "train.de.gz"),
+                             read_lines(out / "train.en.gz"), dropped)
+    for label, row in rates.items():
+        if label == "misaligned":  # 2,000 pairs teach the lexical model less than the corpus does
+            assert row["share"] >= 0.6, rates
+        elif label == "clean":
+            assert row["share"] <= bench.TARGET_CLEAN, rates
+        else:
+            assert row["share"] >= bench.TARGET_NOISE, (label, rates)
+
+
+def test_a_filter_dropping_most_of_the_corpus_warns_and_one_dropping_all_is_an_error(multi30k_2k, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train", "val", "test_2016_flickr"):
+        for lang in ("de", "en", "fr"):
+            (data / f"{name}.{lang}.gz").write_bytes((multi30k_2k / f"{name}.{lang}.gz").read_bytes())
+    config = tmp_path / "c.json"
+    raw = multi30k_config(data, tmp_path / "run")
+    raw["data"].update(src_lang="fr")  # French files where German is said: every source 'in another language'
+    config.write_text(json.dumps(raw))
+    swapped = tfm_in_process("prepare", "--config", str(config), "--set", "data.src_lang=de",
+                             "--set", "data.tgt_lang=fr")  # English-French said, German-French read: warns
+    assert swapped.exit_code == 0
+    raw["data"].update(src_lang="de", tgt_lang="en")
+    (data / "train.de.gz").write_bytes((multi30k_2k / "train.fr.gz").read_bytes())  # French in the German file
+    config.write_text(json.dumps(raw))
+    result = tfm_in_process("prepare", "--config", str(config), "--set", f"run_dir={tmp_path / 'run2'}")
+    assert result.exit_code == 0, result.stderr
+    assert "WARNING: filter 'language' dropped" in result.stderr and "data.src_lang/tgt_lang" in result.stderr
+    every = tfm_in_process("prepare", "--config", str(config), "--set", f"run_dir={tmp_path / 'run3'}",
+                           "--set", "data.filters.language.enabled=false", "--set", "data.filters.lexical.enabled=false",
+                           "--set", "data.filters.length.min_words=1000")
+    assert every.exit_code == 2 and "every one of de-en's 2,000 training pairs was dropped (length" in every.stderr
+    assert "Traceback" not in every.stderr
+
+
+def test_filter_settings_are_in_the_fingerprint_and_dropped_needs_a_fresh_pass(noisy, tmp_path):
+    data, out = noisy
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps(noisy_config(data, out, tmp_path / "run")))
+    first = tfm_in_process("prepare", "--config", str(config))
+    assert first.exit_code == 0 and "dropped: copy" in first.stdout, first.stdout
+    again = tfm_in_process("prepare", "--config", str(config))
+    assert "up to date" in again.stdout
+    refused = tfm_in_process("prepare", "--config", str(config), "--dropped", str(tmp_path / "d.jsonl"))
+    assert refused.exit_code == 2 and "add --force" in refused.stderr and not (tmp_path / "d.jsonl").exists()
+    changed = tfm_in_process("prepare", "--config", str(config), "--set", "data.filters.copies.enabled=false")
+    assert changed.exit_code == 0 and "up to date" not in changed.stdout and "dropped: copy" not in changed.stdout
+
+
+def test_multilingual_runs_filter_each_direction_by_its_own_languages(multi30k_2k, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train", "val", "test_2016_flickr"):
+        for lang in ("de", "en", "fr"):
+            (data / f"{name}.{lang}.gz").write_bytes((multi30k_2k / f"{name}.{lang}.gz").read_bytes())
+    german = read_lines(data / "train.de.gz")
+    french = read_lines(data / "train.fr.gz")
+    # the first 40 German lines are French: de-en must drop them, fr-en (other files) must not
+    (data / "train.de.gz").write_bytes(gzip.compress(("\n".join(french[:40] + german[40:]) + "\n").encode()))
+    raw = multi30k_config(data, tmp_path / "run")
+    raw["data"]["directions"] = ["de-en", "fr-en"]
+    result = prepare(config_from_dict(raw), progress=False)
+    by_name = {d["name"]: d for d in result.cleaning.to_json()["directions"]}
+    assert by_name["de-en"]["dropped"].get("language", 0) >= 38
+    assert by_name["fr-en"]["dropped"].get("language", 0) <= 5
+    assert by_name["de-en"]["read"] == by_name["fr-en"]["read"] == 2000
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -15,11 +15,22 @@ from pathlib import Path
 import numpy as np
 
 from ..experiment.config import ExperimentConfig
+from ..runtime.errors import TfmError
 from ..runtime.files import atomic_path, named_after
-from .corpus import EXAMPLES, Corpus, DroppedPair, EncodedChunk, sample_pairs, subset_side
+from .corpus import (
+    EXAMPLES,
+    Corpus,
+    DroppedPair,
+    EncodedChunk,
+    corpora_chunks,
+    decode_or_none,
+    sample_pairs,
+    subset_side,
+)
 from .filters import REASONS, DirectionFilters, SeenHashes
 from .lexical import learn_lexical_model
 
+COMMON_WORDS_PAIRS = 20_000  # the first pairs of a direction, whose in-language lines give its common words
 # The filter (config key under data.filters) behind each reason; None: not a filter of its own.
 FILTER_OF = {"empty": None, "encoding": "text", "length": "length", "copy": "copies", "characters": "characters",
              "repeats": "repeats", "numbers": "numbers", "language": "language", "misaligned": "lexical",
@@ -75,6 +86,16 @@ class CleaningReport:
                     out.append(f"filter '{reason}' dropped {d.dropped[reason] / d.read:.0%} of {d.name}'s "
                                f"{d.read:,} training pairs{hint}; see {what}")
         return out
+
+    def check_kept(self) -> None:
+        """A direction whose every training pair was dropped is an error naming the main reason
+        (a file of another language or encoding, a wrong language code), not an empty run."""
+        for d in self.directions:
+            if d.read and not d.kept:
+                reason, count = d.dropped.most_common(1)[0]
+                raise TfmError(f"every one of {d.name}'s {d.read:,} training pairs was dropped ({reason}: {count:,}, "
+                               f"first in {d.files[0]}); check data.src_lang/tgt_lang and the files, or turn the "
+                               f"filter off: --set data.filters.{FILTER_OF[reason] or 'text'}.enabled=false")
 
     def to_json(self) -> dict:
         return {
@@ -178,6 +199,18 @@ def make_cleaning(config: ExperimentConfig, corpora: list[list[Corpus]], dropped
                     SeenHashes() if filters.duplicates.enabled else None)
 
 
+def head_pairs(corpora: list[Corpus], n: int) -> tuple[list[str], list[str]]:
+    """The first `n` pairs of the corpora that are valid UTF-8 (no pass over the rest)."""
+    src, tgt = [], []
+    for _, chunk in corpora_chunks(corpora, n, n):
+        for i, (s, t) in enumerate(zip(chunk.src, chunk.tgt)):
+            s, t = decode_or_none(s, "", chunk.first_line + i, True), decode_or_none(t, "", chunk.first_line + i, True)
+            if s is not None and t is not None:
+                src.append(s)
+                tgt.append(t)
+    return src, tgt
+
+
 def build_filters(config: ExperimentConfig, corpora: list[list[Corpus]], seed: int) -> list[DirectionFilters]:
     """Each direction's filters; with data.filters.lexical on, each direction's lexical model,
     learned from a uniform sample of its training pairs (one more pass over its corpora)."""
@@ -190,5 +223,8 @@ def build_filters(config: ExperimentConfig, corpora: list[list[Corpus]], seed: i
             src, tgt, _ = sample_pairs(direction_corpora, rule.sample_pairs, seed,
                                        config.data.train_limit, skip_invalid=True)
             lexical = learn_lexical_model(src, tgt, rule.recall, seed, rule.min_count)
-        out.append(DirectionFilters(settings, direction.src, direction.tgt, lexical))
+        filters = DirectionFilters(settings, direction.src, direction.tgt, lexical)
+        if config.data.filters.language.enabled:  # the first pairs of the direction teach its common words
+            filters.learn_common_words(*head_pairs(direction_corpora, COMMON_WORDS_PAIRS))
+        out.append(filters)
     return out

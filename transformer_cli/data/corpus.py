@@ -104,7 +104,7 @@ def sample_pairs(corpora: list[Corpus], k: int, seed: int, limit: int | None = N
                     reservoir[j] = item
             seen += 1
     reservoir.sort(key=lambda item: item[:2])
-    decoded = [(_decode(s, corpora[c][0], n, skip_invalid), _decode(t, corpora[c][1], n, skip_invalid))
+    decoded = [(decode_or_none(s, corpora[c][0], n, skip_invalid), decode_or_none(t, corpora[c][1], n, skip_invalid))
                for c, n, s, t in reservoir]
     decoded = [(s, t) for s, t in decoded if s is not None and t is not None]
     return [s for s, _ in decoded], [t for _, t in decoded], seen
@@ -224,7 +224,7 @@ def training_filter(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, max_
     return np.select([empty, too_long, ratio], ["empty", "too_long", "length_ratio"], "").tolist()
 
 
-def _decode(raw: bytes, path: str, number: int, lenient: bool) -> str | None:
+def decode_or_none(raw: bytes, path: str, number: int, lenient: bool) -> str | None:
     """The line's text; None for invalid UTF-8 when `lenient` (the text filter drops it)."""
     if not lenient:
         return decode_line(raw, path, number)
@@ -237,8 +237,8 @@ def _decode(raw: bytes, path: str, number: int, lenient: bool) -> str | None:
 def encode_chunk(task: EncodeTask) -> EncodedChunk:
     chunk = task.chunk
     lenient = task.filtered and _filters[task.direction].on("text")
-    src_text = [_decode(raw, task.src_path, chunk.first_line + i, lenient) for i, raw in enumerate(chunk.src)]
-    tgt_text = [_decode(raw, task.tgt_path, chunk.first_line + i, lenient) for i, raw in enumerate(chunk.tgt)]
+    src_text = [decode_or_none(raw, task.src_path, chunk.first_line + i, lenient) for i, raw in enumerate(chunk.src)]
+    tgt_text = [decode_or_none(raw, task.tgt_path, chunk.first_line + i, lenient) for i, raw in enumerate(chunk.tgt)]
     reasons = _filters[task.direction].reasons(src_text, tgt_text) if task.filtered else [None] * len(src_text)
     rows = [i for i, r in enumerate(reasons) if r is None]  # the pairs still kept: only they are encoded
     src_kept, tgt_kept = [src_text[i] for i in rows], [tgt_text[i] for i in rows]

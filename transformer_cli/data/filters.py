@@ -27,19 +27,20 @@ import difflib
 import hashlib
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .lexical import LexicalModel, words
+from .lexical import LexicalModel
 
+COMMON_MIN_HITS, COMMON_MIN_SHARE = 2, 0.4  # `plainly_in_language`: at least 2 words and 40% of them
 # The reasons in the order the filters run (the report lists them so).
 REASONS = ("empty", "encoding", "length", "copy", "characters", "repeats", "numbers", "language", "misaligned",
            "too_long", "length_ratio", "duplicate")
 
+_NONZERO_DIGIT = re.compile("[1-9]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ufffd]")  # tab is allowed
-_NOT_LETTER = re.compile(r"[\W\d_]+")
-_SPACE = re.compile(r"\s+")
+_NOT_LETTER = re.compile(r"[^\w\s]+|[\d_]+")  # what is neither a letter nor white space
 _SENTENCE_END = re.compile(r"[.!?…。！？][\"'»”’)\]]*\s+(\w)")  # followed by a word: a boundary if it is capitalised
 
 # Letters of the script each language is written in (a language not listed is not checked).
@@ -80,75 +81,132 @@ class DirectionFilters:
     src_lang: str
     tgt_lang: str
     lexical: LexicalModel | None = None
+    # each side's most frequent words, from lines fastText identified as its language
+    # (`learn_common_words`): a line made mostly of them skips the identifier
+    common_words: dict[str, frozenset[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._script = {side: (re.compile(f"[{_SCRIPTS[s]}]") if (s := script_of(lang)) else None)
-                        for side, lang in (("src", self.src_lang), ("tgt", self.tgt_lang))}
+        self._enabled = {name: bool(rule["enabled"]) for name, rule in self.settings.items() if isinstance(rule, dict)}
+        self._latin = {"src": script_of(self.src_lang) == "latin", "tgt": script_of(self.tgt_lang) == "latin"}
+        # letters (\w less digits and _) outside the script of each side's language
+        self._other_script = {side: (re.compile(rf"[^\W\d_{_SCRIPTS[s]}]+") if (s := script_of(lang)) else None)
+                              for side, lang in (("src", self.src_lang), ("tgt", self.tgt_lang))}
         from .language_id import model_language  # noqa: PLC0415 (loads fastText's model when asked)
 
         self._language = ({side: model_language(lang) for side, lang in (("src", self.src_lang), ("tgt", self.tgt_lang))}
                           if self.settings["language"]["enabled"] else {"src": None, "tgt": None})
 
     def on(self, name: str) -> bool:
-        return bool(self.settings[name]["enabled"])
+        return self._enabled[name]
 
     # ------------------------------------------------------------------ one pair's text checks
 
-    def _length(self, src: str, tgt: str) -> bool:
+    def _length(self, src_tokens: list[str], tgt_tokens: list[str], src: str, tgt: str) -> bool:
         rule = self.settings["length"]
-        n_src, n_tgt = len(src.split()), len(tgt.split())
-        if max(n_src, n_tgt) < rule["min_words"] or max(n_src, n_tgt) > rule["max_words"]:
+        longest = max(len(src_tokens), len(tgt_tokens))
+        if longest < rule["min_words"] or longest > rule["max_words"]:
             return True
         if max(len(src), len(tgt)) > rule["max_chars"]:
             return True
         return max(sentences(src), sentences(tgt)) > rule["max_sentences"]
 
-    def _characters(self, text: str, side: str) -> bool:
+    def _characters(self, text: str, tokens: list[str], side: str) -> bool:
         rule = self.settings["characters"]
-        visible = _SPACE.sub("", text)
-        letters = _NOT_LETTER.sub("", visible)
-        if len(letters) < rule["min_letters"] * len(visible):
+        visible = sum(map(len, tokens))
+        letters = visible - sum(map(len, _NOT_LETTER.findall(text)))
+        if letters < rule["min_letters"] * visible:
             return True
-        script = self._script[side]
-        return bool(script and letters and len(script.findall(letters)) < rule["min_script"] * len(letters))
-
-    def _repeats(self, text: str) -> bool:
-        tokens = text.split()
-        if len(tokens) < self.settings["repeats"]["min_words"]:
+        script = self._other_script[side]  # letters outside the language's script (clean text: none)
+        if script is None or not letters or (text.isascii() and self._latin[side]):
             return False
-        return Counter(tokens).most_common(1)[0][1] > self.settings["repeats"]["max_share"] * len(tokens)
+        return sum(map(len, script.findall(text))) > (1 - rule["min_script"]) * letters
+
+    def _repeats(self, tokens: list[str]) -> bool:
+        rule = self.settings["repeats"]
+        if len(tokens) < rule["min_words"]:
+            return False
+        # the most frequent token occurs at most len - distinct + 1 times: most lines end here
+        if len(tokens) - len(set(tokens)) + 1 <= rule["max_share"] * len(tokens):
+            return False
+        return Counter(tokens).most_common(1)[0][1] > rule["max_share"] * len(tokens)
 
     def reason(self, src: str | None, tgt: str | None) -> str | None:
-        """The first text filter that drops the pair (None: kept so far). `None` text: undecodable."""
+        """The first text filter that drops the pair (None: kept so far), language identification
+        and the lexical score aside. `None` text: undecodable."""
         if src is None or tgt is None:
             return "encoding"
-        if not src.strip() or not tgt.strip():
+        return self._reason(src, tgt, src.casefold().split(), tgt.casefold().split())
+
+    def _reason(self, src: str, tgt: str, src_tokens: list[str], tgt_tokens: list[str]) -> str | None:
+        """`reason`, with each side's case-folded words (computed once for every filter)."""
+        if not src_tokens or not tgt_tokens:
             return "empty"
-        if self.on("text") and (_CONTROL.search(src) or _CONTROL.search(tgt)):
+        on = self._enabled
+        if on["text"] and (_CONTROL.search(src) or _CONTROL.search(tgt)):
             return "encoding"
-        if self.on("length") and self._length(src, tgt):
+        if on["length"] and self._length(src_tokens, tgt_tokens, src, tgt):
             return "length"
-        if self.on("copies") and is_copy(src, tgt, self.settings["copies"]["max_overlap"]):
+        if on["copies"] and is_copy(src, tgt, self.settings["copies"]["max_overlap"], src_tokens, tgt_tokens):
             return "copy"
-        if self.on("characters") and (self._characters(src, "src") or self._characters(tgt, "tgt")):
+        if on["characters"] and (self._characters(src, src_tokens, "src") or
+                                 self._characters(tgt, tgt_tokens, "tgt")):
             return "characters"
-        if self.on("repeats") and (self._repeats(src) or self._repeats(tgt)):
+        if on["repeats"] and (self._repeats(src_tokens) or self._repeats(tgt_tokens)):
             return "repeats"
-        if self.on("numbers") and numbers_similarity(src, tgt) < self.settings["numbers"]["min_similarity"]:
+        if on["numbers"] and numbers_similarity(src, tgt) < self.settings["numbers"]["min_similarity"]:
             return "numbers"
         return None
 
-    def _wrong_language(self, src: str, tgt: str) -> bool:
+    def plainly_in_language(self, text: str, side: str, tokens: list[str] | None = None) -> bool:
+        """Most of the line's words are among the most frequent of its side's language and fewer
+        among the other side's: identification would only confirm it (at a tenth of its cost)."""
+        own = self.common_words.get(side)
+        if not own:
+            return False
+        tokens = text.casefold().split() if tokens is None else tokens
+        hits = sum(map(own.__contains__, tokens))
+        if hits < COMMON_MIN_HITS or hits < COMMON_MIN_SHARE * len(tokens):
+            return False
+        return hits > sum(map(self.common_words.get("tgt" if side == "src" else "src", frozenset()).__contains__, tokens))
+
+    def _wrong_language(self, src: str, tgt: str, src_tokens: list[str] | None = None,
+                        tgt_tokens: list[str] | None = None) -> bool:
         from .language_id import identify  # noqa: PLC0415
 
-        return any(expected is not None and identify(text)[0] != expected
-                   for text, expected in ((src, self._language["src"]), (tgt, self._language["tgt"])))
+        for side, text, tokens in (("src", src, src_tokens), ("tgt", tgt, tgt_tokens)):
+            expected = self._language[side]
+            if expected is not None and not self.plainly_in_language(text, side, tokens) and \
+                    identify(text, one_line=True)[0] != expected:
+                return True
+        return False
+
+    def learn_common_words(self, src: list[str], tgt: list[str], top: int = 100) -> None:
+        """Each side's `top` most frequent words, counted over the lines of `src`/`tgt` that
+        fastText identifies as the side's language (a file in the wrong language yields none, and
+        every line of it then meets the identifier)."""
+        from .language_id import identify  # noqa: PLC0415
+
+        for side, lines in (("src", src), ("tgt", tgt)):
+            expected = self._language[side]
+            if expected is None:
+                continue
+            counts = Counter(token for line in lines if identify(line)[0] == expected
+                             for token in line.casefold().split())
+            self.common_words[side] = frozenset(word for word, _ in counts.most_common(top))
 
     def reasons(self, src: list[str | None], tgt: list[str | None]) -> list[str | None]:
         """Each pair's reason to be dropped by the text filters, or None."""
-        found = [self.reason(s, t) for s, t in zip(src, tgt)]
-        if self._language["src"] or self._language["tgt"]:
-            found = [r or ("language" if self._wrong_language(s, t) else None) for r, s, t in zip(found, src, tgt)]
+        found: list[str | None] = []
+        check_language = self._language["src"] or self._language["tgt"]
+        for s, t in zip(src, tgt):
+            if s is None or t is None:
+                found.append("encoding")
+                continue
+            s_tokens, t_tokens = s.casefold().split(), t.casefold().split()
+            reason = self._reason(s, t, s_tokens, t_tokens)
+            if reason is None and check_language and self._wrong_language(s, t, s_tokens, t_tokens):
+                reason = "language"
+            found.append(reason)
         if self.lexical is not None and self.on("lexical"):
             open_rows = [i for i, r in enumerate(found) if r is None]
             if open_rows:
@@ -160,15 +218,17 @@ class DirectionFilters:
 
 def sentences(text: str) -> int:
     """Sentences in a line: 1 + the sentence ends followed by a capitalised word."""
-    return 1 + sum(1 for m in _SENTENCE_END.finditer(text) if m.group(1).isupper())
+    return 1 + sum(map(str.isupper, _SENTENCE_END.findall(text)))
 
 
-def is_copy(src: str, tgt: str, max_overlap: float) -> bool:
-    """The target is the source untranslated: the same text, or word sets (case-folded) that
+def is_copy(src: str, tgt: str, max_overlap: float, src_tokens: list[str] | None = None,
+            tgt_tokens: list[str] | None = None) -> bool:
+    """The target is the source untranslated: the same text, or sets of case-folded words that
     overlap by `max_overlap` or more (Jaccard)."""
     if src.strip() == tgt.strip():
         return True
-    a, b = set(words(src)), set(words(tgt))
+    a = set(src.casefold().split() if src_tokens is None else src_tokens)
+    b = set(tgt.casefold().split() if tgt_tokens is None else tgt_tokens)
     return bool(a and b) and len(a & b) >= max_overlap * len(a | b)
 
 
@@ -176,8 +236,9 @@ def numbers_similarity(src: str, tgt: str) -> float:
     """How alike the sides' non-zero digits are, in order (OpusFilter's NonZeroNumeralsFilter:
     zeros are left out so 1,000 and 1.000.000 style differences weigh less); 1.0 without digits.
     Unlike OpusFilter, a single digit on one side alone is no mismatch: "vier Kühe" is "4 cows"."""
-    a = [c for c in src if c in "123456789"]
-    b = [c for c in tgt if c in "123456789"]
+    if not _NONZERO_DIGIT.search(src) and not _NONZERO_DIGIT.search(tgt):
+        return 1.0
+    a, b = _NONZERO_DIGIT.findall(src), _NONZERO_DIGIT.findall(tgt)
     if len(a) + len(b) <= 1:
         return 1.0
     return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()

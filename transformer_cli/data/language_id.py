@@ -43,9 +43,10 @@ def model_language(code: str) -> str | None:
     return base if base in _model()[1] else None
 
 
-def identify(text: str) -> tuple[str, float]:
-    """(language, probability) of one line: the model's most likely language."""
-    labels, probs = _model()[0].predict(" ".join(text.split()), k=1)  # fastText reads one line: no newlines
+def identify(text: str, one_line: bool = False) -> tuple[str, float]:
+    """(language, probability) of a text: the model's most likely language. fastText reads one
+    line: a text with line breaks is joined first (`one_line`: the caller knows it has none)."""
+    labels, probs = _model()[0].predict(text if one_line else " ".join(text.split()), k=1)
     return (labels[0][len(_LABEL):], float(probs[0])) if labels else ("", 0.0)
 
 

@@ -440,6 +440,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
                 if lines:
                     truncated[split] = {"count": len(lines), "lines": lines[:10],
                                         "max_tokens": source_token_limit(config.model.max_positions)}
+        cleaning.report.check_kept()
     except BaseException:
         if cleaning.dropped is not None:
             cleaning.dropped.abort()
