@@ -81,9 +81,10 @@ FILTER_SETS = {
 }
 
 
-def run_prepare(prefix: Path, run_dir: Path, workers: int | None, multi30k: Path, filters: str = "default") -> dict:
+def run_prepare(prefix: Path, run_dir: Path, workers: int | None, multi30k: Path, filters: str = "default",
+                extra: tuple[str, ...] = ()) -> dict:
     sets = [f"run_dir={run_dir}", f"data.train={prefix}", f"data.valid={multi30k}/val",
-            f"data.test={multi30k}/test_2016_flickr", "vocab.size=8000", *FILTER_SETS[filters]]
+            f"data.test={multi30k}/test_2016_flickr", "vocab.size=8000", *FILTER_SETS[filters], *extra]
     if workers is not None:
         sets.append(f"prepare.workers={workers}")
     cmd = [sys.executable, "-m", "transformer_cli", "prepare", "--config", str(ROOT / "configs" / "de-en.yaml"),

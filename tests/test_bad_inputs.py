@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -368,10 +369,22 @@ CASES = [
     Case("corpus: empty file", prepare_case(valid_tgt=lambda lines: b""), 2, "valid.tgt is empty (data.valid)"),
     Case("corpus: line counts differ", prepare_case(train_tgt=lambda lines: lines[:-1]), 2,
          "line counts differ"),
-    Case("corpus: invalid UTF-8", prepare_case(train_src=with_line(7, b"wa \xff\xfe wb\n")), 2,
-         "train.src: line 7 is not valid UTF-8"),
-    Case("corpus: NUL byte", prepare_case(train_tgt=with_line(5, b"wa\x00wb\n")), 2,
-         "train.tgt: line 5 contains a NUL byte"),
+    Case("corpus: invalid UTF-8", prepare_case(valid_src=with_line(7, b"wa \xff\xfe wb\n")), 2,
+         "valid.src: line 7 is not valid UTF-8"),
+    Case("corpus: NUL byte", prepare_case(valid_tgt=with_line(5, b"wa\x00wb\n")), 2,
+         "valid.tgt: line 5 contains a NUL byte"),
+    Case("corpus: invalid UTF-8 and NUL in train are dropped", prepare_case(
+        train_src=with_line(7, b"wa \xff\xfe wb\n"), train_tgt=with_line(5, b"wa\x00wb wc\n")), 0, "",
+         lambda case, proc: assert_dropped(proc, "encoding", 2)),
+    Case("corpus: every training pair dropped", lambda case, d, r: (
+        ["prepare", "--config", corpus(case), "--set", "data.filters.length.min_words=50"], None), 2,
+         "every one of src-tgt's 300 training pairs was dropped (length: 300"),
+    Case("config: filter setting out of range", with_settings("data.filters.copies.max_overlap=1.5"), 2,
+         "key 'data.filters.copies.max_overlap'"),
+    Case("config: unknown filter", with_settings("data.filters.langauge.enabled=false"), 2,
+         "did you mean 'data.filters.language'"),
+    Case("prepare: --dropped into a directory", lambda case, d, r: (
+        ["prepare", "--config", corpus(case), "--dropped", str(case)], None), 2, "", no_dropped_file),
     Case("corpus: UTF-8 BOM is stripped", prepare_case(train_src=lambda lines: [b"\xef\xbb\xbf" + lines[0], *lines[1:]]),
          0, "", lambda case, proc: assert_no_piece(case, "\ufeff")),
     Case("corpus: CRLF line ends", prepare_case(**{k: (lambda lines: [x.rstrip(b"\n") + b"\r\n" for x in lines])
@@ -611,8 +624,13 @@ def assert_no_piece(case: Path, char: str) -> None:
     assert not any(char in piece for piece in vocab_pieces(case))
 
 
-def assert_dropped(proc) -> None:
-    assert "too_long: 1" in proc.stdout, proc.stdout
+def assert_dropped(proc, reason: str = "length", count: int = 1) -> None:
+    assert re.search(rf"dropped: {reason} +{count} ", proc.stdout), proc.stdout
+
+
+def no_dropped_file(case: Path, proc) -> None:
+    assert proc.stderr.startswith("error: ") and str(case) in proc.stderr, proc.stderr
+    assert not (case / "run" / "prepare.json").exists()
 
 
 def assert_stdout_lines(proc, n: int) -> None:

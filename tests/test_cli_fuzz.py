@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 import typer.main
 
 from tests.conftest import ROOT, tfm_in_process, tiny_reverse_config, write_reverse_task
@@ -37,7 +38,7 @@ from transformer_cli.training.train import train
 NUMBERS = ["0", "-1", "nan", "inf", "1e308", str(2**63)]
 WORDS = ["", "nonsense"]
 PATHS = ["missing", "directory", "fifo", "empty", "through a file", "device", "own input", "run checkpoint"]
-OUTPUT_OPTIONS = {"output"}  # what a command writes; every other path is read
+OUTPUT_OPTIONS = {"output", "dropped"}  # what a command writes; every other path is read
 
 
 @dataclass
@@ -277,8 +278,12 @@ def test_every_option_with_a_hostile_value(ws, tmp_path, command, name, value):
 
 
 def numeric_keys(section: str, model) -> list[str]:
+    """The int and float keys of a config section, and of the sections nested in it (data.filters.…)."""
     keys = []
     for key, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys += numeric_keys(f"{section}.{key}", field.annotation)
+            continue
         text = str(field.annotation)
         if "int" in text or "float" in text:
             keys.append(f"{section}.{key}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import WORDS, assert_same_final_weights, tfm, tfm_in_process
+from tests.conftest import SYNTHETIC_FILTERS, WORDS, assert_same_final_weights, tfm, tfm_in_process
 from transformer_cli.data import language_id
 from transformer_cli.data.batches import ParallelData
 from transformer_cli.data.prepare import prepare
@@ -45,7 +45,7 @@ def shift_config(data: Path, run: Path, **train) -> dict:
     return {
         "run_dir": str(run),
         "data": {"directions": ["src-up", "src-dn"], "train": str(data / "train"), "valid": str(data / "valid"),
-                 "test": str(data / "test")},
+                 "test": str(data / "test"), "filters": SYNTHETIC_FILTERS},
         "vocab": {"size": 42},  # 16 words, their characters and the two tags: every word one piece
         "model": {"d_model": 64, "n_heads": 4, "enc_layers": 2, "dec_layers": 2, "d_ff": 256, "dropout": 0.0,
                   "norm_position": "pre"},

@@ -382,6 +382,8 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
     other pieces): refused, unless `discard_checkpoints`, which moves its training aside first.
     """
     check_corpus_files(config)  # before anything is created or locked
+    if dropped is not None:
+        _check_dropped_file(config, dropped)
     parent = parent_vocab(config) if config.vocab.from_run else None
     with RunLock(config.run_path, "tfm prepare"):
         for directory in (config.run_path, config.run_path / "data"):
@@ -389,6 +391,19 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
         result = _prepare(config, force, progress, parent, discard_checkpoints, dropped)
         atomic_write_text(RunDirectory(config.run_path).config_file, config_to_yaml(config))
     return result
+
+
+def _check_dropped_file(config: ExperimentConfig, dropped: Path) -> None:
+    """`--dropped` names a file to write that is none of the run's inputs and not in its directory."""
+    if dropped.is_dir():
+        raise TfmError(f"--dropped {dropped}: a directory; name a file to write the dropped pairs to")
+    target = dropped.resolve()
+    inputs = [path.resolve() for split in SPLITS for corpus in split_corpora(config, split) for path in corpus]
+    if target in inputs:
+        raise TfmError(f"--dropped {dropped}: is an input of this run (a corpus file); name another file")
+    if config.run_path.resolve() in target.parents:
+        raise TfmError(f"--dropped {dropped}: is inside the run directory {config.run_path}, which prepare "
+                       "rebuilds; name a file outside it")
 
 
 def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: ParentVocab | None,
