@@ -360,6 +360,11 @@ def no_marker(case: Path, proc) -> None:
     assert not (case / "MARKER").exists(), "the crafted pickle ran code"
 
 
+def no_dropped_file(case: Path, proc) -> None:
+    assert proc.stderr.startswith("error: ") and str(case) in proc.stderr, proc.stderr
+    assert not (case / "run" / "prepare.json").exists()
+
+
 GARBAGE = bytes(range(256)) * 4 + b"\n\xff\xfe\x00\n"  # every byte value, NULs, invalid UTF-8
 
 CASES = [
@@ -627,10 +632,6 @@ def assert_no_piece(case: Path, char: str) -> None:
 def assert_dropped(proc, reason: str = "length", count: int = 1) -> None:
     assert re.search(rf"dropped: {reason} +{count} ", proc.stdout), proc.stdout
 
-
-def no_dropped_file(case: Path, proc) -> None:
-    assert proc.stderr.startswith("error: ") and str(case) in proc.stderr, proc.stderr
-    assert not (case / "run" / "prepare.json").exists()
 
 
 def assert_stdout_lines(proc, n: int) -> None:

@@ -146,13 +146,13 @@ def test_settings_move_the_line():
     long_pair = (" ".join(["Ein Mann sitzt."] * 5), " ".join(["A man sits."] * 5))
     assert de_en(length__max_sentences=5).reasons(*map(list, zip(long_pair))) == [None]
     assert de_en(length__min_words=2).reasons(["Ein Mann"], ["A man"]) == [None]
-    near = ("Der Hund Rex läuft im Park", "Der Hund Rex rennt im Park")
+    near = ("Der große Hund Rex läuft heute im Park herum", "Der große Hund Rex rennt heute im Park herum")  # 8/10
     assert de_en().reason(*near) == "copy" and de_en(copies__max_overlap=0.9).reason(*near) is None
 
 
 def test_languages_the_filters_do_not_know_are_not_judged():
     made_up = DirectionFilters(FiltersConfig().model_dump(), "xx", "yy")
-    assert made_up.reasons(["wa wb wc wd"], ["wd wc wb wa xx"]) == [None]
+    assert made_up.reasons(["wa wb wc wd"], ["xa xb xc xd xe"]) == [None]
     assert made_up.reasons(["Мужчина едет на велосипеде."], ["A man rides a bike."]) == [None]  # no script known
 
 
@@ -176,8 +176,9 @@ def test_numbers_similarity_agrees_with_opusfilter_where_it_means_to():
     pairs = [("1995 kam er", "in 1995 he came"), ("1995", "2013"), ("Zimmer 12, Etage 3", "room 12, floor 3"),
              ("3,5 Millionen", "3.5 million"), ("Ruf 555 1234 an", "call 555 9876"), ("kein", "none"), ("12", "")]
     for src, tgt in pairs:
-        assert (numbers_similarity(src, tgt) >= 0.5) == next(theirs.score([(src, tgt)]))[0] >= 0.5 or \
-            len([c for c in src + tgt if c in "123456789"]) <= 1, (src, tgt)
+        ours = numbers_similarity(src, tgt) >= 0.5
+        alone = len([c for c in src + tgt if c in "123456789"]) <= 1  # where tfm means to differ
+        assert ours == theirs.accept(next(theirs.score([(src, tgt)]))) or alone, (src, tgt)
 
 
 def test_duplicates_are_found_by_hash_in_order_across_chunks():
@@ -239,48 +240,48 @@ def test_the_report_adds_up_and_the_dropped_file_names_every_dropped_pair(noisy,
 
 
 def test_the_label_benchmark_at_a_small_size(noisy, tmp_path):
-    """The benchmark's scoring (scripts/bench_cleaning.py) on 2,000 clean pairs + 70% noise."""
+    """The benchmark's scoring (scripts/bench_cleaning.py) on 2,000 clean pairs + 70% noise: the
+    default filters meet the corpus-size targets; the lexical filter, learning from 2,000 pairs
+    rather than 29,000, finds most misaligned pairs at a higher cost in clean ones."""
     data, out = noisy
     bench = load_script("bench_cleaning")
-    dropped_file = tmp_path / "dropped.jsonl"
-    prepare(config_from_dict(noisy_config(data, out, tmp_path / "run", lexical={"enabled": True})), progress=False,
-            dropped=dropped_file)
-    dropped = [json.loads(line) for line in dropped_file.read_text().splitlines()]
-    rates = bench.drop_rates((out / "train.labels").read_text().split(), read_lines(out / "train.de.gz"),
-                             read_lines(out / "train.en.gz"), dropped)
-    for label, row in rates.items():
-        if label == "misaligned":  # 2,000 pairs teach the lexical model less than the corpus does
-            assert row["share"] >= 0.6, rates
-        elif label == "clean":
-            assert row["share"] <= bench.TARGET_CLEAN, rates
-        else:
-            assert row["share"] >= bench.TARGET_NOISE, (label, rates)
+    labels = (out / "train.labels").read_text().split()
+    sources, targets = read_lines(out / "train.de.gz"), read_lines(out / "train.en.gz")
+    for variant, filters in (("default", {}), ("lexical", {"lexical": {"enabled": True}})):
+        dropped_file = tmp_path / f"dropped-{variant}.jsonl"
+        prepare(config_from_dict(noisy_config(data, out, tmp_path / variant, **filters)), progress=False,
+                dropped=dropped_file)
+        dropped = [json.loads(line) for line in dropped_file.read_text().splitlines()]
+        rates = bench.drop_rates(labels, sources, targets, dropped)
+        assert set(rates) == {"clean", *make_noisy_module().KINDS}
+        for label, row in rates.items():
+            if label == "misaligned":
+                assert row["share"] >= (0.6 if variant == "lexical" else 0.0), (variant, rates)
+            elif label == "clean":
+                assert row["share"] <= (bench.TARGET_CLEAN if variant == "default" else 0.05), (variant, rates)
+            else:
+                assert row["share"] >= bench.TARGET_NOISE, (variant, label, rates)
 
 
 def test_a_filter_dropping_most_of_the_corpus_warns_and_one_dropping_all_is_an_error(multi30k_2k, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     for name in ("train", "val", "test_2016_flickr"):
-        for lang in ("de", "en", "fr"):
+        for lang in ("de", "en"):
             (data / f"{name}.{lang}.gz").write_bytes((multi30k_2k / f"{name}.{lang}.gz").read_bytes())
+    french, german = read_lines(multi30k_2k / "train.fr.gz"), read_lines(multi30k_2k / "train.de.gz")
     config = tmp_path / "c.json"
-    raw = multi30k_config(data, tmp_path / "run")
-    raw["data"].update(src_lang="fr")  # French files where German is said: every source 'in another language'
-    config.write_text(json.dumps(raw))
-    swapped = tfm_in_process("prepare", "--config", str(config), "--set", "data.src_lang=de",
-                             "--set", "data.tgt_lang=fr")  # English-French said, German-French read: warns
-    assert swapped.exit_code == 0
-    raw["data"].update(src_lang="de", tgt_lang="en")
-    (data / "train.de.gz").write_bytes((multi30k_2k / "train.fr.gz").read_bytes())  # French in the German file
-    config.write_text(json.dumps(raw))
-    result = tfm_in_process("prepare", "--config", str(config), "--set", f"run_dir={tmp_path / 'run2'}")
+    config.write_text(json.dumps(multi30k_config(data, tmp_path / "run")))
+    # 60% of the German file is French: kept going, with a warning
+    (data / "train.de.gz").write_bytes(gzip.compress(("\n".join(french[:1200] + german[1200:]) + "\n").encode()))
+    result = tfm_in_process("prepare", "--config", str(config))
     assert result.exit_code == 0, result.stderr
-    assert "WARNING: filter 'language' dropped" in result.stderr and "data.src_lang/tgt_lang" in result.stderr
-    every = tfm_in_process("prepare", "--config", str(config), "--set", f"run_dir={tmp_path / 'run3'}",
-                           "--set", "data.filters.language.enabled=false", "--set", "data.filters.lexical.enabled=false",
-                           "--set", "data.filters.length.min_words=1000")
-    assert every.exit_code == 2 and "every one of de-en's 2,000 training pairs was dropped (length" in every.stderr
-    assert "Traceback" not in every.stderr
+    assert "WARNING: filter 'language' dropped 6" in result.stderr and "data.src_lang/tgt_lang" in result.stderr
+    # all of it French: nothing to train on, an error naming the reason
+    (data / "train.de.gz").write_bytes(gzip.compress(("\n".join(french) + "\n").encode()))
+    every = tfm_in_process("prepare", "--config", str(config), "--set", f"run_dir={tmp_path / 'run2'}")
+    assert every.exit_code == 2 and "every one of de-en's 2,000 training pairs was dropped (language" in every.stderr
+    assert "Traceback" not in every.stderr and not (tmp_path / "run2" / "prepare.json").exists()
 
 
 def test_filter_settings_are_in_the_fingerprint_and_dropped_needs_a_fresh_pass(noisy, tmp_path):

@@ -137,7 +137,7 @@ BOUNDS = [
     ("data.filters.repeats.max_share", 1.0, 0.0), ("data.filters.repeats.min_words", 2, 1),
     ("data.filters.numbers.min_similarity", 0.0, -0.5), ("data.filters.lexical.recall", 0.99, 1.0),
     ("data.filters.lexical.sample_pairs", 100, 99), ("data.filters.lexical.min_count", 1, 0),
-    ("data.filters.warn_share", 1.0, 0.0), ("data.filters.duplicates.by", "source", "sources"),
+    ("data.filters.warn_share", 1.0, 0.0), ("data.filters.language.min_words", 1, 0), ("data.filters.duplicates.by", "source", "sources"),
     ("vocab.size", 8, 7), ("vocab.character_coverage", 1.0, 0.0), ("vocab.input_sentence_size", 0, -1),
     ("prepare.workers", 1, 0), ("prepare.chunk_lines", 1, 0),
     ("model.d_model", 8, 0), ("model.n_heads", 1, 0), ("model.enc_layers", 1, 0), ("model.dec_layers", 1, 0),

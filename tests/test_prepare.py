@@ -64,8 +64,10 @@ def test_summary_and_idempotent_rerun(prepared):
 def test_filters_long_and_empty_pairs(multi30k_2k, tmp_path):
     data = tmp_path / "d"
     data.mkdir()
-    src = read_lines(f"{multi30k_2k}/train.de.gz")[:300] + ["", "kurz", "wort " * 200]
-    tgt = read_lines(f"{multi30k_2k}/train.en.gz")[:300] + ["empty source", "", "word " * 200]
+    src = read_lines(f"{multi30k_2k}/train.de.gz")[:300]
+    tgt = read_lines(f"{multi30k_2k}/train.en.gz")[:300]
+    # an empty side twice, and a pair of 12 sentences on one line (more pieces than max_len)
+    src, tgt = src + ["", "kurz", " ".join(src[:12])], tgt + ["empty source", "", " ".join(tgt[:12])]
     for lang, lines in (("de", src), ("en", tgt)):
         (data / f"train.{lang}").write_text("\n".join(lines) + "\n")
     for split in ("val", "test_2016_flickr"):
@@ -73,6 +75,7 @@ def test_filters_long_and_empty_pairs(multi30k_2k, tmp_path):
             (data / f"{split}.{lang}").write_text("ein Hund\n\n")
     raw = multi30k_config(data, tmp_path / "run", vocab={"size": 300})
     raw["data"]["max_len"] = 150
+    raw["data"]["filters"] = {"length": {"max_sentences": 20}}  # the pieces' bound must meet the long line
     result = prepare(config_from_dict(raw), progress=False)
     assert result.manifest["train_pairs_dropped"]["empty"] == 2
     assert result.manifest["train_pairs_dropped"]["too_long"] == 1

@@ -173,9 +173,12 @@ class DirectionFilters:
                         tgt_tokens: list[str] | None = None) -> bool:
         from .language_id import identify  # noqa: PLC0415
 
+        min_words = self.settings["language"]["min_words"]
         for side, text, tokens in (("src", src, src_tokens), ("tgt", tgt, tgt_tokens)):
             expected = self._language[side]
-            if expected is not None and not self.plainly_in_language(text, side, tokens) and \
+            if tokens is None:
+                tokens = text.casefold().split()
+            if expected is not None and len(tokens) >= min_words and not self.plainly_in_language(text, side, tokens) and \
                     identify(text, one_line=True)[0] != expected:
                 return True
         return False

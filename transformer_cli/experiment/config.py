@@ -183,6 +183,10 @@ class NumbersFilter(_Filter):
     min_similarity: float = Field(0.5, ge=0.0, le=1.0)  # of the sides' non-zero digits, in order
 
 
+class LanguageFilter(_Filter):
+    min_words: int = Field(3, ge=1)  # a side with fewer words is too short to identify reliably: not judged
+
+
 class LexicalFilter(_Filter):
     enabled: bool = False  # costs more than all other filters together (docs/training.md)
     recall: float = Field(0.85, gt=0.0, lt=1.0)  # share of randomly re-paired sample pairs it should drop
@@ -203,7 +207,7 @@ class FiltersConfig(_Section):
     characters: CharactersFilter = Field(default_factory=CharactersFilter)
     repeats: RepeatsFilter = Field(default_factory=RepeatsFilter)
     numbers: NumbersFilter = Field(default_factory=NumbersFilter)
-    language: _Filter = Field(default_factory=_Filter)  # each side identified as its language
+    language: LanguageFilter = Field(default_factory=LanguageFilter)  # each side identified as its language
     lexical: LexicalFilter = Field(default_factory=LexicalFilter)  # misaligned pairs
     duplicates: DuplicatesFilter = Field(default_factory=DuplicatesFilter)
     warn_share: float = Field(0.5, gt=0.0, le=1.0)  # a filter dropping more of a direction than this warns
