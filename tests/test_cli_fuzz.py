@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
 import typer.main
+from pydantic import BaseModel
 
 from tests.conftest import ROOT, tfm_in_process, tiny_reverse_config, write_reverse_task
 from transformer_cli.cli import app
