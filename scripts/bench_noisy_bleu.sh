@@ -33,5 +33,5 @@ for arm in $ARMS; do
   tfm prepare --config "$CONFIG" "${RUN[@]}" --force --discard-checkpoints > "$OUT/$arm.prepare.txt"
   tfm train --config "$CONFIG" "${RUN[@]}" --set train.max_time="$TIME" 2> "$OUT/$arm.train.log"
   gzip -dc data/multi30k/test_2016_flickr.de.gz | tfm translate --config "$CONFIG" "${RUN[@]}" --beam 5 > "$OUT/$arm.hyp.en"
-  echo "$arm: $(grep -E '^(read|kept)' "$OUT/$arm.prepare.txt" | tr -s ' ' | paste -sd ';') $(tfm evaluate --hyp "$OUT/$arm.hyp.en" --ref "$OUT/test.ref.en" --metrics bleu 2>&1 | tail -1)"
+  echo "$arm: $(grep -E '^(read|kept)' "$OUT/$arm.prepare.txt" | tr -s ' ' | paste -sd ';') $(tfm evaluate --hyp "$OUT/$arm.hyp.en" --ref "$OUT/test.ref.en" --metrics bleu,chrf 2>&1 | grep -E '^(BLEU|chrF2) =' | cut -d' ' -f1-3 | paste -sd ' ')"
 done

@@ -383,7 +383,7 @@ CASES = [
          lambda case, proc: assert_dropped(proc, "encoding", 2)),
     Case("corpus: every training pair dropped", lambda case, d, r: (
         ["prepare", "--config", corpus(case), "--set", "data.filters.length.min_words=50"], None), 2,
-         "every one of src-tgt's 300 training pairs was dropped (length: 300"),
+         "every one of src-tgt's 300 training pairs sampled for the vocabulary was dropped (length: 300"),
     Case("config: filter setting out of range", with_settings("data.filters.copies.max_overlap=1.5"), 2,
          "key 'data.filters.copies.max_overlap'"),
     Case("config: unknown filter", with_settings("data.filters.langauge.enabled=false"), 2,

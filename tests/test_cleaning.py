@@ -81,7 +81,7 @@ def test_the_noise_is_seeded_and_the_input_is_never_written(noisy, tmp_path):
 # --------------------------------------------------------------------------- each filter on hand-made pairs
 
 from transformer_cli.data.cleaning import head_pairs  # noqa: E402
-from transformer_cli.data.filters import DirectionFilters, SeenHashes, numbers_similarity, pair_hashes  # noqa: E402
+from transformer_cli.data.filters import DirectionFilters, SeenHashes, is_copy, numbers_similarity, pair_hashes  # noqa: E402
 from transformer_cli.data.lexical import learn_lexical_model  # noqa: E402
 from transformer_cli.experiment.config import FiltersConfig  # noqa: E402
 
@@ -280,7 +280,8 @@ def test_a_filter_dropping_most_of_the_corpus_warns_and_one_dropping_all_is_an_e
     # all of it French: nothing to train on, an error naming the reason
     (data / "train.de.gz").write_bytes(gzip.compress(("\n".join(french) + "\n").encode()))
     every = tfm_in_process("prepare", "--config", str(config), "--set", f"run_dir={tmp_path / 'run2'}")
-    assert every.exit_code == 2 and "every one of de-en's 2,000 training pairs was dropped (language" in every.stderr
+    assert every.exit_code == 2, every.stderr
+    assert "every one of de-en's 2,000 training pairs sampled for the vocabulary was dropped (language" in every.stderr
     assert "Traceback" not in every.stderr and not (tmp_path / "run2" / "prepare.json").exists()
 
 
@@ -343,3 +344,41 @@ def test_a_million_pairs_stream_through_the_filters_in_flat_memory(tmp_path):
         report = json.loads((tmp_path / f"run_{pairs}" / REPORT_FILE).read_text())
         assert report["pairs_read"] == pairs and report["filters"]["language"]["enabled"]
     assert peaks[1_000_000] < 1.25 * peaks[100_000], peaks
+
+
+def test_the_filters_decide_as_opusfilters_counterparts_on_the_noisy_corpus(noisy):
+    """tfm's own filters against OpusFilter's of the same meaning, pair by pair, on the labelled noisy
+    corpus: they agree on nearly every pair (where they differ by design the share is small)."""
+    from opusfilter.filters import AlphabetRatioFilter, CharacterScoreFilter, LengthFilter, SimilarityFilter
+
+    _, out = noisy
+    pairs = list(zip(read_lines(out / "train.de.gz"), read_lines(out / "train.en.gz")))
+    ours = de_en()
+    checks = [
+        # ours: letters are at least 60% of the non-space characters of each side
+        ("letters", lambda s, t: not (ours._characters(s, s.split(), "src") or ours._characters(t, t.split(), "tgt")),
+         AlphabetRatioFilter(threshold=0.6, exclude_whitespace=True)),
+        # ours: at least 90% of each side's letters are Latin (both languages are written in it)
+        ("script", lambda s, t: not _other_script_heavy(ours, s, t),
+         CharacterScoreFilter(scripts=["Latin", "Latin"], thresholds=[0.9, 0.9])),
+        # ours: word-set overlap below 0.8; OpusFilter: word-level edit similarity below 0.8
+        ("copies", lambda s, t: not is_copy(s, t, 0.8), SimilarityFilter(threshold=0.8, unit="word", lowercase=True)),
+        # ours: a fragment is both sides under 3 words; OpusFilter wants each side 3 words or more
+        ("length", lambda s, t: max(len(s.split()), len(t.split())) >= 3,
+         LengthFilter(min_length=3, max_length=10_000, unit="word")),
+    ]
+    for name, keep, theirs in checks:
+        their_keep = [theirs.accept(score) for score in theirs.score(pairs)]
+        agree = sum(keep(s, t) == k for (s, t), k in zip(pairs, their_keep)) / len(pairs)
+        assert agree >= 0.98, (name, agree)
+        assert sum(not k for k in their_keep) > 0 or name == "script", name  # the check has something to judge
+
+
+def _other_script_heavy(filters: DirectionFilters, src: str, tgt: str) -> bool:
+    """Either side's letters are under 90% Latin (tfm's script check alone)."""
+    for text, side in ((src, "src"), (tgt, "tgt")):
+        letters = sum(ch.isalpha() for ch in text)
+        other = sum(map(len, filters._other_script[side].findall(text)))
+        if letters and other > 0.1 * letters:
+            return True
+    return False

@@ -25,7 +25,7 @@ import numpy as np
 import sentencepiece as spm
 
 from ..runtime.errors import TfmError
-from ..runtime.files import atomic_path, decode_line, iter_raw_lines, named_after
+from ..runtime.files import AtomicStream, decode_line, iter_raw_lines, named_after
 from ..runtime.signals import die_with_parent
 from .filters import DirectionFilters, pair_hashes
 
@@ -309,7 +309,7 @@ def ordered_map(fn: Callable, tasks: Iterator, workers: int, initializer: Callab
 # --------------------------------------------------------------------------- writing
 
 
-class NpyAppender:
+class NpyAppender(AtomicStream):
     """A 1-D `.npy` file written piece by piece: placeholder header, data, then the real header.
 
     For 1-D arrays numpy's version-1.0 header is padded to 128 bytes whatever the length, so
@@ -318,10 +318,8 @@ class NpyAppender:
     """
 
     def __init__(self, target: Path, dtype: np.dtype):
-        self.dtype, self.count, self.target = np.dtype(dtype), 0, target
-        self._atomic = atomic_path(target)
-        self._tmp = self._atomic.__enter__()
-        self._file = open(self._tmp, "wb")
+        super().__init__(target)
+        self.dtype, self.count = np.dtype(dtype), 0
         self._header_size = self._write_header(0)
 
     def _write_header(self, count: int) -> int:
@@ -331,24 +329,13 @@ class NpyAppender:
         return self._file.tell()
 
     def append(self, array: np.ndarray) -> None:
-        try:
-            self._file.write(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
-        except OSError as exc:  # a full disk: name the file the user knows, not its temporary stand-in
-            raise named_after(exc, self.target) from None
+        self.write(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
         self.count += len(array)
 
     def close(self) -> None:
         try:
             if self._write_header(self.count) != self._header_size:
                 raise RuntimeError("npy header size changed")  # cannot happen for 1-D arrays
-            self._file.close()
         except OSError as exc:
             raise named_after(exc, self.target) from None
-        self._atomic.__exit__(None, None, None)
-
-    def abort(self) -> None:
-        try:
-            self._file.close()  # flushes what is buffered: fails again on a full disk
-        except OSError:
-            pass
-        self._atomic.__exit__(TfmError, TfmError("aborted"), None)  # removes the temporary file
+        super().close()

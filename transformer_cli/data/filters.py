@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .language_id import identify, model_language
 from .lexical import LexicalModel
 
 COMMON_MIN_HITS, COMMON_MIN_SHARE = 2, 0.4  # `plainly_in_language`: at least 2 words and 40% of them
@@ -91,8 +92,6 @@ class DirectionFilters:
         # letters (\w less digits and _) outside the script of each side's language
         self._other_script = {side: (re.compile(rf"[^\W\d_{_SCRIPTS[s]}]+") if (s := script_of(lang)) else None)
                               for side, lang in (("src", self.src_lang), ("tgt", self.tgt_lang))}
-        from .language_id import model_language  # noqa: PLC0415 (loads fastText's model when asked)
-
         self._language = ({side: model_language(lang) for side, lang in (("src", self.src_lang), ("tgt", self.tgt_lang))}
                           if self.settings["language"]["enabled"] else {"src": None, "tgt": None})
 
@@ -171,8 +170,6 @@ class DirectionFilters:
 
     def _wrong_language(self, src: str, tgt: str, src_tokens: list[str] | None = None,
                         tgt_tokens: list[str] | None = None) -> bool:
-        from .language_id import identify  # noqa: PLC0415
-
         min_words = self.settings["language"]["min_words"]
         for side, text, tokens in (("src", src, src_tokens), ("tgt", tgt, tgt_tokens)):
             expected = self._language[side]
@@ -187,8 +184,6 @@ class DirectionFilters:
         """Each side's `top` most frequent words, counted over the lines of `src`/`tgt` that
         fastText identifies as the side's language (a file in the wrong language yields none, and
         every line of it then meets the identifier)."""
-        from .language_id import identify  # noqa: PLC0415
-
         for side, lines in (("src", src), ("tgt", tgt)):
             expected = self._language[side]
             if expected is None:

@@ -33,7 +33,7 @@ from ..runtime.cpu import usable_cores
 from ..runtime.errors import TfmError
 from ..runtime.files import atomic_path, atomic_write_bytes, atomic_write_text, iter_raw_lines, remove_stale_temps
 from .batches import array_path
-from .cleaning import Cleaning, CleaningReport, clean_result, make_cleaning
+from .cleaning import Cleaning, CleaningReport, build_filters, clean_result, filter_sample, make_cleaning
 from .corpus import (
     Corpus,
     EncodeTask,
@@ -46,6 +46,7 @@ from .corpus import (
     sample_lines,
     sample_pairs,
 )
+from .filters import DirectionFilters
 from .language_tags import known_languages
 
 
@@ -206,8 +207,10 @@ def _side_stats(lengths: np.ndarray, unk: int) -> dict:
     }
 
 
-def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) -> tuple[int, int]:
-    """Sentencepiece on a uniform sample of the training pairs; returns (pairs read, pairs sampled)."""
+def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int, filters: list[DirectionFilters],
+                 workers: int | None) -> tuple[int, int]:
+    """Sentencepiece on a uniform sample of the training pairs, less those the filters drop;
+    returns (pairs read, pairs sampled)."""
     vocab = config.vocab
     size = vocab.input_sentence_size
     # input_sentence_size counts sentences per sentencepiece model: a joint one sees both sides.
@@ -217,6 +220,7 @@ def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int) ->
     src, tgt, read = sample_pairs(split_corpora(config, "train"), pairs, seed, config.data.train_limit,
                                   skip_invalid=config.data.filters.text.enabled)
     sampled = len(src) < read
+    src, tgt = filter_sample(filters[0], src, tgt, workers or usable_cores(), config.data.pairs[0].name)
     if vocab.joint:
         train_sentencepiece(src + tgt, paths["src"], config, sampled)
     else:
@@ -428,12 +432,16 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
     started = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
 
+    # The directions' filters: language identification's common words and the lexical model are
+    # learned from the training data, before the vocabulary (whose sample they clean).
+    corpora = [direction_corpora(config, "train", d) for d in config.data.pairs]
+    filters = build_filters(config, corpora, config.train.seed)
     # Vocabulary: trained on (a sample of) the training data only, or the parent run's, as it is.
     paths = run.vocab_files(config.vocab.joint)
     if parent is not None:
         train_read, sampled = _inherit_vocab(config, parent, paths), 0
     else:
-        train_read, sampled = _train_vocab(config, paths, seed=config.train.seed)
+        train_read, sampled = _train_vocab(config, paths, config.train.seed, filters, config.prepare.workers)
     vocab_seconds = time.perf_counter() - started
     vocab_sizes = {side: load_sentencepiece(paths[side]).vocab_size() for side in SIDES}
     dtype = "uint16" if max(vocab_sizes.values()) <= np.iinfo(np.uint16).max else "int32"
@@ -445,8 +453,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
     truncated: dict[str, dict] = {}
     per_direction: dict[str, list[int]] = {}
     tags = source_tags(config, paths["src"])  # each direction's source tag (None: untagged)
-    corpora = [direction_corpora(config, "train", d) for d in config.data.pairs]
-    cleaning = make_cleaning(config, corpora, dropped_file)
+    cleaning = make_cleaning(config, corpora, dropped_file, filters)
     try:
         with tqdm(desc="encoding", unit=" pairs", unit_scale=True, disable=not progress, leave=False) as bar:
             for split in SPLITS:

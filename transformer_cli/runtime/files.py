@@ -295,6 +295,37 @@ def named_after(exc: OSError, target: Path) -> OSError:
     return exc
 
 
+class AtomicStream:
+    """A file written piece by piece through `atomic_path`: it appears at `target` only on
+    `close()`; `abort()` removes the temporary. A failed write (a full disk) names `target`, the
+    file the user knows, not its temporary stand-in."""
+
+    def __init__(self, target: Path, mode: str = "wb", encoding: str | None = None):
+        self.target = Path(target)
+        self._atomic = atomic_path(self.target)
+        self._file = open(self._atomic.__enter__(), mode, encoding=encoding)
+
+    def write(self, data) -> None:
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            raise named_after(exc, self.target) from None
+
+    def close(self) -> None:
+        try:
+            self._file.close()
+        except OSError as exc:
+            raise named_after(exc, self.target) from None
+        self._atomic.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        try:
+            self._file.close()  # flushes what is buffered: fails again on a full disk
+        except OSError:
+            pass
+        self._atomic.__exit__(TfmError, TfmError("aborted"), None)  # removes the temporary file
+
+
 def _read_umask() -> int:
     mask = os.umask(0)  # the only way to read it is to set it
     os.umask(mask)
