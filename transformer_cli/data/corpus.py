@@ -215,7 +215,7 @@ def subset_side(side: EncodedSide, keep: np.ndarray) -> EncodedSide:
 
 def training_filter(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int, max_ratio: float
                     ) -> list[str | None]:
-    """Each pair's reason to be dropped by its lengths in pieces, or None."""
+    """Each pair's reason to be dropped by its lengths in pieces, or "" (kept)."""
     empty = (src_len == 0) | (tgt_len == 0)
     too_long = ~empty & ((src_len > max_len) | (tgt_len > max_len))
     longer, shorter = np.maximum(src_len, tgt_len), np.maximum(np.minimum(src_len, tgt_len), 1)
