@@ -382,3 +382,19 @@ def _other_script_heavy(filters: DirectionFilters, src: str, tgt: str) -> bool:
         if letters and other > 0.1 * letters:
             return True
     return False
+
+
+def test_the_lexical_model_learns_within_a_bounded_number_of_word_pairs(multi30k_2k, monkeypatch):
+    """However large the sample or long its lines, Model 1 trains on at most MAX_ENTRIES word
+    pairs per half: its memory is bounded by the constant, not by `sample_pairs`."""
+    import transformer_cli.data.lexical as lexical
+
+    src, tgt = read_lines(multi30k_2k / "train.de.gz"), read_lines(multi30k_2k / "train.en.gz")
+    seen = []
+    real = lexical.train_model1
+    monkeypatch.setattr(lexical, "MAX_ENTRIES", 20_000)
+    monkeypatch.setattr(lexical, "train_model1", lambda s, t, *a: seen.append(len(s.ids) and
+                                                                         int(((s.lengths + 1) * t.lengths).sum()))
+                        or real(s, t, *a))
+    lexical.learn_lexical_model(src, tgt, recall=0.85, seed=1)
+    assert seen and all(0 < n <= 20_000 for n in seen), seen

@@ -28,6 +28,9 @@ WORD = re.compile(r"\w+")
 MIN_PROB = 1e-3  # probabilities below this are dropped from the model (and floored when scoring)
 FLOOR = np.log(MIN_PROB / 10)  # log-probability of a word nothing on the other side explains
 MAX_WORDS = 80  # longer sentences are left out of training (a failed sentence split teaches noise)
+# Training holds one entry per (source word, target word) of each pair: each half of the sample
+# stops at this many, whatever `sample_pairs` and the sentence lengths (about 400 MB at the peak).
+MAX_ENTRIES = 15_000_000
 
 
 def words(text: str) -> list[str]:
@@ -218,8 +221,13 @@ def learn_lexical_model(src_text: list[str], tgt_text: list[str], recall: float,
     half = _half(src_text)
     halves = []
     for which in (0, 1):
-        rows = [i for i in np.flatnonzero(half == which)
-                if len(src_words[i]) <= MAX_WORDS and len(tgt_words[i]) <= MAX_WORDS]
+        rows, entries = [], 0
+        for i in np.flatnonzero(half == which):
+            if len(src_words[i]) <= MAX_WORDS and len(tgt_words[i]) <= MAX_WORDS:
+                entries += (len(src_words[i]) + 1) * len(tgt_words[i])
+                if entries > MAX_ENTRIES:
+                    break
+                rows.append(i)
         src = _side([src_words[i] for i in rows], src_vocab)
         tgt = _side([tgt_words[i] for i in rows], tgt_vocab)
         halves.append((train_model1(src, tgt, n_src, n_tgt, iterations), train_model1(tgt, src, n_tgt, n_src, iterations)))

@@ -190,7 +190,8 @@ class LanguageFilter(_Filter):
 class LexicalFilter(_Filter):
     enabled: bool = False  # costs more than all other filters together (docs/training.md)
     recall: float = Field(0.85, gt=0.0, lt=1.0)  # share of randomly re-paired sample pairs it should drop
-    sample_pairs: int = Field(100_000, ge=100)  # training pairs it learns from (uniform sample)
+    # training pairs it learns from (uniform sample; held in memory, and Model 1 stops at 15M word pairs)
+    sample_pairs: int = Field(100_000, ge=100, le=1_000_000)
     min_count: int = Field(3, ge=1)  # words seen fewer times in the sample are not scored
 
 
