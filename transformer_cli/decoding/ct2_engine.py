@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..data.shortlist import VMAP_FILE, check_shortlist
 from ..experiment.config import DecodeConfig
 from ..interop.ct2 import ExportedModel, exported_decode, import_ctranslate2, read_export
 from ..model.lengths import output_length_limit, source_token_limit
@@ -55,10 +56,12 @@ class CT2Translator(TranslationEngine):
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", compute_type: str | None = None,
                  threads: int = 0, decode: DecodeConfig | None = None, overrides: list[str] | None = None,
-                 model: ExportedModel | None = None):
+                 model: ExportedModel | None = None, shortlist: Path | None = None):
         """`decode` replaces the exported decode settings; `overrides` (`decode.beam=4`…) edit them.
         `compute_type` (decode.compute_type's values; None: decode.compute_type): auto is int8 on
-        CPU, float16 on CUDA. `model`: the directory as `read_export` read it already."""
+        CPU, float16 on CUDA. `model`: the directory as `read_export` read it already. `shortlist`:
+        the vocabulary map (`tfm shortlist`) used where decode.shortlist is true; None: the
+        directory's own vmap.txt (`tfm export` writes one), if it has one."""
         ctranslate2 = import_ctranslate2()
         model_dir = Path(model_dir)
         model = model if model is not None else read_export(model_dir)
@@ -82,6 +85,10 @@ class CT2Translator(TranslationEngine):
         self._translator: Any = None  # opened by `open()` or the first translation, with decode.workers as set by then
         self._workers = 1
         self.src_sp, self.tgt_sp = model.src_sp, model.tgt_sp
+        own_map = model_dir / VMAP_FILE
+        self.shortlist = shortlist if shortlist is not None else (own_map if own_map.is_file() else None)
+        if self.shortlist is not None:
+            check_shortlist(self.shortlist, self.tgt_sp)
         self.sizes = model.sizes
         trained = model.settings.get("config")
         self.own_language = trained.get("data", {}).get("tgt_lang") if isinstance(trained, dict) else None
@@ -105,6 +112,9 @@ class CT2Translator(TranslationEngine):
             return "sampling (--sample) is done by tfm's own engine: use --engine torch"
         if decode.alignment:
             return "word alignments (--alignment) come from tfm's own engine: use --engine torch"
+        if decode.shortlist and self.shortlist is None:
+            return (f"decode.shortlist: {self.model_dir} has no lexical shortlist: make one with "
+                    "`tfm shortlist --config CONFIG` (or set decode.shortlist false)")
         return None
 
     def budget_processes(self) -> int:
@@ -125,10 +135,16 @@ class CT2Translator(TranslationEngine):
         # torch's too: torch's own work in this process (training, tfm's engine) keeps its count.
         loaded_torch = sys.modules.get("torch")
         torch_threads = loaded_torch.get_num_threads() if loaded_torch is not None else None
+        files = None
+        if self.shortlist is not None and self.shortlist != self.model_dir / VMAP_FILE:
+            # CTranslate2 reads the vocabulary map from the model's directory only: the conversion
+            # tfm caches stays as it is, and the model is loaded from memory with the map beside it.
+            files = {p.name: p.read_bytes() for p in self.model_dir.iterdir() if p.is_file()}
+            files[VMAP_FILE] = self.shortlist.read_bytes()
         try:
             self._translator = import_ctranslate2().Translator(
                 str(self.model_dir), device=self.device, compute_type=self.compute_type,
-                inter_threads=workers, intra_threads=1 if workers > 1 else self.threads)
+                inter_threads=workers, intra_threads=1 if workers > 1 else self.threads, files=files)
         except (RuntimeError, ValueError, OSError) as exc:  # what read_export could not see
             raise TfmError(f"{self.model_dir}: CTranslate2 cannot load this model ({first_line(exc)})") from None
         finally:
@@ -211,7 +227,8 @@ class CT2Translator(TranslationEngine):
                 [pieces[i] for i in batch], beam_size=beam, num_hypotheses=nbest,
                 length_penalty=decode.length_penalty if beam > 1 else 0.0,
                 max_decoding_length=max(limit, 1), max_input_length=self.max_input_length,
-                target_prefix=forced, return_scores=nbest > 1, asynchronous=True)))  # scores cost ~4% of greedy's time
+                target_prefix=forced, return_scores=nbest > 1 or decode.scores,  # scores cost ~4% of greedy's time
+                use_vmap=decode.shortlist, asynchronous=True)))
 
         def collect() -> list[list[Hypothesis]]:  # (the failures of CTranslate2's threads come out here)
             results: list[list[Hypothesis]] = [[] for _ in pieces]

@@ -116,6 +116,8 @@ def torch_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, chec
     translator = Translator.from_checkpoint(checkpoints, decode=cfg.decode if cfg else None, device=device,
                                             overrides=None if cfg else overrides, precision=quantize)
     apply_decode_options(translator, updates)
+    if translator.decode.shortlist:
+        warn("warning: decode.shortlist is CTranslate2's vocabulary map: tfm's engine searches the whole vocabulary")
     return translator
 
 
@@ -159,6 +161,14 @@ def _identity(path: Path) -> list[int] | None:
         return file_identity(path)
     except OSError:
         return None
+
+
+def run_shortlist(cfg: ExperimentConfig | None, checkpoint: Path) -> Path | None:
+    """The lexical shortlist of the run a checkpoint belongs to (`tfm shortlist`), if it has one."""
+    from ..data.shortlist import SHORTLIST_FILE
+
+    path = cfg.run_path / SHORTLIST_FILE if cfg is not None else Path(checkpoint).resolve().parent.parent / SHORTLIST_FILE
+    return path if path.is_file() else None
 
 
 def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, checkpoints: list[Path] | None,
@@ -230,7 +240,8 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
         conversion = cached_conversion(checkpoints[0])
         exported = read_export(conversion.directory)
     translator = CT2Translator(conversion.directory, device=ct2_device or "cpu", compute_type=compute_type,
-                               decode=decode, overrides=None if cfg else overrides, model=exported)
+                               decode=decode, overrides=None if cfg else overrides, model=exported,
+                               shortlist=run_shortlist(cfg, checkpoints[0]))
     if cfg is None:  # the checkpoint's own settings, now known
         apply_decode_options(translator, updates)
         if translator.decode.engine == "torch" and engine is None:

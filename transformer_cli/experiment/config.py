@@ -506,6 +506,13 @@ class DecodeConfig(_Section):
     # times the constraints' candidates). `tfm translate` (per chunk) and `tfm serve` (per request)
     # refuse more before decoding, naming the setting: 1e13 is minutes on a laptop's cores.
     max_work: float = Field(1e13, gt=0)
+    # Compute each translation's score (length-normalised log-probability) even for one hypothesis:
+    # CTranslate2 skips it otherwise (it costs ~4% of greedy's time). `tfm distill` sets it.
+    scores: bool = False
+    # CTranslate2's vocabulary map: each batch's output is restricted to the target pieces the run's
+    # lexical shortlist (`tfm shortlist`, <run_dir>/shortlist.txt) lists for its source pieces, plus
+    # the most frequent ones. Faster where the output layer is a large share of the decoder's work.
+    shortlist: bool = False
 
     @field_validator("max_memory")
     @classmethod
@@ -543,6 +550,32 @@ class DecodeConfig(_Section):
 SAMPLING_DEFAULTS = {"top_k": 0, "top_p": 1.0, "temperature": 1.0, "seed": 0}
 
 
+class DistillConfig(_Section):
+    """`tfm distill`: a teacher translates the run's prepared training source (sequence-level
+    knowledge distillation, Kim & Rush 2016) into a corpus a student is prepared from."""
+
+    # Where the distilled corpus goes: <output>/train.<src_lang>, train.<tgt_lang>, distill.json.
+    # None: <run_dir>/distilled.
+    output: str | None = Field(None, min_length=1)
+    beam: int | None = Field(None, ge=1, le=64)  # the teacher's beam; None: decode.beam
+    # Percent of the pairs whose teacher output scores worst, left out of the corpus (Bergamot drops
+    # the worst 5% by a cross-entropy score); 0 keeps them all.
+    drop_worst: float = Field(0.0, ge=0.0, lt=100.0)
+    # What "worst" means: logprob = the teacher's length-normalised log-probability of its output;
+    # chrf = sentence chrF of the output against the reference target.
+    score: Literal["logprob", "chrf"] = "logprob"
+    # Lines translated between two saves of the progress: a kill loses at most this many.
+    chunk_lines: int = Field(4096, ge=1, le=1_000_000)
+
+
+class ShortlistConfig(_Section):
+    """`tfm shortlist`: the lexical shortlist of a run, learned from its prepared training pairs."""
+
+    top: int = Field(50, ge=1, le=10_000)  # target pieces per source piece (by IBM Model 1's p(t|s))
+    frequent: int = Field(100, ge=0, le=100_000)  # most frequent target pieces, always candidates
+    sample_pairs: int = Field(1_000_000, ge=100, le=10_000_000)  # training pairs Model 1 learns from
+
+
 class ExperimentConfig(_Section):
     run_dir: str = "runs/experiment"
     data: DataConfig = DataConfig()
@@ -551,6 +584,8 @@ class ExperimentConfig(_Section):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     decode: DecodeConfig = DecodeConfig()
+    distill: DistillConfig = DistillConfig()
+    shortlist: ShortlistConfig = ShortlistConfig()
 
     @property
     def run_path(self) -> Path:

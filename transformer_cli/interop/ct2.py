@@ -221,9 +221,10 @@ class NotConvertible(TfmError):
     """The checkpoint's model is one CTranslate2 cannot express (the reasons, joined)."""
 
 
-def write_conversion(checkpoint: Path, directory: Path) -> None:
+def write_conversion(checkpoint: Path, directory: Path, quantization: str | None = None) -> None:
     """Convert `checkpoint` into the existing, empty `directory`: model.bin (float32 weights: the
-    compute type is chosen when it is loaded), the vocabularies, both sentencepiece models and
+    compute type is chosen when it is loaded; `quantization` int8: stored as int8, a quarter of the
+    size on disk, for shipping), the vocabularies, both sentencepiece models and
     tfm_decode.json (the checkpoint's decode settings, its positions). NotConvertible, naming what
     CTranslate2 cannot express, before anything is written."""
     import_ctranslate2()
@@ -239,7 +240,7 @@ def write_conversion(checkpoint: Path, directory: Path) -> None:
         spec.validate()
     except ValueError as exc:  # a spec variable we left unset or gave the wrong shape: a tfm bug
         raise RuntimeError(f"CTranslate2 spec validation failed: {exc}") from exc
-    spec.optimize(quantization=None)  # weights stay fp32; the compute type picks int8 etc. at load time
+    spec.optimize(quantization=quantization)  # None: fp32; the compute type picks int8 etc. at load time
     spec.save(str(directory))
     (directory / SRC_SPM).write_bytes(trained.spm_files["src"])
     (directory / TGT_SPM).write_bytes(trained.spm_files["tgt"])
@@ -249,9 +250,11 @@ def write_conversion(checkpoint: Path, directory: Path) -> None:
                                                   "config": config.model_dump(mode="json")}, indent=2) + "\n")
 
 
-def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool = False) -> Path:
+def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool = False,
+                       shortlist: Path | None = None, quantization: str | None = None) -> Path:
     """Write a CTranslate2 model directory (`write_conversion`) for `tfm translate --engine
-    ctranslate2 --model DIR` or for shipping.
+    ctranslate2 --model DIR` or for shipping; `shortlist` (a run's lexical shortlist) goes in as
+    its vocabulary map, vmap.txt (used where decode.shortlist is true).
 
     The export is built in a staging directory beside `output` and moved into place only once it
     is complete; a previous export that `force` replaces is removed after that."""
@@ -263,9 +266,11 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
     replaced = staging.with_name(staging.name + ".old")
     try:
         try:
-            write_conversion(checkpoint, staging)
+            write_conversion(checkpoint, staging, quantization)
         except NotConvertible as exc:
             raise TfmError(f"cannot export to CTranslate2: {exc}") from None
+        if shortlist is not None:
+            shutil.copyfile(shortlist, staging / "vmap.txt")
         if output.exists():  # an empty directory, or a previous export (checked above)
             output.rename(replaced)
         try:
