@@ -93,6 +93,9 @@ def good_invocations(ws: Workspace) -> dict[str, list[str]]:
         "import": ["import", str(ws.run), "-o", str(out / "imported")],
         "glossary": ["glossary", "--checkpoint", ck, "--src", str(ws.src), "--ref", str(ws.ref), "--lines", "20",
                      "-o", str(out / "glossary.tsv")],
+        "distill": ["distill", "--config", str(ws.config), "--checkpoint", ck, "--set",
+                    f"distill.output={out / 'distilled'}"],
+        "shortlist": ["shortlist", "--config", str(ws.config)],
         "sample-constraints": ["sample-constraints", "--src", str(ws.src), "--ref", str(ws.ref),
                                "-o", str(out / "constraints.tsv")],
     }

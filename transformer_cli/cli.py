@@ -666,23 +666,88 @@ def attention(
 
 @app.command(cls=OneValueOptions)
 @user_errors
+def distill(
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[list[str]] = SetOpt,
+    checkpoint: Optional[list[Path]] = typer.Option(
+        None, "--checkpoint", help="The teacher's model file (.pt); twice or more: an ensemble. Default: the run's "
+        "best checkpoint."),
+    device: str = DeviceOpt,
+    engine: Optional[str] = EngineOpt,
+    restart: bool = typer.Option(False, "--restart", help="Translate from the start, discarding a partial output."),
+) -> None:
+    """Sequence-level distillation: the teacher translates the run's prepared training source into a
+    corpus (distill.output) that a small student is prepared and trained on (configs/student-tiny.yaml).
+    Resumable: a stopped run goes on where it stopped."""
+    cfg = _load_for_inference(config, set_, checkpoint)
+    if engine is not None and engine not in ENGINES:
+        raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
+    from tqdm import tqdm
+
+    from .decoding.distill import distill as run_distill
+    from .decoding.engine import model_files, open_engine
+
+    def open_teacher():
+        teachers = list(checkpoint) if checkpoint else model_files(cfg)
+        return open_engine(cfg, set_, teachers, device, engine=engine), teachers
+
+    with tqdm(desc="distilling", unit=" lines", disable=not sys.stderr.isatty(), leave=False) as bar:
+        def progress(n: int, total: int) -> None:
+            bar.total = total
+            bar.update(n)
+        result = run_distill(cfg, open_teacher, restart=restart, progress=progress)
+    r = result.report
+    rate = f"; {r['sentences_per_second']} sentences/s ({r['engine']})" if r["sentences_per_second"] else ""
+    resumed = f" (went on from line {result.resumed_at + 1})" if 0 < result.resumed_at < result.lines else ""
+    say(f"distilled {result.lines} lines{resumed}{rate}; kept {result.kept}"
+        + (f", dropped the worst {r['drop_worst']:g}% by {r['score']} (below {result.threshold:.4g})"
+           if result.threshold is not None else "")
+        + f" → {result.output}.{cfg.data.src_lang} / .{cfg.data.tgt_lang}")
+
+
+@app.command(cls=OneValueOptions)
+@user_errors
+def shortlist(
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[list[str]] = SetOpt,
+) -> None:
+    """Learn the run's lexical shortlist (shortlist.*) from its prepared training pairs, for
+    decode.shortlist: CTranslate2 then restricts each batch's output to its candidates."""
+    cfg = _load(config, set_)
+    from .data.shortlist import build_shortlist
+
+    result = build_shortlist(cfg.run_path, cfg.shortlist, cfg.train.seed)
+    say(f"shortlist of {result.source_pieces} source pieces, {result.mean_candidates:.1f} target pieces each "
+        f"(+ {cfg.shortlist.frequent} frequent), learned from {result.pairs} pairs in {result.seconds:.1f}s "
+        f"→ {result.path}")
+
+
+@app.command(cls=OneValueOptions)
+@user_errors
 def export(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Model file (.pt)."),
     format_: str = typer.Option("ctranslate2", "--format", help="Export format: ctranslate2."),
     output: Path = typer.Option(..., "--output", "-o", help="Directory to write."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    quantization: str = typer.Option("float32", "--quantization", help="Weights as stored: float32 (any compute "
+                                     "type at load time) or int8 (a quarter of the size on disk)."),
 ) -> None:
     """Convert a checkpoint for serving: a CTranslate2 model directory (with its sentencepiece models).
 
     Translate with it: tfm translate --engine ctranslate2 --model DIR. Needs pip install -e '.\\[ct2]'.
     """
+    from .data.shortlist import SHORTLIST_FILE
     from .interop.ct2 import export_ctranslate2
 
     if format_ != "ctranslate2":
         raise TfmError(f"--format {format_}: only ctranslate2 is supported")
-    export_ctranslate2(checkpoint, output, force=force)
-    say(f"exported {checkpoint} → {output} (CTranslate2; translate with: tfm translate --engine "
-         f"ctranslate2 --model {output})")
+    if quantization not in ("float32", "int8"):
+        raise TfmError(f"--quantization {quantization}: choose float32 or int8")
+    shortlist = checkpoint.resolve().parent.parent / SHORTLIST_FILE  # the run's, where it has one (tfm shortlist)
+    export_ctranslate2(checkpoint, output, force=force, shortlist=shortlist if shortlist.is_file() else None,
+                       quantization=None if quantization == "float32" else quantization)
+    say(f"exported {checkpoint} → {output} (CTranslate2{', with the run’s lexical shortlist' if shortlist.is_file() else ''}; "
+        f"translate with: tfm translate --engine ctranslate2 --model {output})")
 
 
 def _output_file(output: Path, inputs: dict[str, list[Path | None]]) -> None:
