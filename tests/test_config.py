@@ -80,7 +80,7 @@ def test_every_shipped_config_is_tested():
 
 
 SHIPPED = ["de-en.yaml", "en-de.yaml", "tiny.yaml", "base.yaml", "de-en-gpu.yaml", "ted-de-en.yaml",
-           "wmt14-en-de-base.yaml", "wmt14-en-de-big.yaml", "multi30k-multilingual.yaml"]
+           "wmt14-en-de-base.yaml", "wmt14-en-de-big.yaml", "multi30k-multilingual.yaml", "student-tiny.yaml"]
 
 
 def test_the_fine_tuning_config_fits_its_parent():
