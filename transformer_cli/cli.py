@@ -402,6 +402,14 @@ def serve(
                                          help="Seconds a connection may take to send a request's headers."),
     debug: bool = typer.Option(False, "--debug", help="Log a traceback with each failed request (5xx)."),
     tgt_lang: Optional[str] = TgtLangOpt,
+    api_keys: Optional[Path] = typer.Option(None, "--api-keys", help="A file of hashed API keys (tfm api-key): every "
+                                            "endpoint but /health then needs 'Authorization: Bearer <key>'."),
+    quota_chars: int = typer.Option(0, "--quota-chars", min=0, max=10**9, help="Characters of text each client "
+                                    "(key, or address without keys) may send a minute; 0: no limit."),
+    quota_concurrent: int = typer.Option(0, "--quota-concurrent", min=0, max=100_000, help="Requests each client may "
+                                         "have in flight at once; 0: no limit."),
+    access_log: Optional[Path] = typer.Option(None, "--access-log", help="One JSON line per request (time, client, "
+                                              "status, characters, latency; never the text) to this file; - for stderr."),
 ) -> None:
     """Serve translations over HTTP: POST /translate {"text": [...]} → {"translations": [...]}.
 
@@ -410,10 +418,17 @@ def serve(
     """
     cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
     try:
-        from .serve.server import listening_address
+        import prometheus_client  # noqa: F401 (GET /metrics)
+
         from .serve.server import serve as run_server
+        from .serve.transport import listening_address
     except ImportError as exc:
-        raise TfmError(f"tfm serve needs FastAPI and uvicorn: pip install -e '.[serve]' ({exc})") from None
+        raise TfmError(f"tfm serve needs FastAPI, uvicorn and prometheus-client: pip install -e '.[serve]' ({exc})") from None
+    from .serve.access import AccessLog, ApiKeys, Quotas
+
+    keys = ApiKeys.load(api_keys) if api_keys is not None else None
+    log_stream = _access_log_stream(access_log, {"--config": [config], "--checkpoint": checkpoint or [],
+                                                 "--api-keys": [api_keys]})
     shown_host, loopback = listening_address(host)
     if engine is not None and engine not in ENGINES:
         raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
@@ -429,19 +444,56 @@ def serve(
     from .decoding.budget import decoding_memory_limit
 
     translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
+    translator.decode = translator.decode.model_copy(update={"scores": True})  # every answer carries its scores
     from .decoding.engine import lexical_engine
 
     lexical = lexical_engine(translator, cfg, set_, checkpoint, device, engine, model_dir, batch_size=batch_size,
                              batch_tokens=batch_tokens, beam=beam, nbest=nbest, sample=sample, top_k=top_k,
                              top_p=top_p, temperature=temperature, seed=seed, alignment=alignment, tgt_lang=tgt_lang)
     banner = f"tfm serve: http://{shown_host}:{port}/translate (docs: /docs); {translator.describe()}"
-    if not loopback:
+    if keys is not None:
+        banner += f"; {len(keys.hashes)} API key(s) from {api_keys}"
+    elif not loopback:
         banner += (f"\nwarning: --host {host} reaches beyond this machine and the API has no authentication: "
-                   "anyone who can reach it can use it (keep it behind a firewall or a proxy that checks)")
+                   "anyone who can reach it can use it (give --api-keys, or keep it behind a firewall or a proxy "
+                   "that checks)")
+    quotas = Quotas(quota_chars, quota_concurrent) if quota_chars or quota_concurrent else None
+    model_name = str(model_dir or (checkpoint[0] if checkpoint else (cfg.run_dir if cfg else "")))
     run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000,
                max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner), lexical_engine=lexical,
-               request_timeout=request_timeout, header_timeout=header_timeout)
+               request_timeout=request_timeout, header_timeout=header_timeout, keys=keys, quotas=quotas,
+               access_log=AccessLog(log_stream) if log_stream is not None else None, model_name=model_name)
     warn("tfm serve: stopped")
+
+
+def _access_log_stream(path: Optional[Path], inputs: dict[str, list[Path | None]]):
+    """--access-log: stderr for -, else the file opened for appending (never one of the inputs)."""
+    if path is None:
+        return None
+    if str(path) == "-":
+        return sys.stderr
+    if path.is_dir():
+        raise TfmError(f"--access-log {path}: a directory; name a file to append to")
+    refuse_output_among_inputs(path, inputs)
+    refuse_run_files(path)
+    try:
+        return open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (open for the server's life)
+    except OSError as exc:
+        raise TfmError(f"--access-log {path}: {describe_os_error(exc)}") from None
+
+
+@app.command("api-key", cls=OneValueOptions)
+@user_errors
+def api_key(
+    api_keys: Path = typer.Option(..., "--api-keys", help="The key file of tfm serve --api-keys (made if missing)."),
+    name: Optional[str] = typer.Option(None, "--name", help="What logs and metrics call this key (one word)."),
+) -> None:
+    """Make an API key for tfm serve: its hash is added to the key file, the key printed once."""
+    from .serve.access import new_api_key
+
+    if api_keys.is_dir():
+        raise TfmError(f"--api-keys {api_keys}: a directory; name the key file")
+    say(new_api_key(api_keys, name))
 
 
 @app.command(cls=OneValueOptions)

@@ -92,6 +92,7 @@ class CT2Translator(TranslationEngine):
         self.sizes = model.sizes
         trained = model.settings.get("config")
         self.own_language = trained.get("data", {}).get("tgt_lang") if isinstance(trained, dict) else None
+        self.own_source_language = trained.get("data", {}).get("src_lang") if isinstance(trained, dict) else None
         # tfm keeps at most source_token_limit() source tokens and </s> (model/lengths.py).
         self.max_source_tokens = source_token_limit(model.max_positions)
         self.max_input_length = self.max_source_tokens + 1
@@ -183,6 +184,9 @@ class CT2Translator(TranslationEngine):
 
     def tokenize_target(self, texts: list[str]) -> list[list[str]]:
         return self.tgt_sp.encode(texts, out_type=str)
+
+    def total_log_prob(self, score: float, length: int, beam: int, decode: DecodeConfig) -> float:
+        return score * length ** decode.length_penalty if beam > 1 else score  # CTranslate2 divides by len ** alpha
 
     def detokenize(self, tokens: list[str]) -> str:
         return self.tgt_sp.decode_pieces(tokens)

@@ -87,6 +87,7 @@ class Translator(TranslationEngine):
             decode = DecodeConfig.model_validate({**decode.model_dump(), "precision": precision})
         translator = cls(trained.model, trained.src_sp, trained.tgt_sp, decode, dev)
         translator.own_language = config.data.tgt_lang
+        translator.own_source_language = config.data.src_lang
         return translator
 
     @property

@@ -10,6 +10,7 @@ chunked streaming. Nothing here imports torch: a CTranslate2 translation starts 
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -55,6 +56,7 @@ class TranslationEngine:
     lexical_constraints = False  # terms a translation must contain or avoid (tfm's engine); prefixes: every engine
     stops_at_deadline = False  # the search ends itself between two steps at `search`'s deadline (tfm's engine)
     own_language: str | None = None  # the target language of the config the model was trained with
+    own_source_language: str | None = None  # ... and its source language
     src_sp: Any  # the source sentencepiece model (its pieces hold the target-language tags)
 
     def describe(self) -> str:
@@ -219,6 +221,20 @@ class TranslationEngine:
               decode: DecodeConfig) -> list[list[str]]:
         """Per sentence, per hypothesis its word alignment in Pharaoh format ("i-j …")."""
         raise TfmError("word alignments (--alignment) come from tfm's own engine: use --engine torch")
+
+    def total_log_prob(self, score: float, length: int, beam: int, decode: DecodeConfig) -> float:
+        """The plain sum of log-probabilities behind a search's `score` for an output of `length`
+        tokens (</s> included): each engine's length normalisation undone (tfm's: GNMT's,
+        ((5 + length) / 6) ** alpha, decoding/search.py)."""
+        return score * ((5.0 + length) / 6.0) ** decode.length_penalty if beam > 1 else score
+
+    def confidence(self, translation: Translation, beam: int, decode: DecodeConfig) -> float | None:
+        """The model's mean log-probability per output token (</s> included) of a translation: a
+        length-normalised model score, not a quality estimate. None where the search kept no score."""
+        if not math.isfinite(translation.score) or not translation.text:
+            return None
+        length = translation.n_tokens + 1
+        return self.total_log_prob(translation.score, length, beam, decode) / length
 
     def detokenize(self, tokens: list) -> str:
         raise NotImplementedError

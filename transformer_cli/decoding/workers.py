@@ -78,6 +78,7 @@ class DecodingWorkers:
         self._pool: ProcessPoolExecutor | None = None
         self._forked: list = []  # the pool's processes
         self._stopping = False  # stop_now() was called: a broken pool means stopped, not died
+        self.forks = 0  # pools forked so far: more than one means a pool was forked anew after a death
 
     def map(self, args: Iterable[tuple]) -> Iterator[Any]:
         args = list(args)
@@ -139,6 +140,11 @@ class DecodingWorkers:
             # 3.14 adds terminate_workers()): keep them, to stop them and to say how one died.
             self._forked = list(getattr(pool, "_processes", {}).values())
             self._pool = pool
+            self.forks += 1
+
+    def alive(self) -> int:
+        """Worker processes running now (0 before the pool starts)."""
+        return sum(process.exitcode is None for process in self._forked)
 
     @property
     def pids(self) -> list[int]:

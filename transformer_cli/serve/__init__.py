@@ -1,7 +1,10 @@
 """Serving: `tfm serve`, the HTTP API over the decoding wing's engines.
 
-server.py is the FastAPI app: request models and limits, the batcher that groups requests for the
-engine, health, signals and shutdown.
+server.py is the FastAPI app (its endpoints, signals and shutdown); requests.py what a request may
+ask and how it is checked and answered; batcher.py the dynamic batching that groups requests for the
+engine, in fair share between clients; transport.py the connection's own limits (body size, header
+timeout, the address); access.py API keys, quotas and the access log; gate.py the wrapper that
+identifies, admits and counts every request; metrics.py GET /metrics.
 
 Entry points: `server.serve`, `server.create_app`.
 May import: every wing before it (model, runtime, experiment, data, interop, decoding, training).

@@ -35,412 +35,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import queue
 import signal
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from ..decoding.budget import DeadlinePassed, SearchesStopped, stop_searches
-from ..decoding.engine import CheckpointReplaced
-from ..decoding.terms import LineTerms, conflicts, unique
-from ..decoding.translation import MAX_CONSTRAINTS, Translation, TranslationEngine
-from ..decoding.workers import DecodingProcessDied
-from ..experiment.config import DecodeConfig, refuse_booleans_as_numbers
+from ..data.language_id import identify
+from ..decoding.budget import DeadlinePassed, stop_searches
+from ..decoding.terms import LineTerms
+from ..decoding.translation import TranslationEngine
+from ..experiment.config import DecodeConfig
 from ..runtime.console import discard_writes, warn
 from ..runtime.errors import TfmError
 from ..runtime.signals import Terminated, outputs_a_hangup_takes
+from .access import AccessLog, ApiKeys, Quotas
+from .batcher import Batcher, MainThreadDecoder, Runner
+from .gate import Gate, request_state
+from .metrics import ServerMetrics, decoding_processes
+from .requests import (
+    DetectRequest,
+    RequestError,
+    TranslateRequest,
+    check_lines,
+    error_status,
+    failure_message,
+    log_failure,
+    request_decode,
+    request_steering,
+    response,
+    validation_message,
+    within_budget,
+)
+from .transport import BodyLimit, header_timeout_protocol
 
-
-class TranslateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    text: str | list[str]
-    beam: int | None = Field(None, ge=1, le=64)
-    nbest: int | None = Field(None, ge=1, le=64)
-    alignment: bool | None = None
-    sample: bool | None = None
-    top_k: int | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    temperature: float | None = Field(None, gt=0.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    # Text each translation starts with (target language): one for every line, or one per line ("": none).
-    prefix: str | list[str] | None = None
-    # Per line, the terms its translation must contain (beam search, tfm's engine).
-    constraints: list[list[str]] | None = None
-    # Terms no translation may contain: one list for every line, or one list per line.
-    avoid: list[str] | list[list[str]] | None = None
-    # The target language of a model that translates into several (its tag >>xx<< starts each line without one).
-    tgt_lang: str | None = Field(None, min_length=1, max_length=32, pattern=r"^[^\s<>]+$")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans_as_numbers(cls, data: Any) -> Any:  # {"beam": true} is no beam 1
-        return refuse_booleans_as_numbers(cls, data)
-
-    @field_validator("text", "prefix", "constraints", "avoid")
-    @classmethod
-    def _valid_unicode(cls, text: str | list | None) -> str | list | None:
-        """JSON may carry lone surrogates (`"\\ud800"`): no tokenizer takes them."""
-        if text is None:
-            return text
-        for number, line in enumerate([text] if isinstance(text, str) else text, start=1):
-            for item in [line] if isinstance(line, str) else line:
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise ValueError(f"line {number}: not valid Unicode ({exc.reason} at character {exc.start})") from None
-        return text
-
-
-class RequestError(Exception):
-    """A request that gets an error answer: `status` and one line."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def error_status(exc: BaseException) -> int:
-    """The HTTP status of a failed decode: the server's fault or the request's."""
-    if isinstance(exc, RequestError):
-        return exc.status
-    if isinstance(exc, (DecodingProcessDied, SearchesStopped)):
-        return 503  # the pool is forked anew for the next batch, or the server is stopping: try again
-    if isinstance(exc, CheckpointReplaced):
-        return 503  # the server's own state: the operator restarts it
-    if isinstance(exc, DeadlinePassed):
-        return 504
-    return 422 if isinstance(exc, TfmError) else 500
-
-
-# Per-request decode settings a client may choose; the rest (lengths, precision, batching) is the server's.
-TERM_FIELDS = ("prefix", "constraints", "avoid")
-REQUEST_SETTINGS = tuple(name for name in TranslateRequest.model_fields if name not in ("text", *TERM_FIELDS))
-MAX_TERMS = MAX_CONSTRAINTS  # constraints, and avoided terms, a line may have
-SAMPLING_SETTINGS = ("top_k", "top_p", "temperature", "seed")  # meaningful only with sample
-
-
-@dataclass
-class Job:
-    lines: list[str]
-    decode: DecodeConfig
-    done: asyncio.Future = field(repr=False)
-    terms: list[LineTerms] | None = None  # per line
-    timeout: float | None = None  # seconds its decoding may take (--request-timeout)
-
-
-Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a call of the engine off the event loop
-IN_FLIGHT = 2  # request batches decoding at once (Batcher.run)
 DEADLINE_SLACK = 1.0  # seconds an answer from CTranslate2 (which cannot stop a batch) is waited for past the timeout
 SHUTDOWN_GRACE = 5.0  # seconds requests in flight may take after SIGTERM/SIGINT/SIGHUP before they are cut
 HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers (slowloris)
-
-
-class MainThreadDecoder:
-    """Runs the engine's calls on the thread that calls `run_until`: the main thread in `serve`.
-
-    Torch's CPU ops run in parallel through OpenMP, which keeps a team of threads for each thread
-    that calls them. A second thread running the model (a decode thread beside the main thread,
-    which loaded and prepared it) doubles the OpenMP threads; libgomp then sees more threads than
-    cores and stops spinning between ops, and every small op waits for a wake-up: one-sentence
-    requests decoded 2.7x slower on 2 cores (106 vs 39 ms). So the model only ever runs on the
-    main thread, and the event loop runs on another.
-    """
-
-    def __init__(self) -> None:
-        self.calls: queue.Queue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = queue.Queue()
-
-    async def run(self, call: Callable[[], Any]) -> Any:
-        """Awaitable from the event loop: `call()` made on the decoding thread."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.calls.put((call, loop, future))
-        return await future
-
-    def run_until(self, finished: Callable[[], bool]) -> None:
-        """Make the calls handed over, until `finished()` and none is left."""
-        while not (finished() and self.calls.empty()):
-            try:
-                call, loop, future = self.calls.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            try:
-                outcome, error = call(), None
-            except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
-                outcome, error = None, exc
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for it any more
-                loop.call_soon_threadsafe(_settle, future, outcome, error)
-
-
-def _settle(future: asyncio.Future, outcome: Any, error: BaseException | None) -> None:
-    if not future.done():  # a client that went away has cancelled its future
-        future.set_exception(error) if error is not None else future.set_result(outcome)
-
-
-def request_batch_decode(decode: DecodeConfig, lines: int, processes: int) -> DecodeConfig:
-    """The settings one request batch of `lines` lines decodes with: with several processes, a
-    batch for each, long and short sentences in each (decode.batching: balanced), so that the
-    processes finish together."""
-    if processes <= 1:
-        return decode
-    return decode.model_copy(update={"batching": "balanced",
-                                     "batch_size": max(1, min(decode.batch_size, -(-lines // processes)))})
-
-
-class Batcher:
-    """Collects concurrent requests into batches for one engine, decoded one batch at a time by
-    `runner` (MainThreadDecoder.run)."""
-
-    def __init__(self, engine: TranslationEngine, max_wait: float, max_batch_lines: int, processes: int,
-                 runner: Runner):
-        self.engine, self.max_wait, self.max_batch_lines = engine, max_wait, max_batch_lines
-        self.processes = processes  # decoding processes: each call's lines are split into this many batches at least
-        self.queue: asyncio.Queue[Job] = asyncio.Queue()
-        self.runner = runner
-
-    async def translate(self, lines: list[str], decode: DecodeConfig, terms: list[LineTerms] | None = None,
-                        timeout: float | None = None) -> list[list[Translation]]:
-        job = Job(lines, decode, asyncio.get_running_loop().create_future(), terms, timeout)
-        await self.queue.put(job)
-        return await job.done
-
-    async def run(self) -> None:
-        """Collect and decode batches until cancelled. A batch is started on the decoding thread and
-        finished off it (`TranslationEngine.translate_later`), so that an engine decoding in the
-        background (CTranslate2) gets the next batch while it finishes this one and its threads never
-        wait at a batch's end; at most IN_FLIGHT batches at once. tfm's engine decodes the whole batch
-        when it is started: for it one batch at a time, collected while the last one decoded (two at
-        once measured slower: smaller batches)."""
-        loop = asyncio.get_running_loop()
-        in_flight = asyncio.Semaphore(IN_FLIGHT if self.engine.decodes_in_background else 1)
-        finishing: set[asyncio.Task] = set()
-        while True:
-            await in_flight.acquire()  # a batch is collected once it can start: as large as it can be
-            jobs = [await self.queue.get()]
-            deadline = loop.time() + self.max_wait
-            while sum(len(j.lines) for j in jobs) < self.max_batch_lines:
-                try:
-                    jobs.append(self.queue.get_nowait() if not self.queue.empty() else
-                                await asyncio.wait_for(self.queue.get(), deadline - loop.time()))
-                except (asyncio.TimeoutError, ValueError):
-                    break
-            groups: dict[str, list[Job]] = {}  # requests with the same settings decode together
-            for job in jobs:
-                groups.setdefault(job.decode.model_dump_json(), []).append(job)
-            for number, same in enumerate(groups.values()):
-                if number:
-                    await in_flight.acquire()
-                task = asyncio.create_task(self._decode_together(same, same[0].decode))
-                finishing.add(task)
-                task.add_done_callback(finishing.discard)
-                task.add_done_callback(lambda _: in_flight.release())
-                await asyncio.sleep(0)  # the task starts its batch before the next is collected
-
-    async def _decode_together(self, jobs: list[Job], decode: DecodeConfig) -> None:
-        jobs = [job for job in jobs if not job.done.done()]  # a client that went away cancelled its future
-        if not jobs:
-            return
-        # tfm's engine stops the search between two steps once it has decoded for the requests'
-        # timeout: a request that would hold the engine longer is cut there (504), and the requests
-        # queued behind it, whose waiting does not count against them, are served next.
-        timeouts = [job.timeout for job in jobs]
-        timeout = None if None in timeouts else max(timeouts)  # type: ignore[type-var]
-        lines = [line for job in jobs for line in job.lines]
-        terms = ([t for job in jobs for t in (job.terms or [LineTerms()] * len(job.lines))]
-                 if any(job.terms for job in jobs) else None)  # each line keeps its request's terms
-        decode = request_batch_decode(decode, len(lines), self.processes)
-        def start() -> Callable[[], list[list[Translation]]]:  # long lines are cut silently: one client must not flood the log
-            deadline = None if timeout is None else time.monotonic() + timeout  # from the start of its decoding
-            return self.engine.translate_later(lines, nbest=decode.nbest, decode=decode, warn_long=False,
-                                               terms=terms, deadline=deadline)
-
-        try:
-            if self.engine.decodes_in_background:  # waited for off the decoding thread, which starts the next batch
-                results = await asyncio.to_thread(await self.runner(start))
-            else:
-                results = await self.runner(lambda: start()())
-        except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
-            if len(jobs) > 1 and not isinstance(exc, DecodingProcessDied):
-                for job in jobs:  # isolation: only the request that fails alone gets the error
-                    await self._decode_together([job], job.decode)
-                return
-            for job in jobs:
-                if not job.done.done():
-                    job.done.set_exception(exc)
-            return
-        start = 0
-        for job in jobs:
-            if not job.done.done():  # a client that went away has cancelled its future
-                job.done.set_result(results[start : start + len(job.lines)])
-            start += len(job.lines)
-
-
-def request_decode(base: DecodeConfig, request: TranslateRequest) -> DecodeConfig:
-    """The server's decode settings with the request's choices; a rule across them broken → ValueError."""
-    chosen = {name: getattr(request, name) for name in REQUEST_SETTINGS if getattr(request, name) is not None}
-    settings = base.model_dump()
-    if chosen.get("sample") is False:  # the server's sampling settings go with its sampling
-        settings.update({name: DecodeConfig.model_fields[name].default for name in SAMPLING_SETTINGS})
-    try:
-        return DecodeConfig.model_validate({**settings, **chosen})
-    except ValidationError as exc:
-        raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
-
-
-def per_line(name: str, value: Any, lines: list[str], one_for_all: bool) -> list:
-    """A request field given once for every line (`one_for_all`) or as a list as long as text."""
-    values = [value] * len(lines) if one_for_all else value
-    if len(values) != len(lines):
-        raise RequestError(422, f"{name}: {len(values)} given for {len(lines)} lines of text (give "
-                                f"{'one for every line, or ' if name != 'constraints' else ''}a list as long as text)")
-    return values
-
-
-def request_steering(engine: TranslationEngine, request: TranslateRequest, decode: DecodeConfig, lines: list[str],
-                     max_chars: int) -> list[LineTerms] | None:
-    """A request's target language checked against the model's tags (each line's too), and its
-    terms (`request_terms`); a RequestError otherwise."""
-    try:
-        engine.target_languages().check(decode.tgt_lang, "tgt_lang")
-        engine.target_languages().tag_lines(lines, decode.tgt_lang)
-    except TfmError as exc:
-        raise RequestError(422, str(exc)) from None
-    return request_terms(request, lines, max_chars)
-
-
-def request_terms(request: TranslateRequest, lines: list[str], max_chars: int) -> list[LineTerms] | None:
-    """Each line's prefix, constraints and avoided terms from the request; a RequestError (422, or
-    413 over the limits) naming the field and line otherwise."""
-    if all(getattr(request, name) is None for name in TERM_FIELDS):
-        return None
-    prefixes = per_line("prefix", request.prefix or "", lines, not isinstance(request.prefix, list))
-    constraints = per_line("constraints", request.constraints or [], lines, request.constraints is None)
-    avoid = request.avoid or []
-    avoids = per_line("avoid", avoid, lines, not avoid or all(isinstance(a, str) for a in avoid))
-    found = []
-    for number, (prefix, musts, avoided) in enumerate(zip(prefixes, constraints, avoids), start=1):
-        if not isinstance(prefix, str) or not isinstance(musts, list) or not isinstance(avoided, list) \
-                or not all(isinstance(t, str) for t in [*musts, *avoided]):
-            raise RequestError(422, f"line {number}: avoid is a list of strings, or one such list per line")
-        for name, texts in (("prefix", [prefix] if prefix else []), ("constraints", musts), ("avoid", avoided)):
-            if len(texts) > MAX_TERMS:
-                raise RequestError(413, f"{name} line {number}: {len(texts)} terms, more than the limit of {MAX_TERMS}")
-            for text in texts:
-                if len(text) > max_chars:
-                    raise RequestError(413, f"{name} line {number}: {len(text)} characters, more than the limit of "
-                                            f"{max_chars} (tfm serve --max-chars)")
-                if "\n" in text or "\r" in text:
-                    raise RequestError(422, f"{name} line {number}: a line break (a {name} term is one line)")
-                if name != "prefix" and "\t" in text:
-                    raise RequestError(422, f"{name} line {number}: a tab (a term is one line without tabs)")
-                if name != "prefix" and not text.strip():
-                    raise RequestError(422, f"{name} line {number}: an empty term")
-        terms = LineTerms(prefix if prefix.strip() else "", unique(t.strip() for t in musts),
-                          unique(t.strip() for t in avoided))
-        problem = conflicts(terms)
-        if problem:
-            raise RequestError(422, f"line {number}: {problem}")
-        found.append(terms)
-    return found if any(not t.empty for t in found) else None
-
-
-def response(results: list[list[Translation]], decode: DecodeConfig, terms: list[LineTerms] | None = None) -> dict:
-    body: dict = {"translations": [r[0].text for r in results]}
-    if terms is not None and any(t.constraints for t in terms):  # what did not fit a line's length limit
-        body["unmet"] = [list(r[0].unmet) for r in results]
-    if decode.alignment:
-        body["alignments"] = [r[0].alignment for r in results]
-    if decode.nbest > 1:
-        body["nbest"] = [[{"text": t.text, "score": t.score, **({"alignment": t.alignment} if decode.alignment else {})}
-                          for t in r] for r in results]
-    return body
-
-
-def check_lines(lines: list[str], max_lines: int, max_chars: int) -> None:
-    """The limits of one request's text: RequestError (413, 422) naming the line."""
-    if len(lines) > max_lines:
-        raise RequestError(413, f"text: {len(lines)} lines, more than this server's limit of {max_lines} a "
-                                "request (tfm serve --max-lines)")
-    for number, line in enumerate(lines, start=1):
-        if len(line) > max_chars:
-            raise RequestError(413, f"text line {number}: {len(line)} characters, more than the limit of "
-                                    f"{max_chars} (tfm serve --max-chars)")
-        if "\n" in line or "\r" in line:
-            raise RequestError(422, f"text line {number}: contains a line break (send one sentence per list item)")
-
-
-def validation_message(errors: list[dict], limit: int = 300) -> str:
-    """pydantic's errors in one short line, without the input (which may be megabytes)."""
-    parts = []
-    for e in errors:
-        if e.get("type") == "json_invalid":
-            parts.append("request body: not valid JSON")
-            continue
-        where = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "str", "list[str]"))
-        message = str(e.get("msg", "invalid"))
-        parts.append(f"{where}: {message.removeprefix('Value error, ')}" if where else message)
-    text = "; ".join(dict.fromkeys(parts))
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-class BodyLimit:
-    """ASGI wrapper: a request body over `limit` bytes gets 413 before it is read to the end (by its
-    Content-Length, or as soon as a streamed body passes the limit); the rest pass unchanged."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await self._refuse(send, declared.decode("latin-1")[:20])
-        body = bytearray()
-        while True:  # read it here, bounded, and hand it on whole
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            body += message.get("body", b"")
-            if len(body) > self.limit:
-                return await self._refuse(send, f"more than {len(body)}")
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send, size: str) -> None:
-        content = json.dumps({"error": f"request body: {size} bytes, more than this server's limit of "
-                                       f"{self.limit} (tfm serve --max-body-bytes)"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
-                                (b"content-length", str(len(content)).encode())]})
-        await send({"type": "http.response.body", "body": content})
-
-
-def within_budget(check: Callable[[list[str], DecodeConfig, list[LineTerms] | None], None] | None, lines: list[str],
-                  decode: DecodeConfig, terms: list[LineTerms] | None) -> None:
-    """RequestError 413 where `check` (the engine's work and memory budget) refuses the request."""
-    if check is not None:
-        try:
-            check(lines, decode, terms)
-        except TfmError as exc:
-            raise RequestError(413, str(exc)) from None
 
 
 async def by_deadline(translation: Awaitable[Any], engine: TranslationEngine, deadline: float) -> Any:
@@ -455,194 +87,211 @@ async def by_deadline(translation: Awaitable[Any], engine: TranslationEngine, de
         raise DeadlinePassed("the request ran past its deadline") from None
 
 
-def failure_message(status: int, exc: BaseException, request_timeout: float) -> str:
-    """What a failed request is told: its own error, or what the server's trouble means for it."""
-    if status == 504:
-        return (f"the request's decoding ran past {request_timeout:g} s, this server's limit "
-                "(tfm serve --request-timeout): send fewer lines or a smaller beam")
-    if status < 500 or isinstance(exc, (DecodingProcessDied, SearchesStopped, CheckpointReplaced)):
-        return str(exc)
-    return f"internal error ({type(exc).__name__}); the server goes on"
+class Endpoints:
+    """What the endpoints share: the engine, its batcher and the limits; `translate` is POST /translate."""
+
+    def __init__(self, engine: TranslationEngine, batcher: Batcher, runner: Runner, limits: dict,
+                 budget: Callable[[list[str], DecodeConfig, list[LineTerms] | None], None] | None,
+                 lexical_engine: Callable[[], TranslationEngine] | None, quotas: Quotas | None,
+                 metrics: ServerMetrics | None, debug: bool):
+        self.engine, self.batcher, self.runner, self.budget = engine, batcher, runner, budget
+        self.max_lines, self.max_chars = limits["max_lines"], limits["max_chars"]
+        self.max_wait, self.max_batch_lines = limits["max_wait"], limits["max_batch_lines"]
+        self.request_timeout = limits["request_timeout"]
+        self.lexical_engine, self.quotas, self.metrics, self.debug = lexical_engine, quotas, metrics, debug
+        self.routed: list[tuple[TranslationEngine, Batcher]] = []
+        self.made: list[TranslationEngine] = []  # engines made for requests (app.state.engines)
+        self.tasks: list[asyncio.Task] = []
+        self.making = asyncio.Lock()
+
+    async def lexical_route(self) -> tuple[TranslationEngine, Batcher]:
+        """tfm's engine and its batcher, made at the first request that needs them."""
+        async with self.making:
+            if not self.routed:
+                assert self.lexical_engine is not None
+                made = await self.runner(self.lexical_engine)  # loads the model on the decoding thread
+                self.made.append(made)
+                self.routed.append((made, Batcher(made, self.max_wait, self.max_batch_lines, 1, self.runner)))
+                self.tasks.append(asyncio.create_task(self.routed[0][1].run()))
+                warn(f"tfm serve: requests with constraints or avoided terms decode with {made.describe()}: "
+                     "CTranslate2 offers target prefixes only")
+        return self.routed[0]
+
+    async def checked(self, request: TranslateRequest, lines: list[str]):
+        """The request's decode settings, terms, engine, batcher; a RequestError where it may not be decoded."""
+        check_lines(lines, self.max_lines, self.max_chars)
+        try:
+            decode = request_decode(self.engine.decode, request)
+        except ValueError as exc:
+            raise RequestError(422, str(exc)) from None
+        unsupported = self.engine.unsupported(decode)
+        if unsupported:
+            raise RequestError(422, f"{unsupported} (this server decodes with {self.engine.describe()})")
+        check_source_language(self.engine, request.src_lang)
+        terms = request_steering(self.engine, request, decode, lines, self.max_chars)
+        target, queue, check = self.engine, self.batcher, self.budget
+        if terms and self.lexical_engine is not None and any(t.constraints or t.avoid for t in terms):
+            target, queue = await self.lexical_route()
+            check = target.check_budget
+        if terms:
+            try:
+                target.check_terms(terms, decode.beam, decode)
+            except TfmError as exc:
+                raise RequestError(422, f"{exc} (this server decodes with {target.describe()})") from None
+        within_budget(check, lines, decode, terms)
+        return decode, terms, target, queue
+
+    async def translate(self, request: TranslateRequest, state: dict):
+        arrived = time.monotonic()
+        lines = [request.text] if isinstance(request.text, str) else request.text
+        client = state.get("client", "")
+        admitted = False
+        try:
+            decode, terms, target, queue = await self.checked(request, lines)
+            chars = sum(map(len, lines))
+            state["chars"], state["lines"] = chars, len(lines)
+            if self.quotas is not None:
+                refused = self.quotas.admit(client, chars)
+                if refused is not None:
+                    if self.metrics is not None:
+                        self.metrics.rejected.labels(reason="quota").inc()
+                    return error_answer(*refused)
+                admitted = True
+            results = await by_deadline(queue.translate(lines, decode, terms, self.request_timeout, client), target,
+                                        arrived + self.request_timeout)
+        except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
+            status = error_status(exc)
+            log_failure(status, exc, self.debug)
+            return error_answer(status, failure_message(status, exc, self.request_timeout))
+        finally:
+            if admitted:
+                self.quotas.release(client)
+        if self.metrics is not None:
+            self.metrics.characters.inc(state["chars"])
+            self.metrics.sentences.inc(len(lines))
+        body = response(results, decode, terms, target)
+        if request.src_lang == "auto":
+            body["src_lang"] = [identify(line, one_line=True)[0] if line.strip() else None for line in lines]
+        return body
 
 
-def log_failure(status: int, exc: BaseException, debug: bool) -> None:
-    """One line per failed request that is the server's concern (5xx); a traceback only with --debug."""
-    if status < 500:
+def error_answer(status: int, message: str, retry_after: int | None = None):
+    from fastapi.responses import JSONResponse
+
+    headers = {"Retry-After": str(retry_after or 1)} if status in (429, 503) else None
+    return JSONResponse(status_code=status, content={"error": message}, headers=headers)
+
+
+def check_source_language(engine: TranslationEngine, src_lang: str | None) -> None:
+    """A request's src_lang: auto (identified, then translated as it is), or the model's source language."""
+    if src_lang is None or src_lang == "auto" or engine.own_source_language in (None, src_lang):
         return
-    warn(f"tfm serve: {status}: {type(exc).__name__}: {str(exc)[:300]}")
-    if debug:
-        warn("".join(traceback.format_exception(exc)).rstrip())
+    raise RequestError(422, f"src_lang {src_lang}: this model translates from {engine.own_source_language} "
+                            "(or give auto)")
+
+
+def languages(engine: TranslationEngine) -> dict:
+    """GET /languages: what the model translates from and into."""
+    targets = engine.target_languages()
+    return {"source": [engine.own_source_language] if engine.own_source_language else [],
+            "target": list(targets.known) or ([targets.own] if targets.own else []), "multilingual": targets.several,
+            "detection": "fastText lid.176 (POST /detect)"}
 
 
 def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, max_chars: int = 10_000,
                max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1, request_timeout: float = 60.0,
                budget: Callable[[list[str], DecodeConfig, list[LineTerms] | None], None] | None = None, debug: bool = False,
-               lexical_engine: Callable[[], TranslationEngine] | None = None):
+               lexical_engine: Callable[[], TranslationEngine] | None = None, quotas: Quotas | None = None,
+               metrics: ServerMetrics | None = None):
     """The FastAPI application serving `engine`, which decodes in `processes` processes, its calls
     made by `runner` (MainThreadDecoder.run). `budget(lines, decode, terms)` raises a TfmError for a
     request that would cost more than the server allows. `lexical_engine()` makes the engine that
     requests with constraints or avoided terms go to where `engine` cannot apply them (tfm's,
     beside CTranslate2), at the first such request; `app.state.engines` lists the engines made.
     `request_timeout`: seconds a request may take from its arrival; past it the answer is 504 (tfm's
-    engine stops its search there; CTranslate2's batch runs on, bounded by decode.max_work)."""
+    engine stops its search there; CTranslate2's batch runs on, bounded by decode.max_work).
+    `quotas`: per client (Gate names it); `metrics`: GET /metrics."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     batcher = Batcher(engine, max_wait, max_batch_lines, processes, runner)
-    tasks: list[asyncio.Task] = []
-    routed: list[tuple[TranslationEngine, Batcher]] = []
-    making = asyncio.Lock()
+    limits = dict(max_lines=max_lines, max_chars=max_chars, max_wait=max_wait, max_batch_lines=max_batch_lines,
+                  request_timeout=request_timeout)
+    endpoints = Endpoints(engine, batcher, runner, limits, budget, lexical_engine, quotas, metrics, debug)
+    if metrics is not None:
+        batcher.observe_batch = metrics.batch_lines.observe
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        tasks.append(asyncio.create_task(batcher.run()))
+        endpoints.tasks.append(asyncio.create_task(batcher.run()))
         yield
-        for task in tasks:
+        for task in endpoints.tasks:
             task.cancel()
 
     app = FastAPI(title="tfm", description="Transformer translation (tfm serve)", lifespan=lifespan)
-    app.state.engines = []
-
-    async def lexical_route() -> tuple[TranslationEngine, Batcher]:
-        """tfm's engine and its batcher, made at the first request that needs them."""
-        async with making:
-            if not routed:
-                assert lexical_engine is not None
-                made = await runner(lexical_engine)  # loads the model on the decoding thread
-                app.state.engines.append(made)
-                routed.append((made, Batcher(made, max_wait, max_batch_lines, 1, runner)))
-                tasks.append(asyncio.create_task(routed[0][1].run()))
-                warn(f"tfm serve: requests with constraints or avoided terms decode with {made.describe()}: "
-                     "CTranslate2 offers target prefixes only")
-        return routed[0]
-
-    def error(status: int, message: str) -> JSONResponse:
-        headers = {"Retry-After": "1"} if status == 503 else None
-        return JSONResponse(status_code=status, content={"error": message}, headers=headers)
+    app.state.engines = endpoints.made
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(request, exc: RequestValidationError) -> JSONResponse:
-        return error(422, validation_message(list(exc.errors())))
+    async def invalid_request(request, exc: RequestValidationError):
+        return error_answer(422, validation_message(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, exc: StarletteHTTPException) -> JSONResponse:  # e.g. a body that is not UTF-8
-        return error(exc.status_code, f"request: {str(exc.detail)[:300]}")
+    async def http_error(request, exc: StarletteHTTPException):  # e.g. a body that is not UTF-8
+        return error_answer(exc.status_code, f"request: {str(exc.detail)[:300]}")
 
     @app.exception_handler(Exception)
-    async def failed(request, exc: Exception) -> JSONResponse:  # a bug: one line, the server goes on
+    async def failed(request, exc: Exception):  # a bug: one line, the server goes on
         log_failure(500, exc, debug)
-        return error(500, f"internal error ({type(exc).__name__}); the server goes on")
+        return error_answer(500, f"internal error ({type(exc).__name__}); the server goes on")
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.post("/translate")
-    async def translate(request: TranslateRequest):
-        arrived = time.monotonic()
+    @app.get("/languages")
+    async def model_languages() -> dict:
+        return languages(engine)
+
+    @app.post("/detect")
+    async def detect(request: DetectRequest):
         lines = [request.text] if isinstance(request.text, str) else request.text
         try:
             check_lines(lines, max_lines, max_chars)
-            try:
-                decode = request_decode(engine.decode, request)
-            except ValueError as exc:
-                raise RequestError(422, str(exc)) from None
-            unsupported = engine.unsupported(decode)
-            if unsupported:
-                raise RequestError(422, f"{unsupported} (this server decodes with {engine.describe()})")
-            terms = request_steering(engine, request, decode, lines, max_chars)
-            target, queue, check = engine, batcher, budget
-            if terms and lexical_engine is not None and any(t.constraints or t.avoid for t in terms):
-                target, queue = await lexical_route()
-                check = target.check_budget
-            if terms:
-                try:
-                    target.check_terms(terms, decode.beam, decode)
-                except TfmError as exc:
-                    raise RequestError(422, f"{exc} (this server decodes with {target.describe()})") from None
-            within_budget(check, lines, decode, terms)
-            results = await by_deadline(queue.translate(lines, decode, terms, request_timeout), target,
-                                        arrived + request_timeout)
-        except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
-            status = error_status(exc)
-            log_failure(status, exc, debug)
-            return error(status, failure_message(status, exc, request_timeout))
-        return response(results, decode, terms)
+        except RequestError as exc:
+            return error_answer(exc.status, str(exc))
+        request_state().update(chars=sum(map(len, lines)), lines=len(lines))
+        found = [identify(line, one_line=True) if line.strip() else (None, 0.0) for line in lines]
+        return {"detections": [{"language": language, "confidence": round(p, 4)} for language, p in found]}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if metrics is None:
+            return error_answer(404, "this server keeps no metrics")
+        metrics.queue_depth.set(batcher.queue.count)
+        metrics.processes.set(decoding_processes(engine))
+        metrics.restarts.set(max(0, getattr(getattr(engine, "workers", None), "forks", 0) - 1))
+        content, media_type = metrics.render()
+        return Response(content, media_type=media_type)
+
+    @app.post("/translate")
+    async def translate(request: TranslateRequest):
+        return await endpoints.translate(request, request_state())
 
     return app
-
-
-def listening_address(host: str) -> tuple[str, bool]:
-    """`--host` → (the address as a URL writes it, whether it is loopback only); an empty or
-    unresolvable host is a TfmError (an unset `$HOST` must not mean every interface)."""
-    import ipaddress
-
-    if not host.strip():
-        raise TfmError("--host is empty: give an address, e.g. 127.0.0.1 (this machine only, the default) "
-                       "or 0.0.0.0 (every interface)")
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise TfmError(f"--host {host!r}: not an address this machine can listen on ({exc})") from None
-    loopback = all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
-    return (f"[{host}]" if ":" in host else host), loopback
-
-
-def header_timeout_protocol(timeout: float) -> type:
-    """uvicorn's HTTP/1.1 protocol (h11) with a deadline for each request's headers: a connection
-    that has not sent a whole request head `timeout` seconds after it opened (or after its last
-    response) is closed. uvicorn has a keep-alive timeout for idle connections, but none for a
-    client that sends its headers a byte at a time (slowloris), which held connections forever."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderTimeout(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def _await_headers(self) -> None:
-            self._stop_waiting()
-            self._header_timer = self.loop.call_later(timeout, self._headers_too_slow)
-
-        def _stop_waiting(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_too_slow(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._await_headers()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.conn.their_state is not h11.IDLE:  # the head is in
-                self._stop_waiting()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._await_headers()  # the next request's head, on a kept-alive connection
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._stop_waiting()
-            super().connection_lost(exc)
-
-    return HeaderTimeout
 
 
 def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], None] | None = None,
           max_body_bytes: int = 1 << 20, debug: bool = False,
           lexical_engine: Callable[[], TranslationEngine] | None = None, header_timeout: float = HEADER_TIMEOUT,
-          **limits) -> None:
+          keys: ApiKeys | None = None, quotas: Quotas | None = None, access_log: AccessLog | None = None,
+          model_name: str = "", **limits) -> None:
     """Serve until SIGTERM, SIGINT or SIGHUP; requests in flight get SHUTDOWN_GRACE seconds to
     finish, then the decoding is cut (a second signal cuts it at once). Returns normally (exit 0).
     `ready()` is called once the address is known to be free (before that, a bad one is an error).
-    `lexical_engine`: see `create_app`."""
+    `lexical_engine`: see `create_app`. `keys`: the API keys every endpoint but /health needs;
+    `quotas` per client; `access_log`: one line per request (serve/access.py)."""
     import uvicorn
 
     workers = engine.decoding_workers() if hasattr(engine, "decoding_workers") else None
@@ -658,10 +307,12 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
     if ready is not None:
         ready()
     decoder = MainThreadDecoder()
+    metrics = ServerMetrics(engine.describe(), model_name)
     app = create_app(engine, decoder.run, processes=workers.processes if workers is not None else engine.budget_processes(),
                      debug=debug, budget=getattr(engine, "check_budget", None), lexical_engine=lexical_engine,
-                     **limits)
-    server = uvicorn.Server(uvicorn.Config(BodyLimit(app, max_body_bytes), host=host, port=port,
+                     quotas=quotas, metrics=metrics, **limits)
+    gate = Gate(BodyLimit(app, max_body_bytes), keys, metrics, access_log)
+    server = uvicorn.Server(uvicorn.Config(gate, host=host, port=port,
                                            http=header_timeout_protocol(header_timeout),
                                            timeout_graceful_shutdown=int(SHUTDOWN_GRACE) + 2,
                                            log_level="debug" if debug else "critical", access_log=False))
