@@ -34,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from transformer_cli.decoding.engine import open_engine  # noqa: E402
 from transformer_cli.decoding.translation import TranslationEngine  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.files import read_lines  # noqa: E402
-from transformer_cli.serve.server import request_batch_decode  # noqa: E402
+from transformer_cli.serve.batcher import request_batch_decode  # noqa: E402
 
 
 def free_port() -> int:
@@ -54,9 +55,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, port: int, engine: str) -> subprocess.Popen:
+def start_server(args, port: int, engine: str, operator: list[str] = ()) -> subprocess.Popen:
     command = [sys.executable, "-m", "transformer_cli.cli", "serve", "--checkpoint", args.checkpoint,
-               "--port", str(port), "--engine", engine, *[a for s in args.set for a in ("--set", s)]]
+               "--port", str(port), "--engine", engine, *[a for s in args.set for a in ("--set", s)], *operator]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -81,12 +82,16 @@ ABUSE = [json.dumps({"text": "Ein \ud800 Hund"}), '{"text": ["Ein Hund", 5]}', '
          json.dumps({"text": "Ein Hund " * 1000, "beam": 64, "nbest": 64}), "not json", '{"text": ' + "[" * 20_000]
 
 
-def abusive_client(port: int, done: threading.Event, statuses: list[int]) -> None:
+def headers(key: str | None) -> dict:
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+
+def abusive_client(port: int, done: threading.Event, statuses: list[int], key: str | None = None) -> None:
     i = 0
     while not done.is_set():
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         try:
-            connection.request("POST", "/translate", ABUSE[i % len(ABUSE)], {"Content-Type": "application/json"})
+            connection.request("POST", "/translate", ABUSE[i % len(ABUSE)], headers(key))
             response = connection.getresponse()
             response.read()
             statuses.append(response.status)
@@ -97,9 +102,12 @@ def abusive_client(port: int, done: threading.Event, statuses: list[int]) -> Non
         i += 1
 
 
-def load(port: int, sentences: list[str], clients: int, requests: int, seconds: float, abusive: bool = False) -> dict:
+def load(port: int, sentences: list[str], clients: int, requests: int, seconds: float, abusive: bool = False,
+         keys: list[str] | None = None) -> dict:
     """`clients` threads, each sending one sentence a request until `requests` are sent or time is up;
-    with `abusive`, one more thread sends the ABUSE requests meanwhile."""
+    with `abusive`, one more thread sends the ABUSE requests meanwhile. `keys`: each client's API key
+    (the abusive client's last)."""
+    serial = iter(range(clients))
     lock = threading.Lock()
     next_index = [0]
     latencies: list[float] = []
@@ -108,6 +116,8 @@ def load(port: int, sentences: list[str], clients: int, requests: int, seconds: 
     stop_at = time.monotonic() + seconds
 
     def client() -> None:
+        with lock:
+            key = keys[next(serial)] if keys else None
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         while time.monotonic() < stop_at:
             with lock:
@@ -117,7 +127,7 @@ def load(port: int, sentences: list[str], clients: int, requests: int, seconds: 
                 next_index[0] += 1
             body = json.dumps({"text": sentences[i % len(sentences)]})
             started = time.perf_counter()
-            connection.request("POST", "/translate", body, {"Content-Type": "application/json"})
+            connection.request("POST", "/translate", body, headers(key))
             response = connection.getresponse()
             payload = response.read()
             with lock:
@@ -130,7 +140,7 @@ def load(port: int, sentences: list[str], clients: int, requests: int, seconds: 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     abuse: list[int] = []
     done = threading.Event()  # the good clients are done: the abusive one stops too
-    abuser = threading.Thread(target=abusive_client, args=(port, done, abuse))
+    abuser = threading.Thread(target=abusive_client, args=(port, done, abuse, keys[-1] if keys else None))
     started = time.perf_counter()
     if abusive:
         abuser.start()
@@ -169,6 +179,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="decode.* settings for both (e.g. decode.beam=1).")
     parser.add_argument("--abusive", action="store_true", help="One more client sending bad requests throughout "
                         "(target: 0 errors among the good clients, a 4xx for every bad request).")
+    parser.add_argument("--keys", action="store_true", help="Serve with API keys (one per client, one for the "
+                        "abusive client) and an access log; with --abusive, each client count is measured with and "
+                        "without the abusive client (target: the good clients keep ≥ 90% of their requests/s).")
     parser.add_argument("--engines", default="auto", help="Comma-separated engines, each served in turn "
                         "(torch, auto, ctranslate2); with torch and auto, auto's requests/s over torch's.")
     args = parser.parse_args()
@@ -199,21 +212,28 @@ def measure(args, engine: str, sentences: list[str], client_counts: list[int]) -
           + ", ".join(f"{c}: {rate:.1f}" for c, rate in group_rates.items()))
 
     port = free_port()
-    server = start_server(args, port, engine)
+    keys, operator, folder = operator_options(args.keys, max(client_counts))
+    server = start_server(args, port, engine, operator)
     rates = {}
     try:
-        load(port, sentences, 4, 64, 30)  # warm-up
+        load(port, sentences, 4, 64, 30, keys=keys)  # warm-up
         print("| clients | requests | errors | requests/s | vs tfm translate | vs groups of as many | p50 ms | p99 ms "
               "| answers ≠ translate |")
         print("|---|---|---|---|---|---|---|---|---|")
         for clients in client_counts:
-            result = load(port, sentences, clients, args.requests, args.seconds, args.abusive)
+            if args.keys and args.abusive:  # the same clients alone first: what the abusive one costs them
+                alone = load(port, sentences, clients, args.requests, args.seconds, False, keys[:clients] + keys[-1:])
+            result = load(port, sentences, clients, args.requests, args.seconds, args.abusive,
+                          keys[:clients] + keys[-1:] if keys else None)
             rates[clients] = result["per_s"]
             differ = sum(text != expected[i % len(sentences)] for i, text in result["answers"].items())
             print(f"| {clients} | {result['requests']} | {result['errors']} | {result['per_s']:.1f} | "
                   f"{result['per_s'] / translate_rate:.2f}x | {result['per_s'] / group_rates[clients]:.2f}x | "
                   f"{1000 * result['p50']:.0f} | {1000 * result['p99']:.0f} | "
                   f"{differ} |")
+            if args.keys and args.abusive:
+                print(f"  beside the abusive client the good clients keep {result['per_s'] / alone['per_s']:.0%} of "
+                      f"their requests/s alone ({alone['per_s']:.1f}; target ≥ 90%), {result['errors']} errors")
             if args.abusive:
                 codes = sorted(set(result["abuse"]))
                 print(f"  abusive client: {len(result['abuse'])} bad requests, statuses {codes} "
@@ -222,8 +242,23 @@ def measure(args, engine: str, sentences: list[str], client_counts: list[int]) -
     finally:
         server.terminate()
         server.wait(timeout=60)
+        if folder is not None:
+            folder.cleanup()
     print(f"server exit code after SIGTERM: {server.returncode}")
     return rates
+
+
+def operator_options(with_keys: bool, clients: int) -> tuple[list[str] | None, list[str], tempfile.TemporaryDirectory | None]:
+    """With keys: one key per client and one for the abusive client (its last), the server's
+    --api-keys and --access-log options, and the folder holding their files."""
+    if not with_keys:
+        return None, [], None
+    from transformer_cli.serve.access import new_api_key
+
+    folder = tempfile.TemporaryDirectory(prefix="bench-serve-")
+    key_file = Path(folder.name) / "keys.txt"
+    keys = [new_api_key(key_file, f"client-{i}") for i in range(clients + 1)]
+    return keys, ["--api-keys", str(key_file), "--access-log", str(Path(folder.name) / "access.jsonl")], folder
 
 
 if __name__ == "__main__":

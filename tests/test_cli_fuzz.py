@@ -38,7 +38,7 @@ from transformer_cli.training.train import train
 NUMBERS = ["0", "-1", "nan", "inf", "1e308", str(2**63)]
 WORDS = ["", "nonsense"]
 PATHS = ["missing", "directory", "fifo", "empty", "through a file", "device", "own input", "run checkpoint"]
-OUTPUT_OPTIONS = {"output", "dropped"}  # what a command writes; every other path is read
+OUTPUT_OPTIONS = {"output", "dropped", "access_log"}  # what a command writes; every other path is read
 
 
 @dataclass
@@ -96,6 +96,7 @@ def good_invocations(ws: Workspace) -> dict[str, list[str]]:
         "distill": ["distill", "--config", str(ws.config), "--checkpoint", ck, "--set",
                     f"distill.output={out / 'distilled'}"],
         "shortlist": ["shortlist", "--config", str(ws.config)],
+        "api-key": ["api-key", "--api-keys", str(out / "keys.txt"), "--name", "fuzz"],
         "sample-constraints": ["sample-constraints", "--src", str(ws.src), "--ref", str(ws.ref),
                                "-o", str(out / "constraints.tsv")],
     }
@@ -229,7 +230,7 @@ def run_case(ws: Workspace, case_dir: Path, args: list[str]) -> None:
     """Run `args` in this process; check the exit code, the message and the tree."""
     # Written by design: outputs, evaluations, caches (the checkpoint's CTranslate2 conversion, interop/ct2_cache.py).
     stated = [ws.out, ws.run / "eval", ws.root / "tfm_cache", ws.run / "checkpoints" / "ctranslate2"] + (
-        [ws.run] if args[0] in ("train", "prepare") else [])
+        [ws.run] if args[0] in ("train", "prepare", "shortlist") else [])
     before = snapshot(ws.root, stated + [case_dir])
     result = tfm_in_process(*args)
     output = result.stdout + result.stderr

@@ -139,7 +139,10 @@ def test_concurrent_clients_get_what_translate_gives(server, reverse_model, sent
 def test_bad_requests_get_an_error_and_the_server_goes_on(server, raw, body, status, says):
     got, answer = post(server.port, body, raw=raw)
     assert got == status and says in json.dumps(answer), answer
-    assert post(server.port, {"text": ["wa wb wc", ""]}) == (200, {"translations": ["wc wb wa", ""]})
+    status, answer = post(server.port, {"text": ["wa wb wc", ""]})
+    assert (status, answer["translations"]) == (200, ["wc wb wa", ""])
+    # Each line's score: the model's mean log-probability per token (an empty line has none).
+    assert answer["scores"][1] is None and -1.0 < answer["scores"][0] <= 0.0
 
 
 @pytest.mark.slow
@@ -181,7 +184,7 @@ def test_the_server_runs_the_model_on_the_main_thread_only():
     the awaiting request, and `run_until` returns once it is told to and nothing is left."""
     import asyncio
 
-    from transformer_cli.serve.server import MainThreadDecoder
+    from transformer_cli.serve.batcher import MainThreadDecoder
 
     decoder = MainThreadDecoder()
     answers: dict = {}

@@ -36,14 +36,18 @@ GOOD = ["wa wb wc", "wd we", "wf wg wh wi"]
 REQUEST_TIMEOUT = 5  # seconds (--request-timeout) the fuzzed server gives a request
 
 
-def send(port: int, data: bytes, timeout: float = 60, headers: dict | None = None) -> tuple[int, dict, float]:
-    """POST raw bytes to /translate → (status, JSON answer, seconds)."""
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/translate", data=data,
+def send(port: int, data: bytes | None, timeout: float = 60, headers: dict | None = None,
+         path: str = "/translate") -> tuple[int, dict, float]:
+    """POST raw bytes to `path` (None: GET it) → (status, JSON answer (or {"text": …}), seconds)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
                                      headers={"Content-Type": "application/json", **(headers or {})})
     start = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return answer.status, json.loads(answer.read()), time.monotonic() - start
+            content = answer.read()
+            if answer.headers.get_content_type() != "application/json":
+                return answer.status, {"text": content.decode()}, time.monotonic() - start
+            return answer.status, json.loads(content), time.monotonic() - start
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read()), time.monotonic() - start
 
@@ -110,11 +114,11 @@ def strategy_for(schema: dict, components: dict) -> st.SearchStrategy:
     return st.one_of(wrong, st.text(max_size=5))
 
 
-def request_bodies(schema: dict) -> st.SearchStrategy[bytes]:
-    """Request bodies for POST /translate: objects built from the request schema (any subset of its
+def request_bodies(schema: dict, path: str = "/translate") -> st.SearchStrategy[bytes]:
+    """Request bodies for POST `path`: objects built from its request schema (any subset of its
     fields, sometimes an unknown one), and bodies that are not such objects at all."""
     components = schema["components"]["schemas"]
-    body_ref = schema["paths"]["/translate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    body_ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
     fields = components[body_ref["$ref"].split("/")[-1]]["properties"]
     objects = st.fixed_dictionaries(
         {"text": st.one_of(strategy_for(fields["text"], components), st.sampled_from(GOOD))},
@@ -128,11 +132,24 @@ def request_bodies(schema: dict) -> st.SearchStrategy[bytes]:
     return st.one_of(as_json, raw)
 
 
-def answered_well(status: int, answer: dict, body: bytes) -> None:
-    assert status < 500, (status, answer, body[:200])
-    if status == 200:
+def requests_to_every_endpoint(schema: dict) -> st.SearchStrategy[tuple[str, bytes | None]]:
+    """(path, body) for every endpoint the schema publishes: generated bodies for each POST, and
+    each GET (body None)."""
+    posts = [path for path, ops in schema["paths"].items() if "post" in ops]
+    gets = [path for path, ops in schema["paths"].items() if "get" in ops]
+    return st.one_of(*[request_bodies(schema, path).map(lambda body, path=path: (path, body)) for path in posts],
+                     st.sampled_from(gets).map(lambda path: (path, None)))
+
+
+def answered_well(status: int, answer: dict, body: bytes | None, path: str = "/translate") -> None:
+    assert status < 500, (status, answer, (body or b"")[:200])
+    if status == 200 and path in ("/translate", "/detect"):
         sent = json.loads(body)["text"]
-        assert len(answer["translations"]) == (1 if isinstance(sent, str) else len(sent))
+        results = answer["translations" if path == "/translate" else "detections"]
+        assert len(results) == (1 if isinstance(sent, str) else len(sent))
+    elif status == 200:
+        assert path in ("/health", "/languages", "/metrics", "/docs", "/openapi.json", "/docs/oauth2-redirect",
+                        "/redoc"), path
     else:
         assert set(answer) == {"error"} and "\n" not in answer["error"] and len(answer["error"]) < 1000, answer
 
@@ -143,20 +160,21 @@ def fuzz(abused, examples: int) -> None:
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
-    @given(request_bodies(schema))
-    def one_request_beside_a_good_one(body: bytes) -> None:
+    @given(requests_to_every_endpoint(schema))
+    def one_request_beside_a_good_one(request: tuple[str, bytes | None]) -> None:
+        path, body = request
         with ThreadPoolExecutor(2) as clients:
-            fuzzed = clients.submit(send, server.port, body)
+            fuzzed = clients.submit(send, server.port, body, path=path)
             good = clients.submit(send, server.port, json.dumps({"text": GOOD}).encode())
             status, answer, seconds = fuzzed.result()
             good_status, good_answer, good_seconds = good.result()
-            assert (good_status, good_answer) == (200, {"translations": expected})
-        answered_well(status, answer, body)
+            assert (good_status, good_answer["translations"]) == (200, expected)
+        answered_well(status, answer, body, path)
         # Time is bounded like memory: no generated request, nor the good one beside it, waits longer
         # than its own decoding's timeout and that of the one ahead of it (and the moment a search
         # takes to stop between two steps).
         bound = 2 * REQUEST_TIMEOUT + 3
-        assert seconds < bound and good_seconds < bound, (seconds, good_seconds, body[:200])
+        assert seconds < bound and good_seconds < bound, (seconds, good_seconds, (body or b"")[:200])
 
     one_request_beside_a_good_one()
     assert server.process.poll() is None
@@ -176,11 +194,12 @@ def test_requests_generated_from_the_openapi_schema_long_run(abused):
 def test_the_schema_fuzzer_covers_every_request_field(abused):
     """The fuzzer reads the fields from the schema the server publishes: every decode setting a
     request may choose is there (a new field is fuzzed without a new row)."""
-    from transformer_cli.serve.server import REQUEST_SETTINGS, TERM_FIELDS
+    from transformer_cli.serve.requests import REQUEST_SETTINGS, TERM_FIELDS
 
     _, _, schema = abused
     fields = schema["components"]["schemas"]["TranslateRequest"]["properties"]
-    assert set(REQUEST_SETTINGS) | {"text", *TERM_FIELDS} == set(fields)  # text, its terms, and the settings
+    assert set(REQUEST_SETTINGS) | {"text", "src_lang", *TERM_FIELDS} == set(fields)  # text, terms, source, settings
+    assert {"/translate", "/detect", "/languages", "/metrics", "/health"} <= set(schema["paths"])
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(abused):
@@ -221,7 +240,7 @@ def test_one_abusive_client_beside_fifteen_good_ones_costs_them_nothing(abused):
         good = [clients.submit(good_client) for _ in range(15)]
         answers = [a for g in good for a in g.result()]
         statuses = abuse.result()
-    assert answers and all(a == (200, {"translations": expected}) for a in answers)
+    assert answers and all(a[0] == 200 and a[1]["translations"] == expected for a in answers)
     assert len(statuses) >= len(bad_bodies) and all(400 <= s < 500 for s in statuses), statuses
 
 
