@@ -427,8 +427,7 @@ def serve(
     from .serve.access import AccessLog, ApiKeys, Quotas
 
     keys = ApiKeys.load(api_keys) if api_keys is not None else None
-    log_stream = _access_log_stream(access_log, {"--config": [config], "--checkpoint": checkpoint or [],
-                                                 "--api-keys": [api_keys]})
+    _check_access_log(access_log, {"--config": [config], "--checkpoint": checkpoint or [], "--api-keys": [api_keys]})
     shown_host, loopback = listening_address(host)
     if engine is not None and engine not in ENGINES:
         raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
@@ -459,23 +458,35 @@ def serve(
                    "that checks)")
     quotas = Quotas(quota_chars, quota_concurrent) if quota_chars or quota_concurrent else None
     model_name = str(model_dir or (checkpoint[0] if checkpoint else (cfg.run_dir if cfg else "")))
-    run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000,
-               max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner), lexical_engine=lexical,
-               request_timeout=request_timeout, header_timeout=header_timeout, keys=keys, quotas=quotas,
-               access_log=AccessLog(log_stream) if log_stream is not None else None, model_name=model_name)
+    log_stream = _open_access_log(access_log)  # opened last: every error before it leaves nothing open
+    try:
+        run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000,
+                   max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner), lexical_engine=lexical,
+                   request_timeout=request_timeout, header_timeout=header_timeout, keys=keys, quotas=quotas,
+                   access_log=AccessLog(log_stream) if log_stream is not None else None, model_name=model_name)
+    finally:
+        if log_stream is not None and log_stream is not sys.stderr:
+            with contextlib.suppress(OSError):
+                log_stream.close()
     warn("tfm serve: stopped")
 
 
-def _access_log_stream(path: Optional[Path], inputs: dict[str, list[Path | None]]):
-    """--access-log: stderr for -, else the file opened for appending (never one of the inputs)."""
-    if path is None:
-        return None
-    if str(path) == "-":
-        return sys.stderr
+def _check_access_log(path: Optional[Path], inputs: dict[str, list[Path | None]]) -> None:
+    """--access-log names a file to append to: never a directory, one of the inputs or a run's own file."""
+    if path is None or str(path) == "-":
+        return
     if path.is_dir():
         raise TfmError(f"--access-log {path}: a directory; name a file to append to")
     refuse_output_among_inputs(path, inputs)
     refuse_run_files(path)
+
+
+def _open_access_log(path: Optional[Path]):
+    """--access-log: stderr for -, else the file opened for appending."""
+    if path is None:
+        return None
+    if str(path) == "-":
+        return sys.stderr
     try:
         return open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (open for the server's life)
     except OSError as exc:
