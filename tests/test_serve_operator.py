@@ -199,7 +199,7 @@ def test_fair_queue_takes_the_client_that_used_least_and_holds_one_over_its_shar
         queue = FairQueue()
         loop = asyncio.get_running_loop()
         for client in ("flood", "flood", "flood", "a", "b"):
-            queue.put(Job(["x"], None, loop.create_future(), client=client))  # type: ignore[arg-type]
+            queue.put(Job(["x"], None, loop.create_future(), client=client, settings="{}"))  # type: ignore[arg-type]
         queue.charge("flood", 5.0)  # it decoded for 5 s lately
         assert [queue.take().client, queue.take().client] == ["a", "b"]  # the least used first, in arrival order
         queue.started({"a", "b"})

@@ -28,6 +28,7 @@ class Job:
     timeout: float | None = None  # seconds its decoding may take (--request-timeout)
     client: str = ""  # who sent it (its API key's name, or its address): the unit of fair share
     number: int = 0  # arrival order
+    settings: str = ""  # its decode settings as JSON: requests with the same decode together
 
 
 Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs a call of the engine off the event loop
@@ -113,6 +114,7 @@ class FairQueue:
 
     def put(self, job: Job) -> None:
         job.number = next(self.numbered)
+        job.settings = job.settings or job.decode.model_dump_json()
         self.waiting.setdefault(job.client, collections.deque()).append(job)
         self.count += 1
         self.arrived.set()
@@ -134,25 +136,31 @@ class FairQueue:
         for client in clients:
             self.answered[client] = now
         self.decoding += collections.Counter()  # drops the zeros
-        if len(self.answered) > 10_000:
-            self.answered = {c: t for c, t in self.answered.items() if now - t < RECENT}
         self.arrived.set()  # a client over its share may now be within it
 
-    def _eligible(self, client: str, now: float) -> bool:
-        others = ({c for c in self.waiting if c != client} | {c for c in self.decoding if c != client}
-                  | {c for c, t in self.answered.items() if c != client and now - t < RECENT})
-        if not others:
-            return True
-        if self.decoding[client]:
-            return False
-        mean = sum(self.usage(c, now) for c in others) / len(others)
-        return self.usage(client, now) <= 2 * mean + SLACK
+    def _eligible(self, now: float) -> Callable[[str], bool]:
+        """Whether a waiting client may take its turn now (computed once per take: O(clients))."""
+        for client in [c for c, t in self.answered.items() if now - t >= RECENT]:
+            del self.answered[client]  # no longer active
+        active = set(self.waiting) | set(self.decoding) | set(self.answered)
+        usage = {c: self.usage(c, now) for c in active}
+        total, others = sum(usage.values()), len(active) - 1
+
+        def eligible(client: str) -> bool:
+            if others <= 0:
+                return True  # alone: it takes everything
+            if self.decoding[client]:
+                return False
+            return usage[client] <= 2 * (total - usage[client]) / others + SLACK
+
+        return eligible
 
     def take(self, settings: str | None = None) -> Job | None:
         """The next request in fair share (`settings`: only one decoded with these), or None."""
         now = time.monotonic()
+        eligible = self._eligible(now)
         candidates = [c for c, jobs in self.waiting.items()
-                      if (settings is None or jobs[0].decode.model_dump_json() == settings) and self._eligible(c, now)]
+                      if (settings is None or jobs[0].settings == settings) and eligible(c)]
         if not candidates:
             return None
         client = min(candidates, key=lambda c: (self.usage(c, now), self.waiting[c][0].number))
@@ -205,7 +213,7 @@ class Batcher:
             await in_flight.acquire()  # a batch is collected once it can start: as large as it can be
             first = await self.queue.get()
             jobs = [first]
-            settings = first.decode.model_dump_json()  # requests with the same settings decode together
+            settings = first.settings  # requests with the same settings decode together
             deadline = loop.time() + self.max_wait
             while sum(len(j.lines) for j in jobs) < self.max_batch_lines:
                 job = self.queue.take(settings)
