@@ -126,6 +126,8 @@ class FairQueue:
     def charge(self, client: str, seconds: float) -> None:
         now = time.monotonic()
         self.used[client] = (self.usage(client, now) + seconds, now)
+        if len(self.used) > 10_000:  # clients by address are many: forget those whose use has faded
+            self.used = {c: (u, t) for c, (u, t) in self.used.items() if self.usage(c, now) > 1e-3}
 
     def started(self, clients: set[str]) -> None:
         self.decoding.update(clients)
