@@ -58,6 +58,7 @@ class TranslationEngine:
     own_language: str | None = None  # the target language of the config the model was trained with
     own_source_language: str | None = None  # ... and its source language
     src_sp: Any  # the source sentencepiece model (its pieces hold the target-language tags)
+    tgt_sp: Any  # the target sentencepiece model
 
     def describe(self) -> str:
         """The engine and what it computes in, for the line commands print (`tfm translate`'s last)."""
