@@ -58,7 +58,7 @@ def translate(model: Path, src: Path, out: Path, beam: int, cores: str, shortlis
     found = REPORT.search(run.stderr)
     if run.returncode != 0 or not found:
         raise TfmError(f"tfm translate --model {model}: {run.stderr.strip()[-300:]}")
-    return float(found.group(2))
+    return max(float(found.group(2)), 0.05)  # tenths of a second: 0.0 means under 0.05 s (raise --times)
 
 
 def main() -> None:

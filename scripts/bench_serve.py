@@ -181,7 +181,7 @@ def main() -> None:
                         "(target: 0 errors among the good clients, a 4xx for every bad request).")
     parser.add_argument("--keys", action="store_true", help="Serve with API keys (one per client, one for the "
                         "abusive client) and an access log; with --abusive, each client count is measured with and "
-                        "without the abusive client (target: the good clients keep ≥ 90% of their requests/s).")
+                        "without the abusive client (target: the good clients keep ≥ 90%% of their requests/s).")
     parser.add_argument("--engines", default="auto", help="Comma-separated engines, each served in turn "
                         "(torch, auto, ctranslate2); with torch and auto, auto's requests/s over torch's.")
     args = parser.parse_args()

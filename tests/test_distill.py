@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -336,7 +337,9 @@ def test_the_benchmarks_print_their_targets(teacher, tmp_path):
                           str(ck), "--baseline", str(ck), "--src", str(src), "--ref", str(ref), "--repeats", "1"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "student keeps 100.0% of the teacher's BLEU" in run.stdout and "distillation gain: +0.00 BLEU" in run.stdout
+    # The same checkpoint as student and baseline (both int8, both greedy): no gain; as teacher, beam 5 in float32.
+    assert re.search(r"student keeps \d+\.\d% of the teacher's BLEU", run.stdout), run.stdout
+    assert "distillation gain: +0.00 BLEU" in run.stdout
     assert run.stdout.count("speed-up") == 2 and "size: student int8" in run.stdout
     shapes = subprocess.run([sys.executable, str(ROOT / "scripts/bench_student_shapes.py"), "--run",
                              str(load_config(teacher).run_path), "--src", str(src), "--lines", "40"],

@@ -449,13 +449,7 @@ def serve(
     lexical = lexical_engine(translator, cfg, set_, checkpoint, device, engine, model_dir, batch_size=batch_size,
                              batch_tokens=batch_tokens, beam=beam, nbest=nbest, sample=sample, top_k=top_k,
                              top_p=top_p, temperature=temperature, seed=seed, alignment=alignment, tgt_lang=tgt_lang)
-    banner = f"tfm serve: http://{shown_host}:{port}/translate (docs: /docs); {translator.describe()}"
-    if keys is not None:
-        banner += f"; {len(keys.hashes)} API key(s) from {api_keys}"
-    elif not loopback:
-        banner += (f"\nwarning: --host {host} reaches beyond this machine and the API has no authentication: "
-                   "anyone who can reach it can use it (give --api-keys, or keep it behind a firewall or a proxy "
-                   "that checks)")
+    banner = _serve_banner(f"http://{shown_host}:{port}", translator.describe(), host, loopback, keys, api_keys)
     quotas = Quotas(quota_chars, quota_concurrent) if quota_chars or quota_concurrent else None
     model_name = str(model_dir or (checkpoint[0] if checkpoint else (cfg.run_dir if cfg else "")))
     log_stream = _open_access_log(access_log)  # opened last: every error before it leaves nothing open
@@ -465,10 +459,26 @@ def serve(
                    request_timeout=request_timeout, header_timeout=header_timeout, keys=keys, quotas=quotas,
                    access_log=AccessLog(log_stream) if log_stream is not None else None, model_name=model_name)
     finally:
-        if log_stream is not None and log_stream is not sys.stderr:
-            with contextlib.suppress(OSError):
-                log_stream.close()
+        _close_access_log(log_stream)
     warn("tfm serve: stopped")
+
+
+def _serve_banner(url: str, engine: str, host: str, loopback: bool, keys, api_keys: Optional[Path]) -> str:
+    """tfm serve's first line: where, on what engine, with how many keys (or a warning without)."""
+    banner = f"tfm serve: {url}/translate (docs: /docs); {engine}"
+    if keys is not None:
+        return banner + f"; {len(keys.hashes)} API key(s) from {api_keys}"
+    if not loopback:
+        banner += (f"\nwarning: --host {host} reaches beyond this machine and the API has no authentication: "
+                   "anyone who can reach it can use it (give --api-keys, or keep it behind a firewall or a proxy "
+                   "that checks)")
+    return banner
+
+
+def _close_access_log(stream) -> None:
+    if stream is not None and stream is not sys.stderr:
+        with contextlib.suppress(OSError):
+            stream.close()
 
 
 def _check_access_log(path: Optional[Path], inputs: dict[str, list[Path | None]]) -> None:
