@@ -96,6 +96,7 @@ def test_resuming_a_torn_output_goes_on_from_the_last_whole_chunk_and_repeats_no
     assert corpus(cfg, tmp_path) == first
 
 
+@pytest.mark.slow  # real processes
 def test_a_kill_9_mid_distillation_resumes_to_the_uninterrupted_corpus(teacher, tmp_path):
     base = ["distill", "--config", str(teacher), "--set", "distill.chunk_lines=50"]
     uninterrupted = subprocess.run([*TFM, *base, "--set", f"distill.output={tmp_path / 'a'}"], capture_output=True,
@@ -297,6 +298,7 @@ def test_the_student_config_is_a_deep_encoder_shallow_decoder_on_the_teachers_vo
     assert student.decode.beam == 1
 
 
+@pytest.mark.slow  # real processes
 def test_the_distill_command_translates_a_run_with_its_defaults(teacher, tmp_path):
     result = subprocess.run([*TFM, "distill", "--config", str(teacher), "--set", f"distill.output={tmp_path / 'd'}"],
                             capture_output=True, text=True)

@@ -159,6 +159,7 @@ def batches(times: list[float], gap: float = 0.05) -> int:
     return sum(1 for i, t in enumerate(times) if i == 0 or t - times[i - 1] > gap)
 
 
+@pytest.mark.slow  # a server of its own and 24 clients
 def test_a_flooding_client_cannot_hold_back_another_clients_single_request(unlimited):
     """Fair share: while one client keeps 24 heavy requests queued, another client's single line
     goes in the next batch. Bound: between its arrival and its answer at most two of the flood's
