@@ -292,7 +292,7 @@ def test_export_ships_the_shortlist_and_int8_weights(reverse_model, tmp_path):
 def test_the_student_config_is_a_deep_encoder_shallow_decoder_on_the_teachers_vocabulary():
     student, teacher = load_config(ROOT / "configs/student-tiny.yaml"), load_config(ROOT / "configs/de-en.yaml")
     assert student.vocab.from_run == teacher.run_dir
-    assert student.data.train == [f"{teacher.run_dir}/distilled/train", teacher.data.train]  # the originals beside
+    assert student.data.train == [f"{teacher.run_dir}/distilled/train", *teacher.data.train]  # the originals beside
     assert student.model.dec_layers < student.model.enc_layers
     assert (student.data.valid, student.data.test) == (teacher.data.valid, teacher.data.test)
     assert student.decode.beam == 1
