@@ -50,11 +50,11 @@ def _default_signal_dispositions() -> None:
 
 
 class Server:
-    def __init__(self, checkpoint, *extra: str):
+    def __init__(self, checkpoint, *extra: str, fp32: bool = True):
         self.port = free_port()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "transformer_cli.cli", "serve", "--checkpoint", str(checkpoint), "--port",
-             str(self.port), "--set", "decode.precision=fp32", *extra],
+             str(self.port), *(["--set", "decode.precision=fp32"] if fp32 else []), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_signal_dispositions)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

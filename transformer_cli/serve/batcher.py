@@ -8,6 +8,7 @@ import collections
 import contextlib
 import itertools
 import queue
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -76,6 +77,25 @@ class MainThreadDecoder:
 def _settle(future: asyncio.Future, outcome: Any, error: BaseException | None) -> None:
     if not future.done():  # a client that went away has cancelled its future
         future.set_exception(error) if error is not None else future.set_result(outcome)
+
+
+async def on_a_thread_of_its_own(call: Callable[[], Any], name: str) -> Any:
+    """`call()` made on a new thread that ends with it, awaited from the event loop: loading a model
+    beside the decoding thread. (A thread that lives on would keep an OpenMP team of its own once it
+    ran a torch op; MainThreadDecoder says why that slows the decoding down.)"""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        try:
+            outcome, error = call(), None
+        except Exception as exc:  # noqa: BLE001 (handed to the awaiting coroutine)
+            outcome, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for it any more
+            loop.call_soon_threadsafe(_settle, future, outcome, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
 
 
 def request_batch_decode(decode: DecodeConfig, lines: int, processes: int) -> DecodeConfig:
@@ -194,6 +214,18 @@ class Batcher:
         self.queue = FairQueue()
         self.runner = runner
         self.observe_batch: Callable[[int], None] = lambda lines: None  # metrics: each batch's size
+        self.busy: collections.Counter[int] = collections.Counter()  # id(engine) → its batches decoding
+        self.task: asyncio.Task | None = None  # its run(), where the app keeps it
+
+    async def retire(self, engine: TranslationEngine, drain: bool = False) -> None:
+        """Close `engine` (replaced by a reload) once the batches it was decoding have finished, and
+        with `drain` (a batcher whose engine is not replaced) once no request waits in its queue."""
+        while self.busy[id(engine)] or (drain and self.queue.count):
+            await asyncio.sleep(0.02)
+        del self.busy[id(engine)]
+        await self.runner(engine.close)
+        if drain and self.task is not None:
+            self.task.cancel()  # nothing will come to this batcher any more
 
     async def translate(self, lines: list[str], decode: DecodeConfig, terms: list[LineTerms] | None = None,
                         timeout: float | None = None, client: str = "") -> list[list[Translation]]:
@@ -261,16 +293,22 @@ class Batcher:
         terms = ([t for job in jobs for t in (job.terms or [LineTerms()] * len(job.lines))]
                  if any(job.terms for job in jobs) else None)  # each line keeps its request's terms
         decode = request_batch_decode(decode, len(lines), self.processes)
+        engine = self.engine  # the batch decodes on the model it started with, whatever a reload swaps in meanwhile
+
         def start() -> Callable[[], list[list[Translation]]]:  # long lines are cut silently: one client must not flood the log
             deadline = None if timeout is None else time.monotonic() + timeout  # from the start of its decoding
-            return self.engine.translate_later(lines, nbest=decode.nbest, decode=decode, warn_long=False,
-                                               terms=terms, deadline=deadline)
+            return engine.translate_later(lines, nbest=decode.nbest, decode=decode, warn_long=False,
+                                          terms=terms, deadline=deadline)
 
+        self.busy[id(engine)] += 1
         try:
-            if self.engine.decodes_in_background:  # waited for off the decoding thread, which starts the next batch
-                results = await asyncio.to_thread(await self.runner(start))
-            else:
-                results = await self.runner(lambda: start()())
+            try:
+                if engine.decodes_in_background:  # waited for off the decoding thread, which starts the next batch
+                    results = await asyncio.to_thread(await self.runner(start))
+                else:
+                    results = await self.runner(lambda: start()())
+            finally:
+                self.busy[id(engine)] -= 1
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
             if len(jobs) > 1 and not isinstance(exc, DecodingProcessDied):
                 for job in jobs:  # isolation: only the request that fails alone gets the error

@@ -30,8 +30,20 @@ class ServerMetrics:
                               registry=self.registry)
         self.rejected = Counter("tfm_quota_rejections", "Requests refused by a quota or a missing key, by reason",
                                 ["reason"], registry=self.registry)
-        info = Gauge("tfm_model_info", "The model served (value 1)", ["model", "engine"], registry=self.registry)
-        info.labels(model=model, engine=engine_name).set(1)
+        self.model = model
+        self.info = Gauge("tfm_model_info", "The model served (value 1)", ["model", "engine"], registry=self.registry)
+        self.info.labels(model=model, engine=engine_name).set(1)
+        self.loaded = Gauge("tfm_model_loaded_timestamp_seconds", "When the model served was loaded (Unix time)",
+                            registry=self.registry)
+        self.loaded.set_to_current_time()
+        self.reloads = Counter("tfm_model_reloads", "Reloads of the model (SIGUSR1), by outcome: ok, failed",
+                               ["outcome"], registry=self.registry)
+
+    def reloaded(self, engine_name: str) -> None:
+        self.info.clear()
+        self.info.labels(model=self.model, engine=engine_name).set(1)
+        self.loaded.set_to_current_time()
+        self.reloads.labels(outcome="ok").inc()
 
     def answered(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
