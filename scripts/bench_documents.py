@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Document translation against line translation, on the documents scripts/make_documents.py makes.
+
+Targets: paragraphs (--format text) within 0.5 BLEU of the same sentences translated one a line;
+HTML with random inline tags: every tag kept once, the output well-formed, the text within 1.0
+BLEU of the plain translation, at least 90% of the tags around one word around that word's
+translation (judged where the glossary has the word and its translation occurs once in the
+paragraph), and at least 0.7x the speed of plain lines (sentences/s, tfm translate's own count).
+
+    python scripts/make_documents.py --src data/multi30k/test_2016_flickr.de.gz \\
+        --ref data/multi30k/test_2016_flickr.en.gz --out runs/documents
+    tfm glossary --checkpoint runs/de-en/checkpoints/checkpoint_best.pt --src data/multi30k/train.de.gz \\
+        --ref data/multi30k/train.en.gz -o runs/documents/glossary.tsv
+    python scripts/bench_documents.py --checkpoint runs/de-en/checkpoints/checkpoint_best.pt --docs runs/documents
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import sacrebleu
+
+RATE = re.compile(r"translated (\d+) sentences in ([\d.]+)s")
+
+
+def tfm(*args: str) -> tuple[str, float]:
+    """Run tfm translate; its output and its sentences/s (as it reports them)."""
+    done = subprocess.run([sys.executable, "-m", "transformer_cli.cli", "translate", *args], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        sys.exit(f"tfm translate {' '.join(args)} failed:\n{done.stderr}")
+    found = RATE.search(done.stderr)
+    return done.stdout, int(found.group(1)) / max(float(found.group(2)), 1e-9) if found else float("nan")
+
+
+def paragraphs(text: str) -> list[str]:
+    return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def bleu(hypotheses: list[str], references: list[str]) -> float:
+    return sacrebleu.corpus_bleu(hypotheses, [references]).score
+
+
+def bare(word: str) -> str:
+    return word.strip(".,;:!?\"'()").lower()
+
+
+def judge_tags(page: str, source_page: str, singles: list[dict], glossary: dict[str, str]) -> dict:
+    """Tags kept (each data-n once, same name and attributes), well-formed (an XML parser reads the
+    page), and single-word tags around the glossary translation of their word."""
+    import lxml.etree
+
+    try:
+        root = lxml.etree.fromstring(re.sub(r"\A<!DOCTYPE[^>]*>", "", page.strip()).encode())
+    except lxml.etree.XMLSyntaxError as exc:
+        return {"well_formed": False, "error": str(exc)}
+    source = lxml.etree.fromstring(re.sub(r"\A<!DOCTYPE[^>]*>", "", source_page.strip()).encode())
+    want = {e.get("data-n"): (e.tag, dict(e.attrib)) for e in source.iter() if e.get("data-n")}
+    got: dict[str, list] = {}
+    for element in root.iter():
+        if element.get("data-n"):
+            got.setdefault(element.get("data-n"), []).append((element.tag, dict(element.attrib)))
+    kept = sum(got.get(n) == [w] for n, w in want.items())
+    paragraphs_out = root.findall(".//p")
+    judged = right = 0
+    for single in singles:
+        target = glossary.get(bare(single["word"]))
+        if target is None:
+            continue
+        text = " ".join("".join(paragraphs_out[single["paragraph"]].itertext()).split())
+        if [bare(w) for w in text.split()].count(target) != 1:
+            continue
+        element = root.find(f".//*[@data-n='{single['n']}']")
+        judged += 1
+        right += element is not None and bare(" ".join("".join(element.itertext()).split())) == target
+    texts = [" ".join("".join(p.itertext()).split()) for p in paragraphs_out]
+    return {"well_formed": True, "tags": len(want), "kept_once": kept, "judged": judged, "right": right,
+            "texts": texts}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--docs", type=Path, default=Path("runs/documents"))
+    parser.add_argument("--glossary", type=Path, help="source<TAB>target lines (default: DOCS/glossary.tsv)")
+    args = parser.parse_args()
+    docs, model = args.docs, ["--checkpoint", args.checkpoint]
+    refs = paragraphs((docs / "paragraphs.tgt.txt").read_text(encoding="utf-8"))
+    index = [int(x) for x in (docs / "paragraphs.index").read_text().split()]
+
+    def joined(lines: list[str]) -> list[str]:
+        out = [""] * (max(index) + 1)
+        for p, line in zip(index, lines):
+            out[p] = f"{out[p]} {line}".strip()
+        return out
+
+    rows = []
+    for label, engine in (("default engine", []), ("tfm's engine", ["--engine", "torch"])):
+        lines, line_rate = tfm(*model, *engine, "-i", str(docs / "lines.src"))
+        text, text_rate = tfm(*model, *engine, "--format", "text", "-i", str(docs / "paragraphs.src.txt"))
+        rows.append((f"lines ({label})", bleu(joined(lines.splitlines()), refs), line_rate))
+        rows.append((f"text paragraphs ({label})", bleu(paragraphs(text), refs), text_rate))
+    page, html_rate = tfm(*model, "-i", str(docs / "tagged.src.html"))
+    glossary_path = args.glossary or docs / "glossary.tsv"
+    glossary = {}
+    if glossary_path.exists():
+        for line in glossary_path.read_text(encoding="utf-8").splitlines():
+            if "\t" in line:
+                source, target = line.split("\t")[:2]
+                glossary[bare(source)] = bare(target)
+    singles = [json.loads(line) for line in (docs / "tags.jsonl").read_text(encoding="utf-8").splitlines()]
+    judged = judge_tags(page, (docs / "tagged.src.html").read_text(encoding="utf-8"), singles, glossary)
+    if judged["well_formed"]:
+        rows.append(("html, text of the tagged page", bleu(judged["texts"], refs), html_rate))
+    print(f"{'mode':<36} {'BLEU':>6} {'sent/s':>8}")
+    for label, score, rate in rows:
+        print(f"{label:<36} {score:6.2f} {rate:8.1f}")
+    if not judged["well_formed"]:
+        print(f"html output is not well-formed: {judged['error']}")
+        return
+    print(f"tags kept once: {judged['kept_once']}/{judged['tags']} ({100 * judged['kept_once'] / judged['tags']:.1f}%); "
+          f"output well-formed: yes")
+    if judged["judged"]:
+        print(f"single-word tags around the word's translation: {judged['right']}/{judged['judged']} "
+              f"({100 * judged['right'] / judged['judged']:.1f}%; judged by {len(glossary)} glossary entries)")
+    print(f"html speed / plain lines (default engine): {html_rate / rows[0][2]:.2f}x; "
+          f"/ plain lines (tfm's engine): {html_rate / rows[2][2]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

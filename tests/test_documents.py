@@ -1,0 +1,354 @@
+"""Documents: plain text in paragraphs, HTML and XML keep their structure through translation,
+inline tags follow the words they wrapped through the alignments, and bad documents are one-line
+errors. Structure is checked with translators that are plain functions (whose alignments are
+known); the command line with a real tiny model."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import lxml.etree
+import lxml.html
+import pytest
+
+from tests.conftest import tfm
+from transformer_cli.decoding.translation import Translation
+from transformer_cli.documents.formats import document_format, read_document
+from transformer_cli.documents.markdown import plan_markdown
+from transformer_cli.documents.markup import plan_markup
+from transformer_cli.documents.plan import plan_text
+from transformer_cli.documents.sentences import sentence_spans
+from transformer_cli.documents.subtitles import plan_subtitles, wrap
+from transformer_cli.runtime.errors import TfmError
+
+
+def same(sentences: list[str]) -> list[Translation]:
+    """Each sentence as it is, every word aligned to itself."""
+    return [Translation(s, 0.0, 1, " ".join(f"{i}-{i}" for i in range(len(s.split())))) for s in sentences]
+
+
+def reversed_words(sentences: list[str]) -> list[Translation]:
+    """Each sentence's words in reverse order, upper-cased, each aligned to where it went."""
+    out = []
+    for s in sentences:
+        words = s.split()
+        n = len(words)
+        out.append(Translation(" ".join(w.upper() for w in reversed(words)), 0.0, n,
+                               " ".join(f"{i}-{n - 1 - i}" for i in range(n))))
+    return out
+
+
+def tags_of(markup: str) -> list[tuple[str, tuple]]:
+    """Every element's tag and attributes, in document order (the tag tree's content, sorted)."""
+    root = lxml.html.fragment_fromstring(markup, create_parent="div")
+    return sorted((e.tag, tuple(sorted(e.attrib.items()))) for e in root.iter() if isinstance(e.tag, str))
+
+
+def test_sentences_are_split_by_punctuation_not_by_line_breaks():
+    text = "Dr. Müller kam an. Er sagte\nnichts! Dann ging er"
+    assert [text[a:b] for a, b in sentence_spans(text, "de")] == ["Dr. Müller kam an.", "Er sagte\nnichts!",
+                                                                 "Dann ging er"]
+    assert sentence_spans("   \n ", "de") == []
+
+
+def test_text_keeps_paragraphs_blank_lines_and_whitespace():
+    document = "  Ein Mann läuft. Eine Frau\nsitzt.\n\n\n\tZwei Hunde!\nDrei Katzen?  \n\n"
+    plan = plan_text(document, "de")
+    assert plan.sentences == ["Ein Mann läuft.", "Eine Frau sitzt.", "Zwei Hunde!", "Drei Katzen?"]
+    assert plan.rebuild(same(plan.sentences)) == document.replace("Frau\nsitzt", "Frau sitzt")
+    translated = plan_text(document, "de").rebuild(reversed_words(plan.sentences))
+    assert translated == "  LÄUFT. MANN EIN SITZT. FRAU EINE\n\n\n\tHUNDE! ZWEI\nKATZEN? DREI  \n\n"
+    assert plan_text("", "de").sentences == [] and plan_text("", "de").rebuild([]) == ""
+
+
+HTML = ('<!DOCTYPE html>\n<html><head><title>T</title><style>p { color: red }</style></head><body>\n'
+        '<h1 class="x">Ein Titel</h1>\n'
+        '<p>Ein <b>schwarzer</b> Hund läuft. Eine <a href="/x?a=1&amp;b=2">Frau <i>sitzt</i></a> hier.</p>\n'
+        '<!-- a comment --><ul><li>Eins &amp; zwei</li><li>Ein <code>x &lt; 1</code> Test.</li></ul>\n'
+        '<pre>  kept   as is </pre><p translate="no">Nicht übersetzen.</p><p>Zeile<br>zwei <img src="a.png"> drei.</p>\n'
+        '<script>var s = "<b>";</script></body></html>\n')
+
+
+def test_html_translated_as_itself_is_itself():
+    plan = plan_markup(HTML, "de")
+    assert "Nicht übersetzen." not in plan.sentences and not any("color" in s or "var" in s for s in plan.sentences)
+    assert plan.sentences[:3] == ["Ein Titel", "Ein schwarzer Hund läuft.", "Eine Frau sitzt hier."]
+    assert plan.rebuild(same(plan.sentences)) == HTML.replace(' <img src="a.png"> drei', ' <img src="a.png">drei')
+
+
+def test_inline_tags_follow_their_words_and_stay_nested():
+    document = '<p>Ein <b>schwarzer</b> Hund läuft. Eine <a href="/x">Frau <i>sitzt</i></a> hier.</p>'
+    plan = plan_markup(document, "de")
+    out = plan.rebuild(reversed_words(plan.sentences))
+    assert out == '<p>LÄUFT. HUND <b>SCHWARZER</b> EIN HIER. <a href="/x"><i>SITZT</i> FRAU</a> EINE</p>'
+    assert tags_of(out) == tags_of(document)
+
+
+def test_kept_content_untranslated_parts_and_entities_survive():
+    plan = plan_markup(HTML, "de")
+    out = plan.rebuild(reversed_words(plan.sentences))
+    for kept in ("<style>p { color: red }</style>", "<pre>  kept   as is </pre>", '<p translate="no">Nicht übersetzen.</p>',
+                 "<!-- a comment -->", '<script>var s = "<b>";</script>', "<code>x &lt; 1</code>", '<img src="a.png">',
+                 'href="/x?a=1&amp;b=2"', "ZWEI &amp; EINS"):
+        assert kept in out, kept
+    assert out.startswith("<!DOCTYPE html>\n<html>")
+    assert len(lxml.html.document_fromstring(out).findall(".//li")) == 2
+
+
+def test_a_tag_spanning_two_sentences_is_kept_once_around_both():
+    document = "<p>Er kam <b>spät. Sie ging</b> früh.</p>"
+    plan = plan_markup(document, "de")
+    assert plan.sentences == ["Er kam spät.", "Sie ging früh."]
+    out = plan.rebuild(same(plan.sentences))
+    assert out == document
+    out = plan.rebuild(reversed_words(plan.sentences))
+    assert out.count("<b>") == 1 and out.count("</b>") == 1 and "SPÄT." in out.split("<b>")[1].split("</b>")[0]
+
+
+def test_crossing_alignments_still_give_well_formed_nested_tags():
+    document = "<p><b>eins <i>zwei</i></b> <u>drei</u> vier.</p>"
+    plan = plan_markup(document, "xx")
+
+    def crossing(sentences):  # "zwei" lands outside its parent's words, "drei" inside them
+        return [Translation("DREI EINS VIER ZWEI.", 0.0, 4, "0-1 1-3 2-0 3-2")]
+
+    out = plan.rebuild(crossing(plan.sentences))
+    lxml.etree.fromstring(out)  # well-formed
+    assert tags_of(out) == tags_of(document)
+    assert re.sub("<[^>]+>", "", out) == "DREI EINS VIER ZWEI."
+
+
+def test_malformed_html_comes_out_well_formed_with_all_its_text():
+    document = "<p>Ein <b>Hund <i>läuft</b> schnell.<p>Zweiter Absatz &amp co"
+    plan = plan_markup(document, "de")
+    out = plan.rebuild(same(plan.sentences))
+    lxml.etree.fromstring(f"<div>{out}</div>")
+    assert " ".join(re.sub("<[^>]+>", " ", out).split()) == "Ein Hund läuft schnell. Zweiter Absatz &amp; co"
+
+
+def test_xml_mixed_content_namespaces_and_declaration_are_kept():
+    document = ('<?xml version="1.0" encoding="UTF-8"?>\n<doc xmlns:x="urn:x"><title>Ein Titel</title>\n'
+                '  <para x:id="1">Text <x:emph>hier</x:emph> &amp; da.<?pi data?></para>\n'
+                '  <code>nicht &lt;übersetzen&gt;</code>\n</doc>\n')
+    plan = plan_markup(document, "de", xml=True)
+    assert plan.sentences == ["Ein Titel", "Text hier & da."]
+    assert plan.rebuild(same(plan.sentences)) == document
+    with pytest.raises(TfmError, match="line 1: .*"):
+        plan_markup("<doc><a></doc>", "de", xml=True)
+
+
+SRT = ("1\r\n00:00:01,000 --> 00:00:04,000\r\nEin Mann läuft\r\nüber die Straße.\r\n\r\n"
+       "2\r\n00:00:05,000 --> 00:00:07,500 X1:10\r\n- Hallo.\r\n- Guten Tag, Herr Müller.\r\n\r\n"
+       "3\r\n00:00:08,000 --> 00:00:09,000\r\nZwei Hunde. Drei Katzen.\r\n")
+VTT = ("WEBVTT - a title\n\nNOTE kept as it is\n\nSTYLE\n::cue { color: yellow }\n\n"
+       "intro\n00:01.000 --> 00:04.000 align:start position:10%\nEin Mann läuft über die Straße.\n\n"
+       "01:02:03.000 --> 01:02:04.500\n- Hallo.\n- Tschüss.\n")
+
+
+def timings(document: str) -> list[str]:
+    return [line for line in document.splitlines() if "-->" in line]
+
+
+@pytest.mark.parametrize("document, vtt", [(SRT, False), (VTT, True)])
+def test_subtitles_keep_cues_timings_and_line_counts(document, vtt):
+    plan = plan_subtitles(document, "de", vtt=vtt)
+    assert "Ein Mann läuft über die Straße." in plan.sentences and "Hallo." in plan.sentences
+    assert plan.rebuild(same(plan.sentences)) == document
+    out = plan.rebuild(reversed_words(plan.sentences))
+    assert timings(out) == timings(document)
+    cue_lines = [len(block.strip().splitlines()) for block in re.split(r"\r?\n\r?\n", out)]
+    assert cue_lines == [len(block.strip().splitlines()) for block in re.split(r"\r?\n\r?\n", document)]
+    assert ("\r\n" in out) == ("\r\n" in document) and "- HALLO." in out
+
+
+def test_wrapping_balances_lines_at_spaces():
+    assert wrap("a bb ccc dddd eeeee ffffff", 2) == ["a bb ccc dddd", "eeeee ffffff"]
+    assert wrap("one two three four five six seven eight nine", 3) == ["one two three", "four five six",
+                                                                      "seven eight nine"]
+    assert wrap("single", 2) == ["single"] and wrap("a b", 3) == ["a", "b"]
+    with pytest.raises(TfmError, match="WEBVTT"):
+        plan_subtitles("1\n00:00:01,000 --> 00:00:02,000\nx\n", "de", vtt=True)
+
+
+MARKDOWN = """# Ein *Titel* ##
+
+Ein **schwarzer** Hund läuft über die [grüne Wiese](https://x.org "T"). Zwei `code` Kinder.
+
+> Zitat mit _Betonung_.
+
+- Punkt eins
+- Punkt ![Bild](a.png) zwei
+
+Setext Titel
+============
+
+| Tabelle | bleibt |
+|---|---|
+| wie | sie ist |
+
+```python
+code = "bleibt"
+```
+"""
+
+
+def test_markdown_translated_as_itself_is_itself_and_keeps_what_is_not_prose():
+    plan = plan_markdown(MARKDOWN, "de")
+    assert plan.sentences == ["Ein Titel", "Ein schwarzer Hund läuft über die grüne Wiese.", "Zwei code Kinder.",
+                              "Zitat mit Betonung.", "Punkt eins", "Punkt zwei", "Setext Titel"]
+    assert plan.rebuild(same(plan.sentences)) == MARKDOWN
+    out = plan.rebuild(reversed_words(plan.sentences))
+    for kept in ("| Tabelle | bleibt |\n|---|---|\n| wie | sie ist |", '```python\ncode = "bleibt"\n```',
+                 "![Bild](a.png)", "============", "# *TITEL* EIN ##", "> _BETONUNG_. MIT ZITAT", "**SCHWARZER**",
+                 '](https://x.org "T")'):
+        assert kept in out, (kept, out)
+
+
+def test_a_markdown_paragraph_over_several_lines_becomes_one():
+    plan = plan_markdown("> Ein *Hund*\n> läuft.\n\nEnde.\n", "de")
+    assert plan.sentences == ["Ein Hund läuft.", "Ende."]
+    assert plan.rebuild(same(plan.sentences)) == "> Ein *Hund* läuft.\n\nEnde.\n"
+
+
+def word_document() -> bytes:
+    """A .docx with formatted runs, a link, a table (a merged cell), a header and an empty paragraph."""
+    import docx
+
+    document = docx.Document()
+    document.sections[0].header.paragraphs[0].text = "Eine Kopfzeile."
+    paragraph = document.add_paragraph("Ein ")
+    paragraph.add_run("schwarzer").bold = True
+    paragraph.add_run(" Hund läuft. Eine ")
+    paragraph.add_run("Frau").italic = True
+    paragraph.add_run(" sitzt.")
+    document.add_paragraph("")
+    table = document.add_table(rows=2, cols=2)
+    table.cell(0, 0).text = "Zelle eins."
+    table.cell(0, 0).merge(table.cell(0, 1))
+    table.cell(1, 0).text = "Zelle zwei."
+    out = io.BytesIO()
+    document.save(out)
+    return out.getvalue()
+
+
+def test_word_runs_keep_their_formatting_over_the_translated_words():
+    import docx
+
+    from transformer_cli.documents.word import plan_word
+
+    plan = plan_word(word_document(), "de")
+    assert plan.sentences == ["Ein schwarzer Hund läuft.", "Eine Frau sitzt.", "Zelle eins.", "Zelle zwei.",
+                              "Eine Kopfzeile."]
+    same_doc = docx.Document(io.BytesIO(plan.rebuild(same(plan.sentences))))
+    assert [p.text for p in same_doc.paragraphs] == ["Ein schwarzer Hund läuft. Eine Frau sitzt.", ""]
+    out = docx.Document(io.BytesIO(plan.rebuild(reversed_words(plan.sentences))))
+    runs = out.paragraphs[0].runs
+    assert out.paragraphs[0].text == "LÄUFT. HUND SCHWARZER EIN SITZT. FRAU EINE"
+    assert [(r.text, bool(r.bold), bool(r.italic)) for r in runs if r.text.strip()][1:] != []
+    assert all(run.text.strip() in ("", "SCHWARZER EIN", "SCHWARZER") for run in runs if run.bold)
+    assert [c.text for c in out.tables[0].rows[0].cells] == ["EINS. ZELLE", "EINS. ZELLE"]  # one merged cell
+    assert out.sections[0].header.paragraphs[0].text == "KOPFZEILE. EINE"
+    with pytest.raises(TfmError, match="not a Word"):
+        plan_word(b"PK\x03\x04 not really a zip", "de")
+
+
+def test_empty_and_blank_documents_come_back_as_they_were():
+    for fmt_plan in (plan_text, plan_markup, plan_markdown, plan_subtitles):
+        for document in ("", "\n  \n"):
+            plan = fmt_plan(document, "de")
+            assert plan.sentences == [] and plan.rebuild([]) == document
+
+
+def test_a_ten_megabyte_document_is_planned_and_rebuilt_within_the_limits():
+    paragraph = "<p>Ein <b>Mann</b> läuft über die Straße. Eine Frau sitzt auf einer <i>Bank</i>.</p>\n"
+    document = paragraph * (10_000_000 // len(paragraph))
+    plan = plan_markup(document, "de")
+    assert len(plan.sentences) == 2 * document.count("<p>")
+    out = plan.rebuild(same(plan.sentences))
+    assert out == document
+    text = "Ein Mann läuft über die Straße. Eine Frau sitzt.\n\n" * 200_000
+    assert plan_text(text, "de").rebuild(same(plan_text(text, "de").sentences)) == text
+    with pytest.raises(TfmError, match="over 1 MB"):
+        read_document(io.BytesIO(b"x" * (2 << 20)), "big.txt", limit=1 << 20)
+
+
+@pytest.mark.parametrize("data, says", [(b"ab\0cd", "NUL"), (b"ok\n\xff\xfe bad", "line 2: not UTF-8")])
+def test_binary_or_undecodable_input_is_refused(data, says):
+    with pytest.raises(TfmError, match=says):
+        read_document(io.BytesIO(data), "doc.txt")
+
+
+def test_the_format_comes_from_the_option_or_the_extension():
+    from pathlib import Path
+
+    assert document_format(None, Path("a.HTML")) == "html" and document_format(None, Path("a.xhtml")) == "xml"
+    assert document_format(None, Path("test.de")) == "lines" and document_format(None, None) == "lines"
+    assert document_format(None, Path("sentences.txt")) == "lines"  # as tfm translate always read it
+    assert document_format("text", Path("a.html")) == "text"
+    with pytest.raises(TfmError, match="not text"):
+        document_format(None, Path("report.pdf"))
+    with pytest.raises(TfmError, match="choose lines, text, html, xml, markdown, srt, vtt, docx"):
+        document_format("pdf", None)
+    assert document_format(None, Path("notes.md")) == "markdown" and document_format(None, Path("a.vtt")) == "vtt"
+    assert document_format(None, Path("report.DOCX")) == "docx"
+
+
+def test_the_command_line_translates_documents_as_it_translates_their_sentences(reverse_model, tmp_path):
+    config, summary = reverse_model
+    checkpoint = str(summary.best_checkpoint)
+    lines = ["wa wb wc", "wd we", "wf wg wh wi"]
+    (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "doc.txt").write_text(f"  {lines[0]}\n\n\n{lines[1]}\n\n{lines[2]}\n")
+    settings = ["--checkpoint", checkpoint, "--set", "decode.precision=fp32", "--engine", "torch"]
+    plain = tfm("translate", *settings, "-i", tmp_path / "lines.txt")
+    assert plain.returncode == 0, plain.stderr
+    expected = plain.stdout.splitlines()
+    doc = tfm("translate", *settings, "-i", tmp_path / "doc.txt", "--format", "text", "-o", tmp_path / "out.txt")
+    assert doc.returncode == 0, doc.stderr
+    assert (tmp_path / "out.txt").read_text() == f"  {expected[0]}\n\n\n{expected[1]}\n\n{expected[2]}\n"
+
+
+def test_tags_follow_their_words_through_a_real_models_alignments(reverse_model, tmp_path):
+    """The reverse model writes its input backwards: a tag around one word must come out around that
+    word, wherever it went."""
+    config, summary = reverse_model
+    from transformer_cli.runtime.files import read_lines
+
+    sources = [line for line in read_lines(f"{config.data.test}.src.gz") if len(line.split()) >= 4][:40]
+    body = []
+    for k, line in enumerate(sources):
+        words = line.split()
+        words[k % len(words)] = f'<b data-n="{k}">{words[k % len(words)]}</b>'
+        body.append(f"<p>{' '.join(words)}</p>")
+    (tmp_path / "doc.html").write_text("\n".join(body) + "\n")
+    done = tfm("translate", "--checkpoint", summary.best_checkpoint, "--set", "decode.precision=fp32",
+               "-i", tmp_path / "doc.html", "-o", tmp_path / "out.html")
+    assert done.returncode == 0, done.stderr
+    root = lxml.etree.fromstring(f"<div>{(tmp_path / 'out.html').read_text()}</div>")
+    right = sum(root.find(f".//b[@data-n='{k}']").text == line.split()[k % len(line.split())]
+                for k, line in enumerate(sources))
+    assert len(root.findall(".//b")) == len(sources) and right >= 0.8 * len(sources), right
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--format", "pdf"], "--format pdf: choose"),
+    (["--format", "html", "--json"], "one translation per sentence"),
+    (["--format", "text", "--nbest", "2", "--beam", "2"], "one translation per sentence"),
+])
+def test_bad_document_options_are_one_line_errors(reverse_model, tmp_path, args, says):
+    (tmp_path / "in.txt").write_text("wa wb\n")
+    done = tfm("translate", "--checkpoint", reverse_model[1].best_checkpoint, "-i", tmp_path / "in.txt", *args)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_bad_documents_are_one_line_errors_and_write_nothing(reverse_model, tmp_path):
+    checkpoint = reverse_model[1].best_checkpoint
+    (tmp_path / "bad.xml").write_text("<doc>\n<a>text</doc>\n")
+    (tmp_path / "nul.html").write_bytes(b"<p>a\0b</p>")
+    (tmp_path / "report.pdf").write_bytes(b"%PDF-1.4")
+    for name, says in (("bad.xml", "line 2"), ("nul.html", "NUL"), ("report.pdf", "not text")):
+        done = tfm("translate", "--checkpoint", checkpoint, "-i", tmp_path / name, "-o", tmp_path / "out")
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert not (tmp_path / "out").exists()

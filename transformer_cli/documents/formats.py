@@ -1,0 +1,90 @@
+"""Which format a document is in (`--format`, else its file's extension), reading it whole within a
+size limit, and translating it: its sentences in the engine's chunks, then the document rebuilt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import IO
+
+from ..decoding.translation import TranslationEngine, translated_chunks
+from ..runtime.errors import TfmError
+from .markdown import plan_markdown
+from .markup import plan_markup
+from .plan import Plan, plan_text
+from .subtitles import plan_subtitles
+from .word import plan_word
+
+# lines: one sentence a line, streamed (tfm translate's own); the others are documents, read whole.
+FORMATS = ("lines", "text", "html", "xml", "markdown", "srt", "vtt", "docx")
+# A .txt file stays one sentence a line, as tfm translate has always read it: paragraphs are --format text.
+EXTENSIONS = {".html": "html", ".htm": "html", ".xhtml": "xml", ".xml": "xml",
+              ".svg": "xml", ".srt": "srt", ".vtt": "vtt",
+              ".md": "markdown", ".markdown": "markdown", ".docx": "docx"}
+# Files that are not text: refused by name, before a byte is read.
+NOT_TEXT = {".pdf", ".doc", ".odt", ".rtf", ".epub", ".pptx", ".xlsx", ".zip", ".png", ".jpg", ".jpeg",
+            ".gif", ".webp", ".mp3", ".mp4", ".exe", ".bin"}
+MAX_DOCUMENT_BYTES = 64 << 20  # a document is held in memory whole: 64 MB of text is ~500k sentences
+
+
+def document_format(given: str | None, path: Path | None) -> str:
+    """`given` (--format), else by the input file's extension; a file of another name (.txt too), or
+    standard input, is read as lines (one sentence each)."""
+    if given is not None:
+        if given not in FORMATS:
+            raise TfmError(f"--format {given}: choose {', '.join(FORMATS)}")
+        return given
+    suffix = path.suffix.lower() if path is not None else ""
+    if suffix in NOT_TEXT:
+        raise TfmError(f"{path}: {suffix} files are not text; tfm translates {', '.join(FORMATS)} "
+                       "(a document's format by its extension: .html/.htm, .xml/.xhtml, .md, .srt, .vtt, .docx; --format text)")
+    return EXTENSIONS.get(suffix, "lines")
+
+
+def read_document(source: IO[bytes], name: str, limit: int = MAX_DOCUMENT_BYTES, fmt: str = "text") -> str | bytes:
+    """The whole document: UTF-8 text (a byte-order mark dropped, no NUL byte), or for a Word file its
+    bytes (a zip archive); at most `limit` bytes."""
+    data = source.read(limit + 1)
+    if len(data) > limit:
+        raise TfmError(f"{name}: over {limit >> 20} MB: split the document, or translate it as lines")
+    if fmt == "docx":
+        if not data.startswith(b"PK\x03\x04"):
+            raise TfmError(f"{name}: not a Word (.docx) document (it is not a zip archive)")
+        return data
+    if b"\0" in data:
+        raise TfmError(f"{name}: not text (it holds NUL bytes)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise TfmError(f"{name}: line {line}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def plan_document(document: str | bytes, fmt: str, lang: str | None) -> Plan:
+    if fmt == "docx":
+        if not isinstance(document, bytes):
+            raise TfmError("a Word document is a file: send its bytes")
+        return plan_word(document, lang)
+    if isinstance(document, bytes):
+        raise TfmError(f"--format {fmt}: a text document, not bytes")
+    if fmt == "text":
+        return plan_text(document, lang)
+    if fmt in ("html", "xml"):
+        return plan_markup(document, lang, xml=fmt == "xml")
+    if fmt == "markdown":
+        return plan_markdown(document, lang)
+    if fmt in ("srt", "vtt"):
+        return plan_subtitles(document, lang, vtt=fmt == "vtt")
+    raise TfmError(f"--format {fmt}: not a document format ({', '.join(FORMATS[1:])})")
+
+
+def translate_document(engine: TranslationEngine, document: str | bytes, fmt: str,
+                       beam: int | None = None) -> tuple[str | bytes, int, int]:
+    """The document translated in its format, its sentences and their target tokens. Markup needs the
+    engine's word alignments (decode.alignment: tfm's engine)."""
+    plan = plan_document(document, fmt, engine.own_source_language)
+    if plan.alignment and not engine.decode.alignment:
+        raise TfmError(f"--format {fmt} places the tags through word alignments: the engine must make them "
+                       "(decode.alignment, tfm's engine)")
+    translations = [results[0] for _, _, chunk in translated_chunks(engine, plan.sentences, beam, read_ahead=True)
+                    for results in chunk]
+    return plan.rebuild(translations), len(translations), sum(t.n_tokens for t in translations)

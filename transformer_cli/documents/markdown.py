@@ -1,0 +1,122 @@
+"""Markdown (CommonMark, parsed by markdown-it-py): the text of each paragraph, heading, list item and
+quote is translated, and its inline markup (**strong**, *emphasis*, ~~struck~~, [links](…)) is put
+back around the translated words through the alignments, as for HTML (documents/markup.py). What is
+not prose stays as it was: code blocks and `code spans` (a code span lands on its copy in the
+translation), images, autolinks, inline HTML, tables, and each line's block markers ("# ", "> ",
+"- ", indentation). A paragraph that ran over several lines comes out on one line (Markdown joins
+them anyway)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..decoding.translation import Translation
+from .markup import Run, Span, plan_run, translated_with_spans
+from .plan import Plan
+
+OPENING = {"strong_open", "em_open", "s_open", "link_open"}
+CLOSING = {"strong_close", "em_close", "s_close", "link_close"}
+
+
+def inline_run(children: list[Any]) -> Run:
+    """An inline token's children as a run: its text, and its markup as spans (element: the
+    (opening, closing) marks, or for what is kept, the markup as it is written)."""
+    run = Run()
+    into, opened = [run.spans], []
+    for token in children:
+        start = len(run.text)
+        if token.type == "text":
+            run.text += token.content
+        elif token.type in ("softbreak", "hardbreak"):
+            run.text += " "
+        elif token.type == "link_open" and token.markup == "autolink":
+            opened.append(Span(f"<{token.attrs.get('href', '')}>", start, start, True))
+            into.append([])  # its text is the address: not translated, the span keeps it
+        elif token.type in OPENING:
+            span = Span(marks(token), start, start, False)
+            into[-1].append(span)
+            opened.append(span)
+            into.append(span.children)
+        elif token.type in CLOSING and opened:
+            span = opened.pop()
+            into.pop()
+            span.end = len(run.text)
+            if span.kept:
+                into[-1].append(span)
+        elif token.type == "code_inline":
+            run.text += token.content
+            into[-1].append(Span(f"{token.markup}{token.content}{token.markup}", start, len(run.text), True))
+        elif token.type == "image":
+            title = f' "{token.attrs["title"]}"' if token.attrs.get("title") else ""
+            into[-1].append(Span(f"![{token.content}]({token.attrs.get('src', '')}{title})", start, start, True))
+        elif token.type == "html_inline":
+            into[-1].append(Span(token.content, start, start, True))
+    return run
+
+
+def marks(token: Any) -> tuple[str, str]:
+    if token.type == "link_open":
+        title = f' "{token.attrs["title"]}"' if token.attrs.get("title") else ""
+        return "[", f"]({token.attrs.get('href', '')}{title})"
+    return token.markup, token.markup
+
+
+def render(text: str, lo: int, hi: int, spans: list[Span]) -> str:
+    """[lo, hi) of the translated text with its spans' markup around their words."""
+    out, at = [], lo
+    for span in spans:
+        a, b = span.target
+        out.append(text[at:a])
+        if span.kept:
+            out.append(span.element)
+            if a == b and span.element and b < hi and not text[b].isspace():  # in front of a word: a space
+                out.append(" ")
+        else:
+            inner = render(text, a, b, span.children)
+            core = inner.strip()
+            if core or span.element[0] == "[":  # emphasis around nothing is no emphasis: its marks go
+                lead, trail = inner[: len(inner) - len(inner.lstrip())], inner[len(inner.rstrip()):]
+                out.append(f"{lead}{span.element[0]}{core}{span.element[1]}{trail}")
+            else:
+                out.append(inner)
+        at = b
+    out.append(text[at:hi])
+    return "".join(out)
+
+
+def plan_markdown(document: str, lang: str | None) -> Plan:
+    """The sentences of every paragraph, heading, list item and quote; the document rebuilt with
+    their translations in place of their lines."""
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt("commonmark").enable(["table", "strikethrough"]).parse(document)
+    lines = document.split("\n")
+    places: list[tuple[int, int, str, str, Run]] = []  # first line, lines, what comes before and after, run
+    sentences: list[str] = []
+    opened: list[str] = []
+    for token in tokens:
+        if token.nesting == 1:
+            opened.append(token.type)
+        elif token.nesting == -1 and opened:
+            opened.pop()
+        if token.type != "inline" or not token.map or not token.content.strip() or {"th_open", "td_open"} & set(opened):
+            continue
+        content = token.content.split("\n")
+        first, last = lines[token.map[0]], lines[token.map[0] + len(content) - 1]
+        start, end = first.find(content[0]), last.rfind(content[-1])
+        if start < 0 or end < 0:
+            continue  # not where the parser says: left as it is
+        run = inline_run(token.children or [])
+        plan_run(run, lang, sentences)
+        places.append((token.map[0], len(content), first[:start], last[end + len(content[-1]):], run))
+
+    def rebuild(translations: list[Translation]) -> str:
+        out: list[str | None] = list(lines)
+        for first, count, before, after, run in places:
+            text = translated_with_spans(run, translations)
+            out[first] = before + render(text, 0, len(text), run.spans) + after
+            for k in range(1, count):
+                out[first + k] = None
+        return "\n".join(line for line in out if line is not None)
+
+    return Plan(sentences, rebuild, alignment=True)

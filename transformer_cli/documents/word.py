@@ -1,0 +1,91 @@
+"""Word documents (.docx, read and written by python-docx): every paragraph of the body, of tables
+(nested too), headers and footers is translated, and its runs — the stretches of one formatting:
+bold, italic, a font, a colour, a link's text — keep their formatting over the words that translate
+theirs. Runs are not moved (the document's XML keeps its shape): the translated paragraph is cut at
+the places where each run's first word lands (through the word alignments), kept in order, and each
+run takes the words up to the next cut. Everything else (styles, images, fields, numbering, page
+layout) is the document's own and stays as it was."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from ..decoding.translation import Translation
+from ..runtime.errors import TfmError
+from .markup import Run, plan_run, project, translated_run
+from .plan import Plan
+
+
+def paragraphs_of(document: Any) -> list[Any]:
+    """Every paragraph with text, once: the body's, those in table cells (merged cells repeat one
+    cell; nested tables), and the sections' headers and footers."""
+    found, seen = [], set()
+
+    def add(container: Any) -> None:
+        for paragraph in container.paragraphs:
+            if id(paragraph._p) not in seen and paragraph.text.strip():
+                seen.add(id(paragraph._p))
+                found.append(paragraph)
+        for table in getattr(container, "tables", []):
+            for row in table.rows:
+                for cell in row.cells:
+                    if id(cell._tc) not in seen:
+                        seen.add(id(cell._tc))
+                        add(cell)
+
+    add(document)
+    for section in document.sections:
+        for part in (section.header, section.footer):
+            if not part.is_linked_to_previous:
+                add(part)
+    return found
+
+
+def runs_of(paragraph: Any) -> list[Any]:
+    """The paragraph's runs in order, a hyperlink's runs where the hyperlink is."""
+    runs = []
+    for item in paragraph.iter_inner_content():
+        runs += item.runs if hasattr(item, "runs") else [item]
+    return runs
+
+
+def plan_word(data: bytes, lang: str | None) -> Plan:
+    """The sentences of every paragraph; rebuild() gives the translated document's bytes."""
+    try:
+        import docx
+    except ImportError:
+        raise TfmError("Word documents need python-docx: pip install python-docx") from None
+    try:
+        document = docx.Document(io.BytesIO(data))
+    except Exception as exc:  # noqa: BLE001 (python-docx raises several kinds for a file that is not .docx)
+        raise TfmError(f"not a Word (.docx) document ({type(exc).__name__}: {str(exc)[:200]})") from None
+    sentences: list[str] = []
+    planned = []
+    for paragraph in paragraphs_of(document):
+        runs = runs_of(paragraph)
+        run = Run(text="".join(r.text for r in runs))
+        starts, at = [], 0
+        for r in runs:
+            starts.append(at)
+            at += len(r.text)
+        plan_run(run, lang, sentences)
+        planned.append((runs, starts, run))
+    def rebuild(translations: list[Translation]) -> bytes:
+        for runs, starts, run in planned:
+            text, sentence_maps = translated_run(run, translations)
+            cuts = [0]
+            for start, r in zip(starts[1:], runs[1:]):
+                lo, _ = project(start, start + len(r.text), sentence_maps, run.text, text) if r.text.strip() else (
+                    cuts[-1], cuts[-1])
+                while 0 < lo < len(text) and not text[lo - 1].isspace():  # a cut falls between words
+                    lo -= 1
+                cuts.append(max(lo, cuts[-1]))
+            cuts.append(len(text))
+            for k, r in enumerate(runs):
+                r.text = text[cuts[k]:cuts[k + 1]]
+        out = io.BytesIO()
+        document.save(out)
+        return out.getvalue()
+
+    return Plan(sentences, rebuild, alignment=True)
