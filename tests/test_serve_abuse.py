@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -103,6 +104,8 @@ def strategy_for(schema: dict, components: dict) -> st.SearchStrategy:
         return st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(EDGE_NUMBERS), wrong)
     if kind == "boolean":
         return st.one_of(st.booleans(), wrong)
+    if kind == "string" and "enum" in schema:
+        return st.one_of(st.sampled_from(schema["enum"]), st.sampled_from(HOSTILE_TEXT), wrong)
     if kind == "string":
         return st.one_of(st.sampled_from(HOSTILE_TEXT + GOOD), st.text(max_size=40), wrong)
     if kind == "array":
@@ -132,23 +135,47 @@ def request_bodies(schema: dict, path: str = "/translate") -> st.SearchStrategy[
     return st.one_of(as_json, raw)
 
 
+FILE_NAMES = ["doc.txt", "page.html", "a.xml", "notes.md", "film.srt", "subs.vtt", "x.pdf", "noext", "",
+              "../../etc/passwd.html", 'a"b\r\nSet-Cookie: x.html', "ü.md", "a" * 300 + ".txt"]
+FILE_BODIES = [b"<p>wa <b>wb</b> wc</p>", b"wa wb. wc.\n\nwd we", b"1\n00:00:01,000 --> 00:00:02,000\nwa wb\n",
+               b"WEBVTT\n\n00:01.000 --> 00:02.000\nwa\n", b"# wa *wb*\n", b"<doc><a>wa</doc>", b"\xff\xfe wa",
+               b"\x00" * 10, b"", b"wa " * 3000, b"<p>" * 5000, ("wa. " * 300).encode()]
+
+
+def file_uploads(schema: dict, path: str) -> st.SearchStrategy[tuple[str, bytes]]:
+    """POST /translate/file: a document's bytes under a file name (hostile ones too), with a format or not."""
+    names = st.one_of(st.sampled_from(FILE_NAMES), st.text(max_size=20))
+    formats = st.one_of(st.none(), st.sampled_from(["text", "html", "xml", "markdown", "srt", "vtt", "lines", "docx", ""]))
+    bodies = st.one_of(st.sampled_from(FILE_BODIES), st.binary(max_size=300))
+    return st.tuples(names, formats, bodies).map(lambda t: (
+        f"{path}?name={urllib.parse.quote(t[0])}" + ("" if t[1] is None else f"&format={urllib.parse.quote(t[1])}"),
+        t[2]))
+
+
 def requests_to_every_endpoint(schema: dict) -> st.SearchStrategy[tuple[str, bytes | None]]:
-    """(path, body) for every endpoint the schema publishes: generated bodies for each POST, and
-    each GET (body None)."""
+    """(path, body) for every endpoint the schema publishes: generated bodies for each POST (JSON
+    from its schema, or a file's bytes), and each GET (body None)."""
     posts = [path for path, ops in schema["paths"].items() if "post" in ops]
     gets = [path for path, ops in schema["paths"].items() if "get" in ops]
-    return st.one_of(*[request_bodies(schema, path).map(lambda body, path=path: (path, body)) for path in posts],
-                     st.sampled_from(gets).map(lambda path: (path, None)))
+
+    def bodies(path: str) -> st.SearchStrategy:
+        if "application/octet-stream" in schema["paths"][path]["post"]["requestBody"]["content"]:
+            return file_uploads(schema, path)
+        return request_bodies(schema, path).map(lambda body: (path, body))
+
+    return st.one_of(*[bodies(path) for path in posts], st.sampled_from(gets).map(lambda path: (path, None)))
 
 
 def answered_well(status: int, answer: dict, body: bytes | None, path: str = "/translate") -> None:
     assert status < 500, (status, answer, (body or b"")[:200])
-    if status == 200 and path in ("/translate", "/detect"):
+    if status == 200 and path.startswith("/translate/file?"):
+        assert "text" in answer  # the translated file
+    elif status == 200 and path in ("/translate", "/detect"):
         sent = json.loads(body)["text"]
         results = answer["translations" if path == "/translate" else "detections"]
         assert len(results) == (1 if isinstance(sent, str) else len(sent))
     elif status == 200:
-        assert path in ("/health", "/languages", "/metrics", "/docs", "/openapi.json", "/docs/oauth2-redirect",
+        assert path in ("/", "/health", "/languages", "/metrics", "/docs", "/openapi.json", "/docs/oauth2-redirect",
                         "/redoc"), path
     else:
         assert set(answer) == {"error"} and "\n" not in answer["error"] and len(answer["error"]) < 1000, answer
@@ -198,8 +225,8 @@ def test_the_schema_fuzzer_covers_every_request_field(abused):
 
     _, _, schema = abused
     fields = schema["components"]["schemas"]["TranslateRequest"]["properties"]
-    assert set(REQUEST_SETTINGS) | {"text", "src_lang", *TERM_FIELDS} == set(fields)  # text, terms, source, settings
-    assert {"/translate", "/detect", "/languages", "/metrics", "/health"} <= set(schema["paths"])
+    assert set(REQUEST_SETTINGS) | {"text", "src_lang", "format", *TERM_FIELDS} == set(fields)  # text, terms, source, settings
+    assert {"/translate", "/translate/file", "/", "/detect", "/languages", "/metrics", "/health"} <= set(schema["paths"])
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(abused):

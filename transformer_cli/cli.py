@@ -285,9 +285,13 @@ def translate(
     as_json: bool = typer.Option(False, "--json", help="Write one JSON object a line: translations, scores, "
                                  "constraints not met, glossary entries used."),
     tgt_lang: Optional[str] = TgtLangOpt,
+    doc_format: Optional[str] = typer.Option(None, "--format", help="lines (one sentence a line, streamed), or a "
+                                             "document: text (paragraphs), html, xml, markdown, srt, vtt, docx; default: by -i's extension."),
 ) -> None:
-    """Translate raw sentences, one per line (stdin → stdout by default), streaming."""
+    """Translate raw sentences, one per line (stdin → stdout by default), streaming; or a document
+    (--format, or -i doc.html/.xml/.md/.srt/.vtt/.docx) with its paragraphs, markup or timings kept."""
     refuse_output_among_inputs(output, {"-i": [input_], "--config": [config], "--checkpoint": checkpoint or []})
+    fmt = _document_format(doc_format, input_, nbest, as_json, constraints or prefix or avoid or glossary)
     cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
     if engine is not None and engine not in ENGINES:
         raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
@@ -302,19 +306,9 @@ def translate(
                              model_dir=model_dir, lexical=bool(constraints or avoid or glossary),
                              batch_size=batch_size, batch_tokens=batch_tokens, workers=workers,
                              sample=sample, top_k=top_k, top_p=top_p, temperature=temperature, seed=seed,
-                             alignment=alignment, tgt_lang=tgt_lang)
+                             alignment=True if fmt in ("html", "xml", "markdown", "docx") else alignment, tgt_lang=tgt_lang)
     translator.target_languages().check(translator.decode.tgt_lang)  # before any input is read
-    nbest = translator.decode.nbest if nbest is None else nbest
-    if nbest < 1 or (beam is not None and beam < 1):
-        raise TfmError("--beam and --nbest must be at least 1")
-    if nbest > max(beam or translator.decode.beam, 1) and not translator.decode.sample:
-        raise TfmError(f"--nbest {nbest} needs a beam at least as large (--beam {nbest})")
-    if translator.decode.sample and beam is not None and beam > 1:
-        raise TfmError(f"--beam {beam} does nothing with --sample (samples are drawn, not searched): drop --beam, "
-                       "and give the samples per line with --nbest")
-    unsupported = translator.unsupported(translator.decode)
-    if unsupported:
-        raise TfmError(unsupported)
+    nbest = _check_search(translator, beam, translator.decode.nbest if nbest is None else nbest)
     if prefix is not None:
         translator.prefix_tokens(prefix)  # a prefix it cannot spell: refused before any input is read
     if constraints or avoid or glossary:  # settings that cannot apply them: refused before any input is read
@@ -332,6 +326,8 @@ def translate(
     from .runtime.files import atomic_path
 
     def run(out_stream):
+        if fmt != "lines":
+            return _translate_document(translator, fmt, source, input_, out_stream, beam)
         lines = read_decoded_lines(source, sys.stderr, str(input_) if input_ is not None else "standard input",
                                    strict=constraints)
         return translate_stream(translator, lines, out_stream, beam=beam, nbest=nbest, progress=sys.stderr.isatty(),
@@ -348,6 +344,53 @@ def translate(
     warn(f"translated {stats.sentences} sentences in {stats.seconds:.1f}s: {rate:.1f} sentences/s, "
          f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tokens/s; {translator.describe()}"
          f"{f'; {processes} decoding processes' if processes > 1 else ''}")
+
+
+def _check_search(translator, beam: Optional[int], nbest: int) -> int:
+    """--beam/--nbest/--sample against each other and the engine, before any input is read; the n-best size."""
+    if nbest < 1 or (beam is not None and beam < 1):
+        raise TfmError("--beam and --nbest must be at least 1")
+    if nbest > max(beam or translator.decode.beam, 1) and not translator.decode.sample:
+        raise TfmError(f"--nbest {nbest} needs a beam at least as large (--beam {nbest})")
+    if translator.decode.sample and beam is not None and beam > 1:
+        raise TfmError(f"--beam {beam} does nothing with --sample (samples are drawn, not searched): drop --beam, "
+                       "and give the samples per line with --nbest")
+    unsupported = translator.unsupported(translator.decode)
+    if unsupported:
+        raise TfmError(unsupported)
+    return nbest
+
+
+def _document_format(given: Optional[str], input_: Optional[Path], nbest: Optional[int], as_json: bool,
+                     terminology) -> str:
+    """--format (or -i's extension); a document takes one translation per sentence, no terms."""
+    from .documents.formats import document_format
+
+    fmt = document_format(given, input_)
+    if fmt != "lines" and ((nbest or 1) > 1 or as_json or terminology):
+        raise TfmError(f"--format {fmt}: a document gets one translation per sentence: --nbest, --json, "
+                       "--constraints, --prefix, --avoid and --glossary are for --format lines")
+    return fmt
+
+
+def _translate_document(translator, fmt: str, source, input_: Optional[Path], out_stream, beam: Optional[int]):
+    """Read the whole document, translate it in its format, write it; the stream's statistics."""
+    import time
+
+    from .decoding.translation import StreamStats
+    from .documents.formats import read_document, translate_document
+    from .runtime.console import write_fully
+
+    stats, started = StreamStats(), time.perf_counter()
+    document = read_document(source, str(input_) if input_ is not None else "standard input", fmt=fmt)
+    translated, stats.sentences, stats.tokens = translate_document(translator, document, fmt, beam)
+    if isinstance(translated, bytes):  # a Word file
+        out_stream.flush()
+        out_stream.buffer.write(translated)
+    else:
+        write_fully(out_stream, translated)
+    stats.seconds = time.perf_counter() - started
+    return stats
 
 
 def _terminology(constraints: bool, prefix: str | None, avoid: Path | None, glossary: Path | None,
@@ -414,7 +457,9 @@ def serve(
     """Serve translations over HTTP: POST /translate {"text": [...]} → {"translations": [...]}.
 
     GET /health; OpenAPI page at /docs. Concurrent requests are decoded together (dynamic
-    batching). SIGTERM finishes the requests in flight, then exits. Needs pip install -e '.\\[serve]'.
+    batching). SIGTERM finishes the requests in flight, then exits; SIGUSR1 loads the model anew from
+    the same files and swaps it in (a model that fails to load keeps the old one serving). Needs
+    pip install -e '.\\[serve]'.
     """
     cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
     try:
@@ -431,24 +476,23 @@ def serve(
     shown_host, loopback = listening_address(host)
     if engine is not None and engine not in ENGINES:
         raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
-    from .decoding.engine import open_engine
-
-    # One engine for the whole server: a setting only tfm's engine has (an ensemble, alignments,
-    # sampling) chooses it for every request, and auto says so at start.
-    translator = open_engine(cfg, set_, checkpoint, device, quantize, engine=engine, compute_type=compute_type,
-                             model_dir=model_dir, batch_size=batch_size, batch_tokens=batch_tokens, workers=workers,
-                             beam=beam, nbest=nbest, sample=sample, top_k=top_k, top_p=top_p,
-                             temperature=temperature, seed=seed, alignment=alignment, tgt_lang=tgt_lang)
-    translator.target_languages().check(translator.decode.tgt_lang)
     from .decoding.budget import decoding_memory_limit
+    from .decoding.engine import lexical_engine, open_engine
 
-    translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
-    translator.decode = translator.decode.model_copy(update={"scores": True})  # every answer carries its scores
-    from .decoding.engine import lexical_engine
+    settings = dict(batch_size=batch_size, batch_tokens=batch_tokens, beam=beam, nbest=nbest, sample=sample,
+                    top_k=top_k, top_p=top_p, temperature=temperature, seed=seed, alignment=alignment, tgt_lang=tgt_lang)
 
-    lexical = lexical_engine(translator, cfg, set_, checkpoint, device, engine, model_dir, batch_size=batch_size,
-                             batch_tokens=batch_tokens, beam=beam, nbest=nbest, sample=sample, top_k=top_k,
-                             top_p=top_p, temperature=temperature, seed=seed, alignment=alignment, tgt_lang=tgt_lang)
+    def load():  # at start, and again from the same files at each reload (SIGUSR1)
+        # One engine for the whole server: a setting only tfm's engine has (an ensemble, alignments,
+        # sampling) chooses it for every request, and auto says so at start.
+        made = open_engine(cfg, set_, checkpoint, device, quantize, engine=engine, compute_type=compute_type,
+                           model_dir=model_dir, workers=workers, **settings)
+        made.target_languages().check(made.decode.tgt_lang)
+        made.memory_limit = decoding_memory_limit(made.decode, made.device)
+        made.decode = made.decode.model_copy(update={"scores": True})  # every answer carries its scores
+        return made, lexical_engine(made, cfg, set_, checkpoint, device, engine, model_dir, **settings)
+
+    translator, lexical = load()
     banner = _serve_banner(f"http://{shown_host}:{port}", translator.describe(), host, loopback, keys, api_keys)
     quotas = Quotas(quota_chars, quota_concurrent) if quota_chars or quota_concurrent else None
     model_name = str(model_dir or (checkpoint[0] if checkpoint else (cfg.run_dir if cfg else "")))
@@ -457,7 +501,8 @@ def serve(
         run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000,
                    max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner), lexical_engine=lexical,
                    request_timeout=request_timeout, header_timeout=header_timeout, keys=keys, quotas=quotas,
-                   access_log=AccessLog(log_stream) if log_stream is not None else None, model_name=model_name)
+                   access_log=AccessLog(log_stream) if log_stream is not None else None, model_name=model_name,
+                   reload=load)
     finally:
         _close_access_log(log_stream)
     warn("tfm serve: stopped")

@@ -13,7 +13,7 @@ from typing import Any
 from .access import AccessLog, ApiKeys
 from .metrics import ServerMetrics
 
-OPEN_PATHS = ("/health",)  # answered without a key: a load balancer's probe has none
+OPEN_PATHS = ("/health", "/")  # without a key: a load balancer's probe has none; the page holds no data
 # The request being answered, as the gate saw it (client) and as the endpoint tells it (chars,
 # lines): the endpoint runs in the gate's task, so it sees the gate's value.
 REQUEST: contextvars.ContextVar[dict] = contextvars.ContextVar("tfm_request")
@@ -71,7 +71,7 @@ class Gate:
         seconds = time.monotonic() - started
         path = scope.get("path", "")
         if self.metrics is not None:
-            endpoint = path if path in ("/translate", "/health", "/metrics", "/languages", "/detect") else "other"
+            endpoint = path if path in ("/translate", "/translate/file", "/", "/health", "/metrics", "/languages", "/detect") else "other"
             self.metrics.answered(endpoint, status, seconds)
         if self.log is not None:
             self.log.write(client, scope.get("method", ""), path[:200], status, state.get("chars", 0),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -41,6 +41,9 @@ class TranslateRequest(BaseModel):
     tgt_lang: str | None = Field(None, min_length=1, max_length=32, pattern=r"^[^\s<>]+$")
     # The source language: the model's, or auto (each line's language is identified and returned as src_lang).
     src_lang: str | None = Field(None, min_length=1, max_length=32, pattern=r"^[^\s<>]+$")
+    # A document format: each text is a document, split into sentences and rebuilt around their
+    # translations (markup kept); its sentences count against the request's line limits.
+    format: Literal["text", "html", "xml", "markdown", "srt", "vtt"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -103,7 +106,8 @@ def error_status(exc: BaseException) -> int:
 TERM_FIELDS = ("prefix", "constraints", "avoid")
 
 
-REQUEST_SETTINGS = tuple(name for name in TranslateRequest.model_fields if name not in ("text", "src_lang", *TERM_FIELDS))
+REQUEST_SETTINGS = tuple(name for name in TranslateRequest.model_fields
+                         if name not in ("text", "src_lang", "format", *TERM_FIELDS))
 
 
 MAX_TERMS = MAX_CONSTRAINTS  # constraints, and avoided terms, a line may have

@@ -40,20 +40,25 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Optional
+
+from fastapi import Request  # the file endpoint's raw body (FastAPI reads annotations from the module)
 
 from ..data.language_id import identify
 from ..decoding.budget import DeadlinePassed, stop_searches
 from ..decoding.terms import LineTerms
 from ..decoding.translation import TranslationEngine
+from ..documents.plan import Plan
 from ..experiment.config import DecodeConfig
 from ..runtime.console import discard_writes, warn
 from ..runtime.errors import TfmError
 from ..runtime.signals import Terminated, outputs_a_hangup_takes
 from .access import AccessLog, ApiKeys, Quotas
-from .batcher import Batcher, MainThreadDecoder, Runner
+from .batcher import Batcher, MainThreadDecoder, Runner, on_a_thread_of_its_own
+from .documents import MEDIA_TYPES, file_planned, planned, rebuilt, translated_name
 from .gate import Gate, request_state
 from .metrics import ServerMetrics, decoding_processes
+from .page import PAGE
 from .requests import (
     DetectRequest,
     RequestError,
@@ -70,6 +75,8 @@ from .requests import (
 )
 from .transport import BodyLimit, header_timeout_protocol
 
+FILE_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {
+    "schema": {"type": "string", "format": "binary"}}}}}  # POST /translate/file: the document's bytes
 DEADLINE_SLACK = 1.0  # seconds an answer from CTranslate2 (which cannot stop a batch) is waited for past the timeout
 SHUTDOWN_GRACE = 5.0  # seconds requests in flight may take after SIGTERM/SIGINT/SIGHUP before they are cut
 HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers (slowloris)
@@ -87,13 +94,18 @@ async def by_deadline(translation: Awaitable[Any], engine: TranslationEngine, de
         raise DeadlinePassed("the request ran past its deadline") from None
 
 
+LexicalFactory = Callable[[], TranslationEngine]
+Loader = Callable[[], tuple[TranslationEngine, LexicalFactory | None]]  # a reload: the engine anew, and its lexical factory
+
+
 class Endpoints:
-    """What the endpoints share: the engine, its batcher and the limits; `translate` is POST /translate."""
+    """What the endpoints share: the engine, its batcher and the limits; `translate` is POST /translate,
+    `reload` takes up the model anew (SIGUSR1)."""
 
     def __init__(self, engine: TranslationEngine, batcher: Batcher, runner: Runner, limits: dict,
                  budget: Callable[[list[str], DecodeConfig, list[LineTerms] | None], None] | None,
-                 lexical_engine: Callable[[], TranslationEngine] | None, quotas: Quotas | None,
-                 metrics: ServerMetrics | None, debug: bool):
+                 lexical_engine: LexicalFactory | None, quotas: Quotas | None,
+                 metrics: ServerMetrics | None, debug: bool, load: Loader | None = None):
         self.engine, self.batcher, self.runner, self.budget = engine, batcher, runner, budget
         self.max_lines, self.max_chars = limits["max_lines"], limits["max_chars"]
         self.max_wait, self.max_batch_lines = limits["max_wait"], limits["max_batch_lines"]
@@ -101,8 +113,68 @@ class Endpoints:
         self.lexical_engine, self.quotas, self.metrics, self.debug = lexical_engine, quotas, metrics, debug
         self.routed: list[tuple[TranslationEngine, Batcher]] = []
         self.made: list[TranslationEngine] = []  # engines made for requests (app.state.engines)
+        self.retiring: list[TranslationEngine] = []  # replaced by a reload, closed once their batches are done
         self.tasks: list[asyncio.Task] = []
         self.making = asyncio.Lock()
+        self.load, self.reloading = load, asyncio.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's, once it runs
+
+    def engines(self) -> list[TranslationEngine]:
+        """Every engine the server holds: to cut their decoding and close them at the end."""
+        return [self.engine, *self.made, *self.retiring]
+
+    def request_reload(self) -> bool:
+        """From any thread (SIGUSR1's handler): reload on the event loop. False before it runs."""
+        if self.loop is None or self.load is None:
+            return False
+        self.loop.call_soon_threadsafe(lambda: self.tasks.append(asyncio.create_task(self.reload())))
+        return True
+
+    async def reload(self) -> bool:
+        """Load the model anew beside the one serving, and swap it in once it has translated a line:
+        batches decoding finish on the old model, which is closed after them. A model that fails to
+        load or to translate is not taken up, and the old one serves on. One reload at a time."""
+        assert self.load is not None
+        async with self.reloading:
+            try:
+                engine, lexical = await on_a_thread_of_its_own(self.load, "tfm-reload")
+            except Exception as exc:  # noqa: BLE001 (the old model serves on)
+                return self._reload_failed(exc)
+            try:
+                await self.runner(lambda: take_up(engine))
+            except Exception as exc:  # noqa: BLE001 (the old model serves on)
+                await self.runner(engine.close)
+                return self._reload_failed(exc)
+            old, old_route = self.engine, self.routed
+            if self.budget is not None and self.budget == getattr(old, "check_budget", None):
+                self.budget = getattr(engine, "check_budget", None)
+            self.engine = self.batcher.engine = engine
+            self.lexical_engine, self.routed = lexical, []
+            self._retire(old, self.batcher)
+            for made, batcher in old_route:  # its queue is drained on the old model, then it ends
+                self._retire(made, batcher, drain=True)
+            if self.metrics is not None:
+                self.metrics.reloaded(engine.describe())
+            warn(f"tfm serve: reloaded the model; now {engine.describe()}")
+            return True
+
+    def _retire(self, engine: TranslationEngine, batcher: Batcher, drain: bool = False) -> None:
+        if engine in self.made:
+            self.made.remove(engine)
+        self.retiring.append(engine)
+
+        async def retire() -> None:
+            await batcher.retire(engine, drain)
+            self.retiring.remove(engine)
+
+        self.tasks.append(asyncio.create_task(retire()))
+
+    def _reload_failed(self, exc: Exception) -> bool:
+        if self.metrics is not None:
+            self.metrics.reloads.labels(outcome="failed").inc()
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        warn(f"tfm serve: reload failed, the model loaded before serves on: {message[:500]}")
+        return False
 
     async def lexical_route(self) -> tuple[TranslationEngine, Batcher]:
         """tfm's engine and its batcher, made at the first request that needs them."""
@@ -111,8 +183,10 @@ class Endpoints:
                 assert self.lexical_engine is not None
                 made = await self.runner(self.lexical_engine)  # loads the model on the decoding thread
                 self.made.append(made)
-                self.routed.append((made, Batcher(made, self.max_wait, self.max_batch_lines, 1, self.runner)))
-                self.tasks.append(asyncio.create_task(self.routed[0][1].run()))
+                batcher = Batcher(made, self.max_wait, self.max_batch_lines, 1, self.runner)
+                self.routed.append((made, batcher))
+                batcher.task = asyncio.create_task(batcher.run())
+                self.tasks.append(batcher.task)
                 warn(f"tfm serve: requests with constraints or avoided terms decode with {made.describe()}: "
                      "CTranslate2 offers target prefixes only")
         return self.routed[0]
@@ -125,12 +199,15 @@ class Endpoints:
         except ValueError as exc:
             raise RequestError(422, str(exc)) from None
         unsupported = self.engine.unsupported(decode)
-        if unsupported:
+        # Word alignments (asked for, or for a document's markup) come from tfm's engine beside CTranslate2.
+        aligned_aside = bool(unsupported and decode.alignment and self.lexical_engine is not None
+                             and not self.engine.unsupported(decode.model_copy(update={"alignment": False})))
+        if unsupported and not aligned_aside:
             raise RequestError(422, f"{unsupported} (this server decodes with {self.engine.describe()})")
         check_source_language(self.engine, request.src_lang)
         terms = request_steering(self.engine, request, decode, lines, self.max_chars)
         target, queue, check = self.engine, self.batcher, self.budget
-        if terms and self.lexical_engine is not None and any(t.constraints or t.avoid for t in terms):
+        if aligned_aside or (terms and self.lexical_engine is not None and any(t.constraints or t.avoid for t in terms)):
             target, queue = await self.lexical_route()
             check = target.check_budget
         if terms:
@@ -142,6 +219,8 @@ class Endpoints:
         return decode, terms, target, queue
 
     async def translate(self, request: TranslateRequest, state: dict):
+        if request.format is not None:
+            return await self.translate_documents(request, state)
         arrived = time.monotonic()
         lines = [request.text] if isinstance(request.text, str) else request.text
         client = state.get("client", "")
@@ -175,6 +254,46 @@ class Endpoints:
         return body
 
 
+    async def translate_documents(self, request: TranslateRequest, state: dict):
+        """Documents (`"format"`): their sentences translated as a request of lines, then rebuilt."""
+        try:
+            plans, lines = planned(request, self.engine.own_source_language)
+        except RequestError as exc:
+            return error_answer(exc.status, str(exc))
+        return await self.translate_planned(plans, lines, state)
+
+    async def translate_file(self, data: bytes, name: str, fmt: str | None, state: dict):
+        """POST /translate/file: the document's bytes in, the translated file out (or an error answer)."""
+        from fastapi.responses import Response
+
+        state["chars"] = len(data)
+        try:
+            fmt, plan, lines = file_planned(data, name, fmt, self.engine.own_source_language)
+        except RequestError as exc:
+            return error_answer(exc.status, str(exc))
+        answer = await self.translate_planned([plan], lines, state)
+        if not isinstance(answer, dict):
+            return answer
+        translated = answer["translations"][0]
+        filename = translated_name(name, self.engine.decode.tgt_lang or self.engine.target_languages().own)
+        return Response(translated if isinstance(translated, bytes) else translated.encode("utf-8"),
+                        media_type=MEDIA_TYPES[fmt], headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+
+    async def translate_planned(self, plans: list[Plan], lines: TranslateRequest, state: dict):
+        answer = await self.translate(lines, state)
+        return rebuilt(plans, answer) if isinstance(answer, dict) else answer
+
+
+def take_up(engine: TranslationEngine) -> None:
+    """Make a freshly loaded engine ready to serve (its decoding processes forked), or raise: a model
+    that cannot translate one line is not swapped in."""
+    workers = engine.decoding_workers() if hasattr(engine, "decoding_workers") else None
+    if workers is not None:
+        workers.start()
+    if len(engine.translate(["tfm"], warn_long=False)) != 1:
+        raise TfmError("the new model did not translate a test line")
+
+
 def error_answer(status: int, message: str, retry_after: int | None = None):
     from fastapi.responses import JSONResponse
 
@@ -201,8 +320,8 @@ def languages(engine: TranslationEngine) -> dict:
 def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, max_chars: int = 10_000,
                max_wait: float = 0.005, max_batch_lines: int = 256, processes: int = 1, request_timeout: float = 60.0,
                budget: Callable[[list[str], DecodeConfig, list[LineTerms] | None], None] | None = None, debug: bool = False,
-               lexical_engine: Callable[[], TranslationEngine] | None = None, quotas: Quotas | None = None,
-               metrics: ServerMetrics | None = None):
+               lexical_engine: LexicalFactory | None = None, quotas: Quotas | None = None,
+               metrics: ServerMetrics | None = None, load: Loader | None = None):
     """The FastAPI application serving `engine`, which decodes in `processes` processes, its calls
     made by `runner` (MainThreadDecoder.run). `budget(lines, decode, terms)` raises a TfmError for a
     request that would cost more than the server allows. `lexical_engine()` makes the engine that
@@ -210,28 +329,30 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
     beside CTranslate2), at the first such request; `app.state.engines` lists the engines made.
     `request_timeout`: seconds a request may take from its arrival; past it the answer is 504 (tfm's
     engine stops its search there; CTranslate2's batch runs on, bounded by decode.max_work).
-    `quotas`: per client (Gate names it); `metrics`: GET /metrics."""
-    from fastapi import FastAPI
+    `quotas`: per client (Gate names it); `metrics`: GET /metrics; `load`: makes the engine anew for
+    a reload (`app.state.endpoints.request_reload()`)."""
+    from fastapi import FastAPI, Query
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import Response
+    from fastapi.responses import HTMLResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     batcher = Batcher(engine, max_wait, max_batch_lines, processes, runner)
     limits = dict(max_lines=max_lines, max_chars=max_chars, max_wait=max_wait, max_batch_lines=max_batch_lines,
                   request_timeout=request_timeout)
-    endpoints = Endpoints(engine, batcher, runner, limits, budget, lexical_engine, quotas, metrics, debug)
+    endpoints = Endpoints(engine, batcher, runner, limits, budget, lexical_engine, quotas, metrics, debug, load)
     if metrics is not None:
         batcher.observe_batch = metrics.batch_lines.observe
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        endpoints.loop = asyncio.get_running_loop()
         endpoints.tasks.append(asyncio.create_task(batcher.run()))
         yield
         for task in endpoints.tasks:
             task.cancel()
 
     app = FastAPI(title="tfm", description="Transformer translation (tfm serve)", lifespan=lifespan)
-    app.state.engines = endpoints.made
+    app.state.engines, app.state.endpoints = endpoints.made, endpoints
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, exc: RequestValidationError):
@@ -252,7 +373,7 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
 
     @app.get("/languages")
     async def model_languages() -> dict:
-        return languages(engine)
+        return languages(endpoints.engine)
 
     @app.post("/detect")
     async def detect(request: DetectRequest):
@@ -270,8 +391,8 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
         if metrics is None:
             return error_answer(404, "this server keeps no metrics")
         metrics.queue_depth.set(batcher.queue.count)
-        metrics.processes.set(decoding_processes(engine))
-        metrics.restarts.set(max(0, getattr(getattr(engine, "workers", None), "forks", 0) - 1))
+        metrics.processes.set(decoding_processes(endpoints.engine))
+        metrics.restarts.set(max(0, getattr(getattr(endpoints.engine, "workers", None), "forks", 0) - 1))
         content, media_type = metrics.render()
         return Response(content, media_type=media_type)
 
@@ -279,19 +400,30 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
     async def translate(request: TranslateRequest):
         return await endpoints.translate(request, request_state())
 
+    @app.post("/translate/file", response_class=Response, openapi_extra=FILE_BODY)
+    async def translate_file(request: Request, name: str = Query(..., min_length=1, max_length=255),
+                             format: Optional[str] = Query(None, max_length=16)):
+        """A document as the request body (its name says its format, or ?format=): the translated file back."""
+        return await endpoints.translate_file(await request.body(), name, format, request_state())
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        return HTMLResponse(PAGE)
+
     return app
 
 
 def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], None] | None = None,
           max_body_bytes: int = 1 << 20, debug: bool = False,
-          lexical_engine: Callable[[], TranslationEngine] | None = None, header_timeout: float = HEADER_TIMEOUT,
+          lexical_engine: LexicalFactory | None = None, header_timeout: float = HEADER_TIMEOUT,
           keys: ApiKeys | None = None, quotas: Quotas | None = None, access_log: AccessLog | None = None,
-          model_name: str = "", **limits) -> None:
+          model_name: str = "", reload: Loader | None = None, **limits) -> None:
     """Serve until SIGTERM, SIGINT or SIGHUP; requests in flight get SHUTDOWN_GRACE seconds to
     finish, then the decoding is cut (a second signal cuts it at once). Returns normally (exit 0).
     `ready()` is called once the address is known to be free (before that, a bad one is an error).
     `lexical_engine`: see `create_app`. `keys`: the API keys every endpoint but /health needs;
-    `quotas` per client; `access_log`: one line per request (serve/access.py)."""
+    `quotas` per client; `access_log`: one line per request (serve/access.py). `reload`: makes the
+    engine anew from the same files; SIGUSR1 calls it and swaps the new model in (Endpoints.reload)."""
     import uvicorn
 
     workers = engine.decoding_workers() if hasattr(engine, "decoding_workers") else None
@@ -310,7 +442,8 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
     metrics = ServerMetrics(engine.describe(), model_name)
     app = create_app(engine, decoder.run, processes=workers.processes if workers is not None else engine.budget_processes(),
                      debug=debug, budget=getattr(engine, "check_budget", None), lexical_engine=lexical_engine,
-                     quotas=quotas, metrics=metrics, **limits)
+                     quotas=quotas, metrics=metrics, load=reload, **limits)
+    endpoints: Endpoints = app.state.endpoints
     gate = Gate(BodyLimit(app, max_body_bytes), keys, metrics, access_log)
     server = uvicorn.Server(uvicorn.Config(gate, host=host, port=port,
                                            http=header_timeout_protocol(header_timeout),
@@ -343,13 +476,19 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
 
     def cut_decoding() -> None:
         stop_searches()  # tfm's engine in this process: at its next step
-        for made in [engine, *app.state.engines]:
+        for made in endpoints.engines():
             pool = getattr(made, "workers", None)
             if pool is not None:
                 pool.stop_now()  # its decoding processes
 
+    def reload_model(signum: int, frame: Any) -> None:  # on the main thread, maybe mid-batch: only asks
+        if not endpoints.request_reload():
+            warn("tfm serve: SIGUSR1 before the server runs: no reload")
+
     handled = [s for s in (signal.SIGINT, signal.SIGTERM, hangup) if s is not None]
     previous = {s: signal.signal(s, stop) for s in handled if signal.getsignal(s) is not signal.SIG_IGN}
+    if reload is not None and hasattr(signal, "SIGUSR1"):
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, reload_model)
     thread = threading.Thread(target=http, name="tfm-http")
     try:
         thread.start()
@@ -363,7 +502,7 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
         for s, handler in previous.items():
             signal.signal(s, handler)
         thread.join()
-        for made in [engine, *app.state.engines]:
+        for made in endpoints.engines():
             made.close()
     if not server.started:
         reason = f": {failure[0]}" if failure and not isinstance(failure[0], SystemExit) and str(failure[0]) else ""

@@ -1,0 +1,141 @@
+"""Documents through `tfm serve`: "format" in /translate, POST /translate/file, and the page at /,
+in a real headless browser where one is installed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import urllib.parse
+import urllib.request
+
+import lxml.etree
+import pytest
+
+from tests.conftest import fp32_translator, tfm_in_process
+from tests.test_serve import Server
+from tests.test_serve_abuse import send
+
+pytest.importorskip("prometheus_client", reason="tfm serve needs the [serve] extra (CI installs it with [test])")
+
+LINES = ["wa wb wc wd", "we wf wg", "wh wi wj wk wl"]
+
+
+@pytest.fixture(scope="module")
+def served(reverse_model, tmp_path_factory):
+    """A server on the default engine (CTranslate2 where installed: markup goes to tfm's engine beside
+    it, for the alignments), with API keys; the reverse model's fp32 translations of LINES."""
+    root = tmp_path_factory.mktemp("documents")
+    result = tfm_in_process("api-key", "--api-keys", root / "keys.txt", "--name", "page")
+    assert result.exit_code == 0, result.stderr
+    server = Server(reverse_model[1].best_checkpoint, "--api-keys", str(root / "keys.txt"), "--max-lines", "64")
+    expected = [t[0].text for t in fp32_translator(reverse_model[1].best_checkpoint).translate(LINES)]
+    yield server, {"Authorization": f"Bearer {result.stdout.strip()}"}, expected, root
+    code, stderr = server.stop()
+    assert code == 0 and "Traceback" not in stderr, stderr
+
+
+def test_a_document_request_keeps_its_structure_and_translates_its_sentences(served):
+    server, key, expected, _ = served
+    text = f"  {LINES[0]}\n\n\n{LINES[1]}\n\n{LINES[2]}\n"
+    status, answer, _ = send(server.port, json.dumps({"text": [text, ""], "format": "text"}).encode(), headers=key)
+    assert status == 200, answer
+    assert answer["translations"] == [f"  {expected[0]}\n\n\n{expected[1]}\n\n{expected[2]}\n", ""]
+
+
+def test_html_through_the_server_keeps_every_tag_once_around_its_word(served):
+    server, key, expected, _ = served
+    words = LINES[0].split()
+    page = f'<p>{words[0]} <b class="x">{words[1]}</b> {words[2]} {words[3]}</p>\n<ul><li>{LINES[1]}</li></ul>'
+    status, answer, _ = send(server.port, json.dumps({"text": page, "format": "html"}).encode(), headers=key)
+    assert status == 200, answer
+    out = answer["translations"][0]
+    root = lxml.etree.fromstring(f"<div>{out}</div>")
+    assert len(root.findall(".//b[@class='x']")) == 1 and root.find(".//li").text == expected[1]
+    assert " ".join(re.sub("<[^>]+>", "", out).split()[:4]) == expected[0]
+
+
+@pytest.mark.parametrize("name, body, status, says", [
+    ("film.pdf", b"%PDF", 415, "not text"),
+    ("noext", b"wa wb", 415, "give a document"),
+    ("doc.txt", b"wa\0wb", 422, "NUL"),
+    ("bad.xml", b"<doc><a>wa</doc>", 422, "not well-formed XML"),
+    ("big.txt", ("wa. " * 70).encode(), 413, "lines"),
+])
+def test_a_bad_file_is_a_one_line_error(served, name, body, status, says):
+    server, key, _, _ = served
+    answer = send(server.port, body, headers=key, path=f"/translate/file?name={urllib.parse.quote(name)}")
+    assert answer[0] == status and says in answer[1]["error"], answer
+
+
+def test_a_subtitle_file_comes_back_translated_with_its_timings_and_a_safe_name(served):
+    server, key, expected, _ = served
+    srt = f"1\n00:00:01,000 --> 00:00:02,500\n{LINES[0]}\n\n2\n00:00:03,000 --> 00:00:04,000\n{LINES[1]}\n"
+    request = urllib.request.Request(f"http://127.0.0.1:{server.port}/translate/file?name="
+                                     + urllib.parse.quote('../x/"film.de.srt'), data=srt.encode(), headers=key)
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        assert answer.headers["Content-Disposition"] == 'attachment; filename="film.de.tgt.srt"'
+        assert answer.headers.get_content_type() == "application/x-subrip"
+        out = answer.read().decode()
+    assert [line for line in out.splitlines() if "-->" in line] == [line for line in srt.splitlines() if "-->" in line]
+    assert expected[0] in out.replace("\n", " ") or expected[0].split()[0] in out
+
+
+def test_the_page_needs_no_key_and_nothing_from_elsewhere(served):
+    server, _, _, _ = served
+    status, answer, _ = send(server.port, None, path="/")
+    page = answer["text"]
+    assert status == 200 and "<textarea" in page and "/translate/file" in page
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page) and "@import" not in page
+    assert send(server.port, None, path="/languages")[0] == 401  # the API behind it still needs the key
+
+
+def browser():
+    """Headless Chromium driven by Selenium, or the reason there is none."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test needs selenium (the test extra)")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    driver_path = shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        pytest.skip("no Chromium and ChromeDriver on this machine (Debian: apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"):
+        options.add_argument(flag)
+    from selenium.webdriver.chrome.service import Service
+
+    return webdriver.Chrome(options=options, service=Service(driver_path))
+
+
+def test_the_page_in_a_real_browser_translates_text_and_a_file(served, tmp_path):
+    server, key, expected, root = served
+    driver = browser()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        driver.set_window_size(1100, 760)
+        driver.get(f"http://127.0.0.1:{server.port}/")
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: d.find_element(By.ID, "key-row").is_displayed())  # 401: it asks for the key
+        driver.find_element(By.ID, "key").send_keys(key["Authorization"].split()[1])
+        driver.find_element(By.ID, "use-key").click()
+        wait.until(lambda d: d.find_element(By.ID, "languages").text.startswith("Translates from"))
+        driver.find_element(By.ID, "source").send_keys(f"{LINES[0]}\n\n{LINES[1]}")
+        driver.find_element(By.ID, "translate").click()
+        wait.until(lambda d: d.find_element(By.ID, "target").get_attribute("value"))
+        assert driver.find_element(By.ID, "target").get_attribute("value") == f"{expected[0]}\n\n{expected[1]}"
+        upload = tmp_path / "page.html"
+        upload.write_text(f"<p>{LINES[2]}</p>\n")
+        driver.find_element(By.ID, "file").send_keys(str(upload))
+        driver.find_element(By.ID, "translate-file").click()
+        wait.until(lambda d: d.find_element(By.ID, "download").is_displayed())
+        link = driver.find_element(By.ID, "download")
+        assert link.get_attribute("download") == "page.tgt.html"
+        got = driver.execute_async_script(
+            "fetch(arguments[0]).then(r => r.text()).then(arguments[arguments.length - 1])", link.get_attribute("href"))
+        assert got == f"<p>{expected[2]}</p>\n"
+        driver.save_screenshot(str(root / "page.png"))
+        assert (root / "page.png").stat().st_size > 1000
+    finally:
+        driver.quit()
