@@ -167,7 +167,7 @@ def translated_run(run: Run, translations: list[Translation]) -> tuple[str, list
 def project(start: int, end: int, sentences: list[Sentence], source: str, text: str) -> tuple[int, int]:
     """Where the source characters [start, end) land in the translated text, without punctuation at
     either end that the source span leaves out ("<b>word</b>." → "<b>Wort</b>.")."""
-    lo, hi = hull(start, end, sentences, text)
+    lo, hi = hull(start, end, sentences, source, text)
     wrapped = source[start:end].strip()
     while hi > lo + 1 and is_punctuation(text[hi - 1]) and not (wrapped and is_punctuation(wrapped[-1])):
         hi -= 1
@@ -180,16 +180,58 @@ def is_punctuation(char: str) -> bool:
     return unicodedata.category(char).startswith("P")
 
 
-def hull(start: int, end: int, sentences: list[Sentence], text: str) -> tuple[int, int]:
+def sharpened(sentence: Sentence, start: int, end: int, source: str, text: str) -> list[int]:
+    """The target words (numbers) the source words over [start, end) of one sentence link to, less the
+    links attention alignments are known to add. The decoder looks at the next content word while it
+    writes a function word ("Ein <b>Mann</b>" → "a man": "a" links to "Mann"), so short target words
+    (three letters or fewer) at the edges of what one content word links to are left out, and so are
+    those next to a source neighbour without links of its own; links outside the largest run of
+    near target words (adjacent for one source word, at most two words apart for several) are
+    dropped: a stray link to a far word would stretch the tag over half the sentence."""
+    covered = [i for i, (a, b) in enumerate(sentence.src_words) if a < end and b > start]
+    targets = sorted({j for i in covered for j in sentence.links.get(i, []) if j < len(sentence.tgt_words)})
+    if not targets:
+        return []
+
+    def short(j: int) -> bool:
+        a, b = sentence.tgt_words[j]
+        return len(text[a:b].strip(PUNCTUATION)) <= 3
+
+    def unaligned(i: int) -> bool:
+        return 0 <= i < len(sentence.src_words) and not sentence.links.get(i)
+
+    runs: list[list[int]] = [[targets[0]]]
+    gap = 1 if len(covered) == 1 else 3  # target words between two links that still make one run
+    for j in targets[1:]:
+        runs[-1].append(j) if j - runs[-1][-1] <= gap else runs.append([j])
+    targets = max(runs, key=len)
+    if len(covered) == 1:
+        a, b = sentence.src_words[covered[0]]
+        if len(source[a:b].strip(PUNCTUATION)) > 3:  # a content word: its short edges are someone else's
+            while len(targets) > 1 and short(targets[0]):
+                targets = targets[1:]
+            while len(targets) > 1 and short(targets[-1]):
+                targets = targets[:-1]
+        return targets
+    if len(targets) > 1 and unaligned(covered[0] - 1) and short(targets[0]):
+        targets = targets[1:]
+    if len(targets) > 1 and unaligned(covered[-1] + 1) and short(targets[-1]):
+        targets = targets[:-1]
+    return targets
+
+
+PUNCTUATION = ".,;:!?\"'()[]{}«»„“”‚‘’-–—…"
+
+
+def hull(start: int, end: int, sentences: list[Sentence], source: str, text: str) -> tuple[int, int]:
     """Where the source characters [start, end) land in the translated text: the hull of the target
-    words aligned to the source words they cover (for an empty span, to the word after it); where
+    words aligned to the source words they cover (`sharpened`; for an empty span, to the word after it); where
     none is aligned, the same relative place of the nearest sentence, widened to whole words."""
     def aligned(sentence: Sentence, i: int) -> list[tuple[int, int]]:
         return [sentence.tgt_words[j] for j in sentence.links.get(i, []) if j < len(sentence.tgt_words)]
 
     if end > start:
-        hits = [word for sentence in sentences for i, (a, b) in enumerate(sentence.src_words) if a < end and b > start
-                for word in aligned(sentence, i)]
+        hits = [sentence.tgt_words[j] for sentence in sentences for j in sharpened(sentence, start, end, source, text)]
         if hits:
             return min(a for a, _ in hits), max(b for _, b in hits)
     else:
@@ -232,19 +274,27 @@ def kept_place(content: str, projected: tuple[int, int], text: str) -> tuple[int
     return at, at + len(content)
 
 
-def settle(spans: list[Span], lo: int, hi: int) -> None:
+def settle(spans: list[Span], lo: int, hi: int, text: str) -> None:
     """Nest the projected spans as in the source: each inside its parent's, siblings one after the
-    other in target order (one that overlaps the one before starts where it ends)."""
+    other in target order. Where two overlap, the earlier one ends where the later one starts (the
+    narrower projection is the more precise one), or, starting together, the later one follows."""
     for span in spans:
         a = min(max(span.target[0], lo), hi)
         span.target = (a, min(max(span.target[1], a), hi))
     spans.sort(key=lambda span: span.target)
+    for before, after in zip(spans, spans[1:]):
+        if after.target[0] < before.target[1] and after.target[0] > before.target[0]:
+            end = after.target[0]
+            while end > before.target[0] + 1 and text[end - 1].isspace():
+                end -= 1
+            before.target = (before.target[0], end)
     previous = lo
     for span in spans:
         a = max(span.target[0], previous)
         span.target = (a, max(span.target[1], a))
         previous = span.target[1]
-        settle(span.children, *span.target)
+    for span in spans:
+        settle(span.children, *span.target, text)
 
 
 def fill(text: str, lo: int, hi: int, spans: list[Span]) -> tuple[str, list]:
@@ -290,7 +340,7 @@ def translated_with_spans(run: Run, translations: list[Translation]) -> str:
             place(span.children)
 
     place(run.spans)
-    settle(run.spans, 0, len(text))
+    settle(run.spans, 0, len(text), text)
     return text
 
 
