@@ -130,6 +130,39 @@ def main() -> None:
               f"({100 * judged['right'] / judged['judged']:.1f}%; judged by {len(glossary)} glossary entries)")
     print(f"html speed / plain lines (default engine): {html_rate / rows[0][2]:.2f}x; "
           f"/ plain lines (tfm's engine): {html_rate / rows[2][2]:.2f}x")
+    other_formats(docs, model, refs)
+
+
+def rendered(markdown: str) -> tuple[dict[str, int], list[str]]:
+    """Markdown as CommonMark renders it: how many of each inline element, and each paragraph's text."""
+    import lxml.html
+    from markdown_it import MarkdownIt
+
+    root = lxml.html.fragment_fromstring(MarkdownIt("commonmark").enable("strikethrough").render(markdown),
+                                         create_parent="div")
+    counts: dict[str, int] = {}
+    for element in root.iter("strong", "em", "s", "a"):
+        counts[element.tag] = counts.get(element.tag, 0) + 1
+    return counts, [" ".join(p.text_content().split()) for p in root.findall("p")]
+
+
+def other_formats(docs: Path, model: list[str], refs: list[str]) -> None:
+    """Markdown (its inline marks kept, its text) and SubRip (timings kept, each cue's text)."""
+    source_md = (docs / "tagged.src.md").read_text(encoding="utf-8")
+    out_md, md_rate = tfm(*model, "-i", str(docs / "tagged.src.md"))
+    want, _ = rendered(source_md)
+    got, texts = rendered(out_md)
+    print(f"markdown: inline marks {sum(got.values())}/{sum(want.values())} ({got} vs {want}); "
+          f"paragraphs {len(texts)}/{len(refs)}; text BLEU {bleu(texts, refs):.2f}; {md_rate:.1f} sent/s")
+    source_srt = (docs / "subtitles.src.srt").read_text(encoding="utf-8")
+    out_srt, srt_rate = tfm(*model, "-i", str(docs / "subtitles.src.srt"))
+    timings = [line for line in out_srt.splitlines() if "-->" in line]
+    cues = [" ".join(block.strip().splitlines()[2:]) for block in re.split(r"\n\s*\n", out_srt) if block.strip()]
+    lines_ref = (docs / "lines.tgt").read_text(encoding="utf-8").splitlines()
+    same_lines = sum(len(a.strip().splitlines()) == len(b.strip().splitlines()) for a, b in
+                     zip(re.split(r"\n\s*\n", out_srt), re.split(r"\n\s*\n", source_srt)))
+    print(f"subrip: timings kept {timings == [x for x in source_srt.splitlines() if '-->' in x]}; cues {len(cues)}; "
+          f"cues with their line count {same_lines}; cue BLEU {bleu(cues, lines_ref):.2f}; {srt_rate:.1f} sent/s")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
   <strong>, <span class>, <a href>) around spans of 1–3 words, some nested, each numbered by a
   data-n attribute; tags.jsonl: for each tag around a single word, its number and the word (what
   bench_documents.py judges the projection by);
+- tagged.src.md: the same tagged paragraphs in Markdown (**strong**, *emphasis*, ~~struck~~, links);
+- subtitles.src.srt: the sentences as SubRip cues, two lines where a sentence has over 6 words;
 - lines.{src,tgt}: the sentences one a line, and paragraphs.index: each sentence's paragraph.
 
     python scripts/make_documents.py --src data/multi30k/test_2016_flickr.de.gz \\
@@ -19,6 +21,7 @@ import gzip
 import html
 import json
 import random
+import re
 from pathlib import Path
 
 TAGS = [("b", ""), ("i", ""), ("em", ""), ("strong", ""), ("span", ' class="hl"'), ("a", ' href="https://example.org/{n}"')]
@@ -64,6 +67,32 @@ def tagged_sentence(words: list[str], rng: random.Random, counter: list[int], si
     return " ".join(out)
 
 
+MARKDOWN = {"b": ("**", "**"), "strong": ("**", "**"), "i": ("*", "*"), "em": ("*", "*"), "span": ("~~", "~~")}
+
+
+def as_markdown(markup: str) -> str:
+    """A tagged paragraph in Markdown: <b>/<strong> → **, <i>/<em> → *, <span> → ~~, <a href> → [..](..)."""
+    out, stack, at = [], [], 0
+    for match in re.finditer(r"<(/?)(\w+)([^>]*)>", markup):
+        out.append(html.unescape(markup[at:match.start()]))
+        at = match.end()
+        closing_tag, name, attributes = match.group(1), match.group(2), match.group(3)
+        if not closing_tag:
+            href = re.search(r'href="([^"]+)"', attributes)
+            stack.append((name, href.group(1) if href else ""))
+            out.append("[" if name == "a" else MARKDOWN[name][0])
+        else:
+            name, href = stack.pop()
+            out.append(f"]({href})" if name == "a" else MARKDOWN[name][1])
+    out.append(html.unescape(markup[at:]))
+    return "".join(out)
+
+
+def timestamp(seconds: float) -> str:
+    ms = round(seconds * 1000)
+    return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d},{ms % 1000:03d}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--src", type=Path, required=True)
@@ -91,6 +120,13 @@ def main() -> None:
                     + "</p>")
     page = "<!DOCTYPE html>\n<html><head><title>test</title></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
     (args.out / "tagged.src.html").write_text(page, encoding="utf-8")
+    (args.out / "tagged.src.md").write_text("\n\n".join(as_markdown(p[3:-4]) for p in body) + "\n", encoding="utf-8")
+    cues = []
+    for k, sentence in enumerate(sources):
+        words = sentence.split()
+        text = sentence if len(words) <= 6 else " ".join(words[: len(words) // 2]) + "\n" + " ".join(words[len(words) // 2:])
+        cues.append(f"{k + 1}\n{timestamp(3 * k)} --> {timestamp(3 * k + 2.5)}\n{text}\n")
+    (args.out / "subtitles.src.srt").write_text("\n".join(cues), encoding="utf-8")
     (args.out / "tags.jsonl").write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in singles),
                                          encoding="utf-8")
     print(f"{len(sources)} sentences, {len(groups)} paragraphs, {counter[0]} tags ({len(singles)} around one word) "
