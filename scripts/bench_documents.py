@@ -16,7 +16,6 @@ paragraph), and at least 0.7x the speed of plain lines (sentences/s, tfm transla
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -24,6 +23,12 @@ import sys
 from pathlib import Path
 
 import sacrebleu
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.errors import TfmError  # noqa: E402
 
 RATE = re.compile(r"translated (\d+) sentences in ([\d.]+)s")
 
@@ -33,7 +38,7 @@ def tfm(*args: str) -> tuple[str, float]:
     done = subprocess.run([sys.executable, "-m", "transformer_cli.cli", "translate", *args], capture_output=True,
                           text=True)
     if done.returncode != 0:
-        sys.exit(f"tfm translate {' '.join(args)} failed:\n{done.stderr}")
+        raise TfmError(f"tfm translate {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
     found = RATE.search(done.stderr)
     return done.stdout, int(found.group(1)) / max(float(found.group(2)), 1e-9) if found else float("nan")
 
@@ -84,11 +89,15 @@ def judge_tags(page: str, source_page: str, singles: list[dict], glossary: dict[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--docs", type=Path, default=Path("runs/documents"))
     parser.add_argument("--glossary", type=Path, help="source<TAB>target lines (default: DOCS/glossary.tsv)")
     args = parser.parse_args()
+    if not Path(args.checkpoint).is_file():
+        raise TfmError(f"--checkpoint {args.checkpoint}: no such file")
+    if not (args.docs / "tagged.src.html").is_file():
+        raise TfmError(f"--docs {args.docs}: no documents there (make them with scripts/make_documents.py)")
     docs, model = args.docs, ["--checkpoint", args.checkpoint]
     refs = paragraphs((docs / "paragraphs.tgt.txt").read_text(encoding="utf-8"))
     index = [int(x) for x in (docs / "paragraphs.index").read_text().split()]
@@ -166,4 +175,4 @@ def other_formats(docs: Path, model: list[str], refs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -11,7 +11,6 @@ Each corpus is found by data/get_data.sh. The figures choose tfm's segmenter (do
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import random
 import re
@@ -21,6 +20,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.errors import TfmError  # noqa: E402
+
 SETS = {"multi30k": ("test_2016_flickr", ["de", "en", "fr", "cs"]), "wmt14": ("newstest2014", ["de", "en"])}
 
 
@@ -59,7 +64,7 @@ def pysbd_segmenter(lang: str):
     try:
         import pysbd
     except ImportError:
-        sys.exit("compare_segmenters.py needs pysbd: pip install pysbd")
+        raise TfmError("compare_segmenters.py needs pysbd: pip install pysbd") from None
 
     segmenter = pysbd.Segmenter(language=lang if lang in pysbd.languages.LANGUAGE_CODES else "en", clean=False)
     return segmenter.segment
@@ -72,7 +77,7 @@ def sentencex_segmenter(lang: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     parser.add_argument("--lines", type=int, default=1000, help="Sentences of each test set (default 1000).")
     parser.add_argument("--seed", type=int, default=1)
@@ -104,4 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -16,13 +16,19 @@
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import html
 import json
 import random
 import re
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.errors import TfmError  # noqa: E402
 
 TAGS = [("b", ""), ("i", ""), ("em", ""), ("strong", ""), ("span", ' class="hl"'), ("a", ' href="https://example.org/{n}"')]
 
@@ -94,12 +100,15 @@ def timestamp(seconds: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--src", type=Path, required=True)
     parser.add_argument("--ref", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("runs/documents"))
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
+    for path in (args.src, args.ref):
+        if not path.is_file():
+            raise TfmError(f"{path}: no such file")
     sources, references = read(args.src), read(args.ref)
     rng = random.Random(args.seed)
     groups, i = [], 0
@@ -134,4 +143,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

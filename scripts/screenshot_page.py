@@ -7,7 +7,6 @@ Debian's chromium + chromium-driver):
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import socket
 import subprocess
@@ -16,16 +15,27 @@ import time
 import urllib.request
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.errors import TfmError  # noqa: E402
+
 TEXT = ("Ein Mann mit einem roten Hut fährt Fahrrad. Zwei Hunde spielen im Schnee.\n\n"
         "Eine Frau sitzt auf einer Bank und liest ein Buch.")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("-o", "--output", type=Path, default=Path("docs/serve-page.png"))
     args = parser.parse_args()
-    from selenium import webdriver
+    if not Path(args.checkpoint).is_file():
+        raise TfmError(f"--checkpoint {args.checkpoint}: no such file")
+    try:
+        from selenium import webdriver
+    except ImportError:
+        raise TfmError("screenshot_page.py needs selenium (pip install selenium) and Chromium") from None
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -66,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

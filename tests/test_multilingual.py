@@ -8,6 +8,7 @@ import gzip
 import json
 import random
 import shutil
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -328,6 +329,9 @@ def test_serve_takes_the_target_language_per_request(shift_model):
         assert status == 422 and "several languages (dn, up)" in json.dumps(body)
         status, body = post(server.port, {"text": source, "tgt_lang": "xx"})
         assert status == 422 and "knows no tag >>xx<<; it knows dn, up" in json.dumps(body)
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/languages", timeout=10) as answer:
+            languages = json.loads(answer.read())
+        assert languages["source"] == ["src"] and languages["target"] == ["dn", "up"] and languages["multilingual"]
     finally:
         server.stop()
 

@@ -18,7 +18,7 @@ from ..model.lengths import output_length_limit, source_token_limit
 from ..runtime.errors import TfmError
 from .hypothesis import Hypothesis
 from .terms import TermIds
-from .translation import TranslationEngine, balanced_batches, length_sorted_batches
+from .translation import TranslationEngine, balanced_batches, length_sorted_batches, trained_source_languages
 from .workers import resolve_workers
 
 
@@ -93,6 +93,7 @@ class CT2Translator(TranslationEngine):
         trained = model.settings.get("config")
         self.own_language = trained.get("data", {}).get("tgt_lang") if isinstance(trained, dict) else None
         self.own_source_language = trained.get("data", {}).get("src_lang") if isinstance(trained, dict) else None
+        self.source_languages = trained_source_languages(trained.get("data") if isinstance(trained, dict) else None)
         # tfm keeps at most source_token_limit() source tokens and </s> (model/lengths.py).
         self.max_source_tokens = source_token_limit(model.max_positions)
         self.max_input_length = self.max_source_tokens + 1

@@ -29,7 +29,7 @@ from .ensemble import load_ensemble
 from .hypothesis import Hypothesis
 from .search import SearchSettings, beam_search, greedy_search, greedy_search_continuous, sample_search
 from .terms import TermIds
-from .translation import TranslationEngine, balanced_batches, length_sorted_batches
+from .translation import TranslationEngine, balanced_batches, length_sorted_batches, trained_source_languages
 from .workers import DecodingWorkers, resolve_workers
 
 WORD_CHARACTER = re.compile(r"[^\W_]")  # a piece that starts with one (not "▁") continues the word before it
@@ -88,6 +88,7 @@ class Translator(TranslationEngine):
         translator = cls(trained.model, trained.src_sp, trained.tgt_sp, decode, dev)
         translator.own_language = config.data.tgt_lang
         translator.own_source_language = config.data.src_lang
+        translator.source_languages = trained_source_languages(config.data.model_dump())
         return translator
 
     @property

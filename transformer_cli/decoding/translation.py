@@ -57,6 +57,7 @@ class TranslationEngine:
     stops_at_deadline = False  # the search ends itself between two steps at `search`'s deadline (tfm's engine)
     own_language: str | None = None  # the target language of the config the model was trained with
     own_source_language: str | None = None  # ... and its source language
+    source_languages: tuple[str, ...] = ()  # every source language it was trained on (a multilingual run's several)
     src_sp: Any  # the source sentencepiece model (its pieces hold the target-language tags)
     tgt_sp: Any  # the target sentencepiece model
 
@@ -530,3 +531,13 @@ def json_record(index: int, translations: list[Translation], terms: LineTerms | 
     if terms is not None and terms.glossary:
         record["glossary"] = [{"source": s, "target": t} for s, t in terms.glossary]
     return json.dumps(record, ensure_ascii=False)
+
+
+def trained_source_languages(data: dict | None) -> tuple[str, ...]:
+    """The source languages of a run's `data` section (as a dict): its src_lang, or its directions'."""
+    if not isinstance(data, dict):
+        return ()
+    if data.get("src_lang"):
+        return (data["src_lang"],)
+    names = [d.get("direction") if isinstance(d, dict) else d for d in data.get("directions") or []]
+    return tuple(sorted({name.split("-")[0] for name in names if isinstance(name, str) and "-" in name}))

@@ -312,7 +312,7 @@ def check_source_language(engine: TranslationEngine, src_lang: str | None) -> No
 def languages(engine: TranslationEngine) -> dict:
     """GET /languages: what the model translates from and into."""
     targets = engine.target_languages()
-    return {"source": [engine.own_source_language] if engine.own_source_language else [],
+    return {"source": list(engine.source_languages) or ([engine.own_source_language] if engine.own_source_language else []),
             "target": list(targets.known) or ([targets.own] if targets.own else []), "multilingual": targets.several,
             "detection": "fastText lid.176 (POST /detect)"}
 
