@@ -127,6 +127,17 @@ def test_malformed_html_comes_out_well_formed_with_all_its_text():
     assert " ".join(re.sub("<[^>]+>", " ", out).split()) == "Ein Hund läuft schnell. Zweiter Absatz &amp; co"
 
 
+def test_markup_nested_deeper_than_the_parser_keeps_is_refused_not_lost():
+    deep = "<div>" * 300 + "Hallo Welt." + "</div>" * 300
+    with pytest.raises(TfmError, match="nested more than 256 deep"):
+        plan_markup(deep, "de")
+    with pytest.raises(TfmError, match="Excessive depth"):
+        plan_markup(f"<doc>{deep}</doc>", "de", xml=True)
+    fine = "<div>" * 200 + "Hallo Welt." + "</div>" * 200
+    plan = plan_markup(fine, "de")
+    assert plan.sentences == ["Hallo Welt."] and plan.rebuild(same(plan.sentences)) == fine
+
+
 def test_xml_mixed_content_namespaces_and_declaration_are_kept():
     document = ('<?xml version="1.0" encoding="UTF-8"?>\n<doc xmlns:x="urn:x"><title>Ein Titel</title>\n'
                 '  <para x:id="1">Text <x:emph>hier</x:emph> &amp; da.<?pi data?></para>\n'
@@ -348,7 +359,10 @@ def test_bad_documents_are_one_line_errors_and_write_nothing(reverse_model, tmp_
     (tmp_path / "bad.xml").write_text("<doc>\n<a>text</doc>\n")
     (tmp_path / "nul.html").write_bytes(b"<p>a\0b</p>")
     (tmp_path / "report.pdf").write_bytes(b"%PDF-1.4")
-    for name, says in (("bad.xml", "line 2"), ("nul.html", "NUL"), ("report.pdf", "not text")):
+    (tmp_path / "cut.docx").write_bytes(word_document()[:300])
+    for name, says in (("bad.xml", "line 2"), ("nul.html", "NUL"), ("report.pdf", "not text"),
+                       ("cut.docx", "not a Word (.docx) document")):
         done = tfm("translate", "--checkpoint", checkpoint, "-i", tmp_path / name, "-o", tmp_path / "out")
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert f"error: {tmp_path / name}: " in done.stderr  # the message names the file
         assert not (tmp_path / "out").exists()

@@ -382,8 +382,12 @@ def _translate_document(translator, fmt: str, source, input_: Optional[Path], ou
     from .runtime.console import write_fully
 
     stats, started = StreamStats(), time.perf_counter()
-    document = read_document(source, str(input_) if input_ is not None else "standard input", fmt=fmt)
-    translated, stats.sentences, stats.tokens = translate_document(translator, document, fmt, beam)
+    name = str(input_) if input_ is not None else "standard input"
+    document = read_document(source, name, fmt=fmt)
+    try:
+        translated, stats.sentences, stats.tokens = translate_document(translator, document, fmt, beam)
+    except TfmError as exc:  # a document that cannot be read as its format: the message names the file
+        raise (exc if str(exc).startswith(name) else TfmError(f"{name}: {exc}")) from None
     if isinstance(translated, bytes):  # a Word file
         out_stream.flush()
         out_stream.buffer.write(translated)

@@ -387,11 +387,17 @@ def parse(document: str, xml: bool) -> tuple[Any, Any]:
             raise TfmError(f"not well-formed XML: line {exc.lineno}: {exc.msg}") from None
         head = declaration.group(0).strip() + "\n" if declaration else ""
         return root, lambda: head + lxml.etree.tostring(root.getroottree(), encoding="unicode") + trailing
+    parser = lxml.html.HTMLParser()
     if HTML_DOCUMENT.search(document[:4096]):
-        root = lxml.html.document_fromstring(document)
+        root = lxml.html.document_fromstring(document, parser=parser)
+    else:
+        root = lxml.html.fragment_fromstring(document, create_parent="div", parser=parser)
+    too_deep = next((e for e in parser.error_log if "depth" in e.message.lower()), None)
+    if too_deep is not None:  # libxml2 would drop what lies deeper: refused rather than lost
+        raise TfmError(f"line {too_deep.line}: elements nested more than 256 deep (libxml2's limit)")
+    if HTML_DOCUMENT.search(document[:4096]):
         tree = root.getroottree()
         return root, lambda: lxml.html.tostring(tree, encoding="unicode", doctype=tree.docinfo.doctype) + trailing
-    root = lxml.html.fragment_fromstring(document, create_parent="div")
 
     def inner() -> str:  # the fragment without the <div> that held it
         written = lxml.html.tostring(root, encoding="unicode")
