@@ -139,3 +139,16 @@ def test_the_page_in_a_real_browser_translates_text_and_a_file(served, tmp_path)
         assert (root / "page.png").stat().st_size > 1000
     finally:
         driver.quit()
+
+
+def test_markup_needs_alignments_a_server_on_ctranslate2_alone_cannot_make(reverse_model):
+    pytest.importorskip("ctranslate2")
+    server = Server(reverse_model[1].best_checkpoint, "--engine", "ctranslate2", fp32=False)
+    try:
+        status, answer, _ = send(server.port, json.dumps({"text": "<p>wa <b>wb</b></p>", "format": "html"}).encode())
+        assert status == 422 and "tfm's own engine" in answer["error"], answer
+        status, answer, _ = send(server.port, json.dumps({"text": f"{LINES[0]}\n\n{LINES[1]}", "format": "text"}).encode())
+        assert status == 200 and answer["translations"][0].count("\n\n") == 1, answer
+    finally:
+        code, stderr = server.stop()
+        assert code == 0 and "Traceback" not in stderr, stderr
