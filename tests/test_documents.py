@@ -278,6 +278,9 @@ def test_a_ten_megabyte_document_is_planned_and_rebuilt_within_the_limits():
     assert len(plan.sentences) == 2 * document.count("<p>")
     out = plan.rebuild(same(plan.sentences))
     assert out == document
+    one_run = "<p>" + "Ein <b>Mann</b> läuft über <i>die</i> Straße. " * 5000 + "</p>"  # 10,000 tags in one run:
+    plan = plan_markup(one_run, "de")  # each projected within its own sentence (0.4 s; 33 s when each looked at all)
+    assert len(plan.sentences) == 5000 and plan.rebuild(same(plan.sentences)) == one_run
     text = "Ein Mann läuft über die Straße. Eine Frau sitzt.\n\n" * 200_000
     assert plan_text(text, "de").rebuild(same(plan_text(text, "de").sentences)) == text
     with pytest.raises(TfmError, match="over 1 MB"):

@@ -17,6 +17,7 @@ its parent has text of its own beside it (mixed content).
 
 from __future__ import annotations
 
+import bisect
 import copy
 import re
 import unicodedata
@@ -142,6 +143,12 @@ class Sentence:
     tgt_words: list[tuple[int, int]]
     links: dict[int, list[int]]
 
+    @property
+    def src_starts(self) -> list[int]:
+        if not hasattr(self, "_starts"):
+            self._starts = [a for a, _ in self.src_words]
+        return self._starts
+
 
 def translated_run(run: Run, translations: list[Translation]) -> tuple[str, list[Sentence]]:
     """The run's text with each sentence replaced by its translation, and the sentences' word maps."""
@@ -164,10 +171,11 @@ def translated_run(run: Run, translations: list[Translation]) -> tuple[str, list
     return text, sentences
 
 
-def project(start: int, end: int, sentences: list[Sentence], source: str, text: str) -> tuple[int, int]:
+def project(start: int, end: int, sentences: list[Sentence], source: str, text: str,
+            ends: list[int] | None = None) -> tuple[int, int]:
     """Where the source characters [start, end) land in the translated text, without punctuation at
     either end that the source span leaves out ("<b>word</b>." → "<b>Wort</b>.")."""
-    lo, hi = hull(start, end, sentences, source, text)
+    lo, hi = hull(start, end, sentences, source, text, ends)
     wrapped = source[start:end].strip()
     while hi > lo + 1 and is_punctuation(text[hi - 1]) and not (wrapped and is_punctuation(wrapped[-1])):
         hi -= 1
@@ -180,6 +188,22 @@ def is_punctuation(char: str) -> bool:
     return unicodedata.category(char).startswith("P")
 
 
+def words_over(sentence: Sentence, start: int, end: int) -> list[int]:
+    """The numbers of the sentence's source words that overlap [start, end), by bisection."""
+    starts = sentence.src_starts
+    first = max(bisect.bisect_right(starts, start) - 1, 0)
+    last = bisect.bisect_left(starts, end)
+    return [i for i in range(first, last) if sentence.src_words[i][1] > start]
+
+
+def first_word_from(sentence: Sentence, at: int) -> int | None:
+    """The number of the first source word that ends after `at` (the word an empty span precedes)."""
+    i = max(bisect.bisect_right(sentence.src_starts, at) - 1, 0)
+    while i < len(sentence.src_words) and sentence.src_words[i][1] <= at:
+        i += 1
+    return i if i < len(sentence.src_words) else None
+
+
 def sharpened(sentence: Sentence, start: int, end: int, source: str, text: str) -> list[int]:
     """The target words (numbers) the source words over [start, end) of one sentence link to, less the
     links attention alignments are known to add. The decoder looks at the next content word while it
@@ -188,7 +212,7 @@ def sharpened(sentence: Sentence, start: int, end: int, source: str, text: str) 
     those next to a source neighbour without links of its own; links outside the largest run of
     near target words (adjacent for one source word, at most two words apart for several) are
     dropped: a stray link to a far word would stretch the tag over half the sentence."""
-    covered = [i for i, (a, b) in enumerate(sentence.src_words) if a < end and b > start]
+    covered = words_over(sentence, start, end)
     targets = sorted({j for i in covered for j in sentence.links.get(i, []) if j < len(sentence.tgt_words)})
     if not targets:
         return []
@@ -223,26 +247,36 @@ def sharpened(sentence: Sentence, start: int, end: int, source: str, text: str) 
 PUNCTUATION = ".,;:!?\"'()[]{}«»„“”‚‘’-–—…"
 
 
-def hull(start: int, end: int, sentences: list[Sentence], source: str, text: str) -> tuple[int, int]:
+def hull(start: int, end: int, sentences: list[Sentence], source: str, text: str,
+         ends: list[int] | None = None) -> tuple[int, int]:
     """Where the source characters [start, end) land in the translated text: the hull of the target
     words aligned to the source words they cover (`sharpened`; for an empty span, to the word after it); where
     none is aligned, the same relative place of the nearest sentence, widened to whole words."""
     def aligned(sentence: Sentence, i: int) -> list[tuple[int, int]]:
         return [sentence.tgt_words[j] for j in sentence.links.get(i, []) if j < len(sentence.tgt_words)]
 
+    # The sentences around the span, found by bisection: a run may hold thousands of sentences and
+    # spans, and each span looks only at its own (the work grows with the run, not its square).
+    ends = ends if ends is not None else [s.source[1] for s in sentences]
+    first = bisect.bisect_left(ends, start)  # the first sentence that ends at or after the span's start
+    around: list[Sentence] = []
+    for k in range(first, len(sentences)):
+        if sentences[k].source[0] >= max(end, start + 1) and around:
+            break
+        around.append(sentences[k])
     if end > start:
-        hits = [sentence.tgt_words[j] for sentence in sentences for j in sharpened(sentence, start, end, source, text)]
+        hits = [sentence.tgt_words[j] for sentence in around for j in sharpened(sentence, start, end, source, text)]
         if hits:
             return min(a for a, _ in hits), max(b for _, b in hits)
     else:
-        after = next(((sentence, i) for sentence in sentences for i, (a, _) in enumerate(sentence.src_words)
-                      if a >= start), None)
+        after = next(((sentence, i) for sentence in around for i in [first_word_from(sentence, start)] if i is not None),
+                     None)
         hits = aligned(*after) if after is not None else []
         if hits:
             return min(a for a, _ in hits), min(a for a, _ in hits)
     if not sentences:
         return len(text), len(text)
-    near = min(sentences, key=lambda s: 0 if s.source[0] <= start <= s.source[1] else min(
+    near = min(around or sentences[-1:], key=lambda s: 0 if s.source[0] <= start <= s.source[1] else min(
         abs(start - s.source[0]), abs(start - s.source[1])))
     (s0, s1), (t0, t1) = near.source, near.target
 
@@ -267,7 +301,9 @@ def kept_place(content: str, projected: tuple[int, int], text: str) -> tuple[int
     content = content.strip()
     if not content:
         return projected[0], projected[0]
-    found = [m.start() for m in re.finditer(re.escape(content), text)]
+    window = 2000 + len(content)  # a copy nearby: one search a span, not one over the whole run
+    found = [at for at in (text.rfind(content, max(projected[0] - window, 0), projected[0] + len(content)),
+                           text.find(content, projected[0], projected[0] + window)) if at >= 0]
     if not found:
         return projected[0], projected[0]
     at = min(found, key=lambda position: abs(position - projected[0]))
@@ -332,9 +368,11 @@ def translated_with_spans(run: Run, translations: list[Translation]) -> str:
     """The run's translated text; each span's `target` set to where it goes there, nested."""
     text, sentences = translated_run(run, translations)
 
+    ends = [sentence.source[1] for sentence in sentences]
+
     def place(spans: list[Span]) -> None:
         for span in spans:
-            span.target = project(span.start, span.end, sentences, run.text, text)
+            span.target = project(span.start, span.end, sentences, run.text, text, ends)
             if span.kept:
                 span.target = kept_place(run.text[span.start:span.end], span.target, text)
             place(span.children)
