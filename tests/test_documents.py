@@ -178,6 +178,7 @@ def test_wrapping_balances_lines_at_spaces():
     assert wrap("one two three four five six seven eight nine", 3) == ["one two three", "four five six",
                                                                       "seven eight nine"]
     assert wrap("single", 2) == ["single"] and wrap("a b", 3) == ["a", "b"]
+    assert len(wrap("wa " * 200_000, 100_000)) == 100_000  # one pass over the words (a cue of 100k lines)
     with pytest.raises(TfmError, match="WEBVTT"):
         plan_subtitles("1\n00:00:01,000 --> 00:00:02,000\nx\n", "de", vtt=True)
 

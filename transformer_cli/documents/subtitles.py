@@ -19,21 +19,27 @@ DIALOGUE = re.compile(r"^\s*[-–—]\s")  # a line spoken by another speaker
 
 
 def wrap(text: str, lines: int) -> list[str]:
-    """`text` over `lines` lines of about equal length, broken at spaces (fewer where it has fewer words)."""
+    """`text` over `lines` lines of about equal length, broken at spaces (fewer where it has fewer
+    words). One pass over the words: each line takes words while it is short of its share of the
+    characters still to place."""
     words = text.split()
-    if lines <= 1 or len(words) <= 1:
+    lines = min(lines, len(words))
+    if lines <= 1:
         return [text]
-    out, rest = [], words
-    for left in range(lines, 1, -1):  # each line takes about its share of the characters left
-        target = len(" ".join(rest)) / left
-        taken, size = [], -1
-        while len(rest) - len(taken) > left - 1 and (not taken or size + 1 + len(rest[len(taken)]) / 2 <= target):
-            size += 1 + len(rest[len(taken)])
-            taken.append(rest[len(taken)])
-        out.append(" ".join(taken))
-        rest = rest[len(taken):]
-    out.append(" ".join(rest))
-    return [line for line in out if line]
+    out: list[list[str]] = [[]]
+    left = len(" ".join(words))  # characters still to place, spaces between words included
+    size = -1  # the current line's characters
+    for k, word in enumerate(words):
+        lines_left = lines - len(out) + 1
+        share = left / lines_left
+        words_after = len(words) - k
+        if out[-1] and lines_left > 1 and (size + 1 + len(word) / 2 > share or words_after < lines_left):
+            left -= size + 1
+            out.append([])
+            size = -1
+        out[-1].append(word)
+        size += 1 + len(word)
+    return [" ".join(line) for line in out]
 
 
 def plan_subtitles(document: str, lang: str | None, vtt: bool = False) -> Plan:
