@@ -358,6 +358,15 @@ def test_bad_document_options_are_one_line_errors(reverse_model, tmp_path, args,
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+def test_markup_on_ctranslate2_alone_says_which_engine_makes_its_alignments(reverse_model, tmp_path):
+    pytest.importorskip("ctranslate2")
+    (tmp_path / "page.html").write_text("<p>wa <b>wb</b></p>\n")
+    done = tfm("translate", "--checkpoint", reverse_model[1].best_checkpoint, "--engine", "ctranslate2",
+               "-i", tmp_path / "page.html")
+    assert done.returncode == 2 and "--engine ctranslate2: word alignments are tfm's own" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def test_bad_documents_are_one_line_errors_and_write_nothing(reverse_model, tmp_path):
     checkpoint = reverse_model[1].best_checkpoint
     (tmp_path / "bad.xml").write_text("<doc>\n<a>text</doc>\n")
