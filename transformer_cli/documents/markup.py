@@ -26,8 +26,7 @@ from typing import Any
 
 from ..decoding.translation import Translation
 from ..runtime.errors import TfmError
-from .plan import Plan, one_line
-from .sentences import sentence_spans
+from .plan import Plan, split_run
 
 INLINE = {"a", "abbr", "b", "bdi", "bdo", "big", "cite", "data", "del", "dfn", "em", "font", "i", "img", "ins",
           "label", "mark", "q", "s", "small", "span", "strike", "strong", "sub", "sup", "time", "tt", "u", "wbr"}
@@ -385,24 +384,18 @@ def translated_with_spans(run: Run, translations: list[Translation]) -> str:
 def rebuild_run(run: Run, translations: list[Translation]) -> None:
     text = translated_with_spans(run, translations)
     leading, elements = fill(text, 0, len(text), run.spans)
-    for member in run.members:
-        run.parent.remove(member)  # with its tail: both were the run's text
     if run.anchor is None:
         run.parent.text, index = leading, 0
     else:
         run.anchor.tail, index = leading, run.parent.index(run.anchor) + 1
-    for k, element in enumerate(elements):
-        run.parent.insert(index + k, element)
+    # The run's inline children follow the anchor together: replaced in one slice (with their tails,
+    # which were the run's text), not one by one (each removal and insertion shifts the rest).
+    run.parent[index:index + len(run.members)] = elements
 
 
 def plan_run(run: Run, lang: str | None, sentences: list[str]) -> None:
     """Split the run's text into sentences (appended to `sentences`) and the text between them."""
-    at = 0
-    for start, end in sentence_spans(run.text, lang):
-        run.pieces += [run.text[at:start], (len(sentences), start, end)]
-        sentences.append(one_line(run.text[start:end]))
-        at = end
-    run.pieces.append(run.text[at:])
+    run.pieces = split_run(run.text, lang, sentences, spans=True)
 
 
 XML_DECLARATION = re.compile(r"\A\s*<\?xml[^>]*\?>")

@@ -24,13 +24,13 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def split_run(text: str, lang: str | None, sentences: list[str]) -> list[str | int]:
+def split_run(text: str, lang: str | None, sentences: list[str], spans: bool = False) -> list:
     """`text` as what stays (whitespace around and between sentences, verbatim) and the numbers of its
-    sentences, which are appended to `sentences`."""
-    pieces: list[str | int] = []
+    sentences, which are appended to `sentences` (with `spans`: (number, start, end) in `text`)."""
+    pieces: list = []
     at = 0
     for start, end in sentence_spans(text, lang):
-        pieces += [text[at:start], len(sentences)]
+        pieces += [text[at:start], (len(sentences), start, end) if spans else len(sentences)]
         sentences.append(one_line(text[start:end]))
         at = end
     pieces.append(text[at:])
