@@ -257,7 +257,9 @@ class Endpoints:
     async def translate_documents(self, request: TranslateRequest, state: dict):
         """Documents (`"format"`): their sentences translated as a request of lines, then rebuilt."""
         try:
-            plans, lines = planned(request, self.engine.own_source_language)
+            # Parsing and rebuilding a document (up to --max-body-bytes) happen off the event loop,
+            # which goes on answering the other clients meanwhile.
+            plans, lines = await asyncio.to_thread(planned, request, self.engine.own_source_language)
         except RequestError as exc:
             return error_answer(exc.status, str(exc))
         return await self.translate_planned(plans, lines, state)
@@ -268,7 +270,7 @@ class Endpoints:
 
         state["chars"] = len(data)
         try:
-            fmt, plan, lines = file_planned(data, name, fmt, self.engine.own_source_language)
+            fmt, plan, lines = await asyncio.to_thread(file_planned, data, name, fmt, self.engine.own_source_language)
         except RequestError as exc:
             return error_answer(exc.status, str(exc))
         answer = await self.translate_planned([plan], lines, state)
@@ -281,7 +283,7 @@ class Endpoints:
 
     async def translate_planned(self, plans: list[Plan], lines: TranslateRequest, state: dict):
         answer = await self.translate(lines, state)
-        return rebuilt(plans, answer) if isinstance(answer, dict) else answer
+        return await asyncio.to_thread(rebuilt, plans, answer) if isinstance(answer, dict) else answer
 
 
 def take_up(engine: TranslationEngine) -> None:
