@@ -99,6 +99,10 @@ def timestamp(seconds: float) -> str:
     return f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d},{ms % 1000:03d}"
 
 
+WRITTEN = {"lines.src", "lines.tgt", "paragraphs.index", "paragraphs.src.txt", "paragraphs.tgt.txt", "tagged.src.html",
+           "tagged.src.md", "subtitles.src.srt", "tags.jsonl"}  # what --out receives
+
+
 def main() -> None:
     parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--src", type=Path, required=True)
@@ -109,6 +113,8 @@ def main() -> None:
     for path in (args.src, args.ref):
         if not path.is_file():
             raise TfmError(f"{path}: no such file")
+        if path.resolve().parent == args.out.resolve() and path.name in WRITTEN:
+            raise TfmError(f"--out {args.out}: it would write over the input {path}; choose another folder")
     sources, references = read(args.src), read(args.ref)
     rng = random.Random(args.seed)
     groups, i = [], 0

@@ -32,6 +32,8 @@ def main() -> None:
     args = parser.parse_args()
     if not Path(args.checkpoint).is_file():
         raise TfmError(f"--checkpoint {args.checkpoint}: no such file")
+    if args.output.resolve() == Path(args.checkpoint).resolve():
+        raise TfmError(f"-o {args.output} is the checkpoint: writing the screenshot would replace it")
     try:
         from selenium import webdriver
     except ImportError:
