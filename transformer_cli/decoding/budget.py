@@ -165,6 +165,33 @@ def decoding_work(members: Sequence[ModelSizes], shape: DecodingShape) -> float:
     return float(rows) * shape.output * per_row_step * (1 + shape.terms)
 
 
+def parts_within_work(model_cfg: ModelSizes | Sequence[ModelSizes], decode: DecodeConfig, lengths: Sequence[int], *,
+                      beam: int | None = None, nbest: int | None = None, longest_prefix: int = 0,
+                      constraints: tuple[int, int] = (0, 0)) -> list[list[int]]:
+    """The lines of one decoding call (`lengths`: their source tokens) as parts each within
+    decode.max_work (`decoding_work`), longest lines first: a file's chunk of a large model at a wide
+    beam is searched a part at a time instead of being refused. One part (all lines, in order) when
+    they fit together; a line over the budget alone makes a part of its own, which the search refuses."""
+    members = list(model_cfg) if isinstance(model_cfg, Sequence) else [model_cfg]
+
+    def work(n_lines: int, longest: int) -> float:
+        return decoding_work(members, decoding_shape(members[0], decode, n_lines, longest, beam, nbest, 1,
+                                                     longest_prefix, constraints))
+
+    if not lengths or work(len(lengths), max(lengths)) <= decode.max_work:
+        return [list(range(len(lengths)))]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    parts, start = [], 0
+    while start < len(order):
+        longest, low, high = lengths[order[start]], 1, len(order) - start
+        while low < high:  # the most lines (work grows with them) whose search stays within the budget
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if work(middle, longest) <= decode.max_work else (low, middle - 1)
+        parts.append(order[start:start + low])
+        start += low
+    return parts
+
+
 def check_decoding_work(model_cfg: ModelSizes | Sequence[ModelSizes], decode: DecodeConfig, n_lines: int,
                         longest_source_tokens: int, *, beam: int | None = None, nbest: int | None = None,
                         longest_prefix: int = 0, constraints: tuple[int, int] = (0, 0)) -> None:
@@ -180,7 +207,7 @@ def check_decoding_work(model_cfg: ModelSizes | Sequence[ModelSizes], decode: De
     terms = f", {shape.terms} constraint(s) a line" if shape.terms else ""
     raise TfmError(f"translating {n_lines} line(s) of up to {shape.source - 1} token(s) ({what}, up to {shape.output} "
                    f"output tokens{terms}) is estimated at {need:.2g} floating-point operations, more than "
-                   f"decode.max_work ({decode.max_work:.2g}): send fewer lines, lower the beam"
+                   f"decode.max_work ({decode.max_work:.2g}): {'send fewer lines, ' if n_lines > 1 else ''}lower the beam"
                    f"{', the samples' if decode.sample else ''}{' or the constraints' if shape.terms else ''}, "
                    "or raise decode.max_work")
 

@@ -21,7 +21,7 @@ from ..data.language_tags import TargetLanguages, known_languages
 from ..experiment.config import DecodeConfig
 from ..runtime.console import warn, write_fully
 from ..runtime.errors import TfmError
-from .budget import check_decoding_budget, check_decoding_work
+from .budget import check_decoding_budget, check_decoding_work, parts_within_work
 from .hypothesis import Hypothesis
 from .terms import LineTerms, TermIds, avoided_present, conflicts, missing_constraints, spellings
 
@@ -100,9 +100,7 @@ class TranslationEngine:
         if not self.member_configs:
             return
         longest = max(map(len, sources), default=0)
-        prefix = max((t.room() - 1 for t in terms or []), default=0)
-        constraints = (max((len(t.constraints) for t in terms or []), default=0),
-                       max((len(c) for t in terms or [] for c in t.constraints), default=0))
+        prefix, constraints = term_room(terms)
         check_decoding_work(self.member_configs, decode, len(sources), longest, beam=beam, nbest=nbest,
                             longest_prefix=prefix, constraints=constraints)
         if self.memory_limit is not None:
@@ -253,6 +251,31 @@ class TranslationEngine:
         hyps = self.search(sources, beam, nbest, decode, terms, deadline=deadline)
         return lambda: hyps
 
+    def search_within_work(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
+                           terms: list[TermIds] | None = None,
+                           deadline: float | None = None) -> Callable[[], list[list[Hypothesis]]]:
+        """`search_later` a part at a time where `sources` together are over decode.max_work
+        (`budget.parts_within_work`): each search stays bounded, and the lines come back in order."""
+        parts = [list(range(len(sources)))]
+        if self.member_configs:
+            prefix, constraints = term_room(terms)
+            parts = parts_within_work(self.member_configs, decode, [len(s) for s in sources], beam=beam,
+                                      nbest=nbest, longest_prefix=prefix, constraints=constraints)
+        if len(parts) == 1:
+            return self.search_later(sources, beam, nbest, decode, terms, deadline=deadline)
+        started = [(part, self.search_later([sources[i] for i in part], beam, nbest, decode,
+                                            [terms[i] for i in part] if terms else None, deadline=deadline))
+                   for part in parts]
+
+        def collect() -> list[list[Hypothesis]]:
+            hyps: list[list[Hypothesis]] = [[] for _ in sources]
+            for part, results in started:
+                for i, found in zip(part, results()):
+                    hyps[i] = found
+            return hyps
+
+        return collect
+
     def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
                   first_line: int = 1, decode: DecodeConfig | None = None,
                   warn_long: bool = True, terms: list[LineTerms] | None = None) -> list[list[Translation]]:
@@ -287,7 +310,7 @@ class TranslationEngine:
             line_terms = [terms[i] for i in nonempty]
             self.check_terms(line_terms, beam, decode)
             steering = [self.term_ids(t, first_line + i, warn_long) for i, t in zip(nonempty, line_terms)]
-        collect = (self.search_later(sources, max(beam, 1), nbest, decode, steering, deadline=deadline)
+        collect = (self.search_within_work(sources, max(beam, 1), nbest, decode, steering, deadline=deadline)
                    if sources else list)
 
         def finish() -> list[list[Translation]]:
@@ -306,6 +329,14 @@ class TranslationEngine:
             return out
 
         return finish
+
+
+def term_room(terms: list[TermIds] | None) -> tuple[int, tuple[int, int]]:
+    """What the budget's output length and constrained beam allow for: the longest target prefix
+    (tokens), and the most constraints a line has with the longest constraint's pieces."""
+    prefix = max((t.room() - 1 for t in terms or []), default=0)
+    return prefix, (max((len(t.constraints) for t in terms or []), default=0),
+                    max((len(c) for t in terms or [] for c in t.constraints), default=0))
 
 
 def check_translations(translations: list[Translation], terms: LineTerms, line: int, warnings: bool) -> None:

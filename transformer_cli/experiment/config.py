@@ -503,8 +503,10 @@ class DecodeConfig(_Section):
     max_memory: int | str | None = None
     # Work one decoding call may take: the estimated floating-point operations of its searches
     # (decoding/budget.py: lines × beams or samples × output length × the decoder's cost per token,
-    # times the constraints' candidates). `tfm translate` (per chunk) and `tfm serve` (per request)
-    # refuse more before decoding, naming the setting: 1e13 is minutes on a laptop's cores.
+    # times the constraints' candidates). `tfm serve` refuses a request over it before decoding,
+    # naming the setting; file commands search a chunk over it a part at a time, each within it
+    # (decoding/budget.py: parts_within_work), refusing a single line over it. 1e13 is minutes on a
+    # laptop's cores.
     max_work: float = Field(1e13, gt=0)
     # Compute each translation's score (length-normalised log-probability) even for one hypothesis:
     # CTranslate2 skips it otherwise (it costs ~4% of greedy's time). `tfm distill` sets it.
