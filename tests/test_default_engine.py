@@ -142,7 +142,6 @@ def test_an_unwritable_checkpoint_directory_converts_into_a_temporary_one(checkp
 
 @pytest.mark.parametrize("args, reason", [
     (["--checkpoint", "{ckpt}", "--checkpoint", "{ckpt}"], "engine: torch (ensembles are tfm's own)"),
-    (["--checkpoint", "{ckpt}", "--alignment"], "engine: torch (word alignments are tfm's own)"),
     (["--checkpoint", "{ckpt}", "--sample", "--nbest", "2"], "engine: torch (sampling is tfm's own"),
     (["--checkpoint", "{ckpt}", "--quantize", "int8"], "engine: torch (--quantize is tfm's own int8"),
     (["--checkpoint", "{ckpt}", "--set", "decode.precision=fp32"], "engine: torch (decode.precision fp32"),
@@ -155,6 +154,63 @@ def test_settings_only_tfm_has_fall_back_to_its_engine_and_say_why(checkpoint, a
     assert "tfm's engine (torch)" in result.stderr.splitlines()[-1]
     explicit = tfm_in_process("translate", "--engine", "ctranslate2", *args, input=LINES)
     assert explicit.exit_code == 2 and f"--engine ctranslate2: {reason.split('(', 1)[1].rstrip(')')}" in explicit.stderr
+
+
+def test_alignments_under_auto_are_tfm_engines_on_ctranslate2s_translations(checkpoint, tmp_path):
+    """CTranslate2 searches and tfm's engine aligns its output (one forced pass); a bare exported
+    directory has no weights to align with."""
+    from transformer_cli.decoding.engine import open_engine
+    from transformer_cli.decoding.hypothesis import Hypothesis
+    from transformer_cli.decoding.torch_engine import Translator
+
+    lines = [f"{a} {b} {c}" for a in "abcd" for b in "dcba" for c in "bd"]
+    auto = tfm_in_process("translate", "--checkpoint", checkpoint, "--alignment", input="\n".join(lines) + "\n")
+    assert auto.exit_code == 0, auto.stderr
+    assert "engine: torch" not in auto.stderr
+    assert "CTranslate2" in auto.stderr.splitlines()[-1] and "word alignments by tfm's engine" in auto.stderr
+    for line, out in zip(lines, auto.stdout.splitlines(), strict=True):
+        text, links = out.split("\t")
+        assert all(int(i) < 3 and int(j) < len(text.split()) for i, j in (x.split("-") for x in links.split()))
+    engine = open_engine(None, None, [checkpoint], alignment=True)
+    own = Translator.from_checkpoint(checkpoint, device="cpu")
+    try:
+        assert engine.name == "ctranslate2" and engine.aligner is not None
+        pieces = engine.tokenize(lines)
+        found = engine.search(pieces, engine.decode.beam, 1)
+        source_ids = [[own.src_sp.piece_to_id(p) for p in sentence] for sentence in pieces]
+        output_ids = [[Hypothesis([own.tgt_sp.piece_to_id(p) for p in h.tokens], h.score) for h in sentence]
+                      for sentence in found]
+        expected = own.align(lines, source_ids, output_ids, engine.decode)
+        assert [[t.alignment for t in sentence] for sentence in engine.translate(lines)] == expected
+    finally:
+        engine.close()
+        own.close()
+    assert tfm_in_process("export", "--checkpoint", checkpoint, "-o", tmp_path / "exported").exit_code == 0
+    bare = tfm_in_process("translate", "--model", tmp_path / "exported", "--alignment", input="a b\n")
+    assert bare.exit_code == 2 and "word alignments (--alignment) come from tfm's own engine" in bare.stderr
+
+
+def test_ctranslate2_searches_a_chunk_over_max_work_a_part_at_a_time_in_order(checkpoint):
+    from transformer_cli.decoding.budget import decoding_shape, decoding_work
+    from transformer_cli.decoding.engine import open_engine
+
+    lines = [f"{a} {b} {c}" for a in "abcd" for b in "dcba" for c in "bd"] + ["", "c"]
+    engine = open_engine(None, ["decode.batch_size=1"], [checkpoint])  # one line a batch, split or not
+    try:
+        assert engine.name == "ctranslate2"
+        whole = [t[0].text for t in engine.translate(lines)]
+        sizes = engine.member_configs
+        longest = max(map(len, engine.tokenize(lines)))
+        one_line = decoding_work(sizes, decoding_shape(sizes[0], engine.decode, 1, longest))
+        engine.decode = engine.decode.model_copy(update={"max_work": 3.5 * one_line})
+        searches = []
+        search_later = engine.search_later
+        engine.search_later = lambda sources, *args, **kwargs: (searches.append(len(sources)),
+                                                                search_later(sources, *args, **kwargs))[1]
+        assert [t[0].text for t in engine.translate(lines)] == whole
+        assert searches[0] == 3 and len(searches) > 5 and sum(searches) == len(lines) - 1  # the longest first
+    finally:
+        engine.close()
 
 
 def test_without_ctranslate2_tfm_translates_with_its_engine_and_says_how_to_get_it(checkpoint, monkeypatch):

@@ -358,13 +358,15 @@ def test_bad_document_options_are_one_line_errors(reverse_model, tmp_path, args,
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-def test_markup_on_ctranslate2_alone_says_which_engine_makes_its_alignments(reverse_model, tmp_path):
+def test_markup_on_ctranslate2_keeps_its_tags_through_tfm_engines_alignments(reverse_model, tmp_path):
     pytest.importorskip("ctranslate2")
-    (tmp_path / "page.html").write_text("<p>wa <b>wb</b></p>\n")
+    (tmp_path / "page.html").write_text("<p>wa <b>wb</b> wc <i>wd</i></p>\n")
     done = tfm("translate", "--checkpoint", reverse_model[1].best_checkpoint, "--engine", "ctranslate2",
-               "-i", tmp_path / "page.html")
-    assert done.returncode == 2 and "--engine ctranslate2: word alignments are tfm's own" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+               "-i", tmp_path / "page.html", "-o", tmp_path / "page.out.html")
+    assert done.returncode == 0, done.stderr
+    assert "word alignments by tfm's engine" in done.stderr
+    page = (tmp_path / "page.out.html").read_text()
+    assert page.count("<b>") == page.count("</b>") == page.count("<i>") == page.count("</i>") == 1, page
 
 
 def test_bad_documents_are_one_line_errors_and_write_nothing(reverse_model, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +98,27 @@ class CT2Translator(TranslationEngine):
         # tfm keeps at most source_token_limit() source tokens and </s> (model/lengths.py).
         self.max_source_tokens = source_token_limit(model.max_positions)
         self.max_input_length = self.max_source_tokens + 1
+        # tfm's engine on the same checkpoint, for word alignments (a forced pass over CTranslate2's
+        # output: decoding/alignment.py); None: alignments are refused (a bare model directory).
+        self.aligner: TranslationEngine | None = None
 
     def describe(self) -> str:
-        return f"CTranslate2 {self.compute_type} on {self.device}"
+        aligned = ", word alignments by tfm's engine" if self.aligner is not None and self.decode.alignment else ""
+        return f"CTranslate2 {self.compute_type} on {self.device}{aligned}"
+
+    def align(self, lines: list[str], sources: list[list], hyps: list[list[Hypothesis]],
+              decode: DecodeConfig) -> list[list[str]]:
+        """The aligner's alignments of CTranslate2's hypotheses (pieces, read as the ids they are)."""
+        if self.aligner is None:
+            return super().align(lines, sources, hyps, decode)
+        source_ids = [[self.src_sp.piece_to_id(piece) for piece in pieces] for pieces in sources]
+        output_ids = [[replace(h, tokens=[self.tgt_sp.piece_to_id(piece) for piece in h.tokens]) for h in sentence]
+                      for sentence in hyps]
+        return self.aligner.align(lines, source_ids, output_ids, decode)
+
+    def close(self) -> None:
+        if self.aligner is not None:
+            self.aligner.close()
 
     @property
     def member_configs(self) -> list:
@@ -112,7 +131,7 @@ class CT2Translator(TranslationEngine):
     def unsupported(self, decode: DecodeConfig) -> str | None:
         if decode.sample:
             return "sampling (--sample) is done by tfm's own engine: use --engine torch"
-        if decode.alignment:
+        if decode.alignment and self.aligner is None:
             return "word alignments (--alignment) come from tfm's own engine: use --engine torch"
         if decode.shortlist and self.shortlist is None:
             return (f"decode.shortlist: {self.model_dir} has no lexical shortlist: make one with "

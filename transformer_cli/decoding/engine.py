@@ -213,7 +213,7 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
         announce(f"engine: torch ({reason})")
         return torch_engine(cfg, overrides, checkpoints, device, quantize, updates)
 
-    reason = torch_only_reason(decode, len(checkpoints), quantize, lexical)
+    reason = torch_only_reason(unaligned(decode), len(checkpoints), quantize, lexical)
     ct2_device, device_reason = ctranslate2_device(device) if reason is None else (None, None)
     if reason or device_reason:
         return fall_back(reason or device_reason or "")
@@ -246,14 +246,23 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
         apply_decode_options(translator, updates)
         if translator.decode.engine == "torch" and engine is None:
             return torch_engine(cfg, overrides, checkpoints, device, quantize, updates)
-        reason = torch_only_reason(translator.decode, 1, quantize, lexical)
+        reason = torch_only_reason(unaligned(translator.decode), 1, quantize, lexical)
         if reason:
             return fall_back(reason)
     try:
         translator.open()
     except TfmError as exc:  # e.g. a CUDA library the GPU build needs
         return fall_back(str(exc))
+    if translator.decode.alignment:  # CTranslate2 searches; tfm's engine aligns its output (one forced pass)
+        translator.aligner = torch_engine(cfg, overrides, checkpoints, ct2_device or "cpu", None,
+                                          {**updates, "workers": "1"})
     return translator
+
+
+def unaligned(decode: DecodeConfig | None) -> DecodeConfig | None:
+    """`decode` without word alignments: CTranslate2 searches where they are the only setting it
+    lacks, and tfm's engine on the same checkpoint aligns what it found."""
+    return decode.model_copy(update={"alignment": False}) if decode is not None and decode.alignment else decode
 
 
 def exported_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, checkpoints: list[Path] | None,
