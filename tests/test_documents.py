@@ -346,6 +346,33 @@ def test_tags_follow_their_words_through_a_real_models_alignments(reverse_model,
     assert len(root.findall(".//b")) == len(sources) and right >= 0.8 * len(sources), right
 
 
+def test_only_sentences_with_markup_are_aligned_and_the_page_is_the_same(reverse_model):
+    """Aligning is a forced pass over each translation: sentences without markup skip it, and the
+    page comes out as when every sentence was aligned."""
+    from transformer_cli.decoding.torch_engine import Translator
+    from transformer_cli.documents import formats
+
+    page = ("<h1>wa wb wc.</h1>\n<p>wd we. wf <b>wg</b> wh. wi wj.</p>\n"
+            "<p>wk <a href='x'>wl wm</a>.</p>\n<p>wn wo wp.</p>\n")
+    engine = Translator.from_checkpoint(reverse_model[1].best_checkpoint, device="cpu",
+                                        overrides=["decode.precision=fp32", "decode.workers=1", "decode.batch_size=1"])
+    engine.decode = engine.decode.model_copy(update={"alignment": True})
+    aligned: list[str] = []
+    align = engine.align
+    engine.align = lambda lines, *args: (aligned.extend(lines), align(lines, *args))[1]
+    try:
+        plan = formats.plan_document(page, "html", None)
+        assert [plan.sentences[i] for i in sorted(plan.aligned)] == ["wf wg wh.", "wk wl wm."]
+        out, sentences, _ = formats.translate_document(engine, page, "html")
+        assert sorted(aligned) == ["wf wg wh.", "wk wl wm."] and sentences == len(plan.sentences) == 6
+        every = formats.plan_document(page, "html", None)
+        translations = formats.translated(engine, every.sentences, None)  # all of them aligned
+        assert out == every.rebuild(translations)
+        assert out.count("<b>") == 1 and out.count("<a href") == 1
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("args, says", [
     (["--format", "pdf"], "--format pdf: choose"),
     (["--format", "html", "--json"], "one translation per sentence"),

@@ -56,7 +56,7 @@ def cross_attention(model: Transformer | Ensemble, src: torch.Tensor, tgt: torch
     total = None
     for member in members:
         memory, src_mask = member.encode(src)
-        member.decode(tgt_in, memory, src_mask, need_weights=True)
+        member.decode(tgt_in, memory, src_mask, need_weights=True, project=False)  # the weights, not the logits
         maps = member.cross_attention_weights()
         weights = torch.stack([maps[i].float().mean(dim=1) for i in decoder_layers(member, setting)]).mean(dim=0)
         total = weights if total is None else total + weights
@@ -80,7 +80,9 @@ def word_alignments(model: Transformer | Ensemble, lines: list[str], sources: li
     """Per sentence, per hypothesis its Pharaoh alignment; `sources` are the lines' ids (no <eos>),
     cut as the search cut them."""
     limit = source_token_limit(model.cfg.max_positions)  # source tokens the search kept
-    pairs = [(s, h) for s, sentence_hyps in enumerate(hyps) for h in range(len(sentence_hyps))]
+    # Batches of similar lengths (the longest pairs first): padding costs the forced pass as real tokens do.
+    pairs = sorted(((s, h) for s, sentence_hyps in enumerate(hyps) for h in range(len(sentence_hyps))),
+                   key=lambda pair: -(min(len(sources[pair[0]]), limit) + len(hyps[pair[0]][pair[1]].tokens)))
     found: dict[tuple[int, int], str] = {}
     was_training = model.training
     model.eval()

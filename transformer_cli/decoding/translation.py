@@ -459,6 +459,7 @@ def input_chunks(engine: TranslationEngine, lines: Iterable[str]) -> Iterator[li
 def translated_chunks(engine: TranslationEngine, lines: Iterable[str], beam: int | None = None, nbest: int = 1,
                       read_ahead: bool = False,
                       terms: Callable[[list[str], int], tuple[list[str], list[LineTerms] | None]] | None = None,
+                      decode: DecodeConfig | None = None,
                       ) -> Iterator[tuple[list[str], list[LineTerms] | None, list[list[Translation]]]]:
     """Each chunk of `lines` (`input_chunks`) → its sources, their terms and translations, in order.
 
@@ -467,14 +468,15 @@ def translated_chunks(engine: TranslationEngine, lines: Iterable[str], beam: int
     Only for input that is all there already (a file, a list): from a pipe, reading ahead would hold
     back each chunk's output until the next chunk has arrived. Where starting a chunk fails, the chunk
     before it still comes out first. `terms(chunk, first line number)` → the chunk's source lines
-    and their terms (`--constraints` input lines hold both; a prefix, `--avoid`, `--glossary`)."""
+    and their terms (`--constraints` input lines hold both; a prefix, `--avoid`, `--glossary`);
+    `decode` replaces the engine's settings."""
     pending: tuple[list[str], list[LineTerms] | None, Callable[[], list[list[Translation]]]] | None = None
     read = 0
     for chunk in input_chunks(engine, lines):
         try:
             sources, line_terms = terms(chunk, read + 1) if terms is not None else (chunk, None)
-            started = (sources, line_terms, engine.translate_later(sources, beam=beam, nbest=nbest,
-                                                                   first_line=read + 1, terms=line_terms))
+            started = (sources, line_terms, engine.translate_later(sources, beam=beam, nbest=nbest, first_line=read + 1,
+                                                                   terms=line_terms, decode=decode))
         except BaseException:
             if pending is not None:  # what was translated before the failure comes out first
                 yield pending[0], pending[1], pending[2]()

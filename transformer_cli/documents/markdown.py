@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..decoding.translation import Translation
-from .markup import Run, Span, plan_run, translated_with_spans
+from .markup import Run, Span, plan_run, sentences_in_markup, translated_with_spans
 from .plan import Plan
 
 OPENING = {"strong_open", "em_open", "s_open", "link_open"}
@@ -119,4 +119,4 @@ def plan_markdown(document: str, lang: str | None) -> Plan:
                 out[first + k] = None
         return "\n".join(line for line in out if line is not None)
 
-    return Plan(sentences, rebuild, alignment=True)
+    return Plan(sentences, rebuild, alignment=True, aligned=sentences_in_markup([run for *_, run in places]))

@@ -393,6 +393,13 @@ def rebuild_run(run: Run, translations: list[Translation]) -> None:
     run.parent[index:index + len(run.members)] = elements
 
 
+def sentences_in_markup(runs: list[Run]) -> set[int]:
+    """The sentences an inline span lies in or touches: only their alignments place tags (a run's
+    spans hold their nested ones)."""
+    return {piece[0] for run in runs for piece in run.pieces if isinstance(piece, tuple)
+            and any(span.start <= piece[2] and span.end >= piece[1] for span in run.spans)}
+
+
 def plan_run(run: Run, lang: str | None, sentences: list[str]) -> None:
     """Split the run's text into sentences (appended to `sentences`) and the text between them."""
     run.pieces = split_run(run.text, lang, sentences, spans=True)
@@ -458,4 +465,4 @@ def plan_markup(document: str, lang: str | None, xml: bool = False) -> Plan:
             rebuild_run(run, translations)
         return write()
 
-    return Plan(sentences, rebuild, alignment=True)
+    return Plan(sentences, rebuild, alignment=True, aligned=sentences_in_markup(first[0][0]))

@@ -16,6 +16,8 @@ class Plan:
     sentences: list[str]  # one translation unit each, whitespace-normalised (a line of `tfm translate`)
     rebuild: Callable[[list[Translation]], str | bytes]  # the document from the sentences' translations (bytes: .docx)
     alignment: bool = False  # rebuilding needs each translation's word alignment (markup)
+    # The sentences whose alignments rebuilding reads (those markup lies in or around); None: all of them.
+    aligned: set[int] | None = None
 
 
 def one_line(text: str) -> str:

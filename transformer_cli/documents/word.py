@@ -20,18 +20,20 @@ from .plan import Plan
 def paragraphs_of(document: Any) -> list[Any]:
     """Every paragraph with text, once: the body's, those in table cells (merged cells repeat one
     cell; nested tables), and the sections' headers and footers."""
-    found, seen = [], set()
+    # Elements by id(), each held here: lxml makes a new proxy for an element no one holds, and a
+    # freed proxy's id() can come back as another element's.
+    found, seen = [], {}
 
     def add(container: Any) -> None:
         for paragraph in container.paragraphs:
             if id(paragraph._p) not in seen and paragraph.text.strip():
-                seen.add(id(paragraph._p))
+                seen[id(paragraph._p)] = paragraph._p
                 found.append(paragraph)
         for table in getattr(container, "tables", []):
             for row in table.rows:
                 for cell in row.cells:
                     if id(cell._tc) not in seen:
-                        seen.add(id(cell._tc))
+                        seen[id(cell._tc)] = cell._tc
                         add(cell)
 
     add(document)
