@@ -180,7 +180,13 @@ def test_a_flooding_client_cannot_hold_back_another_clients_single_request(unlim
 
     with ThreadPoolExecutor(24) as clients:
         floods = [clients.submit(flood) for _ in range(24)]
-        time.sleep(1.0)  # the flood is queued, and a batch of it decoding
+        # The flood is queued and under way (three of its batches done: seconds, more on a slow CPU).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with lock:
+                if batches(list(finished)) >= 3:
+                    break
+            time.sleep(0.05)
         sent = time.monotonic()
         status, answer, _ = send(server.port, b'{"text": "wa wb"}', headers=bearer(keys["single"]), timeout=600)
         answered = time.monotonic()
