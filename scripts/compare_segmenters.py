@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Sentence segmenters side by side: pysbd, sentencex and a plain punctuation rule split
+"""Sentence segmenters side by side: pysbd, sentencex, tfm's (sentencex with one boundary added
+back) and a plain punctuation rule split
 paragraphs made of known sentences (consecutive test-set sentences joined by a space, 2–6 a
 paragraph); each is scored by its sentence boundaries (precision, recall, F1), the share of
 paragraphs split exactly right, and its speed.
@@ -19,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -76,6 +76,12 @@ def sentencex_segmenter(lang: str):
     return lambda text: list(sentencex.segment(lang, text))
 
 
+def tfm_segmenter(lang: str):
+    from transformer_cli.documents.sentences import sentence_spans
+
+    return lambda text: [text[start:end] for start, end in sentence_spans(text, lang)]
+
+
 def main() -> None:
     parser = ScriptParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
@@ -89,6 +95,7 @@ def main() -> None:
             groups = paragraphs(corpus_lines(corpus, name, lang, args.lines), args.seed)
             makers = {"pysbd": lambda lang=lang: pysbd_segmenter(lang),
                       "sentencex": lambda lang=lang: sentencex_segmenter(lang),
+                      "tfm": lambda lang=lang: tfm_segmenter(lang),
                       "punctuation": lambda lang=lang: lambda text: punctuation_rule(lang, text)}
             for label, make in makers.items():
                 segment = make()

@@ -52,6 +52,14 @@ def test_sentences_are_split_by_punctuation_not_by_line_breaks():
     assert sentence_spans("   \n ", "de") == []
 
 
+def test_a_sentence_starting_with_a_number_is_split_off_but_abbreviations_and_ordinals_stay():
+    # sentencex alone keeps "Landschaft. 2 Mädchen sitzen." as one German sentence
+    text = "Sechs Leute fahren durch eine Landschaft. 2 Mädchen sitzen. Er kam am 3. Mai an. Siehe Nr. 5 und ca. 30 Bilder."
+    assert [text[a:b] for a, b in sentence_spans(text, "de")] == [
+        "Sechs Leute fahren durch eine Landschaft.", "2 Mädchen sitzen.", "Er kam am 3. Mai an.",
+        "Siehe Nr. 5 und ca. 30 Bilder."]
+
+
 def test_text_keeps_paragraphs_blank_lines_and_whitespace():
     document = "  Ein Mann läuft. Eine Frau\nsitzt.\n\n\n\tZwei Hunde!\nDrei Katzen?  \n\n"
     plan = plan_text(document, "de")
