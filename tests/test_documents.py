@@ -231,6 +231,29 @@ def test_a_markdown_paragraph_over_several_lines_becomes_one():
     assert plan.rebuild(same(plan.sentences)) == "> Ein *Hund* läuft.\n\nEnde.\n"
 
 
+def rendered_marks(markdown: str) -> list[str]:
+    """The inline elements CommonMark renders the Markdown into, in order."""
+    from markdown_it import MarkdownIt
+
+    html = MarkdownIt("commonmark").enable("strikethrough").render(markdown)
+    root = lxml.html.fragment_fromstring(html, create_parent="div")
+    return [e.tag for e in root.iter("strong", "em", "s", "a")]
+
+
+def test_markdown_marks_that_delimiters_cannot_hold_are_written_as_inline_html():
+    # both marks land on "KICKS.": "**KICKS****.**" would read back as one, so the run is written in tags
+    plan = plan_markdown("Er **tritt** **fest.**\n", "de")
+    out = plan.rebuild([Translation("HE KICKS.", 0.0, 2, "0-0 1-1 2-1")])
+    assert out == "HE <strong>KICKS</strong><strong>.</strong>\n"
+    assert rendered_marks(out) == rendered_marks("Er **tritt** **fest.**") == ["strong", "strong"]
+    # a mark whose word went into its sibling's translation stays, empty (as HTML keeps an empty element)
+    plan = plan_markdown("*Leute* *stehen*.\n", "de")
+    out = plan.rebuild([Translation("PEOPLE.", 0.0, 2, "0-0 1-0")])
+    assert out == "*PEOPLE*<em></em>.\n" and rendered_marks(out) == ["em", "em"]
+    # where the delimiters read back, the run stays Markdown
+    assert plan.rebuild(same(plan.sentences)) == "*Leute* *stehen*.\n"
+
+
 def word_document() -> bytes:
     """A .docx with formatted runs, a link, a table (a merged cell), a header and an empty paragraph."""
     import docx

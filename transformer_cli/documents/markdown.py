@@ -8,6 +8,7 @@ them anyway)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..decoding.translation import Translation
@@ -61,8 +62,12 @@ def marks(token: Any) -> tuple[str, str]:
     return token.markup, token.markup
 
 
-def render(text: str, lo: int, hi: int, spans: list[Span]) -> str:
-    """[lo, hi) of the translated text with its spans' markup around their words."""
+HTML_TAGS = {"**": "strong", "__": "strong", "*": "em", "_": "em", "~~": "s", "~": "s"}
+
+
+def render(text: str, lo: int, hi: int, spans: list[Span], as_html: bool = False) -> str:
+    """[lo, hi) of the translated text with its spans' markup around their words (`as_html`:
+    emphasis as inline HTML tags, which CommonMark reads wherever they stand)."""
     out, at = [], lo
     for span in spans:
         a, b = span.target
@@ -72,16 +77,46 @@ def render(text: str, lo: int, hi: int, spans: list[Span]) -> str:
             if a == b and span.element and b < hi and not text[b].isspace():  # in front of a word: a space
                 out.append(" ")
         else:
-            inner = render(text, a, b, span.children)
+            inner = render(text, a, b, span.children, as_html)
             core = inner.strip()
-            if core or span.element[0] == "[":  # emphasis around nothing is no emphasis: its marks go
-                lead, trail = inner[: len(inner) - len(inner.lstrip())], inner[len(inner.rstrip()):]
-                out.append(f"{lead}{span.element[0]}{core}{span.element[1]}{trail}")
-            else:
-                out.append(inner)
+            lead, trail = inner[: len(inner) - len(inner.lstrip())], inner[len(inner.rstrip()):]
+            opening, closing = span.element
+            # Emphasis around nothing is no emphasis in Markdown: one whose words were translated
+            # nowhere (dropped, or merged into a sibling's) stays an empty inline HTML element, as HTML
+            # mode keeps an empty element and an empty link stays "[](…)".
+            if opening in HTML_TAGS and (as_html or not core):
+                opening, closing = f"<{HTML_TAGS[opening]}>", f"</{HTML_TAGS[opening]}>"
+            out.append(f"{lead}{opening}{core}{closing}{trail}")
         at = b
     out.append(text[at:hi])
     return "".join(out)
+
+
+def emphasis(spans: list[Span], text: str) -> int:
+    """How many emphasis spans (strong, emphasis, struck) around words of the text a run's markup holds."""
+    return sum((not span.kept and span.element[0] in HTML_TAGS and bool(text[span.target[0]:span.target[1]].strip()))
+               + emphasis(span.children, text) for span in spans)
+
+
+@functools.lru_cache(maxsize=1)
+def inline_parser() -> Any:
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark").enable(["strikethrough"])
+
+
+def rendered_run(text: str, spans: list[Span]) -> str:
+    """The translated run in Markdown. Where its delimiters would not read back as the emphasis they
+    were (two runs of stars side by side, "**word****.**", or a star between a letter and
+    punctuation, "city*.*": CommonMark's flanking rules), the run's emphasis is written as inline
+    HTML tags instead (<strong>, <em>, <s>), which CommonMark keeps as they are: no mark is lost."""
+    made = render(text, 0, len(text), spans)
+    wanted = emphasis(spans, text)
+    if wanted:
+        tokens = inline_parser().parseInline(made)[0].children or []
+        if sum(token.type in ("strong_open", "em_open", "s_open") for token in tokens) < wanted:
+            return render(text, 0, len(text), spans, as_html=True)
+    return made
 
 
 def plan_markdown(document: str, lang: str | None) -> Plan:
@@ -114,7 +149,7 @@ def plan_markdown(document: str, lang: str | None) -> Plan:
         out: list[str | None] = list(lines)
         for first, count, before, after, run in places:
             text = translated_with_spans(run, translations)
-            out[first] = before + render(text, 0, len(text), run.spans) + after
+            out[first] = before + rendered_run(text, run.spans) + after
             for k in range(1, count):
                 out[first + k] = None
         return "\n".join(line for line in out if line is not None)
