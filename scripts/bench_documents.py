@@ -5,8 +5,8 @@ Targets: paragraphs (--format text) within 0.5 BLEU of the same sentences transl
 HTML with random inline tags: every tag kept once, the output well-formed, the text within 1.0
 BLEU of the plain translation, at least 90% of the tags around one word around that word's
 translation (judged where the glossary has the word and its translation occurs once in the
-paragraph), and at least 0.7x the speed of plain lines (sentences/s, tfm translate's own count), on the
-default engine and on tfm's.
+paragraph), and at least 0.7x the speed of plain lines (sentences/s, tfm translate's own count, the
+median of --repeats runs), on the default engine and on tfm's.
 
     python scripts/make_documents.py --src data/multi30k/test_2016_flickr.de.gz \\
         --ref data/multi30k/test_2016_flickr.en.gz --out runs/documents
@@ -42,6 +42,14 @@ def tfm(*args: str) -> tuple[str, float]:
         raise TfmError(f"tfm translate {' '.join(args)} failed: {done.stderr.strip().splitlines()[-1:]}")
     found = RATE.search(done.stderr)
     return done.stdout, int(found.group(1)) / max(float(found.group(2)), 1e-9) if found else float("nan")
+
+
+def timed(repeats: int, *args: str) -> tuple[str, float]:
+    """tfm translate run `repeats` times: its output (the same each time) and its median sentences/s
+    (a 2-core machine's single run varies by ±10%)."""
+    runs = [tfm(*args) for _ in range(repeats)]
+    rates = sorted(rate for _, rate in runs)
+    return runs[0][0], rates[len(rates) // 2]
 
 
 def paragraphs(text: str) -> list[str]:
@@ -94,7 +102,10 @@ def main() -> None:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--docs", type=Path, default=Path("runs/documents"))
     parser.add_argument("--glossary", type=Path, help="source<TAB>target lines (default: DOCS/glossary.tsv)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each timed translation (median; default 3)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        raise TfmError(f"--repeats {args.repeats}: at least 1")
     if not Path(args.checkpoint).is_file():
         raise TfmError(f"--checkpoint {args.checkpoint}: no such file")
     if not (args.docs / "tagged.src.html").is_file():
@@ -111,8 +122,8 @@ def main() -> None:
 
     rows = []
     for label, engine in (("default engine", []), ("tfm's engine", ["--engine", "torch"])):
-        lines, line_rate = tfm(*model, *engine, "-i", str(docs / "lines.src"))
-        text, text_rate = tfm(*model, *engine, "--format", "text", "-i", str(docs / "paragraphs.src.txt"))
+        lines, line_rate = timed(args.repeats, *model, *engine, "-i", str(docs / "lines.src"))
+        text, text_rate = timed(args.repeats, *model, *engine, "--format", "text", "-i", str(docs / "paragraphs.src.txt"))
         rows.append((f"lines ({label})", bleu(joined(lines.splitlines()), refs), line_rate))
         rows.append((f"text paragraphs ({label})", bleu(paragraphs(text), refs), text_rate))
     glossary_path = args.glossary or docs / "glossary.tsv"
@@ -126,7 +137,7 @@ def main() -> None:
     source_page = (docs / "tagged.src.html").read_text(encoding="utf-8")
     pages = []
     for label, engine in (("default engine", []), ("tfm's engine", ["--engine", "torch"])):
-        page, html_rate = tfm(*model, *engine, "-i", str(docs / "tagged.src.html"))
+        page, html_rate = timed(args.repeats, *model, *engine, "-i", str(docs / "tagged.src.html"))
         judged = judge_tags(page, source_page, singles, glossary)
         if judged["well_formed"]:
             rows.append((f"html, the page's text ({label})", bleu(judged["texts"], refs), html_rate))
