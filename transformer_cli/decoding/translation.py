@@ -10,10 +10,11 @@ chunked streaming. Nothing here imports torch: a CTranslate2 translation starts 
 
 from __future__ import annotations
 
+import bisect
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -294,10 +295,11 @@ class TranslationEngine:
 
     def translate_later(self, lines: list[str], beam: int | None = None, nbest: int = 1,
                         first_line: int = 1, decode: DecodeConfig | None = None, warn_long: bool = True,
-                        terms: list[LineTerms] | None = None,
-                        deadline: float | None = None) -> Callable[[], list[list[Translation]]]:
+                        terms: list[LineTerms] | None = None, deadline: float | None = None,
+                        align_only: Collection[int] | None = None) -> Callable[[], list[list[Translation]]]:
         """`translate`, started now (`search_later`) and finished by calling what it returns;
-        `deadline`: see `search`."""
+        `deadline`: see `search`. `align_only`: with decode.alignment, the lines (0-based) that get
+        word alignments (the forced pass costs time); the others come back with none (None: all)."""
         decode = self.decode if decode is None else decode
         beam = decode.beam if beam is None else beam
         lines = self.target_languages().tag_lines(lines, decode.tgt_lang, first_line)
@@ -315,10 +317,15 @@ class TranslationEngine:
 
         def finish() -> list[list[Translation]]:
             hyps = collect()
-            alignments = (self.align([lines[i] for i in nonempty], sources, hyps, decode)
-                          if decode.alignment and sources else [[None] * len(h) for h in hyps])
-            out: list[list[Translation]] = [[Translation("", 0.0, 0, "" if decode.alignment else None)
-                                             for _ in range(max(nbest, 1))] for _ in lines]
+            alignments: list[list[str | None]] = [[None] * len(h) for h in hyps]
+            wanted = [k for k, i in enumerate(nonempty) if align_only is None or i in align_only]
+            if decode.alignment and wanted:
+                found = self.align([lines[nonempty[k]] for k in wanted], [sources[k] for k in wanted],
+                                   [hyps[k] for k in wanted], decode)
+                for k, pairs in zip(wanted, found):
+                    alignments[k] = list(pairs)
+            out: list[list[Translation]] = [[Translation("", 0.0, 0, "" if decode.alignment and (
+                align_only is None or i in align_only) else None) for _ in range(max(nbest, 1))] for i in range(len(lines))]
             for i, h, a in zip(nonempty, hyps, alignments):
                 out[i] = [Translation(self.detokenize(x.tokens), x.score, len(x.tokens), pairs)
                           for x, pairs in zip(h, a)]
@@ -459,7 +466,7 @@ def input_chunks(engine: TranslationEngine, lines: Iterable[str]) -> Iterator[li
 def translated_chunks(engine: TranslationEngine, lines: Iterable[str], beam: int | None = None, nbest: int = 1,
                       read_ahead: bool = False,
                       terms: Callable[[list[str], int], tuple[list[str], list[LineTerms] | None]] | None = None,
-                      decode: DecodeConfig | None = None,
+                      decode: DecodeConfig | None = None, align_only: Collection[int] | None = None,
                       ) -> Iterator[tuple[list[str], list[LineTerms] | None, list[list[Translation]]]]:
     """Each chunk of `lines` (`input_chunks`) → its sources, their terms and translations, in order.
 
@@ -469,14 +476,19 @@ def translated_chunks(engine: TranslationEngine, lines: Iterable[str], beam: int
     back each chunk's output until the next chunk has arrived. Where starting a chunk fails, the chunk
     before it still comes out first. `terms(chunk, first line number)` → the chunk's source lines
     and their terms (`--constraints` input lines hold both; a prefix, `--avoid`, `--glossary`);
-    `decode` replaces the engine's settings."""
+    `decode` replaces the engine's settings; `align_only`: the lines (0-based, over all of `lines`)
+    that get word alignments (`translate_later`)."""
     pending: tuple[list[str], list[LineTerms] | None, Callable[[], list[list[Translation]]]] | None = None
     read = 0
+    ordered = sorted(align_only) if align_only is not None else []
     for chunk in input_chunks(engine, lines):
         try:
             sources, line_terms = terms(chunk, read + 1) if terms is not None else (chunk, None)
+            in_chunk = None if align_only is None else {
+                i - read for i in ordered[bisect.bisect_left(ordered, read):bisect.bisect_left(ordered, read + len(chunk))]}
             started = (sources, line_terms, engine.translate_later(sources, beam=beam, nbest=nbest, first_line=read + 1,
-                                                                   terms=line_terms, decode=decode))
+                                                                   terms=line_terms, decode=decode,
+                                                                   align_only=in_chunk))
         except BaseException:
             if pending is not None:  # what was translated before the failure comes out first
                 yield pending[0], pending[1], pending[2]()

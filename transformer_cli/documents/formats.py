@@ -3,11 +3,11 @@ size limit, and translating it: its sentences in the engine's chunks, then the d
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import IO
 
 from ..decoding.translation import Translation, TranslationEngine, translated_chunks
-from ..experiment.config import DecodeConfig
 from ..runtime.errors import TfmError
 from .markdown import plan_markdown
 from .markup import plan_markup
@@ -86,23 +86,15 @@ def translate_document(engine: TranslationEngine, document: str | bytes, fmt: st
     if plan.alignment and not engine.decode.alignment:
         raise TfmError(f"--format {fmt} places the tags through word alignments: the engine must make them "
                        "(decode.alignment, tfm's engine)")
-    if plan.alignment and plan.aligned is not None and len(plan.aligned) < len(plan.sentences):
-        # Aligning is a forced pass of tfm's model over each translation: only where markup lies.
-        aligned = sorted(plan.aligned)
-        plain = translated(engine, [s for i, s in enumerate(plan.sentences) if i not in plan.aligned], beam,
-                           engine.decode.model_copy(update={"alignment": False}))
-        with_links = translated(engine, [plan.sentences[i] for i in aligned], beam)
-        translations, rest, links = [], iter(plain), dict(zip(aligned, with_links))
-        for i in range(len(plan.sentences)):
-            translations.append(links[i] if i in links else next(rest))
-    else:
-        translations = translated(engine, plan.sentences, beam)
+    # Aligning is a forced pass of tfm's model over each translation: only the sentences markup lies in
+    # (one search for all of them, batched as lines are).
+    translations = translated(engine, plan.sentences, beam, align_only=plan.aligned if plan.alignment else None)
     return plan.rebuild(translations), len(translations), sum(t.n_tokens for t in translations)
 
 
 def translated(engine: TranslationEngine, sentences: list[str], beam: int | None,
-               decode: DecodeConfig | None = None) -> list[Translation]:
-    """Each sentence's best translation (`decode`: the engine's settings replaced), in the chunks
-    `tfm translate` takes."""
-    return [results[0] for _, _, chunk in translated_chunks(engine, sentences, beam, read_ahead=True, decode=decode)
-            for results in chunk]
+               align_only: Collection[int] | None = None) -> list[Translation]:
+    """Each sentence's best translation, in the chunks `tfm translate` takes; with word alignments
+    for `align_only` (the sentences' numbers; None: all, where the engine makes them)."""
+    return [results[0] for _, _, chunk in translated_chunks(engine, sentences, beam, read_ahead=True,
+                                                              align_only=align_only) for results in chunk]
