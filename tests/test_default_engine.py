@@ -188,7 +188,8 @@ def test_alignments_under_auto_are_tfm_engines_on_ctranslate2s_translations(chec
         own.close()
     assert tfm_in_process("export", "--checkpoint", checkpoint, "-o", tmp_path / "exported").exit_code == 0
     bare = tfm_in_process("translate", "--model", tmp_path / "exported", "--alignment", input="a b\n")
-    assert bare.exit_code == 2 and "word alignments (--alignment) come from tfm's own engine" in bare.stderr
+    assert bare.exit_code == 2 and "come from tfm's own engine run on the model's checkpoint" in bare.stderr
+    assert "not --model DIR" in bare.stderr and len(bare.stderr.strip().splitlines()) == 1
 
 
 def test_ctranslate2_searches_a_chunk_over_max_work_a_part_at_a_time_in_order(checkpoint):

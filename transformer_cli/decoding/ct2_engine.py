@@ -132,7 +132,9 @@ class CT2Translator(TranslationEngine):
         if decode.sample:
             return "sampling (--sample) is done by tfm's own engine: use --engine torch"
         if decode.alignment and self.aligner is None:
-            return "word alignments (--alignment) come from tfm's own engine: use --engine torch"
+            return ("word alignments (--alignment, and a document's markup) come from tfm's own engine run on the "
+                    "model's checkpoint beside CTranslate2: give the checkpoint (--checkpoint or --config), not --model "
+                    "DIR (and serve it without --engine ctranslate2)")
         if decode.shortlist and self.shortlist is None:
             return (f"decode.shortlist: {self.model_dir} has no lexical shortlist: make one with "
                     "`tfm shortlist --config CONFIG` (or set decode.shortlist false)")
