@@ -1,5 +1,5 @@
 """Sentence splitting, by sentencex (Wikimedia's rule-based segmenter): as accurate as pysbd on
-Multi30k and WMT14 in tfm's languages, a thousand times faster, and it knows Czech — with one
+Multi30k and WMT14 in tfm's languages, tens of times faster, and it knows Czech — with one
 boundary it misses added back (scripts/compare_segmenters.py, docs/translation.md)."""
 
 from __future__ import annotations
