@@ -315,17 +315,20 @@ class TranslationEngine:
         collect = (self.search_within_work(sources, max(beam, 1), nbest, decode, steering, deadline=deadline)
                    if sources else list)
 
+        def linked(i: int) -> bool:  # whether line i gets word alignments
+            return decode.alignment and (align_only is None or i in align_only)
+
         def finish() -> list[list[Translation]]:
             hyps = collect()
             alignments: list[list[str | None]] = [[None] * len(h) for h in hyps]
-            wanted = [k for k, i in enumerate(nonempty) if align_only is None or i in align_only]
-            if decode.alignment and wanted:
+            wanted = [k for k, i in enumerate(nonempty) if linked(i)]
+            if wanted:
                 found = self.align([lines[nonempty[k]] for k in wanted], [sources[k] for k in wanted],
                                    [hyps[k] for k in wanted], decode)
                 for k, pairs in zip(wanted, found):
                     alignments[k] = list(pairs)
-            out: list[list[Translation]] = [[Translation("", 0.0, 0, "" if decode.alignment and (
-                align_only is None or i in align_only) else None) for _ in range(max(nbest, 1))] for i in range(len(lines))]
+            out: list[list[Translation]] = [[Translation("", 0.0, 0, "" if linked(i) else None)
+                                             for _ in range(max(nbest, 1))] for i in range(len(lines))]
             for i, h, a in zip(nonempty, hyps, alignments):
                 out[i] = [Translation(self.detokenize(x.tokens), x.score, len(x.tokens), pairs)
                           for x, pairs in zip(h, a)]
