@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The main job on Multi30k German→English: get data → prepare → train a small model → translate → evaluate.
 #   TIME=10m scripts/quickstart.sh       (training wall-clock budget; default 10m)
+#   SIZE=d256 scripts/quickstart.sh      (a named shape instead of model.size auto's choice)
 # Writes RUN_DIR (default runs/quickstart/). Re-running continues the same run (prepare is reused,
-# training resumes).
+# training resumes with the shape the run chose). scripts/quickstart_row.py runs it and prints the
+# row of docs/performance.md for this CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TIME=${TIME:-10m}
@@ -13,6 +15,9 @@ CONFIG=configs/de-en.yaml
 # Its schedule too: the configs' `budget` decay (best at 30 minutes) scored lower at 10 minutes than
 # inverse_sqrt (AMD EPYC, one run each: valid greedy BLEU 36.56 vs 37.74, test2016 37.60 vs 38.09).
 RUN=(--set run_dir="$RUN_DIR" --set model.dropout=0.1 --set train.lr_schedule=inverse_sqrt)
+# configs/de-en.yaml's model.size is auto: training first times each named shape here and trains
+# the one its measured curves promise most for TIME (docs/training.md#choosing-the-shape).
+if [ -n "${SIZE:-}" ]; then RUN+=(--set model.size="$SIZE"); fi
 
 scripts/get_data.sh multi30k
 tfm prepare --config "$CONFIG" "${RUN[@]}"

@@ -323,6 +323,28 @@ def test_every_numeric_train_setting_with_a_hostile_value(ws, tmp_path, key, val
     assert snapshot(ws.root, [ws.root / "tfm_cache"]) == before
 
 
+SIZES = ["auto", "d128", "null", "AUTO", "''", " d192", "d999", "-1", "0", "1e308", "nan", "true", "[auto]",
+         "{d_model: 8}", "auto\\n"]
+
+
+@pytest.mark.parametrize("value", SIZES)
+def test_model_size_with_a_hostile_value(ws, tmp_path, value):
+    """`tfm train --resume --set model.size=…` on a copy of the run: `auto` resumes the run's own
+    shape, any other shape is refused as a change of model; never a traceback, nothing else written."""
+    run = tmp_path / "run"
+    shutil.copytree(ws.run, run)
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({**json.loads(ws.config.read_text()), "run_dir": str(run)}))
+    before = snapshot(ws.root, [ws.root / "tfm_cache"])
+    result = tfm_in_process("train", "--config", str(config), "--resume", "--set", "train.max_time=3",
+                            "--set", f"model.size={value}")
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output and result.exit_code in (0, 2), (value, result.exit_code, output[-2000:])
+    if result.exit_code == 2:
+        assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1, output
+    assert snapshot(ws.root, [ws.root / "tfm_cache"]) == before
+
+
 DIRECTIONS = WORDS + ["-", "src-", "src-tgt-src", "src-src", "[src-tgt, src-tgt]", "{direction: 3}", "[{train: x}]",
                       "src-tgt,tgt-src"]
 # The filters' keys (data.filters.…) are bounded like the rest: three values each keep the tier quick.

@@ -100,7 +100,8 @@ def test_shipped_configs_validate(name):
                 cfg.model.d_ff, cfg.model.dropout, cfg.train.warmup) == (512, 8, 6, 6, 2048, 0.1, 4000)
     if name == "multi30k-multilingual.yaml":  # English-centric, de-en.yaml's shape
         assert [d.name for d in cfg.data.pairs] == ["en-de", "de-en", "en-fr", "fr-en", "en-cs", "cs-en"]
-        assert cfg.model == load_config(ROOT / "configs" / "de-en.yaml").model.model_copy(update={"dropout": 0.1})
+        shipped = load_config(ROOT / "configs" / "de-en.yaml").model  # its auto's fallback shape, pinned here
+        assert cfg.model.model_dump(exclude={"size"}) == shipped.model_dump(exclude={"size"}) | {"dropout": 0.1}
     if name.startswith("wmt14"):  # the paper's shapes, a joint 32k BPE, 25k–100k target tokens an update
         shape = (cfg.model.d_model, cfg.model.n_heads, cfg.model.enc_layers, cfg.model.dec_layers, cfg.model.d_ff)
         assert shape == ((512, 8, 6, 6, 2048) if "base" in name else (1024, 16, 6, 6, 4096))

@@ -4,6 +4,7 @@ every step's options must be accepted by the command they go to."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +27,15 @@ def test_quickstart_prepares_trains_translates_and_evaluates(tmp_path):
     hypotheses = (run / "test_2016_flickr.hyp.en").read_text(encoding="utf-8").splitlines()
     assert len(hypotheses) == 1000  # one line out per test2016 line in
     assert f"tfm translate --config {run}/config.yaml" in result.stdout
+    # configs/de-en.yaml's model.size auto: the shapes were timed, the choice printed and kept in the run.
+    assert "model.size auto: training " in result.stderr and (run / "shape_choice.json").is_file()
+
+    # The row for docs/performance.md, read back from the finished run: the BLEU evaluate printed.
+    row = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--read", str(run)],
+                         capture_output=True, text=True, timeout=300)
+    assert row.returncode == 0, row.stderr[-2000:]
+    bleu = re.search(r"BLEU = ([0-9.]+)", result.stdout).group(1)
+    assert f"**{float(bleu):.2f} / " in row.stdout and "model name" not in row.stdout
+    again = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--run-dir", str(run)],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and again.stderr.startswith("error: ") and "exists" in again.stderr

@@ -2,7 +2,8 @@
 
 config.py reads YAML and `--set` overrides into the pydantic `ExperimentConfig` that every command
 is built from (YAML → typed config → builders); directions.py the language directions of a
-multilingual run; rundir.py the run directory's layout (the one place that knows where each file
+multilingual run; shapes.py the named model shapes (model.size) and their measured curves;
+rundir.py the run directory's layout (the one place that knows where each file
 lies); runlock.py the lock one writer holds; checkpoint.py writing and reading checkpoints
 (plain tensors and primitives, `weights_only=True`) and the model a checkpoint builds.
 

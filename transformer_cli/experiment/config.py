@@ -30,6 +30,7 @@ from pydantic import (
 from ..runtime.errors import TfmError
 from ..runtime.files import CONFIG_NAME, MANIFEST_NAME
 from .directions import Direction, parse_direction
+from .shapes import AUTO, SHAPES, fill_shape, shape_names
 
 # --------------------------------------------------------------------------- reading YAML strictly
 
@@ -325,6 +326,10 @@ class PrepareConfig(_Section):
 
 
 class ModelConfig(_Section):
+    # A named shape (experiment/shapes.py) fills the shape keys not given; `auto`: `tfm train` times
+    # the named shapes on this machine and trains the one its measured curves promise most for the
+    # budget (training/shape_choice.py); a shape key given beside `auto` pins the shape.
+    size: str | None = None
     d_model: int = Field(512, ge=1)
     n_heads: int = Field(8, ge=1)
     enc_layers: int = Field(6, ge=1)
@@ -345,6 +350,20 @@ class ModelConfig(_Section):
     tie_output: bool = True  # output projection tied to the target embedding
     output_bias: bool = False  # a bias on the output projection (imported Marian models have one)
 
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named_shape(cls, data: Any) -> Any:
+        return fill_shape(data) if isinstance(data, dict) else data
+
+    @field_validator("size")
+    @classmethod
+    def _known_size(cls, value: str | None) -> str | None:
+        if value is not None and value != AUTO and value not in SHAPES:
+            close = difflib.get_close_matches(value, [AUTO, *SHAPES], n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown size {value!r}{hint}: one of {shape_names()}, or null for the shape keys as given")
+        return value
 
     @model_validator(mode="after")
     def _heads_divide_d_model(self) -> ModelConfig:
@@ -372,6 +391,9 @@ class TrainConfig(_Section):
     # else the C library's; less memory and faster CPU steps than glibc's (runtime/allocator.py)
     allocator: Literal["auto", "mimalloc", "system"] = "auto"
     max_tokens: int = Field(4096, ge=1)  # tokens per batch, padding included
+    # With model.size auto: where the budget would make fewer updates than this at max_tokens, the
+    # batches shrink (to no fewer than 1,000 tokens) until it makes them; None: max_tokens as given.
+    min_updates: int | None = Field(None, ge=1, le=10_000_000)
     accum_steps: int = Field(1, ge=1)
     max_steps: int = Field(100_000, ge=1)
     max_epochs: int | None = Field(None, ge=1)

@@ -1,7 +1,8 @@
 """Stage 3, training: a prepared run in, checkpoints out.
 
 train.py is `tfm train`: one loop a reader can follow (teacher forcing, warm-up schedule, label
-smoothing, evaluation, checkpoints, resume); the plumbing around it lives beside it: schedule.py
+smoothing, evaluation, checkpoints, resume); the plumbing around it lives beside it: builders.py
+(the model and optimizer a config builds), shape_choice.py (model.size auto), schedule.py
 (learning rates), loss.py (label-smoothed cross-entropy), validation.py (valid loss and BLEU),
 final_models.py (averaged, EMA and best checkpoints), ema.py, step_health.py (non-finite steps),
 distributed.py (torchrun DDP), master_weights.py, tensorboard_log.py.

@@ -30,8 +30,7 @@ from ..experiment.config import ExperimentConfig, TrainConfig, config_to_yaml, p
 from ..experiment.rundir import AVERAGE, BEST, EMA, LAST, MetricsLog, RunDirectory, vocab_mismatch
 from ..experiment.runlock import RunLock
 from ..model.kernels import compile_for_training
-from ..model.special_tokens import PAD_ID
-from ..model.transformer import Transformer, TransformerConfig
+from ..model.transformer import Transformer
 from ..runtime.allocator import loaded_allocator
 from ..runtime.console import TrainingConsole
 from ..runtime.cpu import keep_freed_memory, release_freed_memory
@@ -40,26 +39,16 @@ from ..runtime.errors import Interrupted, TfmError
 from ..runtime.files import atomic_write_text, remove_stale_temps
 from ..runtime.precision import autocast_dtype, choose_precision
 from ..runtime.signals import EXIT_CODES, StopRequest
+from .builders import adam, build_model
 from .distributed import StopVote, World, all_max, all_rng_states, all_sum, join, leave, world_from_environment
 from .ema import WeightAverage
 from .final_models import FinalModels
 from .loss import batch_loss
 from .schedule import next_learning_rate
+from .shape_choice import choose_shape, resolve_size
 from .step_health import StepLedger, gradient_norm
 from .tensorboard_log import TensorBoardLog
 from .validation import Validation
-
-
-def build_model(config: ExperimentConfig, src_vocab_size: int, tgt_vocab_size: int,
-                shared_ids: bool = False) -> Transformer:
-    """The config's Transformer. Embeddings are shared where both sides have one id space: a joint
-    vocabulary, or two sentencepiece models over one id map (`shared_ids`: imported Marian models)."""
-    share = config.model.share_embeddings and (config.vocab.joint or shared_ids)
-    model_cfg = TransformerConfig(
-        src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size,
-        **{**config.model.model_dump(), "share_embeddings": share}, pad_id=PAD_ID,
-    )
-    return Transformer(model_cfg)
 
 
 def check_vocab_matches(config: ExperimentConfig, manifest: dict) -> None:
@@ -189,12 +178,6 @@ def initialise_from(model: Transformer, path: Path, spm_files: dict[str, bytes],
     say(f"initialised from {path} (step {step} of its run); optimizer and schedule start afresh")
 
 
-def adam(model: Transformer, train_cfg: TrainConfig) -> torch.optim.Adam:
-    # fused: one kernel for all parameters, and it reads a non-finite gradient as `found_inf`
-    return torch.optim.Adam(model.parameters(), lr=0.0, betas=tuple(train_cfg.adam_betas), eps=train_cfg.adam_eps,
-                            fused=True, weight_decay=train_cfg.weight_decay)
-
-
 def training_updates(data: ParallelData, train_cfg: TrainConfig, progress: TrainProgress, world: World,
                      device: torch.device) -> CollatedUpdates:
     """The updates from where `progress` stands, collated ahead on a thread where train.prefetch
@@ -222,7 +205,7 @@ class Trainer:
     resume; writes nothing), `setup()` writes the run's files, `run()` trains."""
 
     def __init__(self, config: ExperimentConfig, world: World, device: torch.device, resume: bool,
-                 progress_bar: bool, on_step: Callable[[int, Transformer], None] | None):
+                 progress_bar: bool, on_step: Callable[[int, Transformer], None] | None, spent: float = 0.0):
         self.config, self.train_cfg, self.world, self.device = config, config.train, world, device
         self.on_step, self.progress_bar = on_step, progress_bar
         self.run_dir = RunDirectory(config.run_path)
@@ -246,7 +229,7 @@ class Trainer:
         self.model = build_model(config, self.manifest["vocab_size"]["src"], self.manifest["vocab_size"]["tgt"],
                                  self.manifest.get("shared_ids", False)).to(device)
         self.optimizer = adam(self.model, self.train_cfg)
-        self.progress = TrainProgress()
+        self.progress = TrainProgress(elapsed=spent)  # `spent`: the shape probe's seconds, out of max_time
         saved_ema = self._restore() if resume else None
         if not resume and self.train_cfg.init_from:
             initialise_from(self.model, Path(self.train_cfg.init_from), self.spm_files, self.console.print)
@@ -545,7 +528,10 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
     try:
         device = join(world, resolve_device(config.train.device))
         with run_lock(world, device, config.run_path):
-            summary = Trainer(config, world, device, resume, progress_bar, on_step).run()
+            say = TrainingConsole(world.rank == 0, False, lambda error: None).print
+            config, probe_seconds = resolve_size(config, resume, RunDirectory(config.run_path).checkpoints / LAST,
+                                                 lambda: probe_shapes(config, world, device, say), say)
+            summary = Trainer(config, world, device, resume, progress_bar, on_step, probe_seconds).run()
         finished = True
         return summary
     except Exception as exc:
@@ -556,6 +542,24 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
         raise
     finally:
         leave(world, finished)
+
+
+def probe_shapes(config: ExperimentConfig, world: World, device: torch.device,
+                 say: Callable[[str], None]) -> tuple[ExperimentConfig, float]:
+    """model.size auto on a new run: time the named shapes here and take the best for the budget."""
+    if world.enabled:
+        raise TfmError("model.size auto times the shapes in one process; under torchrun name the shape "
+                       "(model.size: d192, … or the shape keys): docs/training.md")
+    run_dir = RunDirectory(config.run_path)
+    manifest = run_dir.load_manifest()
+    check_vocab_matches(config, manifest)
+    data = ParallelData(run_dir.root, "train", config.data.temperature)
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    if device.type == "cpu":
+        keep_freed_memory()
+    vocab = (manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"])
+    return choose_shape(config, data, vocab, manifest.get("shared_ids", False), device, run_dir.root, say)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,118 @@
+"""The README's main job measured on this machine, as one row of docs/performance.md's quickstart
+table: run `scripts/quickstart.sh` into a new run directory, then print the CPU (its name and
+whether it has bf16 instructions), the date, the shape trained (and what `model.size auto` measured
+to choose it), the steps made, the best valid BLEU and test2016 beam-5 BLEU / chrF.
+
+    python scripts/quickstart_row.py                          # 10 minutes, model.size auto
+    python scripts/quickstart_row.py --time 30m               # the 30-minute budget
+    python scripts/quickstart_row.py --size d256              # a pinned shape, for comparison
+    python scripts/quickstart_row.py --read runs/quickstart   # the row of a finished run, no training
+
+No figure is typed by hand: each is read from the run (shape_choice.json, metrics.jsonl, the
+translations the quickstart wrote) or from the machine (/proc/cpuinfo).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.errors import TfmError  # noqa: E402
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu() -> tuple[str, str]:
+    """The CPU's model name and its bf16-relevant instruction sets ("avx2" … "amx_bf16")."""
+    name, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    shown = [f for f in ("avx2", "avx512f", *BF16_FLAGS) if f in flags]
+    return name, " ".join(shown) or "no AVX2"
+
+
+def read_row(run: Path, command: str) -> str:
+    """The table row of a finished quickstart run."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    metrics_file, hyp, ref = run / "metrics.jsonl", run / "test_2016_flickr.hyp.en", run / "test_2016_flickr.ref.en"
+    for needed in (metrics_file, hyp, ref, run / "config.yaml"):
+        if not needed.is_file():
+            raise TfmError(f"{needed} not found: {run} is not a finished quickstart run")
+    records = [json.loads(line) for line in metrics_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    valid = [r for r in records if r.get("kind") == "valid" and "bleu" in r]
+    steps = max((r.get("step", 0) for r in records), default=0)
+    best = max(valid, key=lambda r: r["bleu"]) if valid else None
+    hyps, refs = hyp.read_text(encoding="utf-8").splitlines(), ref.read_text(encoding="utf-8").splitlines()
+    if len(hyps) != len(refs):
+        raise TfmError(f"{hyp}: {len(hyps)} lines, but {ref} has {len(refs)}")
+    bleu, chrf = BLEU().corpus_score(hyps, [refs]).score, CHRF().corpus_score(hyps, [refs]).score
+    import yaml
+
+    trained = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+    model, batch = trained.get("model", {}), trained.get("train", {}).get("max_tokens")
+    shape = f"{model.get('size') or 'pinned'} (d_model {model.get('d_model')}, {model.get('enc_layers')}+" \
+            f"{model.get('dec_layers')}, FFN {model.get('d_ff')}), {batch:,}-token batches"
+    choice_file = run / "shape_choice.json"
+    if choice_file.is_file():
+        choice = json.loads(choice_file.read_text(encoding="utf-8"))
+        shape += f"; auto: {len(choice['shapes'])} shapes timed in {choice['probe_seconds']:.0f} s"
+    name, flags = cpu()
+    best_text = f"{best['bleu']:.2f} (step {best['step']:,})" if best else "n/a"
+    return (f"| {name} ({flags}) | {datetime.date.today().isoformat()} | `{command}` | {shape} | {steps:,} | "
+            f"{best_text} | **{bleu:.2f} / {chrf:.2f}** |")
+
+
+HEADER = ("| CPU (flags) | date | command | shape | steps | best valid BLEU (greedy) | test2016 beam 5 BLEU / chrF |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
+
+
+def main() -> None:
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--time", default="10m", help="training budget, as TIME of quickstart.sh (default 10m)")
+    parser.add_argument("--size", default=None, help="a named shape (SIZE of quickstart.sh); default: auto")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="where the run goes (must not exist; default runs/quickstart-<time>-<size>)")
+    parser.add_argument("--read", type=Path, default=None, help="print the row of this finished run; train nothing")
+    args = parser.parse_args()
+    env_part = f"TIME={args.time} " + (f"SIZE={args.size} " if args.size else "")
+    command = f"{env_part}scripts/quickstart.sh"
+    if args.read is not None:
+        print(HEADER)
+        print(read_row(args.read, command))
+        return
+    run = args.run_dir or ROOT / "runs" / f"quickstart-{args.time}-{args.size or 'auto'}"
+    if run.exists():
+        raise TfmError(f"{run} exists: the row is of a fresh run (give another --run-dir, or --read {run})")
+    env = {**os.environ, "TIME": args.time, "RUN_DIR": str(run)}
+    if args.size:
+        env["SIZE"] = args.size
+    log = run.parent / f"{run.name}.log"
+    run.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w", encoding="utf-8") as out:
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env, stdout=out,
+                              stderr=subprocess.STDOUT, cwd=ROOT)
+    if done.returncode != 0:
+        raise TfmError(f"scripts/quickstart.sh exited {done.returncode}: see {log}")
+    print(HEADER)
+    print(read_row(run, command))
+
+
+if __name__ == "__main__":
+    run_script(main)

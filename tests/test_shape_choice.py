@@ -1,0 +1,213 @@
+"""model.size: named shapes, and `auto` choosing what to train from the budget and the machine's
+measured speed (training/shape_choice.py)."""
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from tests.conftest import tiny_reverse_config
+from transformer_cli.experiment.config import config_from_dict, load_config
+from transformer_cli.experiment.shapes import FALLBACK, SHAPE_KEYS, SHAPES, NamedShape
+from transformer_cli.runtime.errors import TfmError
+from transformer_cli.training import shape_choice
+from transformer_cli.training.shape_choice import CHOICE_FILE, ShapeTiming, choose, predict
+from transformer_cli.training.train import train
+
+# --------------------------------------------------------------------------- the config
+
+
+def test_a_name_fills_the_shape_keys_and_refuses_keys_that_say_otherwise():
+    cfg = load_config(None, ["model.size=d192", "model.enc_layers=3"])
+    assert cfg.model.size == "d192"
+    assert (cfg.model.d_model, cfg.model.enc_layers, cfg.model.dec_layers, cfg.model.d_ff) == (192, 3, 3, 768)
+    with pytest.raises(TfmError, match=r"key 'model.size': d192 is d_model 192, .* but enc_layers 6 is given"):
+        load_config(None, ["model.size=d192", "model.enc_layers=6"])
+    with pytest.raises(TfmError, match="key 'model.size': d128 is"):  # a config with its own shape keys
+        load_config("configs/student-tiny.yaml", ["model.size=d128"])
+
+
+def test_auto_alone_stays_auto_and_holds_the_fallback_shape_until_train_chooses():
+    cfg = load_config(None, ["model.size=auto"])
+    assert cfg.model.size == "auto"
+    assert {key: getattr(cfg.model, key) for key in SHAPE_KEYS} == SHAPES[FALLBACK].keys()
+
+
+def test_a_shape_key_beside_auto_pins_the_shape():
+    """`--set model.d_model=…` on the shipped config means that width, as before `auto` (no probe)."""
+    cfg = load_config("configs/de-en.yaml", ["model.d_model=128"])
+    assert cfg.model.size is None
+    assert cfg.model.d_model == 128 and cfg.model.enc_layers == SHAPES[FALLBACK].enc_layers
+
+
+def test_a_trained_runs_config_reads_back_as_the_same_shape(tmp_path):
+    chosen = load_config(None, ["model.size=d128"])
+    again = config_from_dict(yaml.safe_load(yaml.safe_dump(chosen.model_dump(mode="json"))))
+    assert again.model == chosen.model
+
+
+@pytest.mark.parametrize("value, message", [
+    ("d19", r"unknown size 'd19' \(did you mean 'd192'\?\)"), ("AUTO", "unknown size 'AUTO'"),
+    ("''", "unknown size ''"), ("5", "valid string"), ("true", "boolean"), ("[auto]", "valid string")])
+def test_bad_sizes_are_one_line_errors_naming_the_key(value, message):
+    with pytest.raises(TfmError, match=message) as caught:
+        load_config(None, [f"model.size={value}"])
+    assert "model.size" in str(caught.value) and "\n" not in str(caught.value)
+
+
+# --------------------------------------------------------------------------- prediction and choice
+
+
+def timings(seconds: dict[str, float], tokens: float = 2800.0) -> list[ShapeTiming]:
+    return [ShapeTiming(name, seconds[name], tokens, "fp32") for name in SHAPES]
+
+
+def test_the_prediction_follows_each_measured_curve():
+    shape = NamedShape("x", 64, 2, 1, 1, 128, curve=((1.0, 10.0), (4.0, 30.0)))
+    assert shape.predicted_bleu(0.5) == pytest.approx(5.0)  # proportional below the first point
+    assert shape.predicted_bleu(2.0) == pytest.approx(20.0)  # linear in log(tokens): halfway
+    assert shape.predicted_bleu(100.0) == 30.0  # never above what was measured
+
+
+def test_the_budget_becomes_updates_per_shape():
+    slow = timings({name: 2.0 for name in SHAPES})
+    for p in predict(slow, seconds_left=600.0, updates_left=100_000, max_tokens=3000):
+        assert p.updates == 300 and p.max_tokens == 3000
+        assert p.bleu == SHAPES[p.timing.name].predicted_bleu(300)
+    for p in predict(slow, seconds_left=600.0, updates_left=50, max_tokens=3000):  # max_steps ends first
+        assert p.updates == 50
+    for p in predict(slow, seconds_left=None, updates_left=1_000, max_tokens=3000):  # no max_time: the steps alone
+        assert p.updates == 1_000
+    for p in predict(slow, seconds_left=600.0, updates_left=100_000, max_tokens=3000, min_updates=600):
+        assert p.max_tokens == 1000 and p.updates == 900  # a third of the batch, a third of the time an update
+
+
+def test_the_choice_is_the_highest_prediction_and_is_deterministic():
+    measured = timings({"d128": 0.6, "d192": 0.95, "d256": 1.4})
+    for seconds in (60.0, 600.0, 1800.0, 10_000.0, 1e7):
+        predictions = predict(measured, seconds, 10**9, 3000)
+        chosen = choose(predictions)
+        best = max(p.bleu for p in predictions)
+        assert chosen.bleu >= best - shape_choice.TIE_BLEU
+        assert choose(list(reversed(predictions))).timing.name == chosen.timing.name  # order does not matter
+        assert choose(predict(measured, seconds, 10**9, 3000)).timing.name == chosen.timing.name
+
+
+def test_a_slower_machine_never_chooses_a_larger_shape_for_the_same_budget():
+    """Measured speeds, not CPU names, decide: the same relative speeds, 4x slower, buy 4x fewer
+    tokens, and where that changes the choice it moves to a faster shape."""
+    fast = timings({"d128": 0.15, "d192": 0.24, "d256": 0.35})
+    slow = timings({name: 4 * t.seconds_per_update for name, t in zip(SHAPES, fast)})
+    for seconds in (300.0, 600.0, 1800.0):
+        on_fast = choose(predict(fast, seconds, 10**9, 3000)).timing
+        on_slow = choose(predict(slow, seconds, 10**9, 3000)).timing
+        assert on_slow.seconds_per_update / 4 <= on_fast.seconds_per_update
+
+
+def test_a_budget_of_few_updates_takes_the_floor_batch():
+    timing = ShapeTiming("d256", 1.6, 2700.0, "fp32")  # 375 updates in 600 s at max_tokens 3000
+    batch = shape_choice.batch_for_budget
+    assert batch(3000, None, timing, 600.0) == 3000  # min_updates unset: as given
+    assert batch(3000, 1500, timing, None) == 3000  # no time limit: the steps are the budget
+    assert batch(3000, 375, timing, 600.0) == 3000  # enough updates already
+    assert batch(3000, 376, timing, 600.0) == shape_choice.BATCH_FLOOR
+    assert batch(800, 100_000, timing, 600.0) == 800  # never raised
+
+
+def test_ties_go_to_the_fastest_shape():
+    measured = timings({name: 0.001 for name in SHAPES})  # every curve past its end: its last value
+    predictions = predict(measured, 1e6, 10**9, 3000)
+    tied = [p for p in predictions if p.bleu >= max(q.bleu for q in predictions) - shape_choice.TIE_BLEU]
+    assert choose(predictions).timing.name == min(tied, key=lambda p: (p.timing.seconds_per_update,
+                                                                      p.timing.name)).timing.name
+
+
+# --------------------------------------------------------------------------- a real probe, and resume
+
+
+def auto_config(tiny_prepared, tmp_path, **train):
+    data, run = tiny_prepared
+    shutil.copytree(run, tmp_path / "run")
+    raw = tiny_reverse_config(data, tmp_path / "run", **train)
+    for key in SHAPE_KEYS:
+        raw["model"].pop(key, None)
+    raw["model"]["size"] = "auto"
+    return raw
+
+
+def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_prepared, tmp_path, monkeypatch,
+                                                                         capsys):
+    # 10 minutes that must make a million updates: the batch shrinks to the floor (from 1,500 tokens).
+    raw = auto_config(tiny_prepared, tmp_path, max_steps=4, eval_every=4, eval_bleu_sentences=2, max_time=600,
+                      min_updates=10**6)
+    summary = train(config_from_dict(raw), progress_bar=False)
+    assert summary.steps == 4
+    run = tmp_path / "run"
+    record = json.loads((run / CHOICE_FILE).read_text())
+    assert sorted(s["name"] for s in record["shapes"]) == sorted(SHAPES)
+    assert all(s["seconds_per_update"] > 0 and s["tokens_per_update"] > 0 for s in record["shapes"])
+    chosen = SHAPES[record["chosen"]]
+    written = yaml.safe_load((run / "config.yaml").read_text())["model"]
+    assert written["size"] == chosen.name and {k: written[k] for k in SHAPE_KEYS} == chosen.keys()
+    assert record["max_tokens"] == shape_choice.BATCH_FLOOR
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["max_tokens"] == shape_choice.BATCH_FLOOR
+    from transformer_cli.experiment.checkpoint import load_checkpoint
+    trained = load_checkpoint(run / "checkpoints" / "checkpoint_last.pt")["model_config"]
+    assert {k: trained[k] for k in SHAPE_KEYS} == chosen.keys()
+    out = capsys.readouterr().err
+    assert f"model.size auto: training {chosen.name}" in out and "← chosen" in out
+
+    # Resumed with a larger budget under the same `auto` config: the checkpoint's shape, never a new probe.
+    def no_probe(*args, **kwargs):
+        raise AssertionError("a resumed run probed again")
+
+    monkeypatch.setattr(shape_choice, "choose_shape", no_probe)
+    raw["train"]["max_steps"] = 6
+    summary = train(config_from_dict(raw), resume=True, progress_bar=False)
+    assert summary.steps == 6
+    assert f"resuming the shape this run chose, {chosen.name}" in capsys.readouterr().err
+    resumed = load_checkpoint(run / "checkpoints" / "checkpoint_last.pt")
+    assert {k: resumed["model_config"][k] for k in SHAPE_KEYS} == chosen.keys()
+    assert resumed["config"]["train"]["max_tokens"] == shape_choice.BATCH_FLOOR  # the run's batches, not 1,500
+
+
+def test_the_probe_leaves_out_what_it_cannot_time_within_its_share_of_the_budget(tiny_prepared, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """max_time 1 s: after the first shape the probe's 5% (0.05 s) are spent; the rest are said to be
+    left out, and the budget the probe used counts against max_time."""
+    raw = auto_config(tiny_prepared, tmp_path, max_time=1, max_steps=3, eval_every=3, eval_bleu_sentences=2)
+    train(config_from_dict(raw), progress_bar=False)
+    record = json.loads((tmp_path / "run" / CHOICE_FILE).read_text())
+    assert len(record["shapes"]) == 1 and record["chosen"] == record["shapes"][0]["name"]
+    assert "not timed (the probe's 0.05 s are spent)" in capsys.readouterr().err
+
+
+def test_auto_under_torchrun_is_refused_with_one_line(monkeypatch):
+    from transformer_cli.training import train as train_module
+
+    class TwoProcesses:
+        enabled, rank, size = True, 0, 2
+
+    cfg = load_config(None, ["model.size=auto"])
+    with pytest.raises(TfmError, match="under torchrun name the shape"):
+        train_module.probe_shapes(cfg, TwoProcesses(), None, print)
+
+
+def test_fine_tuning_under_auto_takes_the_parents_shape_without_a_probe(tiny_prepared, tmp_path, monkeypatch, capsys):
+    data, run = tiny_prepared
+    shutil.copytree(run, tmp_path / "parent")
+    parent = tiny_reverse_config(data, tmp_path / "parent", max_steps=2, eval_every=2, eval_bleu_sentences=2)
+    train(config_from_dict(parent), progress_bar=False)  # a shape of its own (d_model 32), no name
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("fine-tuning probed")
+
+    monkeypatch.setattr(shape_choice, "choose_shape", no_probe)
+    child = auto_config(tiny_prepared, tmp_path, max_steps=2, eval_every=2, eval_bleu_sentences=2,
+                        init_from=str(tmp_path / "parent"))
+    train(config_from_dict(child), progress_bar=False)
+    from transformer_cli.experiment.checkpoint import load_checkpoint
+    trained = load_checkpoint(tmp_path / "run" / "checkpoints" / "checkpoint_last.pt")["model_config"]
+    assert {k: trained[k] for k in SHAPE_KEYS} == {k: parent["model"][k] for k in SHAPE_KEYS}
+    assert "fine-tuning keeps the shape of" in capsys.readouterr().err

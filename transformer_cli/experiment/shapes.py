@@ -1,0 +1,96 @@
+"""Named model shapes, and the quality each was measured to reach on Multi30k de→en for the target
+tokens it has trained on: the table `model.size` reads.
+
+A name (`model.size: d192`) fills the shape keys a config leaves out; `auto` lets `tfm train` time
+every shape of the table on the machine it runs on and train the one whose curve promises the most
+for the budget (training/shape_choice.py). The curves are measurements, not a law: valid greedy
+BLEU after N updates on Multi30k de→en with the quickstart's recipe (dropout 0.1, inverse_sqrt,
+peak lr 1e-3, warm-up 400 steps or a quarter of the run, joint BPE 8k); docs/training.md says how
+each was made.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+# The keys a shape fixes; the rest of the model section (dropout, norm position, …) is the config's.
+SHAPE_KEYS = ("d_model", "n_heads", "enc_layers", "dec_layers", "d_ff")
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class NamedShape:
+    name: str
+    d_model: int
+    n_heads: int
+    enc_layers: int
+    dec_layers: int
+    d_ff: int
+    # (updates, valid greedy BLEU), ascending in updates
+    curve: tuple[tuple[float, float], ...]
+
+    def keys(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in SHAPE_KEYS}
+
+    def describe(self) -> str:
+        return (f"d_model {self.d_model}, {self.n_heads} heads, {self.enc_layers}+{self.dec_layers} layers, "
+                f"FFN {self.d_ff}")
+
+    def predicted_bleu(self, updates: float) -> float:
+        """BLEU reached after `updates`: linear in log(updates) between measured points; below the
+        first, proportional to the updates (0 at none); past the last, the last measured value (a
+        curve is never extrapolated upwards: what was not measured is not promised)."""
+        xs = [x for x, _ in self.curve]
+        ys = [y for _, y in self.curve]
+        if updates <= xs[0]:
+            return ys[0] * max(updates, 0.0) / xs[0]
+        if updates >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, updates)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (math.log(updates) - math.log(x0)) / (math.log(x1) - math.log(x0))
+
+
+# Each point: the valid greedy BLEU (whole Multi30k valid set) a run had after that many updates,
+# in the regime `auto` puts a shape in: 1,000-token batches where a budget makes few updates
+# (10-minute runs on a 2-core AVX2 CPU; d192's at 1,500 tokens), 3,000-token batches where it makes
+# many (d256's last two: runs on a 2-core Zen 5). docs/training.md#choosing-the-shape-modelsize
+# names each run.
+SHAPES: dict[str, NamedShape] = {shape.name: shape for shape in (
+    NamedShape("d128", 128, 4, 3, 3, 512, curve=((500, 13.61), (750, 18.98), (1000, 21.89), (1250, 24.54),
+                                                 (1500, 28.23), (2000, 29.24), (2263, 30.12))),
+    NamedShape("d192", 192, 4, 3, 3, 768, curve=((500, 18.62), (750, 25.79), (1024, 29.53))),
+    NamedShape("d256", 256, 4, 3, 3, 1024, curve=((500, 19.34), (750, 26.68), (1001, 28.12), (1500, 38.58),
+                                                  (4250, 41.13))),
+)}
+
+
+# What `auto` trains where it does not choose: a shape key given beside it pins the shape, the keys
+# left out come from this one (the shape the Multi30k configs trained before `auto`).
+FALLBACK = "d256"
+
+
+def shape_names() -> str:
+    return ", ".join([AUTO, *SHAPES])
+
+
+def fill_shape(model_section: dict) -> dict:
+    """The model section with `size` applied (a raw mapping, before validation): a name fills the
+    shape keys not given (ValueError where a given one says otherwise: a name means its shape);
+    `auto` with none given fills the fallback's (the probe may replace them); `auto` with any given
+    is a pinned shape (`size` null, the rest from the fallback)."""
+    size = model_section.get("size")
+    if size is None or not isinstance(size, str) or (size != AUTO and size not in SHAPES):
+        return model_section  # no size, or a bad one: the field's own validator says so
+    given = [key for key in SHAPE_KEYS if key in model_section]
+    shape = SHAPES[FALLBACK if size == AUTO else size]
+    if size != AUTO:
+        differ = [f"{key} {model_section[key]!r}" for key in given if model_section[key] != getattr(shape, key)]
+        if differ:
+            raise ValueError(f"size: {size} is {shape.describe()}, but {', '.join(differ)} is given: name a shape "
+                             "or give the shape keys (with size null), not both")
+    filled = {**shape.keys(), **{key: model_section[key] for key in given}}
+    pinned = size == AUTO and given
+    return {**model_section, **filled, "size": None if pinned else size}
