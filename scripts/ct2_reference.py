@@ -7,15 +7,29 @@ conversion tfm caches), sentencepiece in and out, the same beam, batch and threa
 
 import argparse
 import os
+import sys
 
 import ctranslate2
 import sentencepiece as spm
+
+
+def fail(message: str) -> None:
+    print(f"error: ct2_reference.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
 
 parser = argparse.ArgumentParser()
 parser.add_argument("model_dir"), parser.add_argument("input"), parser.add_argument("output")
 parser.add_argument("--beam", type=int, default=5), parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--length-penalty", type=float, default=1.0), parser.add_argument("--compute-type", default="int8")
 args = parser.parse_args()
+# What a careful script checks before it writes: a model directory, an input, an output that is not the input.
+if not os.path.isfile(os.path.join(args.model_dir, "model.bin")):
+    fail(f"{args.model_dir}: not a CTranslate2 model directory (no model.bin)")
+if not os.path.isfile(args.input):
+    fail(f"{args.input}: no such file")
+if os.path.isdir(args.output) or (os.path.exists(args.output) and os.path.samefile(args.input, args.output)):
+    fail(f"{args.output}: a directory or the input itself; name another file to write")
 cores = len(os.sched_getaffinity(0))
 translator = ctranslate2.Translator(args.model_dir, compute_type=args.compute_type, inter_threads=cores, intra_threads=1)
 source = spm.SentencePieceProcessor(model_file=f"{args.model_dir}/source.spm.model")
@@ -24,5 +38,8 @@ with open(args.input, encoding="utf-8") as f:
     lines = f.read().splitlines()
 results = translator.translate_batch(source.encode(lines, out_type=str), beam_size=args.beam, max_batch_size=args.batch_size,
                                      length_penalty=args.length_penalty if args.beam > 1 else 0.0)
-with open(args.output, "w", encoding="utf-8") as f:
-    f.write("".join(target.decode_pieces(r.hypotheses[0]) + "\n" for r in results))
+try:
+    with open(args.output, "w", encoding="utf-8") as f:
+        f.write("".join(target.decode_pieces(r.hypotheses[0]) + "\n" for r in results))
+except OSError as exc:
+    fail(f"{args.output}: {exc.strerror}")

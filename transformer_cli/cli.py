@@ -171,6 +171,7 @@ def prepare(
     """Train the sentencepiece vocabulary and binarise train/valid/test into the run directory,
     dropping the training pairs that data.filters finds noisy (a report says which and why)."""
     cfg = _load(config, set_)  # before importing torch (seconds on a slow CPU): config errors come at once
+    refuse_output_among_inputs(dropped, {"--config": [config]}, flag="--dropped")
     from .data.prepare import REPORT_FILE
     from .data.prepare import prepare as run_prepare
 

@@ -223,6 +223,21 @@ def write_corpus(config: ExperimentConfig, run: RunDirectory, manifest: dict, di
     return kept, threshold
 
 
+def refuse_foreign_corpus(directory: Path, config: ExperimentConfig) -> None:
+    """The distilled corpus is written as <output>/train.<lang>: a directory that already holds such
+    files (plain or gzipped) that no `tfm distill` wrote (it leaves teacher.json beside them) holds a
+    corpus, e.g. the run's own training data, which the output would replace, or shadow for every
+    later `tfm prepare` (a plain file beside its .gz). Refused before the teacher is loaded."""
+    if (directory / PARTIAL_INFO).is_file():
+        return
+    for lang in (config.data.src_lang, config.data.tgt_lang):
+        for name in (f"train.{lang}", f"train.{lang}.gz"):
+            if (directory / name).exists():
+                raise TfmError(f"distill.output {directory}: holds {name}, which tfm distill did not write (a "
+                               "corpus?): the distilled corpus would replace or shadow it; name a directory of "
+                               "its own")
+
+
 def distill(config: ExperimentConfig, open_teacher: Callable[[], tuple[TranslationEngine, list[Path]]],
             restart: bool = False, progress: Callable[[int, int], None] | None = None) -> DistillResult:
     """Translate the prepared training source of `config`'s run with the teacher `open_teacher`
@@ -235,6 +250,7 @@ def distill(config: ExperimentConfig, open_teacher: Callable[[], tuple[Translati
     directory = output_dir(config)
     if directory.resolve() == config.run_path.resolve() or directory.is_file():
         raise TfmError(f"distill.output {directory}: name a directory of its own for the distilled corpus")
+    refuse_foreign_corpus(directory, config)
     engine, teachers = open_teacher()
     try:
         check_teacher_vocabulary(engine, run, manifest, ", ".join(map(str, teachers)))

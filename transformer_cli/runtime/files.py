@@ -99,16 +99,16 @@ def refuse_run_files(target: str | Path, hint: str = "choose another output path
                        f"that run write its checkpoints, data, vocabulary and settings); {hint}")
 
 
-def refuse_output_among_inputs(output: Path | None, inputs: dict[str, list[Path | None]]) -> None:
-    """Raise a TfmError where `output` is the same file as one the command reads (`inputs`: option →
-    the paths given to it): the atomic write would replace it, e.g. a source text by its
-    translation, or a checkpoint by an average."""
+def refuse_output_among_inputs(output: Path | None, inputs: dict[str, list[Path | None]], flag: str = "-o") -> None:
+    """Raise a TfmError where `output` (given as `flag`) is the same file as one the command reads
+    (`inputs`: option → the paths given to it), by any path, links included: the atomic write would
+    replace it, e.g. a source text by its translation, a checkpoint by an average, a config by a report."""
     if output is None or not output.is_file():
         return
     for option, paths in inputs.items():
         for path in paths:
             if path is not None and path.is_file() and os.path.samefile(output, path):
-                raise TfmError(f"-o {output} is also this command's input ({option}): writing it would "
+                raise TfmError(f"{flag} {output} is also this command's input ({option}): writing it would "
                                f"replace it; choose another output path")
 
 
