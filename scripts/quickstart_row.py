@@ -100,10 +100,12 @@ def main() -> None:
     run = args.run_dir or ROOT / "runs" / f"quickstart-{args.time}-{args.size or 'auto'}"
     if run.exists():
         raise TfmError(f"{run} exists: the row is of a fresh run (give another --run-dir, or --read {run})")
+    log = run.parent / f"{run.name}.log"
+    if log.exists():
+        raise TfmError(f"{log} exists: the quickstart's log would replace it (give another --run-dir)")
     env = {**os.environ, "TIME": args.time, "RUN_DIR": str(run)}
     if args.size:
         env["SIZE"] = args.size
-    log = run.parent / f"{run.name}.log"
     run.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w", encoding="utf-8") as out:
         done = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env, stdout=out,

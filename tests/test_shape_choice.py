@@ -211,3 +211,17 @@ def test_fine_tuning_under_auto_takes_the_parents_shape_without_a_probe(tiny_pre
     trained = load_checkpoint(tmp_path / "run" / "checkpoints" / "checkpoint_last.pt")["model_config"]
     assert {k: trained[k] for k in SHAPE_KEYS} == {k: parent["model"][k] for k in SHAPE_KEYS}
     assert "fine-tuning keeps the shape of" in capsys.readouterr().err
+
+
+def test_a_new_auto_run_over_a_trained_one_is_refused_before_the_probe(tiny_prepared, tmp_path, monkeypatch):
+    raw = auto_config(tiny_prepared, tmp_path, max_steps=2, eval_every=2, eval_bleu_sentences=2)
+    raw["model"] = tiny_reverse_config(*tiny_prepared)["model"]  # a pinned shape trains first
+    train(config_from_dict(raw), progress_bar=False)
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("probed a run that is refused")
+
+    monkeypatch.setattr(shape_choice, "time_shapes", no_probe)
+    raw["model"] = {"size": "auto"}
+    with pytest.raises(TfmError, match="already holds a training run"):
+        train(config_from_dict(raw), progress_bar=False)

@@ -552,7 +552,7 @@ def probe_shapes(config: ExperimentConfig, world: World, device: torch.device,
                        "(model.size: d192, … or the shape keys): docs/training.md")
     run_dir = RunDirectory(config.run_path)
     manifest = run_dir.load_manifest()
-    check_vocab_matches(config, manifest)
+    check_run_directory(run_dir, config, manifest, resume=False)  # a run already trained: refused before the probe
     data = ParallelData(run_dir.root, "train", config.data.temperature)
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
