@@ -66,9 +66,9 @@ def read_row(run: Path, command: str) -> str:
     import yaml
 
     trained = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
-    model, batch = trained.get("model", {}), trained.get("train", {}).get("max_tokens")
+    model, batch, lr = trained.get("model", {}), trained.get("train", {}).get("max_tokens"), trained.get("train", {}).get("lr")
     shape = f"{model.get('size') or 'pinned'} (d_model {model.get('d_model')}, {model.get('enc_layers')}+" \
-            f"{model.get('dec_layers')}, FFN {model.get('d_ff')}), {batch:,}-token batches"
+            f"{model.get('dec_layers')}, FFN {model.get('d_ff')}), {batch:,}-token batches, peak lr {lr:g}"
     choice_file = run / "shape_choice.json"
     if choice_file.is_file():
         choice = json.loads(choice_file.read_text(encoding="utf-8"))

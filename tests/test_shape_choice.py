@@ -141,6 +141,7 @@ def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_p
     # 10 minutes that must make a million updates: the batch shrinks to the floor (from 1,500 tokens).
     raw = auto_config(tiny_prepared, tmp_path, max_steps=4, eval_every=4, eval_bleu_sentences=2, max_time=600,
                       min_updates=10**6)
+    raw["train"].pop("lr", None)  # the chosen shape's own
     summary = train(config_from_dict(raw), progress_bar=False)
     assert summary.steps == 4
     run = tmp_path / "run"
@@ -152,6 +153,7 @@ def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_p
     assert written["size"] == chosen.name and {k: written[k] for k in SHAPE_KEYS} == chosen.keys()
     assert record["max_tokens"] == shape_choice.BATCH_FLOOR
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["max_tokens"] == shape_choice.BATCH_FLOOR
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["lr"] == chosen.lr == record["lr"]
     from transformer_cli.experiment.checkpoint import load_checkpoint
     trained = load_checkpoint(run / "checkpoints" / "checkpoint_last.pt")["model_config"]
     assert {k: trained[k] for k in SHAPE_KEYS} == chosen.keys()
@@ -170,6 +172,18 @@ def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_p
     resumed = load_checkpoint(run / "checkpoints" / "checkpoint_last.pt")
     assert {k: resumed["model_config"][k] for k in SHAPE_KEYS} == chosen.keys()
     assert resumed["config"]["train"]["max_tokens"] == shape_choice.BATCH_FLOOR  # the run's batches, not 1,500
+    assert resumed["config"]["train"]["lr"] == chosen.lr  # and its learning rate
+
+
+@pytest.mark.parametrize("size", ["d128", "d256"])
+def test_a_named_shape_trains_at_its_curves_learning_rate_unless_train_lr_is_given(size, tmp_path):
+    def resolved(*overrides: str):
+        config = load_config(None, [f"model.size={size}", *overrides])
+        return shape_choice.resolve_size(config, False, tmp_path / "none.pt", lambda: None, print)[0]
+
+    assert resolved().train.lr == SHAPES[size].lr
+    assert resolved("train.lr=0.0002").train.lr == 0.0002
+    assert resolved("model.size=null", "model.d_model=64").train.lr == load_config(None).train.lr  # no name: as given
 
 
 def test_the_probe_leaves_out_what_it_cannot_time_within_its_share_of_the_budget(tiny_prepared, tmp_path,

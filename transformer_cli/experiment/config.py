@@ -59,6 +59,8 @@ class StrictYamlLoader(yaml.SafeLoader):
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         seen: dict[Any, Any] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged below; its keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, (str, int, float, bool)) or key is None:
                 if key in seen:
@@ -403,7 +405,9 @@ class TrainConfig(_Section):
     lr_schedule: Literal["noam", "inverse_sqrt", "constant", "budget"] = "noam"
     lr_min: float = Field(0.0, ge=0.0)
     lr_factor: float = Field(1.0, gt=0.0)  # noam: lr = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
-    lr: float = Field(5e-4, gt=0.0)  # peak lr for inverse_sqrt / constant / budget
+    # Peak lr for inverse_sqrt / constant / budget. Left out, a named model.size (or auto's choice)
+    # takes its shape's (experiment/shapes.py); shapes given by their keys take this default.
+    lr: float = Field(1e-3, gt=0.0)
     warmup: int = Field(4000, ge=0)
     # Warm-up ends after `warmup` steps or after this fraction of the run's budget (max_time or
     # max_steps), whichever comes first: on a slow CPU a 400-step warm-up can be a whole 10-minute run.
@@ -769,10 +773,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise TfmError(f"{path}:{where} invalid YAML: {getattr(exc, 'problem', exc)}") from None
         except UnicodeDecodeError as exc:
             raise TfmError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
+        if not isinstance(loaded, dict) and loaded is not None:
             raise TfmError(f"{path}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        if not loaded:  # every default: a run in runs/experiment on data/train, surely not what was meant
+            raise TfmError(f"{path}: no settings in it (empty, or comments only): a config gives at least its run_dir "
+                           "and data section (see configs/de-en.yaml)")
         raw = loaded
         _mean_own_run_directory(raw, path)
     for assignment in overrides:

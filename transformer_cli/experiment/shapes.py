@@ -5,8 +5,8 @@ A name (`model.size: d192`) fills the shape keys a config leaves out; `auto` let
 every shape of the table on the machine it runs on and train the one whose curve promises the most
 for the budget (training/shape_choice.py). The curves are measurements, not a law: valid greedy
 BLEU after N updates on Multi30k de→en with the quickstart's recipe (dropout 0.1, inverse_sqrt,
-peak lr 1e-3, warm-up 400 steps or a quarter of the run, joint BPE 8k); docs/training.md says how
-each was made.
+warm-up 400 steps or a quarter of the run, joint BPE 8k) at the shape's own peak learning rate
+(`lr`); docs/training.md says how each was made.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ class NamedShape:
     d_ff: int
     # (updates, valid greedy BLEU), ascending in updates
     curve: tuple[tuple[float, float], ...]
+    # The peak learning rate the curve was measured with, which `auto` trains the shape with (unless
+    # the config gives train.lr): a narrow model takes a higher one.
+    lr: float = 1e-3
 
     def keys(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in SHAPE_KEYS}
@@ -56,11 +59,11 @@ class NamedShape:
 # Each point: the valid greedy BLEU (whole Multi30k valid set) a run had after that many updates,
 # in the regime `auto` puts a shape in: 1,000-token batches where a budget makes few updates
 # (10-minute runs on a 2-core AVX2 CPU; d192's at 1,500 tokens), 3,000-token batches where it makes
-# many (d256's last two: runs on a 2-core Zen 5). docs/training.md#choosing-the-shape-modelsize
-# names each run.
+# many (d256's last two: runs on a 2-core Zen 5), each at its shape's peak lr (d128 3e-3: 1e-3 and
+# 2e-3 learned slower, 5e-3 no faster). docs/training.md#choosing-the-shape-modelsize names each run.
 SHAPES: dict[str, NamedShape] = {shape.name: shape for shape in (
-    NamedShape("d128", 128, 4, 3, 3, 512, curve=((500, 13.61), (750, 18.98), (1000, 21.89), (1250, 24.54),
-                                                 (1500, 28.23), (2000, 29.24), (2263, 30.12))),
+    NamedShape("d128", 128, 4, 3, 3, 512, lr=3e-3, curve=((500, 17.21), (750, 23.96), (1000, 27.86), (1250, 31.13),
+                                                          (1500, 32.72), (1750, 34.39), (2000, 35.43))),
     NamedShape("d192", 192, 4, 3, 3, 768, curve=((500, 18.62), (750, 25.79), (1024, 29.53))),
     NamedShape("d256", 256, 4, 3, 3, 1024, curve=((500, 19.34), (750, 26.68), (1001, 28.12), (1500, 38.58),
                                                   (4250, 41.13))),

@@ -10,7 +10,11 @@ machine buys fewer tokens, and the curves say which shape learns most from those
 A budget that buys few updates learns more from more, smaller batches: with `train.min_updates`
 a shape that would make fewer updates than that trains on 1,000-token batches (`batch_for_budget`).
 
-A resumed run never probes again: its checkpoint's shape is the run's (`shape_of_run`).
+Each shape trains at the peak learning rate its curve was measured with (`NamedShape.lr`) unless
+the config gives `train.lr`.
+
+A resumed run never probes again: its checkpoint's shape, batch and learning rate are the run's
+(`shape_of_run`).
 """
 
 from __future__ import annotations
@@ -110,11 +114,19 @@ def table(predictions: Sequence[Prediction], chosen: Prediction) -> list[str]:
 # --------------------------------------------------------------------------- timing on this machine
 
 
-def with_shape(config: ExperimentConfig, shape: NamedShape, max_tokens: int | None = None) -> ExperimentConfig:
-    """The config with this named shape (every shape key set: an ordinary, pinned run) and batch."""
+def with_shape(config: ExperimentConfig, shape: NamedShape, max_tokens: int | None = None,
+               lr: float | None = None) -> ExperimentConfig:
+    """The config with this named shape (every shape key set: an ordinary, pinned run), batch and
+    peak learning rate."""
     model = config.model.model_copy(update={"size": shape.name, **shape.keys()})
-    train = config.train.model_copy(update={"max_tokens": max_tokens or config.train.max_tokens})
+    train = config.train.model_copy(update={"max_tokens": max_tokens or config.train.max_tokens,
+                                            "lr": lr or config.train.lr})
     return config.model_copy(update={"model": model, "train": train})
+
+
+def lr_of_choice(config: ExperimentConfig, shape: NamedShape) -> float | None:
+    """The peak learning rate `auto` trains `shape` with: its curve's, unless the config gives train.lr."""
+    return None if "lr" in config.train.model_fields_set else shape.lr
 
 
 def probe_batches(data: ParallelData, config: ExperimentConfig, count: int) -> list[list[Batch]]:
@@ -187,10 +199,12 @@ def shape_of_run(config: ExperimentConfig, last_checkpoint: Path, keep_batch: bo
         raise TfmError(f"{last_checkpoint} does not say its model's shape; give the shape keys "
                        "(model.d_model, …) instead of model.size auto")
     model = config.model.model_copy(update={"size": chosen if chosen in SHAPES else None, **keys})
-    # ... and its batches: the data order (batches taken of each epoch) is counted in them
-    batch = payload.get("config", {}).get("train", {}).get("max_tokens", config.train.max_tokens) if keep_batch \
-        else config.train.max_tokens
-    train = config.train.model_copy(update={"max_tokens": batch})
+    # ... its batches (the data order, batches taken of each epoch, is counted in them) and its
+    # learning rate (the schedule goes on where it was)
+    trained_train = payload.get("config", {}).get("train", {}) if keep_batch else {}
+    train = config.train.model_copy(update={"max_tokens": trained_train.get("max_tokens", config.train.max_tokens),
+                                            "lr": config.train.lr if "lr" in config.train.model_fields_set
+                                            else trained_train.get("lr", config.train.lr)})
     return config.model_copy(update={"model": model, "train": train})
 
 
@@ -211,24 +225,32 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
     for line in table(predictions, chosen):
         say(line)
     shape = SHAPES[chosen.timing.name]
+    lr = lr_of_choice(config, shape)
     say(f"model.size auto: training {shape.name} ({shape.describe()}), {chosen.max_tokens:,}-token batches"
         + (f" (train.min_updates {train_cfg.min_updates:,}: smaller than train.max_tokens "
-           f"{train_cfg.max_tokens:,})" if chosen.max_tokens != train_cfg.max_tokens else ""))
-    record = {"chosen": shape.name, "max_tokens": chosen.max_tokens, "probe_seconds": round(spent, 2),
+           f"{train_cfg.max_tokens:,})" if chosen.max_tokens != train_cfg.max_tokens else "")
+        + (f", peak lr {lr:g} (the shape's; train.lr would pin another)" if lr is not None
+           else f", peak lr {train_cfg.lr:g} (train.lr)"))
+    record = {"chosen": shape.name, "max_tokens": chosen.max_tokens, "lr": lr or train_cfg.lr,
+              "probe_seconds": round(spent, 2),
               "budget_seconds": budget, "max_steps": train_cfg.max_steps, "device": str(device),
               "shapes": [{**asdict(p.timing), "tokens_per_second": round(p.timing.tokens_per_second, 1),
                           "max_tokens": p.max_tokens, "updates": p.updates, "predicted_bleu": round(p.bleu, 2)}
                          for p in predictions]}
     run_root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_root / CHOICE_FILE, json.dumps(record, indent=1) + "\n")
-    return with_shape(config, shape, chosen.max_tokens), spent
+    return with_shape(config, shape, chosen.max_tokens, lr), spent
 
 
 def resolve_size(config: ExperimentConfig, resume: bool, last_checkpoint: Path,
                  choose_now: Callable[[], tuple[ExperimentConfig, float]],
                  say: Callable[[str], None]) -> tuple[ExperimentConfig, float]:
-    """The config `tfm train` trains: as given unless model.size is auto; then the resumed run's
-    shape, or the one chosen now (`choose_now`). Returns it and the seconds a probe spent."""
+    """The config `tfm train` trains: as given, with a named shape's learning rate where train.lr is
+    not given; under model.size auto, the resumed run's shape, or the one chosen now (`choose_now`).
+    Returns it and the seconds a probe spent."""
+    if config.model.size in SHAPES:  # a named shape trains at its curve's learning rate, as under auto
+        lr = lr_of_choice(config, SHAPES[config.model.size])
+        return (config.model_copy(update={"train": config.train.model_copy(update={"lr": lr})}) if lr else config), 0.0
     if config.model.size != AUTO:
         return config, 0.0
     if resume and last_checkpoint.exists():
