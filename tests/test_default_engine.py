@@ -470,6 +470,8 @@ def test_a_checkpoint_replaced_under_a_server_is_reported_not_half_used(checkpoi
         os.replace(tmp_path / "new.pt", checkpoint)  # as training writes a checkpoint
         status, body = post(port, {"text": ["a b c d"], "constraints": [["b d"]]})
         assert status == 503 and "replaced after the server started" in body["error"], body
+        status, body = post(port, {"text": "<p>a <b>b</b> c d</p>", "format": "html"})  # alignments: tfm's engine too
+        assert status == 503 and "word alignments and documents with markup" in body["error"], body
         assert post(port, {"text": ["a b c d"]}) == (200, plain)  # the model it started with
     finally:
         server.send_signal(signal.SIGTERM)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from sacrebleu.metrics import CHRF
 
-from tests.conftest import FP32, ROOT, TFM, fp32_translator, tfm_in_process, tiny_run
+from tests.conftest import FP32, ROOT, TFM, fp32_translator, tfm, tfm_in_process, tiny_run
 from transformer_cli.data.batches import TokenArray
 from transformer_cli.data.prepare import load_sentencepiece, prepare
 from transformer_cli.data.shortlist import SHORTLIST_FILE, build_shortlist, check_shortlist
@@ -28,7 +28,7 @@ from transformer_cli.decoding.translation import translate_texts
 from transformer_cli.experiment.config import config_from_dict, load_config
 from transformer_cli.experiment.rundir import RunDirectory
 from transformer_cli.runtime.errors import TfmError
-from transformer_cli.runtime.files import read_lines
+from transformer_cli.runtime.files import digest_file, read_lines
 from transformer_cli.training.train import train
 
 TORCH_FP32 = ["decode.engine=torch", *FP32]  # batch-invariant: a line's translation is the same in any chunk
@@ -247,6 +247,7 @@ def test_translating_with_a_covering_shortlist_equals_translating_without(revers
     assert listed == plain
     # A shortlist that leaves out the words the sentences need changes the output: the map is used.
     (run / SHORTLIST_FILE).write_text("\t▁wa\n")
+    digest_file(run / SHORTLIST_FILE).unlink()  # an edited map: without its digest (else refused as changed)
     narrow = translate_texts(open_engine(cfg, [], ck, "cpu", engine="ctranslate2", shortlist=True), sources)
     assert sum(a != b for a, b in zip(narrow, plain)) > 50
 
@@ -284,6 +285,53 @@ def test_export_ships_the_shortlist_and_int8_weights(reverse_model, tmp_path):
     src.write_text("wa wb wc\nwd we\n")
     out = tfm_in_process("translate", "--model", tmp_path / "int8", "-i", src, "--set", "decode.shortlist=true")
     assert out.exit_code == 0 and len(out.stdout.splitlines()) == 2, out.stderr
+
+
+SHORTLIST_DAMAGES = {  # what is done to a good shortlist → what the one-line error says
+    "empty": (lambda p: p.write_bytes(b""), "empty (a lexical shortlist"),
+    "truncated": (lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]), "truncated or changed"),
+    "a line changed": (lambda p: p.write_text(p.read_text().replace("\t", "\t▁wa ", 1)), "truncated or changed"),
+    "a directory": (lambda p: (p.unlink(), p.mkdir()), "not a file"),
+    "not UTF-8": (lambda p: (p.write_bytes(b"\xff\xfe\t\xff\n"), digest_file(p).unlink()), "not UTF-8 text"),
+    "no tab": (lambda p: (p.write_text("\n"), digest_file(p).unlink()), "line 1: not '<source piece><TAB>"),
+    "emptied, digest gone": (lambda p: (p.write_bytes(b""), digest_file(p).unlink()), "empty (a lexical shortlist"),
+}
+
+
+@pytest.mark.parametrize("damage", SHORTLIST_DAMAGES)
+def test_every_shortlist_damage_is_one_line_and_exit_2_before_ctranslate2_sees_it(reverse_model, tmp_path, damage):
+    """CTranslate2 dies by SIGSEGV on an empty vocabulary map: the run's shortlist and an exported
+    model's vmap.txt, however damaged, are refused first, with or without decode.shortlist."""
+    config, _ = reverse_model
+    run = shutil.copytree(config.run_path, tmp_path / "run")
+    build_shortlist(run, config.shortlist)
+    export = tmp_path / "export"
+    assert tfm_in_process("export", "--checkpoint", run / "checkpoints" / "checkpoint_last.pt", "-o", export).exit_code == 0
+    assert digest_file(export / "vmap.txt").read_text().split()[0] == digest_file(run / SHORTLIST_FILE).read_text().split()[0]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({**config.model_dump(mode="json"), "run_dir": str(run)}))
+    src = tmp_path / "in.txt"
+    src.write_text("wa wb wc\n")
+    damage_it, says = SHORTLIST_DAMAGES[damage]
+    damage_it(run / SHORTLIST_FILE)
+    damage_it(export / "vmap.txt")
+    for shortlist in ("true", "false"):
+        for args in (["--config", cfg, "--engine", "ctranslate2"], ["--model", export]):
+            result = tfm_in_process("translate", *args, "-i", src, "--set", f"decode.shortlist={shortlist}")
+            assert result.exit_code == 2 and says in result.stderr, (args, result.stderr)
+            assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    again = tfm_in_process("export", "--checkpoint", run / "checkpoints" / "checkpoint_last.pt", "-o", tmp_path / "again")
+    assert again.exit_code == 2 and says in again.stderr and not (tmp_path / "again").exists()
+
+
+def test_an_empty_vmap_is_refused_by_a_real_process_not_a_sigsegv(reverse_model, tmp_path):
+    config, _ = reverse_model
+    export = tmp_path / "export"
+    assert tfm_in_process("export", "--checkpoint", reverse_model[1].best_checkpoint, "-o", export).exit_code == 0
+    (export / "vmap.txt").write_bytes(b"")
+    result = tfm("translate", "--model", export, input="wa wb\n")
+    assert result.returncode == 2 and result.stderr.strip().endswith("vmap.txt: empty (a lexical shortlist: make it "
+                                                                    "again with `tfm shortlist`)"), result.stderr
 
 
 # --------------------------------------------------------------------------- student configs

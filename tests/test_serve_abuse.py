@@ -240,6 +240,31 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(abused):
         assert s.recv(1000).startswith(b"HTTP/1.1 413")
 
 
+def test_concurrent_zip_bombs_are_413_and_the_servers_memory_stays_bounded(abused):
+    """Eight uploads at once of a ~50 kB .docx whose document part unpacks to 50 MB: each is refused
+    with 413 naming the limit, memory grows by far less than one bomb unpacked, and a good request
+    beside them is answered."""
+    import io
+    import zipfile
+
+    server, expected, _ = abused
+    packed = io.BytesIO()
+    with zipfile.ZipFile(packed, "w", zipfile.ZIP_DEFLATED) as archive, archive.open("word/document.xml", "w") as part:
+        for _ in range(50):
+            part.write(bytes(1 << 20))
+    bomb = packed.getvalue()
+    assert len(bomb) < MAX_BODY
+    before = rss_kib(server.process.pid)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: send(server.port, bomb, path="/translate/file?name=b.docx",
+                                               headers={"Content-Type": "application/octet-stream"}), range(8)))
+    assert {status for status, _, _ in answers} == {413}
+    assert all("unpacks to more than 32 MB" in answer["error"] for _, answer, _ in answers)
+    assert rss_kib(server.process.pid) - before < 64 * 1024  # KiB: one bomb unpacked would be 50 MB
+    status, answer, _ = send(server.port, json.dumps({"text": GOOD}).encode())
+    assert status == 200 and answer["translations"] == expected
+
+
 def test_one_abusive_client_beside_fifteen_good_ones_costs_them_nothing(abused):
     """15 good clients for 4 s while one client loops requests that once failed every request
     batched with them (a lone surrogate, a non-string line) or cost the machine (huge bodies)."""

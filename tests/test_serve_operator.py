@@ -32,7 +32,7 @@ def make_keys(path: Path, *names: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def keyed(reverse_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("keyed")
-    keys = make_keys(root / "keys.txt", "alice", "bob", "flood", "single")
+    keys = make_keys(root / "keys.txt", "alice", "bob", "flood", "single", "detector")
     server = Server(reverse_model[1].best_checkpoint, "--api-keys", str(root / "keys.txt"), "--access-log",
                     str(root / "access.log"), "--quota-chars", "400", "--workers", "1")
     yield server, keys, root
@@ -94,6 +94,19 @@ def test_past_the_character_quota_a_client_gets_429_with_retry_after_and_others_
     assert 1 <= retry_after <= 60
     assert send(server.port, json.dumps({"text": line}).encode(), headers=bearer(keys["alice"]))[0] == 200
     too_big = send(server.port, json.dumps({"text": ["wa " * 100, "wb " * 100]}).encode(), headers=bearer(keys["single"]))
+    assert too_big[0] == 413 and "quota of 400" in too_big[1]["error"]
+
+
+def test_detect_spends_the_same_character_quota_as_translate(keyed):
+    server, keys, _ = keyed
+    line = "Ein Hund läuft über die grüne Wiese. " * 2  # 74 characters
+    statuses = [send(server.port, json.dumps({"text": line}).encode(), headers=bearer(keys["detector"]),
+                     path="/detect")[0] for _ in range(6)]
+    assert statuses[:5] == [200] * 5 and statuses[5] == 429  # 444 characters against 400 a minute
+    status, answer, _ = send(server.port, json.dumps({"text": "wa wb wc " * 10}).encode(), headers=bearer(keys["detector"]))
+    assert status == 429 and "quota of 400 characters" in answer["error"]  # spent on /detect
+    too_big = send(server.port, json.dumps({"text": ["wa " * 100, "wb " * 100]}).encode(),
+                   headers=bearer(keys["single"]), path="/detect")
     assert too_big[0] == 413 and "quota of 400" in too_big[1]["error"]
 
 
@@ -199,6 +212,46 @@ def test_a_flooding_client_cannot_hold_back_another_clients_single_request(unlim
     assert batches([t for t in finished if sent < t <= answered]) <= 2
 
 
+@pytest.mark.slow  # a server of its own, four flooding clients
+def test_detect_floods_take_turns_and_never_hold_the_event_loop(unlimited):
+    """Four clients loop /detect requests of ~0.9 MB (100 lines of 9,000 characters) while another
+    asks for /health and a one-line translation: identification runs off the event loop, a chunk of
+    lines a turn, so their answers stay within a small multiple of what they take alone (once the
+    flood identified on the event loop: /health took ~0.6 s, the translation ~1.4 s)."""
+    server, keys = unlimited
+
+    def timed(path: str, body: bytes | None) -> float:
+        status, _, seconds = send(server.port, body, headers=bearer(keys["single"]), path=path)
+        assert status == 200
+        return seconds
+
+    one_line = b'{"text": "wa wb"}'
+    alone = sorted(timed("/translate", one_line) for _ in range(5))[2]
+    flood_body = json.dumps({"text": ["Ein Hund läuft über die grüne Wiese und bellt. " * 190] * 100},
+                            ensure_ascii=False).encode()
+    assert len(flood_body) < 1 << 20  # --max-body-bytes
+    stop, flooded = threading.Event(), []
+
+    def flood() -> None:
+        while not stop.is_set():
+            status, answer, _ = send(server.port, flood_body, headers=bearer(keys["flood"]), path="/detect", timeout=600)
+            assert status == 200 and answer["detections"][99]["language"] == "de"
+            flooded.append(1)
+
+    with ThreadPoolExecutor(4) as clients:
+        floods = [clients.submit(flood) for _ in range(4)]
+        deadline = time.monotonic() + 120
+        while len(flooded) < 2 and time.monotonic() < deadline and not any(f.done() for f in floods):
+            time.sleep(0.05)
+        health = sorted(timed("/health", None) for _ in range(9))[4]
+        translate = sorted(timed("/translate", one_line) for _ in range(9))[4]
+        stop.set()
+        for future in floods:
+            future.result()
+    assert len(flooded) >= 4, "the flood was not under way: nothing was tested"
+    assert health < 0.25 and translate < 5 * alone + 0.25, (health, translate, alone)
+
+
 def test_fair_queue_takes_the_client_that_used_least_and_holds_one_over_its_share():
     import asyncio
 
@@ -244,3 +297,26 @@ def test_a_bad_key_file_is_a_one_line_error(tmp_path):
     assert result.exit_code == 2 and "holds no key" in result.stderr
     result = tfm_in_process("api-key", "--api-keys", bad)
     assert result.exit_code == 2 and "line 1" in result.stderr and bad.read_text() == "tfm-plain-key-not-hashed\n"
+
+
+@pytest.mark.slow  # two servers of their own
+def test_x_forwarded_for_names_the_client_only_from_a_proxy_the_operator_trusts(reverse_model, tmp_path):
+    """Without keys, a client is its address: a forged X-Forwarded-For must not make each request a
+    new client with a fresh quota (nor write the forged address in the access log), unless
+    --forwarded-allow-ips names the proxy the request came through."""
+    line = json.dumps({"text": "wa wb wc wd we wf wg wh " * 4}).encode()  # 96 characters, quota 200
+    for trusted in (None, "127.0.0.1"):
+        log = tmp_path / f"access-{trusted}.log"
+        extra = ["--forwarded-allow-ips", trusted] if trusted else []
+        server = Server(reverse_model[1].best_checkpoint, "--quota-chars", "200", "--access-log", str(log),
+                        "--workers", "1", *extra)
+        try:
+            statuses = [send(server.port, line, headers={"X-Forwarded-For": f"203.0.113.{k}"})[0] for k in range(1, 4)]
+        finally:
+            code, stderr = server.stop()
+        assert code == 0 and "Traceback" not in stderr, stderr
+        clients = [json.loads(record)["client"] for record in log.read_text().splitlines()]
+        if trusted is None:
+            assert statuses == [200, 200, 429] and set(clients) == {"127.0.0.1"}
+        else:
+            assert statuses == [200, 200, 200] and clients[-3:] == ["203.0.113.1", "203.0.113.2", "203.0.113.3"]

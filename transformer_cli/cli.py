@@ -458,6 +458,9 @@ def serve(
                                          "have in flight at once; 0: no limit."),
     access_log: Optional[Path] = typer.Option(None, "--access-log", help="One JSON line per request (time, client, "
                                               "status, characters, latency; never the text) to this file; - for stderr."),
+    forwarded_allow_ips: Optional[str] = typer.Option(None, "--forwarded-allow-ips", help="Proxies (addresses or "
+                                                      "networks, comma-separated; * for any) whose X-Forwarded-For "
+                                                      "names the client. Default: none (the connection's address)."),
 ) -> None:
     """Serve translations over HTTP: POST /translate {"text": [...]} → {"translations": [...]}.
 
@@ -474,9 +477,10 @@ def serve(
         from .serve.transport import listening_address
     except ImportError as exc:
         raise TfmError(f"tfm serve needs FastAPI, uvicorn and prometheus-client: pip install -e '.[serve]' ({exc})") from None
-    from .serve.access import AccessLog, ApiKeys, Quotas
+    from .serve.access import AccessLog, ApiKeys, Quotas, trusted_proxy_addresses
 
     keys = ApiKeys.load(api_keys) if api_keys is not None else None
+    trusted_proxies = trusted_proxy_addresses(forwarded_allow_ips)
     _check_access_log(access_log, {"--config": [config], "--checkpoint": checkpoint or [], "--api-keys": [api_keys]})
     shown_host, loopback = listening_address(host)
     if engine is not None and engine not in ENGINES:
@@ -507,7 +511,7 @@ def serve(
                    max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner), lexical_engine=lexical,
                    request_timeout=request_timeout, header_timeout=header_timeout, keys=keys, quotas=quotas,
                    access_log=AccessLog(log_stream) if log_stream is not None else None, model_name=model_name,
-                   reload=load)
+                   reload=load, forwarded_allow_ips=trusted_proxies)
     finally:
         _close_access_log(log_stream)
     warn("tfm serve: stopped")
@@ -859,7 +863,7 @@ def export(
 
     Translate with it: tfm translate --engine ctranslate2 --model DIR. Needs pip install -e '.\\[ct2]'.
     """
-    from .data.shortlist import SHORTLIST_FILE
+    from .data.shortlist import SHORTLIST_FILE, check_shortlist
     from .interop.ct2 import export_ctranslate2
 
     if format_ != "ctranslate2":
@@ -867,7 +871,9 @@ def export(
     if quantization not in ("float32", "int8"):
         raise TfmError(f"--quantization {quantization}: choose float32 or int8")
     shortlist = checkpoint.resolve().parent.parent / SHORTLIST_FILE  # the run's, where it has one (tfm shortlist)
-    export_ctranslate2(checkpoint, output, force=force, shortlist=shortlist if shortlist.is_file() else None,
+    if shortlist.exists():
+        check_shortlist(shortlist)  # (its pieces are checked against the model where it is used)
+    export_ctranslate2(checkpoint, output, force=force, shortlist=shortlist if shortlist.exists() else None,
                        quantization=None if quantization == "float32" else quantization)
     say(f"exported {checkpoint} → {output} (CTranslate2{', with the run’s lexical shortlist' if shortlist.is_file() else ''}; "
         f"translate with: tfm translate --engine ctranslate2 --model {output})")

@@ -24,13 +24,12 @@ import numpy as np
 from ..experiment.config import ShortlistConfig
 from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from ..runtime.errors import TfmError
-from ..runtime.files import atomic_write_text
+from ..runtime.files import check_digest, write_with_digest
 from .lexical import MAX_ENTRIES, _Side, train_model1
 
 if TYPE_CHECKING:
     from .batches import TokenArray
 
-VMAP_FILE = "vmap.txt"  # its name inside a CTranslate2 model directory
 SHORTLIST_FILE = "shortlist.txt"  # its name in a run directory
 SPECIAL = {PAD_ID, UNK_ID, BOS_ID, EOS_ID}  # CTranslate2 always allows <unk>, <s> and </s> itself
 
@@ -104,16 +103,25 @@ def build_shortlist(run_dir: Path, settings: ShortlistConfig, seed: int = 1) -> 
             continue
         lines.append(piece + "\t" + " ".join(tgt_sp.id_to_piece(int(t)) for t in targets[a:b]))
     path = run.root / SHORTLIST_FILE
-    atomic_write_text(path, "\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    write_with_digest(path, text)
     candidates = [len(line.split("\t")[1].split()) for line in lines[1:]]
     return ShortlistResult(path, pairs, len(lines) - 1, float(np.mean(candidates)) if candidates else 0.0,
                            time.perf_counter() - started)
 
 
-def check_shortlist(path: Path, tgt_sp) -> None:
-    """A shortlist must be CTranslate2's vmap format and list only pieces of this model's target
-    vocabulary: one made for another run would silently restrict the output to wrong pieces."""
-    known = {tgt_sp.id_to_piece(i) for i in range(tgt_sp.get_piece_size())}
+def check_shortlist(path: Path, tgt_sp=None) -> None:
+    """A shortlist must be CTranslate2's vmap format, not empty, list only pieces of the target
+    vocabulary `tgt_sp` (one made for another run would silently restrict the output to wrong
+    pieces; None: not checked) and, where its digest file is beside it, match it. CTranslate2
+    crashes (SIGSEGV) on an empty map: nothing reaches it unchecked."""
+    if not path.is_file():
+        raise TfmError(f"{path}: not a file (a lexical shortlist: make it with `tfm shortlist`)")
+    if path.stat().st_size == 0:
+        raise TfmError(f"{path}: empty (a lexical shortlist: make it again with `tfm shortlist`)")
+    check_digest(path, "make it again with `tfm shortlist`")
+    known = {tgt_sp.id_to_piece(i) for i in range(tgt_sp.get_piece_size())} if tgt_sp is not None else None
+    number = 0
     try:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, start=1):
@@ -121,7 +129,7 @@ def check_shortlist(path: Path, tgt_sp) -> None:
                 if not tab:
                     raise TfmError(f"{path} line {number}: not '<source piece><TAB><target pieces>' (a lexical "
                                    "shortlist: make it again with `tfm shortlist`)")
-                unknown = next((p for p in candidates.split() if p not in known), None)
+                unknown = next((p for p in candidates.split() if p not in known), None) if known else None
                 if unknown is not None:
                     raise TfmError(f"{path} line {number}: {unknown!r} is not a piece of this model's target vocabulary "
                                    "(a shortlist made for another run: make it again with `tfm shortlist`)")
@@ -129,3 +137,5 @@ def check_shortlist(path: Path, tgt_sp) -> None:
         raise TfmError(f"{path}: not UTF-8 text (a lexical shortlist: make it again with `tfm shortlist`)") from None
     except OSError as exc:
         raise TfmError(f"{path}: cannot be read ({exc.strerror})") from None
+    if number == 0:
+        raise TfmError(f"{path}: empty (a lexical shortlist: make it again with `tfm shortlist`)")

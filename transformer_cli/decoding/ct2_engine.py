@@ -12,9 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..data.shortlist import VMAP_FILE, check_shortlist
+from ..data.shortlist import check_shortlist
 from ..experiment.config import DecodeConfig
-from ..interop.ct2 import ExportedModel, exported_decode, import_ctranslate2, read_export
+from ..interop.ct2 import VMAP_FILE, ExportedModel, exported_decode, import_ctranslate2, read_export
 from ..model.lengths import output_length_limit, source_token_limit
 from ..runtime.errors import TfmError
 from .hypothesis import Hypothesis
@@ -87,7 +87,7 @@ class CT2Translator(TranslationEngine):
         self._workers = 1
         self.src_sp, self.tgt_sp = model.src_sp, model.tgt_sp
         own_map = model_dir / VMAP_FILE
-        self.shortlist = shortlist if shortlist is not None else (own_map if own_map.is_file() else None)
+        self.shortlist = shortlist if shortlist is not None else (own_map if own_map.exists() else None)
         if self.shortlist is not None:
             check_shortlist(self.shortlist, self.tgt_sp)
         self.sizes = model.sizes

@@ -125,7 +125,7 @@ def lexical_engine(chosen: TranslationEngine, cfg: ExperimentConfig | None, over
                    checkpoints: list[Path] | None, device: str, engine: str | None, model_dir: Path | None,
                    **updates: Any) -> Callable[[], TranslationEngine] | None:
     """For `tfm serve` whose auto choice is CTranslate2: what makes tfm's engine for the requests
-    with constraints or avoided terms (made at the first one; decoding in the server process, as
+    with constraints, avoided terms or word alignments (HTML and other markup) (made at the first one; decoding in the server process, as
     forking beside CTranslate2's threads is not safe). None where the server has tfm's engine, or
     was told CTranslate2 (--engine ctranslate2, --model DIR: no checkpoint to load)."""
     if chosen.lexical_constraints or engine == "ctranslate2" or model_dir is not None:
@@ -139,9 +139,10 @@ def lexical_engine(chosen: TranslationEngine, cfg: ExperimentConfig | None, over
     def make() -> TranslationEngine:
         for path, identity in zip(files, started):
             if _identity(path) != identity:
-                raise CheckpointReplaced(f"{path} was replaced after the server started: requests with constraints "
-                                         "or avoided terms would load the new model beside the one that answers the "
-                                         "others; restart tfm serve to serve it")
+                raise CheckpointReplaced(f"{path} was replaced after the server started: requests that need tfm's "
+                                         "engine beside CTranslate2 (constraints, avoided terms, word alignments and "
+                                         "documents with markup) would load the new model beside the one that "
+                                         "answers the others; restart tfm serve, or reload it (SIGUSR1), to serve it")
         translator = torch_engine(cfg, overrides, files, device, None, {**updates, "workers": "1"})
         translator.memory_limit = chosen.memory_limit
         return translator
@@ -168,7 +169,9 @@ def run_shortlist(cfg: ExperimentConfig | None, checkpoint: Path) -> Path | None
     from ..data.shortlist import SHORTLIST_FILE
 
     path = cfg.run_path / SHORTLIST_FILE if cfg is not None else Path(checkpoint).resolve().parent.parent / SHORTLIST_FILE
-    return path if path.is_file() else None
+    if path.exists() and not path.is_file():
+        raise TfmError(f"{path}: not a file (a lexical shortlist: make it with `tfm shortlist`, or remove it)")
+    return path if path.exists() else None
 
 
 def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, checkpoints: list[Path] | None,

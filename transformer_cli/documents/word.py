@@ -9,12 +9,53 @@ layout) is the document's own and stays as it was."""
 from __future__ import annotations
 
 import io
+import zipfile
 from typing import Any
 
 from ..decoding.translation import Translation
 from ..runtime.errors import TfmError
 from .markup import Run, plan_run, project, translated_run
 from .plan import Plan
+
+# A .docx is a zip archive: a few kB can unpack to gigabytes. Every member is read through these
+# limits before python-docx (and lxml) sees it, so a document costs at most their size (and lxml's
+# tree of it). A 500-page report's document.xml is ~5-10 MB; its images stay far below the total.
+MAX_MEMBER_BYTES = 32 << 20  # one member, unpacked
+MAX_UNPACKED_BYTES = 128 << 20  # all members together, unpacked
+
+
+class DocumentTooLarge(TfmError):
+    """A document over a size limit (the server answers 413)."""
+
+
+def check_unpacked_size(data: bytes) -> None:
+    """Unpack every member of the archive, counting, without keeping it: DocumentTooLarge past
+    MAX_MEMBER_BYTES for one or MAX_UNPACKED_BYTES for all. The members are read, not their declared
+    sizes trusted (a zip header can say anything)."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise TfmError(f"not a Word (.docx) document ({type(exc).__name__}: {str(exc)[:200]})") from None
+    total = 0
+    for info in members:
+        size = 0
+        try:
+            with archive.open(info) as member:
+                while chunk := member.read(1 << 20):
+                    size += len(chunk)
+                    total += len(chunk)
+                    if size > MAX_MEMBER_BYTES:
+                        raise DocumentTooLarge(f"{info.filename[:100]} in the Word document unpacks to more than "
+                                               f"{MAX_MEMBER_BYTES >> 20} MB, the limit for one part")
+                    if total > MAX_UNPACKED_BYTES:
+                        raise DocumentTooLarge(f"the Word document unpacks to more than {MAX_UNPACKED_BYTES >> 20} "
+                                               "MB, the limit for a document")
+        except DocumentTooLarge:
+            raise
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError) as exc:
+            raise TfmError(f"not a Word (.docx) document ({info.filename[:100]}: {type(exc).__name__}: "
+                           f"{str(exc)[:200]})") from None
 
 
 def paragraphs_of(document: Any) -> list[Any]:
@@ -58,6 +99,7 @@ def plan_word(data: bytes, lang: str | None) -> Plan:
         import docx
     except ImportError:
         raise TfmError("Word documents need python-docx: pip install python-docx") from None
+    check_unpacked_size(data)
     try:
         document = docx.Document(io.BytesIO(data))
     except Exception as exc:  # noqa: BLE001 (python-docx raises several kinds for a file that is not .docx)

@@ -39,7 +39,7 @@ import sentencepiece as spm
 from ..experiment.config import DecodeConfig, apply_override, check_inference_overrides, config_from_dict
 from ..model.special_tokens import BOS_ID, EOS_ID, UNK_ID
 from ..runtime.errors import TfmError
-from ..runtime.files import staging_directory
+from ..runtime.files import check_digest, digest_file, staging_directory
 
 if TYPE_CHECKING:  # this module imports neither torch nor numpy: CTranslate2 translates without them
     import numpy as np
@@ -50,6 +50,8 @@ if TYPE_CHECKING:  # this module imports neither torch nor numpy: CTranslate2 tr
 INSTALL_HINT = "ctranslate2 is not installed: pip install ctranslate2 (a dependency of tfm where its wheels exist)"
 SRC_SPM, TGT_SPM, TFM_JSON = "source.spm.model", "target.spm.model", "tfm_decode.json"
 SPECIAL_PIECES = {UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
+
+VMAP_FILE = "vmap.txt"  # the vocabulary map (a lexical shortlist) CTranslate2 reads from a model directory
 
 
 def import_ctranslate2() -> Any:
@@ -269,8 +271,14 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
             write_conversion(checkpoint, staging, quantization)
         except NotConvertible as exc:
             raise TfmError(f"cannot export to CTranslate2: {exc}") from None
-        if shortlist is not None:
-            shutil.copyfile(shortlist, staging / "vmap.txt")
+        if shortlist is not None:  # the run's lexical shortlist, and its digest where it has one
+            if not shortlist.is_file() or shortlist.stat().st_size == 0:  # CTranslate2 crashes on an empty map
+                raise TfmError(f"{shortlist}: {'empty' if shortlist.is_file() else 'not a file'} (a lexical "
+                               "shortlist: make it again with `tfm shortlist`)")
+            digest = check_digest(shortlist, "make it again with `tfm shortlist`")
+            shutil.copyfile(shortlist, staging / VMAP_FILE)
+            if digest is not None:
+                (staging / digest_file(Path(VMAP_FILE)).name).write_text(f"{digest}  {VMAP_FILE}\n", encoding="utf-8")
         if output.exists():  # an empty directory, or a previous export (checked above)
             output.rename(replaced)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import gzip
+import hashlib
 import os
 import re
 import shutil
@@ -23,6 +24,28 @@ def _open_binary(path: Path) -> IO[bytes]:
     if not path.is_file():
         raise TfmError(f"file not found: {path}")
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def text_file_problem(path: str | Path, head: int = 1 << 16) -> str | None:
+    """What makes a file not line-by-line UTF-8 text, told from its first `head` bytes, in words
+    (with the fix); None where nothing is seen. For errors that would otherwise only say that every
+    line was dropped, or that two files' line counts differ."""
+    try:
+        with _open_binary(Path(path)) as f:
+            data = f.read(head)
+    except (OSError, EOFError, zlib.error, gzip.BadGzipFile, TfmError):
+        return None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or data.count(b"\0") > len(data) // 4:
+        return "it is UTF-16 (convert it: iconv -f UTF-16 -t UTF-8)"
+    if b"\r" in data and b"\n" not in data:
+        return "its lines end in CR alone (old Mac line ends): it reads as one line (convert them: tr '\\r' '\\n')"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(data) - 4:  # (not a character the head cut in two)
+            return (f"it is not UTF-8 (byte {exc.start}: {exc.reason}); Latin-1 or Windows-1252? convert it: "
+                    "iconv -f WINDOWS-1252 -t UTF-8")
+    return None
 
 
 def iter_raw_lines(path: str | Path) -> Iterator[bytes]:
@@ -342,3 +365,35 @@ def atomic_write_bytes(target: str | Path, data: bytes | memoryview) -> None:
 
 def atomic_write_text(target: str | Path, text: str) -> None:
     atomic_write_bytes(target, text.encode("utf-8"))
+
+
+def digest_file(path: Path) -> Path:
+    """A file's SHA-256 beside it, as `sha256sum` writes it (`sha256sum -c` checks it): for files tfm
+    writes and a foreign library later reads unchecked (a lexical shortlist), so that a truncated or
+    damaged copy is recognised before that library sees it."""
+    return path.with_name(path.name + ".sha256")
+
+
+def write_with_digest(path: Path, text: str, digest: str | None = None) -> None:
+    """Write `text` to `path` and its digest file (each atomically); `digest`: a digest known already."""
+    atomic_write_text(path, text)
+    digest = digest or hashlib.sha256(text.encode("utf-8")).hexdigest()
+    atomic_write_text(digest_file(path), f"{digest}  {path.name}\n")
+
+
+def check_digest(path: Path, remedy: str) -> str | None:
+    """Where a digest file is beside `path`, the file must match it: a TfmError naming both and
+    `remedy` otherwise. Returns the digest (None: no digest file)."""
+    digest = digest_file(path)
+    if not digest.exists():
+        return None
+    try:
+        recorded = digest.read_text(encoding="utf-8").split()[0]
+        actual = hashlib.sha256(path.read_bytes()).hexdigest()
+    except (OSError, UnicodeDecodeError, IndexError) as exc:
+        raise TfmError(f"{digest}: cannot be read ({getattr(exc, 'strerror', None) or type(exc).__name__}): "
+                       f"{remedy}") from None
+    if recorded != actual:
+        raise TfmError(f"{path}: truncated or changed since it was written (its SHA-256 differs from {digest.name}'s): "
+                       f"{remedy} (or delete {digest.name} to use an edited file)")
+    return recorded

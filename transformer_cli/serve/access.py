@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import math
 import re
@@ -193,3 +194,20 @@ class AccessLog:
                 self.stream.flush()
             except (OSError, ValueError):
                 pass
+
+
+def trusted_proxy_addresses(value: str | None) -> str | None:
+    """--forwarded-allow-ips as uvicorn takes it (None: trust no proxy header): each comma-separated
+    item an IP address, a network (10.0.0.0/8) or *; anything else is a TfmError naming it."""
+    if value is None:
+        return None
+    items = [item.strip() for item in value.split(",")]
+    for item in items:
+        if item == "*":
+            continue
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise TfmError(f"--forwarded-allow-ips {value!r}: {item!r} is not an IP address or network "
+                           "(e.g. 127.0.0.1,10.0.0.0/8, or * for any)") from None
+    return ",".join(items)

@@ -12,8 +12,9 @@ from pathlib import Path
 from ..decoding.translation import Translation
 from ..documents.formats import document_format, plan_document, read_document
 from ..documents.plan import Plan
+from ..documents.word import DocumentTooLarge
 from ..runtime.errors import TfmError
-from .requests import RequestError, TranslateRequest
+from .requests import TERM_FIELDS, RequestError, TranslateRequest
 
 MEDIA_TYPES = {"text": "text/plain; charset=utf-8", "html": "text/html; charset=utf-8",
                "xml": "application/xml; charset=utf-8", "markdown": "text/markdown; charset=utf-8",
@@ -25,13 +26,18 @@ def planned(request: TranslateRequest, lang: str | None) -> tuple[list[Plan], Tr
     """Each document's plan, and the request of their sentences as lines (with alignments where the
     markup needs them); a document that cannot be read is a RequestError (422)."""
     assert request.format is not None
+    per_line = [name for name, given in (("nbest", (request.nbest or 1) > 1), ("alignment", bool(request.alignment)),
+                                         *((name, getattr(request, name) is not None) for name in TERM_FIELDS)) if given]
+    if per_line:
+        raise RequestError(422, f"format {request.format}: a document gets one translation per sentence, rebuilt "
+                                f"into the document: {', '.join(per_line)} are for requests of lines")
     documents = [request.text] if isinstance(request.text, str) else request.text
     plans = []
     for number, document in enumerate(documents, start=1):
         try:
             plans.append(plan_document(document, request.format, lang))
         except TfmError as exc:
-            raise RequestError(422, f"text {number}: {exc}") from None
+            raise RequestError(failure_status(exc), f"text {number}: {exc}") from None
     return plans, lines_of(plans, request)
 
 
@@ -70,8 +76,13 @@ def file_planned(data: bytes, name: str, fmt: str | None, lang: str | None) -> t
     try:
         plan = plan_document(read_document(io.BytesIO(data), safe_name(name), max(len(data), 1), fmt), fmt, lang)
     except TfmError as exc:
-        raise RequestError(422, str(exc)) from None
+        raise RequestError(failure_status(exc), str(exc)) from None
     return fmt, plan, lines_of([plan], TranslateRequest(text=[]))
+
+
+def failure_status(exc: TfmError) -> int:
+    """413 for a document over a size limit (a zip bomb among them), 422 for one that cannot be read."""
+    return 413 if isinstance(exc, DocumentTooLarge) else 422
 
 
 def safe_name(name: str) -> str:

@@ -79,6 +79,9 @@ FILE_BODY = {"requestBody": {"required": True, "content": {"application/octet-st
     "schema": {"type": "string", "format": "binary"}}}}}  # POST /translate/file: the document's bytes
 DEADLINE_SLACK = 1.0  # seconds an answer from CTranslate2 (which cannot stop a batch) is waited for past the timeout
 SHUTDOWN_GRACE = 5.0  # seconds requests in flight may take after SIGTERM/SIGINT/SIGHUP before they are cut
+# Lines of a /detect request identified in one turn on the decoding thread (~1 ms a 10,000-character
+# line): a turn waits at most a few ms for the next client's, or a translation batch.
+DETECT_CHUNK = 16
 HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers (slowloris)
 
 
@@ -118,6 +121,7 @@ class Endpoints:
         self.making = asyncio.Lock()
         self.load, self.reloading = load, asyncio.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's, once it runs
+        self.detecting: dict[str, list] = {}  # client → [its turn's lock, its requests identifying]
 
     def engines(self) -> list[TranslationEngine]:
         """Every engine the server holds: to cut their decoding and close them at the end."""
@@ -229,13 +233,10 @@ class Endpoints:
             decode, terms, target, queue = await self.checked(request, lines)
             chars = sum(map(len, lines))
             state["chars"], state["lines"] = chars, len(lines)
-            if self.quotas is not None:
-                refused = self.quotas.admit(client, chars)
-                if refused is not None:
-                    if self.metrics is not None:
-                        self.metrics.rejected.labels(reason="quota").inc()
-                    return error_answer(*refused)
-                admitted = True
+            refused = self.admit(client, chars)
+            if refused is not None:
+                return refused
+            admitted = self.quotas is not None
             results = await by_deadline(queue.translate(lines, decode, terms, self.request_timeout, client), target,
                                         arrived + self.request_timeout)
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
@@ -250,8 +251,60 @@ class Endpoints:
             self.metrics.sentences.inc(len(lines))
         body = response(results, decode, terms, target)
         if request.src_lang == "auto":
-            body["src_lang"] = [identify(line, one_line=True)[0] if line.strip() else None for line in lines]
+            body["src_lang"] = [language for language, _ in await self.identified(lines, client)]
         return body
+
+    def admit(self, client: str, chars: int):
+        """None where the client's quotas admit `chars` more (then `quotas.release` it when answered),
+        else the error answer (413/429)."""
+        if self.quotas is None:
+            return None
+        refused = self.quotas.admit(client, chars)
+        if refused is None:
+            return None
+        if self.metrics is not None:
+            self.metrics.rejected.labels(reason="quota").inc()
+        return error_answer(*refused)
+
+    async def detect(self, lines: list[str], state: dict):
+        """POST /detect: each line's language; metered as translation is (the line limits, the
+        client's quotas, turns with the other clients)."""
+        client = state.get("client", "")
+        try:
+            check_lines(lines, self.max_lines, self.max_chars)
+        except RequestError as exc:
+            return error_answer(exc.status, str(exc))
+        state.update(chars=sum(map(len, lines)), lines=len(lines))
+        refused = self.admit(client, state["chars"])
+        if refused is not None:
+            return refused
+        try:
+            found = await self.identified(lines, client)
+        finally:
+            if self.quotas is not None:
+                self.quotas.release(client)
+        return {"detections": [{"language": language, "confidence": round(p, 4)} for language, p in found]}
+
+    async def identified(self, lines: list[str], client: str) -> list[tuple[str | None, float]]:
+        """Each line's language (None for a blank one) and its probability. Identified on the
+        decoding thread, DETECT_CHUNK lines a turn, one turn of a client's at a time: a client's long
+        requests take turns with the other clients' and with translation batches, and never hold the
+        event loop (which answers everyone)."""
+        turn = self.detecting.setdefault(client, [asyncio.Lock(), 0])
+        turn[1] += 1
+        found: list[tuple[str | None, float]] = []
+        try:
+            for at in range(0, len(lines), DETECT_CHUNK):
+                chunk = lines[at:at + DETECT_CHUNK]
+                async with turn[0]:
+                    found += await self.runner(
+                        lambda chunk=chunk: [identify(line, one_line=True) if line.strip() else (None, 0.0)
+                                             for line in chunk])
+        finally:
+            turn[1] -= 1
+            if not turn[1]:
+                del self.detecting[client]
+        return found
 
 
     async def translate_documents(self, request: TranslateRequest, state: dict):
@@ -379,14 +432,8 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
 
     @app.post("/detect")
     async def detect(request: DetectRequest):
-        lines = [request.text] if isinstance(request.text, str) else request.text
-        try:
-            check_lines(lines, max_lines, max_chars)
-        except RequestError as exc:
-            return error_answer(exc.status, str(exc))
-        request_state().update(chars=sum(map(len, lines)), lines=len(lines))
-        found = [identify(line, one_line=True) if line.strip() else (None, 0.0) for line in lines]
-        return {"detections": [{"language": language, "confidence": round(p, 4)} for language, p in found]}
+        return await endpoints.detect([request.text] if isinstance(request.text, str) else request.text,
+                                      request_state())
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -419,13 +466,17 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
           max_body_bytes: int = 1 << 20, debug: bool = False,
           lexical_engine: LexicalFactory | None = None, header_timeout: float = HEADER_TIMEOUT,
           keys: ApiKeys | None = None, quotas: Quotas | None = None, access_log: AccessLog | None = None,
-          model_name: str = "", reload: Loader | None = None, **limits) -> None:
+          model_name: str = "", reload: Loader | None = None, forwarded_allow_ips: str | None = None,
+          **limits) -> None:
     """Serve until SIGTERM, SIGINT or SIGHUP; requests in flight get SHUTDOWN_GRACE seconds to
     finish, then the decoding is cut (a second signal cuts it at once). Returns normally (exit 0).
     `ready()` is called once the address is known to be free (before that, a bad one is an error).
     `lexical_engine`: see `create_app`. `keys`: the API keys every endpoint but /health needs;
     `quotas` per client; `access_log`: one line per request (serve/access.py). `reload`: makes the
-    engine anew from the same files; SIGUSR1 calls it and swaps the new model in (Endpoints.reload)."""
+    engine anew from the same files; SIGUSR1 calls it and swaps the new model in (Endpoints.reload).
+    `forwarded_allow_ips`: the proxies (addresses, networks, or *) whose X-Forwarded-For names the
+    client; None: no proxy header is read, the connection's address is the client (for quotas and
+    the access log: a client could otherwise name itself anew with every request)."""
     import uvicorn
 
     workers = engine.decoding_workers() if hasattr(engine, "decoding_workers") else None
@@ -449,6 +500,8 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
     gate = Gate(BodyLimit(app, max_body_bytes), keys, metrics, access_log)
     server = uvicorn.Server(uvicorn.Config(gate, host=host, port=port,
                                            http=header_timeout_protocol(header_timeout),
+                                           proxy_headers=forwarded_allow_ips is not None,
+                                           forwarded_allow_ips=forwarded_allow_ips or "",
                                            timeout_graceful_shutdown=int(SHUTDOWN_GRACE) + 2,
                                            log_level="debug" if debug else "critical", access_log=False))
     failure: list[BaseException] = []
