@@ -16,6 +16,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.errors import TfmError  # noqa: E402
+
 NUMBER = r"([0-9][0-9,]*(?:\.[0-9]+)?)"
 
 
@@ -273,11 +279,16 @@ def summary(folder: Path) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        print("usage: gpu_summary.py DIR (sections.tsv and the section logs of scripts/gpu_checks.sh)", file=sys.stderr)
-        sys.exit(2)
-    print(summary(Path(sys.argv[1])))
+    parser = ScriptParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, metavar="DIR",
+                        help="the folder scripts/gpu_checks.sh wrote: sections.tsv and <section>.log")
+    args = parser.parse_args()
+    if not args.dir.is_dir():
+        raise TfmError(f"{args.dir}: no such folder (give the one scripts/gpu_checks.sh wrote its logs into)")
+    if not (args.dir / "sections.tsv").is_file():
+        raise TfmError(f"{args.dir}: no sections.tsv in it (not a folder scripts/gpu_checks.sh wrote)")
+    print(summary(args.dir))
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

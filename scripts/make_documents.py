@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/documents"))
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
+    if args.out.exists() and not args.out.is_dir():
+        raise TfmError(f"--out {args.out}: not a folder (the documents are written into one)")
     for path in (args.src, args.ref):
         if not path.is_file():
             raise TfmError(f"{path}: no such file")

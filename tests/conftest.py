@@ -89,8 +89,10 @@ def write_reverse_task(folder: Path, n_train: int = 6000, n_test: int = 200, see
 
 
 # Synthetic tasks are not language: a reversed line has the source's words (a "copy"), random words
-# repeat and short random lines recur. The corpus filters that judge that are off for them.
-SYNTHETIC_FILTERS = {"copies": {"enabled": False}, "repeats": {"enabled": False}, "duplicates": {"enabled": False}}
+# repeat and short random lines recur, and "src"/"tgt" name no language. The corpus filters that judge
+# that are off for them.
+SYNTHETIC_FILTERS = {"copies": {"enabled": False}, "repeats": {"enabled": False}, "duplicates": {"enabled": False},
+                     "language": {"enabled": False}}
 
 
 def reverse_task_config(data_dir: Path, run_dir: Path, **train_overrides) -> dict:

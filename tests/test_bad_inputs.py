@@ -404,8 +404,24 @@ CASES = [
         ["prepare", "--config", corpus(case), "--set", "vocab.size=5000"], None), 2,
          "key 'vocab.size': 5000 pieces is more than this training data supports"),
     Case("corpus: truncated gzip", truncated_gzip, 2, "truncated or corrupt file"),
+    Case("corpus: CR-only line ends", prepare_case(**{k: (lambda lines: b"".join(x.rstrip(b"\n") + b"\r" for x in lines))
+                                                     for k in ("train_src", "train_tgt")}), 2,
+         "train.src: its lines end in CR alone (old Mac line ends)"),
+    Case("corpus: UTF-16", prepare_case(train_tgt=lambda lines: b"".join(lines).decode().encode("utf-16")), 2,
+         "train.tgt: it is UTF-16 (convert it: iconv -f UTF-16 -t UTF-8)"),
+    Case("corpus: every pair one pair, vocab too large", lambda case, d, r: (
+        ["prepare", "--config", corpus(case, train_src=lambda lines: lines[:1] * 300, train_tgt=lambda lines: lines[:1] * 300),
+         "--set", "data.filters.duplicates.enabled=true"], None), 2,
+         "(the corpus filters left 1 of the 300 pairs sampled; 299 were repeats of another pair: data.filters.duplicates)"),
+    Case("corpus: a language the identifier does not know", lambda case, d, r: (
+        ["prepare", "--config", corpus(case), "--set", "data.filters.language.enabled=true"], None), 0,
+         "warning: data: language 'src' (src-tgt's source) is not one the language identifier knows"),
     # config
     Case("config: not a mapping", config_text("- a\n- b\n"), 2, "top level must be a mapping"),
+    Case("config: empty", config_text(""), 2, "no settings in it (empty, or comments only)"),
+    Case("config: comments only", config_text("# run_dir: runs/x\n\n"), 2, "no settings in it"),
+    Case("config: a YAML merge key is read", config_text("model:\n  <<: {d_modle: 3}\n"), 2,
+         "did you mean 'model.d_model'"),
     Case("config: unknown key", config_text("model:\n  d_modle: 3\n"), 2, "did you mean 'model.d_model'"),
     Case("config: wrong type", config_text("model:\n  d_model: large\n"), 2, "key 'model.d_model'"),
     Case("config: python object tag", config_text("model: !!python/object/apply:os.system ['touch MARKER']\n"), 2,

@@ -282,6 +282,7 @@ def test_a_filter_dropping_most_of_the_corpus_warns_and_one_dropping_all_is_an_e
     every = tfm_in_process("prepare", "--config", str(config), "--set", f"run_dir={tmp_path / 'run2'}")
     assert every.exit_code == 2, every.stderr
     assert "every one of de-en's 2,000 training pairs sampled for the vocabulary was dropped (language" in every.stderr
+    assert "train.de.gz reads as fr, not de (a file of another language, or swapped?)" in every.stderr
     assert "Traceback" not in every.stderr and not (tmp_path / "run2" / "prepare.json").exists()
 
 

@@ -371,7 +371,7 @@ def test_every_data_setting_with_a_hostile_value(ws, tmp_path, key, value):
 # --------------------------------------------------------------------------- the scripts users run
 
 SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py")
-                 if p.name not in ("bench_common.py", "ct2_reference.py", "gpu_summary.py"))  # modules and helpers
+                 if p.name not in ("bench_common.py", "ct2_reference.py"))  # a module, and a helper run by a benchmark
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from transformer_cli.experiment.checkpoint import load_checkpoint
 from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.training.train import train
 
-from .conftest import assert_same_final_weights, multi30k_config, wait_until_training
+from .conftest import TFM, assert_same_final_weights, multi30k_config, wait_until_training
 
 pytestmark = pytest.mark.slow
 
@@ -324,11 +325,12 @@ def test_torchrun_on_a_locked_run_directory_stops_every_rank_at_once(multi30k_2k
 
 @pytest.mark.parametrize("environment, says", [
     ({"RANK": "abc"}, "RANK='abc': not a whole number"),
-    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0: must be at least 1"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0: must be 1 to 65536"),
     ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 without MASTER_ADDR and MASTER_PORT"),
     ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "without MASTER_PORT"),
     ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "RANK=2: must be 0 to 1"),
     ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, "MASTER_PORT=99999"),
+    ({"WORLD_SIZE": "99999999999999999999"}, "WORLD_SIZE=99999999999999999999: must be 1 to 65536"),
 ])
 def test_a_bad_distributed_environment_is_one_line_naming_the_variable(monkeypatch, environment, says):
     from transformer_cli.runtime.errors import TfmError
@@ -349,3 +351,15 @@ def test_torchruns_environment_is_read_as_it_is_set(monkeypatch):
                         "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     assert world_from_environment() == World(1, 1, 2)
+
+
+def test_a_rank_whose_others_never_come_ends_with_one_line_within_tfms_timeout(multi30k_2k, tmp_path):
+    """RANK=1 of 2 and no rank 0: torch would wait 30 minutes, then print C++ frames."""
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(ddp_config(multi30k_2k, tmp_path / "run", steps=2)))
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "TFM_START_TIMEOUT": "3"}
+    started = time.monotonic()
+    proc = subprocess.run([*TFM, "train", "--config", str(config)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "did not meet at 127.0.0.1" in proc.stderr and "within 3 s" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and time.monotonic() - started < 60, proc.stderr

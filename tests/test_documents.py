@@ -81,8 +81,23 @@ HTML = ('<!DOCTYPE html>\n<html><head><title>T</title><style>p { color: red }</s
 def test_html_translated_as_itself_is_itself():
     plan = plan_markup(HTML, "de")
     assert "Nicht übersetzen." not in plan.sentences and not any("color" in s or "var" in s for s in plan.sentences)
-    assert plan.sentences[:3] == ["Ein Titel", "Ein schwarzer Hund läuft.", "Eine Frau sitzt hier."]
+    assert plan.sentences[:4] == ["T", "Ein Titel", "Ein schwarzer Hund läuft.", "Eine Frau sitzt hier."]
     assert plan.rebuild(same(plan.sentences)) == HTML.replace(' <img src="a.png"> drei', ' <img src="a.png">drei')
+
+
+def test_every_text_a_reader_sees_is_translated_and_code_is_not():
+    document = ('<html><head><title>Der Titel.</title><style>p { x: 1 }</style></head><body>'
+                '<noscript><p>Bitte Skripte einschalten.</p></noscript><svg><text x="1">Ein Hund.</text></svg>'
+                '<template><p>Eine Vorlage.</p></template><textarea>Ihr Name.</textarea>'
+                '<pre>Vorformatiert.</pre><p>Mit <code>Code</code> darin.</p><math><mi>Formel</mi></math>'
+                '<script>var Skript;</script></body></html>')
+    plan = plan_markup(document, "de")
+    assert plan.sentences == ["Der Titel.", "Bitte Skripte einschalten.", "Ein Hund.", "Eine Vorlage.", "Ihr Name.",
+                              "Mit Code darin."]
+    out = plan.rebuild(reversed_words(plan.sentences))
+    assert "<title>TITEL. DER</title>" in out and ">HUND. EIN</text>" in out and "<textarea>NAME. IHR</textarea>" in out
+    assert "<pre>Vorformatiert.</pre>" in out and "<code>Code</code>" in out and "Formel" in out
+    assert not out.startswith("<!DOCTYPE")  # none added
 
 
 def test_inline_tags_follow_their_words_and_stay_nested():
@@ -179,6 +194,78 @@ def test_subtitles_keep_cues_timings_and_line_counts(document, vtt):
     cue_lines = [len(block.strip().splitlines()) for block in re.split(r"\r?\n\r?\n", out)]
     assert cue_lines == [len(block.strip().splitlines()) for block in re.split(r"\r?\n\r?\n", document)]
     assert ("\r\n" in out) == ("\r\n" in document) and "- HALLO." in out
+
+
+@pytest.mark.parametrize("document, fmt, says", [
+    ("Ein Mann läuft.\n\nEin Hund bellt.\n", "srt", "line 1: text without a timing line"),
+    ("1\n00:00:01,000 --> 00:00:02,000\nEins.\n\n2\n00:00:03,000 -> 00:00:04,000\nZwei.\n", "srt",
+     "line 5: text without a timing line"),
+    ("WEBVTT\n\n00:01.000 --> 00:02.000\nEins.\n\n00:03.000 - 00:04.000\nZwei.\n", "vtt",
+     "line 6: text without a timing line"),
+    ("<html><body><p>Ein Mann läuft.</p></body></html>\n", "srt", "line 1: text without a timing line"),
+    ("<!DOCTYPE html>\n<html><body><p>Ein Mann läuft.</p>\n</body></html>\n", "markdown",
+     "--format markdown: nothing to translate found"),
+])
+def test_a_document_that_does_not_match_its_format_is_an_error_never_a_copy(document, fmt, says):
+    from transformer_cli.documents.formats import plan_document
+
+    with pytest.raises(TfmError, match=re.escape(says)):
+        plan_document(document, fmt, "de")
+
+
+def test_documents_without_text_to_translate_still_come_back_as_they_were():
+    from transformer_cli.documents.formats import plan_document
+
+    for document, fmt in [("WEBVTT\n\nNOTE nur eine Notiz\n", "vtt"), ('<p><img src="a.png"></p>', "html"),
+                          ("<html><head><script>var hund = 1;</script></head></html>", "html"),
+                          ("  \n\n", "text"), ("", "markdown")]:
+        plan = plan_document(document, fmt, "de")
+        assert plan.sentences == [] and plan.rebuild([]) == document  # (no DOCTYPE added where there was none)
+
+
+MARKED_SRT = ("1\n00:00:01,000 --> 00:00:04,000\n{\\an8}<i>Ein Mann läuft</i>\n<i>über die Straße.</i>\n\n"
+              "2\n00:00:05,000 --> 00:00:06,000\n<i>Ein <b>schwarzer</b> Hund.</i>\n\n"
+              "3\n00:00:07,000 --> 00:00:08,000\n<font color=\"#ff0000\">Rot und grün.</font>\n")
+MARKED_VTT = ("WEBVTT\n\n00:01.000 --> 00:04.000\n<v Hans Müller>Ein Mann <b>läuft</b> hier.\n\n"
+              "00:05.000 --> 00:06.000\n<c.yellow>Gelb</c> ist <00:05.500>schön.\n")
+
+
+@pytest.mark.parametrize("document, vtt, expected", [
+    (MARKED_SRT, False, ["{\\an8}<i>STRASSE. DIE ÜBER</i>", "<i>LÄUFT MANN</i> EIN", "<i>HUND. <b>SCHWARZER</b> EIN</i>",
+                         '<font color="#ff0000">GRÜN. UND ROT</font>']),
+    (MARKED_VTT, True, ["<v Hans Müller>HIER. <b>LÄUFT</b> MANN EIN", "<00:05.500>SCHÖN. IST <c.yellow>GELB</c>"]),
+])
+def test_cue_markup_is_kept_and_follows_its_words(document, vtt, expected):
+    plan = plan_subtitles(document, "de", vtt=vtt)
+    assert not any("<" in s or "{" in s for s in plan.sentences)  # the model sees text only
+    assert plan.rebuild(same(plan.sentences)) == document
+    out = plan.rebuild(reversed_words(plan.sentences))
+    assert [line for line in out.splitlines() if line and "-->" not in line and not line.isdigit()
+            and line != "WEBVTT"] == expected
+    # Markup around a whole cue, and codes at its start, need no alignments: only the cues with
+    # markup inside are aligned.
+    assert plan.alignment and plan.aligned == {0, 1}
+    assert wrap('<font color="red">Ein sehr langer Satz</font> mit vielen Wörtern', 2) == [
+        '<font color="red">Ein sehr langer Satz</font>', "mit vielen Wörtern"]
+
+
+def test_an_entity_reference_keeps_its_sentence_whole_and_takes_the_place_of_its_translation():
+    document = ('<?xml version="1.0"?>\n<!DOCTYPE d [<!ENTITY hund "Hund"><!ENTITY x SYSTEM "x.xml">]>\n'
+                '<d><p>Der &hund; bellt laut.</p><p>Ein &x; hier.</p></d>\n')
+    plan = plan_markup(document, "de", xml=True)
+    assert plan.sentences == ["Der Hund bellt laut.", "Ein x hier."]  # what it stands for, else its name
+    assert plan.rebuild(same(plan.sentences)) == plan_markup(document, "de", xml=True).rebuild(same(plan.sentences))
+    out = plan.rebuild(reversed_words(plan.sentences))
+    assert "<p>LAUT. BELLT &hund; DER</p>" in out and "<p>HIER. &x; EIN</p>" in out
+
+
+def test_inline_html_in_markdown_follows_its_words_and_stays_well_formed():
+    document = "<span>Ein Mann</span> im HTML.\n\nEin **fetter <em>und</em> schräger** Satz.<br>\n"
+    plan = plan_markdown(document, "de")
+    assert plan.sentences == ["Ein Mann im HTML.", "Ein fetter und schräger Satz."]
+    assert plan.rebuild(same(plan.sentences)) == document
+    assert plan.rebuild(reversed_words(plan.sentences)) == (
+        "HTML. IM <span>MANN EIN</span>\n\nSATZ. **SCHRÄGER <em>UND</em> FETTER** EIN<br>\n")
 
 
 def test_wrapping_balances_lines_at_spaces():
@@ -294,6 +381,50 @@ def test_word_runs_keep_their_formatting_over_the_translated_words():
     assert out.sections[0].header.paragraphs[0].text == "KOPFZEILE. EINE"
     with pytest.raises(TfmError, match="not a Word"):
         plan_word(b"PK\x03\x04 not really a zip", "de")
+
+
+def zip_bomb(document: bytes, member: str, unpacked_mb: int, members: int = 1) -> bytes:
+    """`document` (a .docx) with `members` parts named `member` (a number after the first) that each
+    unpack to `unpacked_mb` MB of zeros: a few kB per 10 MB on disk."""
+    import zipfile
+
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(document)) as original, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as bomb:
+        names = [member] + [f"{member}.{k}" for k in range(1, members)]
+        for info in original.infolist():
+            if info.filename not in names:
+                bomb.writestr(info, original.read(info))
+        for name in names:
+            with bomb.open(name, "w") as part:
+                for _ in range(unpacked_mb):
+                    part.write(bytes(1 << 20))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("member, unpacked_mb, members, says", [
+    ("word/document.xml", 33, 1, "word/document.xml in the Word document unpacks to more than 32 MB"),
+    ("word/media/image1.png", 40, 1, "word/media/image1.png in the Word document unpacks to more than 32 MB"),
+    ("customXml/item9.xml", 30, 5, "the Word document unpacks to more than 128 MB"),
+])
+def test_a_word_document_is_read_only_within_its_unpacked_limits(member, unpacked_mb, members, says):
+    from transformer_cli.documents.word import DocumentTooLarge, plan_word
+
+    bomb = zip_bomb(word_document(), member, unpacked_mb, members)
+    assert len(bomb) < unpacked_mb * members * 5_000  # kB on disk, a hundred MB and more unpacked
+    with pytest.raises(DocumentTooLarge, match=re.escape(says)):
+        plan_word(bomb, "de")
+    assert plan_word(zip_bomb(word_document(), "word/media/image1.png", 30), "de").sentences[0] == \
+        "Ein schwarzer Hund läuft."  # just under the limit: read
+
+
+def test_a_zip_bomb_is_one_line_and_exit_2_from_tfm_translate(reverse_model, tmp_path):
+    bomb = tmp_path / "bomb.docx"
+    bomb.write_bytes(zip_bomb(word_document(), "word/document.xml", 200))
+    result = tfm("translate", "--checkpoint", str(reverse_model[1].best_checkpoint), "-i", str(bomb),
+                 "-o", str(tmp_path / "out.docx"))
+    assert result.returncode == 2 and "unpacks to more than 32 MB" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out.docx").exists()
 
 
 def test_empty_and_blank_documents_come_back_as_they_were():

@@ -61,11 +61,26 @@ def test_html_through_the_server_keeps_every_tag_once_around_its_word(served):
     ("doc.txt", b"wa\0wb", 422, "NUL"),
     ("bad.xml", b"<doc><a>wa</doc>", 422, "not well-formed XML"),
     ("big.txt", ("wa. " * 70).encode(), 413, "lines"),
+    ("nocues.srt", b"wa wb wc.\n\nwd we.\n", 422, "line 1: text without a timing line"),
+    ("page.md", b"<html><body><p>wa wb</p></body></html>", 422, "nothing to translate found"),
 ])
 def test_a_bad_file_is_a_one_line_error(served, name, body, status, says):
     server, key, _, _ = served
     answer = send(server.port, body, headers=key, path=f"/translate/file?name={urllib.parse.quote(name)}")
     assert answer[0] == status and says in answer[1]["error"], answer
+
+
+@pytest.mark.parametrize("request_body, says", [
+    ({"text": "<p>wa wb</p>", "format": "html", "alignment": True}, "alignment are for requests of lines"),
+    ({"text": "<p>wa wb</p>", "format": "html", "nbest": 2, "beam": 2}, "nbest are for requests of lines"),
+    ({"text": "wa wb", "format": "text", "avoid": ["wa"]}, "avoid are for requests of lines"),
+    ({"text": "wa wb.\n\nwc wd.", "format": "srt"}, "line 1: text without a timing line"),
+    ({"text": "<html><p>wa wb</p></html>", "format": "markdown"}, "nothing to translate found"),
+])
+def test_a_document_request_it_cannot_honour_is_422_never_a_copy_of_the_input(served, request_body, says):
+    server, key, _, _ = served
+    status, answer, _ = send(server.port, json.dumps(request_body).encode(), headers=key)
+    assert status == 422 and says in answer["error"], answer
 
 
 def test_a_subtitle_file_comes_back_translated_with_its_timings_and_a_safe_name(served):

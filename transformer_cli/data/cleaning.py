@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from ..experiment.config import ExperimentConfig
+from ..runtime.console import warn
 from ..runtime.errors import TfmError
-from ..runtime.files import AtomicStream
+from ..runtime.files import AtomicStream, text_file_problem
 from .corpus import (
     EXAMPLES,
     Corpus,
@@ -29,6 +30,7 @@ from .corpus import (
     subset_side,
 )
 from .filters import REASONS, DirectionFilters, SeenHashes
+from .language_id import MODEL_NAME, identify, model_language
 from .lexical import learn_lexical_model
 
 COMMON_WORDS_PAIRS = 20_000  # the first pairs of a direction, whose in-language lines give its common words
@@ -43,6 +45,7 @@ FILTER_OF = {"empty": None, "encoding": "text", "length": "length", "copy": "cop
 class DirectionCounts:
     name: str
     files: list[str]  # the direction's source files, by corpus number
+    sides: list[str] = field(default_factory=list)  # every file of the direction, source and target
     read: int = 0
     kept: int = 0
     dropped: Counter = field(default_factory=Counter)
@@ -95,6 +98,15 @@ class CleaningReport:
         for d in self.directions:
             if d.read and not d.kept:
                 reason, count = d.dropped.most_common(1)[0]
+                why = next((f": {path}: {problem}" for path in d.sides if (problem := text_file_problem(path))), "")
+                if not why and reason == "language":
+                    src_lang, _, tgt_lang = d.name.partition("-")
+                    examples = d.examples.get("language", [])
+                    why = wrong_language_file({side: (lang, d.sides[k::2], [e[side] for e in examples])
+                                               for k, (side, lang) in enumerate((("src", src_lang), ("tgt", tgt_lang)))})
+                if why:  # the file's encoding, line ends or language, not its text
+                    raise TfmError(f"every one of {d.name}'s {d.read:,} training pairs was dropped ({reason}: {count:,})"
+                                   f"{why}")
                 raise TfmError(f"every one of {d.name}'s {d.read:,} training pairs was dropped ({reason}: {count:,}, "
                                f"first in {d.files[0]}); {_CHECK} --set data.filters.{FILTER_OF[reason] or 'text'}"
                                ".enabled=false")
@@ -147,6 +159,17 @@ class Cleaning:
     seen: SeenHashes | None = None  # duplicates: the hashes of the pairs kept so far
 
 
+def wrong_language_file(sides: dict[str, tuple[str, list[str], list]]) -> str:
+    """Which file of a direction is in another language than its code, by the language most of its
+    lines (the first 20 given) are identified as: ": …/train.fr reads as de, not fr", or "" where
+    neither side is. `sides`: side → (language code, its files, some of its lines)."""
+    for lang, files, lines in sides.values():
+        found = Counter(identify(line)[0] for line in lines[:20] if line and line.strip())
+        if found and files and (top := found.most_common(1)[0][0]) != (model_language(lang) or lang):
+            return f": {files[0]} reads as {top}, not {lang} (a file of another language, or swapped?)"
+    return ""
+
+
 def clean_result(result: EncodedChunk, cleaning: Cleaning, source_file: str) -> None:
     """Drop a chunk's repeats of earlier pairs (in corpus order: the first is kept) and count
     everything the chunk's filters dropped in the report (and the --dropped file)."""
@@ -174,7 +197,8 @@ def make_cleaning(config: ExperimentConfig, corpora: list[list[Corpus]], dropped
     """An empty report and the --dropped writer for a run's training split, with the directions'
     `filters` (`corpora`: each direction's training corpora)."""
     settings = config.data.filters
-    report = CleaningReport([DirectionCounts(d.name, [str(src) for src, _ in direction])
+    report = CleaningReport([DirectionCounts(d.name, [str(src) for src, _ in direction],
+                                             [str(path) for pair in direction for path in pair])
                              for d, direction in zip(config.data.pairs, corpora)], settings.warn_share,
                             settings.model_dump())
     return Cleaning(filters, report,
@@ -207,6 +231,9 @@ def build_filters(config: ExperimentConfig, corpora: list[list[Corpus]], seed: i
                                        config.data.train_limit, skip_invalid=True)
             lexical = learn_lexical_model(src, tgt, rule.recall, seed, rule.min_count)
         filters = DirectionFilters(settings, direction.src, direction.tgt, lexical)
+        for side, lang in filters.unidentifiable_sides().items():
+            warn(f"warning: data: language {lang!r} ({direction.name}'s {side}) is not one the language identifier knows "
+                 f"({MODEL_NAME}, 176 languages): the language filter is off for that side")
         if config.data.filters.language.enabled:  # the first pairs of the direction teach its common words
             filters.learn_common_words(*head_pairs(direction_corpora, COMMON_WORDS_PAIRS))
         out.append(filters)
@@ -225,12 +252,13 @@ def _init_sample_filters(filters: list[DirectionFilters]) -> None:
     _sample_filters[:] = filters
 
 
-def filter_sample(filters: DirectionFilters, src: list[str], tgt: list[str], workers: int, name: str
-                  ) -> tuple[list[str], list[str]]:
+def filter_sample(filters: DirectionFilters, src: list[str], tgt: list[str], workers: int, name: str,
+                  files: list[Path] | None = None) -> tuple[list[str], list[str]]:
     """The pairs of a vocabulary sample that the direction's filters keep (each once, with the
     duplicate filter on): the vocabulary learns from the text training will see, not from markup,
     other languages and repeated lines.
-    In `workers` processes (a million-pair sample takes 20 s in one)."""
+    In `workers` processes (a million-pair sample takes 20 s in one). `files`: the corpus files the
+    sample came from (named, with what is wrong with them, where every pair is dropped)."""
     chunk = 20_000
     tasks = ((0, src[i : i + chunk], tgt[i : i + chunk]) for i in range(0, len(src), chunk))
     reasons = [r for part in ordered_map(_sample_reasons, tasks, workers if len(src) > chunk else 1,
@@ -240,6 +268,12 @@ def filter_sample(filters: DirectionFilters, src: list[str], tgt: list[str], wor
         kept = list(dict.fromkeys(kept))
     if src and not kept:  # nothing to learn a vocabulary from, nor to train on
         reason, count = Counter(reasons).most_common(1)[0]
-        raise TfmError(f"every one of {name}'s {len(src):,} training pairs sampled for the vocabulary was dropped "
-                       f"({reason}: {count:,}); {_CHECK} --set data.filters.{FILTER_OF[reason] or 'text'}.enabled=false")
+        what = f"every one of {name}'s {len(src):,} training pairs sampled for the vocabulary was dropped"
+        why = next((f": {path}: {problem}" for path in files or [] if (problem := text_file_problem(path))), "")
+        if not why and reason == "language" and files:
+            why = wrong_language_file({"src": (filters.src_lang, files[0::2], src), "tgt": (filters.tgt_lang, files[1::2], tgt)})
+        if why:  # the file's encoding, line ends or language, not its text
+            raise TfmError(f"{what} ({reason}: {count:,}){why}")
+        raise TfmError(f"{what} ({reason}: {count:,}); {_CHECK} --set data.filters.{FILTER_OF[reason] or 'text'}"
+                       ".enabled=false")
     return [s for s, _ in kept], [t for _, t in kept]

@@ -25,7 +25,7 @@ import numpy as np
 import sentencepiece as spm
 
 from ..runtime.errors import TfmError
-from ..runtime.files import AtomicStream, decode_line, iter_raw_lines, named_after
+from ..runtime.files import AtomicStream, decode_line, iter_raw_lines, named_after, text_file_problem
 from ..runtime.signals import die_with_parent
 from .filters import DirectionFilters, pair_hashes
 
@@ -36,7 +36,8 @@ UNK_ID = 1  # as data.UNK_ID (kept here so workers import nothing heavy)
 
 
 def _mismatch(src: Path, tgt: Path, n_src: int, n_tgt: int) -> TfmError:
-    return TfmError(f"line counts differ: {src} has {n_src} lines, {tgt} has {n_tgt}")
+    why = next((f"; {path}: {problem}" for path in (src, tgt) if (problem := text_file_problem(path))), "")
+    return TfmError(f"line counts differ: {src} has {n_src} lines, {tgt} has {n_tgt}{why}")
 
 
 @dataclass

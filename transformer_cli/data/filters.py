@@ -95,6 +95,14 @@ class DirectionFilters:
         self._language = ({side: model_language(lang) for side, lang in (("src", self.src_lang), ("tgt", self.tgt_lang))}
                           if self.settings["language"]["enabled"] else {"src": None, "tgt": None})
 
+    def unidentifiable_sides(self) -> dict[str, str]:
+        """With the language filter on: the sides (source, target) whose language the identifier does
+        not know (a code it has no model for, `tlh`, a typo): the filter cannot check them."""
+        if not self.settings["language"]["enabled"]:
+            return {}
+        return {side: lang for side, key, lang in (("source", "src", self.src_lang), ("target", "tgt", self.tgt_lang))
+                if self._language[key] is None}
+
     def on(self, name: str) -> bool:
         return self._enabled[name]
 

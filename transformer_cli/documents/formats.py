@@ -3,11 +3,14 @@ size limit, and translating it: its sentences in the engine's chunks, then the d
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
 from ..decoding.translation import Translation, TranslationEngine, translated_chunks
+from ..runtime.console import warn
 from ..runtime.errors import TfmError
 from .markdown import plan_markdown
 from .markup import plan_markup
@@ -61,6 +64,8 @@ def read_document(source: IO[bytes], name: str, limit: int = MAX_DOCUMENT_BYTES,
 
 
 def plan_document(document: str | bytes, fmt: str, lang: str | None) -> Plan:
+    """The document's plan in its format; a TfmError where the document does not match the format
+    (a text in which the format finds nothing to translate is not passed through as it is)."""
     if fmt == "docx":
         if not isinstance(document, bytes):
             raise TfmError("a Word document is a file: send its bytes")
@@ -68,14 +73,25 @@ def plan_document(document: str | bytes, fmt: str, lang: str | None) -> Plan:
     if isinstance(document, bytes):
         raise TfmError(f"--format {fmt}: a text document, not bytes")
     if fmt == "text":
-        return plan_text(document, lang)
-    if fmt in ("html", "xml"):
-        return plan_markup(document, lang, xml=fmt == "xml")
-    if fmt == "markdown":
-        return plan_markdown(document, lang)
-    if fmt in ("srt", "vtt"):
-        return plan_subtitles(document, lang, vtt=fmt == "vtt")
-    raise TfmError(f"--format {fmt}: not a document format ({', '.join(FORMATS[1:])})")
+        plan = plan_text(document, lang)
+    elif fmt in ("html", "xml"):
+        plan = plan_markup(document, lang, xml=fmt == "xml")
+    elif fmt == "markdown":
+        plan = plan_markdown(document, lang)
+    elif fmt in ("srt", "vtt"):
+        return plan_subtitles(document, lang, vtt=fmt == "vtt")  # (checks its blocks itself)
+    else:
+        raise TfmError(f"--format {fmt}: not a document format ({', '.join(FORMATS[1:])})")
+    if not plan.sentences and LETTER.search(MARKUP.sub(" ", document) if fmt != "text" else document):
+        raise TfmError(f"--format {fmt}: nothing to translate found in a document that has text: is it {fmt}? "
+                       "(name its format with --format, or the request's \"format\")")
+    return plan
+
+
+# What a reader does not see in markup: elements of code and style, comments, tags. A document
+# with letters outside them in which the format found no sentence is in another format.
+MARKUP = re.compile(r"<(script|style)\b.*?</\1\s*>|<!--.*?-->|<[^>]*>", re.S | re.I)
+LETTER = re.compile(r"[^\W\d_]")
 
 
 def translate_document(engine: TranslationEngine, document: str | bytes, fmt: str,
@@ -83,6 +99,11 @@ def translate_document(engine: TranslationEngine, document: str | bytes, fmt: st
     """The document translated in its format, its sentences and their target tokens. Markup needs the
     engine's word alignments (decode.alignment: tfm's engine)."""
     plan = plan_document(document, fmt, engine.own_source_language)
+    if plan.alignment and not engine.decode.alignment and fmt in ("srt", "vtt"):
+        # Subtitles translate without alignments; their markup inside a cue then keeps its place.
+        warn(f"warning: --format {fmt}: markup inside cues is placed where it stood, not by its words (this "
+             "engine makes no word alignments: give --alignment, with a checkpoint)")
+        plan = replace(plan, alignment=False, aligned=None)
     if plan.alignment and not engine.decode.alignment:
         raise TfmError(f"--format {fmt} places the tags through word alignments: the engine must make them "
                        "(decode.alignment, tfm's engine)")

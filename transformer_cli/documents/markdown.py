@@ -2,13 +2,14 @@
 quote is translated, and its inline markup (**strong**, *emphasis*, ~~struck~~, [links](…)) is put
 back around the translated words through the alignments, as for HTML (documents/markup.py). What is
 not prose stays as it was: code blocks and `code spans` (a code span lands on its copy in the
-translation), images, autolinks, inline HTML, tables, and each line's block markers ("# ", "> ",
+translation), images, autolinks, inline HTML that is not an element around words (`<br>`, a comment), tables, and each line's block markers ("# ", "> ",
 "- ", indentation). A paragraph that ran over several lines comes out on one line (Markdown joins
 them anyway)."""
 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from ..decoding.translation import Translation
@@ -19,14 +20,39 @@ OPENING = {"strong_open", "em_open", "s_open", "link_open"}
 CLOSING = {"strong_close", "em_close", "s_close", "link_close"}
 
 
+HTML_OPENING = re.compile(r"<([A-Za-z][A-Za-z0-9-]*)(?:\s[^<>]*)?>\Z")
+HTML_CLOSING = re.compile(r"</([A-Za-z][A-Za-z0-9-]*)\s*>\Z")
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
 def inline_run(children: list[Any]) -> Run:
     """An inline token's children as a run: its text, and its markup as spans (element: the
-    (opening, closing) marks, or for what is kept, the markup as it is written)."""
+    (opening, closing) marks, or for what is kept, the markup as it is written). Inline HTML that
+    opens and closes an element (`<span>…</span>`) is a span like emphasis: it follows its words."""
     run = Run()
     into, opened = [run.spans], []
+    html: dict[int, str] = {}  # id of an open span of inline HTML → its element's name
+
+    def end_html() -> None:  # inline HTML left open where its parent ends: it ends there too
+        while opened and id(opened[-1]) in html:
+            opened.pop().end = len(run.text)
+            into.pop()
+
     for token in children:
         start = len(run.text)
-        if token.type == "text":
+        if token.type == "html_inline" and (tag := HTML_OPENING.match(token.content)) and \
+                tag[1].lower() not in VOID and not token.content.endswith("/>"):
+            span = Span((token.content, ""), start, start, False)
+            into[-1].append(span)
+            opened.append(span)
+            into.append(span.children)
+            html[id(span)] = tag[1].lower()
+        elif token.type == "html_inline" and (tag := HTML_CLOSING.match(token.content)) and opened and \
+                html.get(id(opened[-1])) == tag[1].lower():
+            span = opened.pop()
+            into.pop()
+            span.end, span.element = len(run.text), (span.element[0], token.content)
+        elif token.type == "text":
             run.text += token.content
         elif token.type in ("softbreak", "hardbreak"):
             run.text += " "
@@ -39,6 +65,7 @@ def inline_run(children: list[Any]) -> Run:
             opened.append(span)
             into.append(span.children)
         elif token.type in CLOSING and opened:
+            end_html()
             span = opened.pop()
             into.pop()
             span.end = len(run.text)
@@ -50,8 +77,9 @@ def inline_run(children: list[Any]) -> Run:
         elif token.type == "image":
             title = f' "{token.attrs["title"]}"' if token.attrs.get("title") else ""
             into[-1].append(Span(f"![{token.content}]({token.attrs.get('src', '')}{title})", start, start, True))
-        elif token.type == "html_inline":
+        elif token.type == "html_inline":  # a comment, a void element, a closing tag never opened
             into[-1].append(Span(token.content, start, start, True))
+    end_html()
     return run
 
 

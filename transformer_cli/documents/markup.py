@@ -30,9 +30,11 @@ from .plan import Plan, split_run
 
 INLINE = {"a", "abbr", "b", "bdi", "bdo", "big", "cite", "data", "del", "dfn", "em", "font", "i", "img", "ins",
           "label", "mark", "q", "s", "small", "span", "strike", "strong", "sub", "sup", "time", "tt", "u", "wbr"}
-KEPT_INLINE = {"code", "kbd", "samp", "var", "img", "wbr", "input", "svg", "math", "button", "select", "textarea"}
-UNTRANSLATED = {"script", "style", "pre", "code", "kbd", "samp", "var", "svg", "math", "textarea", "template",
-                "noscript", "head"}
+KEPT_INLINE = {"code", "kbd", "samp", "var", "img", "wbr", "input", "svg", "math", "button", "select"}
+# Not text a reader reads: code, style, preformatted text, formulas. A reader does see the <title>
+# (in <head>), <noscript> (without scripts), <svg> <text>, a <template>'s content once shown and a
+# <textarea>'s: those are translated (docs/translation.md#documents).
+UNTRANSLATED = {"script", "style", "pre", "code", "kbd", "samp", "var", "math"}
 BREAKS = {"br", "hr"}
 WORD = re.compile(r"\S+")
 
@@ -57,6 +59,7 @@ class Span:
     kept: bool
     children: list[Span] = field(default_factory=list)
     target: tuple[int, int] = (0, 0)  # [start, end) in the translated run's text
+    replaces: bool = False  # kept, and put in place of the words its text translated into (an entity)
 
 
 @dataclass
@@ -73,9 +76,13 @@ class Run:
 
     def add_inline(self, element: Any, into: list[Span], xml: bool) -> None:
         start = len(self.text)
-        kept = untranslated(element) or local_name(element) in KEPT_INLINE and not xml
+        entity = is_entity(element)
+        kept = entity or untranslated(element) or local_name(element) in KEPT_INLINE and not xml
         span = Span(copy.deepcopy(element) if kept else shallow(element), start, start, kept)
-        if kept:
+        if entity:  # `&name;` stays in its sentence as what it stands for; it replaces that text's translation
+            self.text += entity_text(element)
+            span.replaces = True
+        elif kept:
             self.text += element.text_content() if hasattr(element, "text_content") else "".join(element.itertext())
         else:
             self.text += element.text or ""
@@ -95,7 +102,24 @@ def shallow(element: Any) -> Any:
     return made
 
 
+def is_entity(element: Any) -> bool:
+    """An unresolved entity reference (`&name;` of a DTD, XML read without resolving entities)."""
+    import lxml.etree
+
+    return element.tag is lxml.etree.Entity
+
+
+def entity_text(entity: Any) -> str:
+    """What an entity reference stands for, as the model should read it: its declaration's text in
+    the document's own DTD where that is plain text, else its name."""
+    dtd = entity.getroottree().docinfo.internalDTD
+    declared = next((e.content for e in dtd.iterentities() if e.name == entity.name), None) if dtd is not None else None
+    return declared if declared and "<" not in declared and "&" not in declared else entity.name
+
+
 def is_inline(child: Any, parent_has_text: bool, xml: bool) -> bool:
+    if is_entity(child):
+        return True
     if not isinstance(child.tag, str) or local_name(child) in BREAKS:
         return False  # a comment, a processing instruction, a line break: a boundary, kept in place
     if xml:
@@ -372,7 +396,7 @@ def translated_with_spans(run: Run, translations: list[Translation]) -> str:
     def place(spans: list[Span]) -> None:
         for span in spans:
             span.target = project(span.start, span.end, sentences, run.text, text, ends)
-            if span.kept:
+            if span.kept and not span.replaces:
                 span.target = kept_place(run.text[span.start:span.end], span.target, text)
             place(span.children)
 
@@ -407,6 +431,7 @@ def plan_run(run: Run, lang: str | None, sentences: list[str]) -> None:
 
 XML_DECLARATION = re.compile(r"\A\s*<\?xml[^>]*\?>")
 HTML_DOCUMENT = re.compile(r"<!doctype|<html[\s>]", re.IGNORECASE)
+DOCTYPE = re.compile(r"<!doctype", re.IGNORECASE)
 
 
 def parse(document: str, xml: bool) -> tuple[Any, Any]:
@@ -435,6 +460,8 @@ def parse(document: str, xml: bool) -> tuple[Any, Any]:
         raise TfmError(f"line {too_deep.line}: elements nested more than 256 deep (libxml2's limit)")
     if HTML_DOCUMENT.search(document[:4096]):
         tree = root.getroottree()
+        if not DOCTYPE.search(document[:4096]):  # libxml2 gives every document one: none is added
+            return root, lambda: lxml.html.tostring(root, encoding="unicode") + trailing
         return root, lambda: lxml.html.tostring(tree, encoding="unicode", doctype=tree.docinfo.doctype) + trailing
 
     def inner() -> str:  # the fragment without the <div> that held it

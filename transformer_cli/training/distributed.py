@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..runtime.console import warn
 from ..runtime.errors import TfmError
+
+MAX_WORLD = 1 << 16  # processes: beyond any run's (torch counts ranks in 32-bit ints)
+START_TIMEOUT = 300.0  # seconds the processes of a run have to meet (TFM_START_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,7 @@ def world_from_environment() -> World:
     number in range, or a world of several processes without a rendezvous address, is a TfmError
     naming it (not a traceback from int() or from the process group)."""
     env = os.environ
-    size = _whole_number("WORLD_SIZE", env.get("WORLD_SIZE", "1"), low=1)
+    size = _whole_number("WORLD_SIZE", env.get("WORLD_SIZE", "1"), low=1, below=MAX_WORLD + 1)
     rank = _whole_number("RANK", env.get("RANK", "0"), low=0, below=size)
     local_rank = _whole_number("LOCAL_RANK", env.get("LOCAL_RANK", "0"), low=0, below=size)
     if size > 1:
@@ -55,15 +60,46 @@ def _whole_number(name: str, text: str, low: int, below: int | None = None) -> i
     return value
 
 
+def start_timeout() -> float:
+    """Seconds the processes of a run have to meet: START_TIMEOUT, or TFM_START_TIMEOUT where set."""
+    text = os.environ.get("TFM_START_TIMEOUT", "").strip()
+    if not text:
+        return START_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= 86_400:
+        raise TfmError(f"environment variable TFM_START_TIMEOUT={text!r}: seconds, more than 0 and at most 86400")
+    return seconds
+
+
 def join(world: World, device: torch.device) -> torch.device:
-    """Join the process group (nccl on CUDA, gloo on CPU); each rank gets its local GPU."""
+    """Join the process group (nccl on CUDA, gloo on CPU); each rank gets its local GPU. A process
+    whose others do not come within start_timeout() seconds (a rank never started, a wrong
+    MASTER_ADDR) ends with one line and exit 2: torch's own wait is 30 minutes, then a C++ trace."""
     if not world.enabled:
         return device
     if device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank, world_size=world.size)
+        seconds = start_timeout()
+
+        def give_up() -> None:  # on a timer thread, while the main thread waits inside torch
+            warn(f"error: torchrun rank {world.rank} of {world.size}: the other processes did not meet at "
+                 f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {seconds:g} s (is every "
+                 "rank started, with the same MASTER_ADDR/MASTER_PORT? TFM_START_TIMEOUT sets the wait)")
+            os._exit(2)
+
+        watchdog = threading.Timer(seconds, give_up)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank,
+                                    world_size=world.size)
+        finally:
+            watchdog.cancel()
     return device
 
 
