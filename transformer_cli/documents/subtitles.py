@@ -194,10 +194,10 @@ def plan_subtitles(document: str, lang: str | None, vtt: bool = False) -> Plan:
             texts = [(mark.group(0), line[mark.end():], 1) for mark, line in zip(marks, spoken) if mark]
         else:
             texts = [("", " ".join(spoken), len(spoken))]
-        parts = []
+        parts: list[tuple[str, Run | list, int]] = []
         for mark, text, count in texts:
             run, inner = marked_cue(text, lang, sentences)
-            if inner:
+            if inner and isinstance(run, Run):
                 aligned |= sentences_in_markup([run])
             parts.append((mark, run, count))
         pieces += [(parts, eol), block[len(body):]]
