@@ -410,6 +410,12 @@ def _terminology(constraints: bool, prefix: str | None, avoid: Path | None, glos
                        str(input_) if input_ is not None else "standard input")
 
 
+AccessLogOpt = typer.Option(None, "--access-log", help="One JSON line per request (time, client, status, characters, "
+                            "latency; never the text) to this file; - for stderr.")
+ForwardedOpt = typer.Option(None, "--forwarded-allow-ips", help="Proxies (addresses or networks, comma-separated; "
+                            "* for any) whose X-Forwarded-For names the client. Default: none (the connection's address).")
+
+
 @app.command(cls=OneValueOptions)
 @user_errors
 def serve(
@@ -456,11 +462,8 @@ def serve(
                                     "(key, or address without keys) may send a minute; 0: no limit."),
     quota_concurrent: int = typer.Option(0, "--quota-concurrent", min=0, max=100_000, help="Requests each client may "
                                          "have in flight at once; 0: no limit."),
-    access_log: Optional[Path] = typer.Option(None, "--access-log", help="One JSON line per request (time, client, "
-                                              "status, characters, latency; never the text) to this file; - for stderr."),
-    forwarded_allow_ips: Optional[str] = typer.Option(None, "--forwarded-allow-ips", help="Proxies (addresses or "
-                                                      "networks, comma-separated; * for any) whose X-Forwarded-For "
-                                                      "names the client. Default: none (the connection's address)."),
+    access_log: Optional[Path] = AccessLogOpt,
+    forwarded_allow_ips: Optional[str] = ForwardedOpt,
 ) -> None:
     """Serve translations over HTTP: POST /translate {"text": [...]} → {"translations": [...]}.
 
