@@ -98,18 +98,12 @@ class CleaningReport:
         for d in self.directions:
             if d.read and not d.kept:
                 reason, count = d.dropped.most_common(1)[0]
-                why = next((f": {path}: {problem}" for path in d.sides if (problem := text_file_problem(path))), "")
-                if not why and reason == "language":
-                    src_lang, _, tgt_lang = d.name.partition("-")
-                    examples = d.examples.get("language", [])
-                    why = wrong_language_file({side: (lang, d.sides[k::2], [e[side] for e in examples])
-                                               for k, (side, lang) in enumerate((("src", src_lang), ("tgt", tgt_lang)))})
-                if why:  # the file's encoding, line ends or language, not its text
-                    raise TfmError(f"every one of {d.name}'s {d.read:,} training pairs was dropped ({reason}: {count:,})"
-                                   f"{why}")
-                raise TfmError(f"every one of {d.name}'s {d.read:,} training pairs was dropped ({reason}: {count:,}, "
-                               f"first in {d.files[0]}); {_CHECK} --set data.filters.{FILTER_OF[reason] or 'text'}"
-                               ".enabled=false")
+                src_lang, _, tgt_lang = d.name.partition("-")
+                examples = d.examples.get("language", [])
+                sides = {side: (lang, d.sides[k::2], [e[side] for e in examples])
+                         for k, (side, lang) in enumerate((("src", src_lang), ("tgt", tgt_lang)))}
+                raise all_dropped(f"every one of {d.name}'s {d.read:,} training pairs was dropped", reason, count,
+                                  sides, f", first in {d.files[0]}")
 
     def to_json(self) -> dict:
         return {
@@ -168,6 +162,21 @@ def wrong_language_file(sides: dict[str, tuple[str, list[str], list]]) -> str:
         if found and files and (top := found.most_common(1)[0][0]) != (model_language(lang) or lang):
             return f": {files[0]} reads as {top}, not {lang} (a file of another language, or swapped?)"
     return ""
+
+
+def all_dropped(what: str, reason: str, count: int, sides: dict[str, tuple[str, list, list]],
+                where: str = "") -> TfmError:
+    """The error for a direction whose every pair was dropped, by `reason` mostly: where a file's
+    encoding, line ends or language explain it, that file and the fix; else the filter to check.
+    `sides`: side → (language code, its files, some of its lines)."""
+    files = [path for _, paths, _ in sides.values() for path in paths]
+    why = next((f": {path}: {problem}" for path in files if (problem := text_file_problem(path))), "")
+    if not why and reason == "language":
+        why = wrong_language_file(sides)
+    if why:
+        return TfmError(f"{what} ({reason}: {count:,}){why}")
+    return TfmError(f"{what} ({reason}: {count:,}{where}); {_CHECK} --set data.filters.{FILTER_OF[reason] or 'text'}"
+                    ".enabled=false")
 
 
 def clean_result(result: EncodedChunk, cleaning: Cleaning, source_file: str) -> None:
@@ -268,12 +277,8 @@ def filter_sample(filters: DirectionFilters, src: list[str], tgt: list[str], wor
         kept = list(dict.fromkeys(kept))
     if src and not kept:  # nothing to learn a vocabulary from, nor to train on
         reason, count = Counter(reasons).most_common(1)[0]
-        what = f"every one of {name}'s {len(src):,} training pairs sampled for the vocabulary was dropped"
-        why = next((f": {path}: {problem}" for path in files or [] if (problem := text_file_problem(path))), "")
-        if not why and reason == "language" and files:
-            why = wrong_language_file({"src": (filters.src_lang, files[0::2], src), "tgt": (filters.tgt_lang, files[1::2], tgt)})
-        if why:  # the file's encoding, line ends or language, not its text
-            raise TfmError(f"{what} ({reason}: {count:,}){why}")
-        raise TfmError(f"{what} ({reason}: {count:,}); {_CHECK} --set data.filters.{FILTER_OF[reason] or 'text'}"
-                       ".enabled=false")
+        files = files or []
+        raise all_dropped(f"every one of {name}'s {len(src):,} training pairs sampled for the vocabulary was dropped",
+                          reason, count, {"src": (filters.src_lang, files[0::2], src),
+                                          "tgt": (filters.tgt_lang, files[1::2], tgt)})
     return [s for s, _ in kept], [t for _, t in kept]
