@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -166,3 +167,46 @@ def test_readme_is_a_users_page_and_nothing_speaks_of_the_process():
         text = path.read_text(encoding="utf-8", errors="replace")
         offending += [f"{name}: {m.group(0)}" for m in PROCESS_WORDS.finditer(text)]
     assert not offending, offending
+
+
+def wing_paragraphs(page: str) -> dict[str, str]:
+    """docs/architecture.md's paragraph of each wing ("**decoding/** … ") and of the top ("**The top**")."""
+    paragraphs = {}
+    for block in page.split("\n\n"):
+        head = re.match(r"\*\*([a-z_]+)/\*\*|\*\*The top\*\*", block)
+        if head:
+            paragraphs[head.group(1) or ""] = block
+    return paragraphs
+
+
+def architecture_drift(page: str) -> list[str]:
+    """Modules the page or a wing's __init__ fails to name, and module names the page gives that do not exist."""
+    paragraphs = wing_paragraphs(page)
+    problems = []
+    for name, path in all_modules().items():
+        if path.name == "__init__.py":
+            continue
+        wing = name.split(".")[0] if "." in name else ""
+        if not re.search(rf"(?<![\w/]){re.escape(path.name)}\b", paragraphs.get(wing, "")):
+            problems.append(f"{path.relative_to(PACKAGE)}: not named in docs/architecture.md's {wing or 'top'} paragraph")
+        if wing and path.name not in (ast.get_docstring(ast.parse((PACKAGE / wing / "__init__.py").read_text(
+                encoding="utf-8"))) or ""):
+            problems.append(f"{path.relative_to(PACKAGE)}: not named in {wing}/__init__.py")
+    for wing, paragraph in paragraphs.items():
+        for named in re.findall(r"(?<![\w/.])((?:[a-z_]+/)?[a-z_]+\.py)\b", paragraph):
+            where = PACKAGE / named if "/" in named else PACKAGE / wing / named
+            if not where.is_file():
+                problems.append(f"docs/architecture.md names {named} ({wing or 'top'}), which does not exist")
+    return problems
+
+
+def test_architecture_page_names_every_module_and_its_counts_are_current():
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert architecture_drift(page) == []
+    # A module added without its line is caught, and so is a line naming a module that went away.
+    assert any("stray.py" in p for p in architecture_drift(page.replace("`search.py` (greedy", "`stray.py` (greedy")))
+    assert any("search.py: not named" in p for p in architecture_drift(page.replace("search.py", "seek.py")))
+    spec = importlib.util.spec_from_file_location("architecture_counts", ROOT / "scripts" / "architecture_counts.py")
+    counts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counts)
+    assert counts.generated_page(page) == page, "stale line counts: run python scripts/architecture_counts.py --write"

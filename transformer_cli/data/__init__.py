@@ -4,7 +4,10 @@ batches training reads.
 prepare.py is `tfm prepare` (reading, checking, encoding, the manifest); corpus.py reads corpora
 (plain or gzipped, several files, line checks); batches.py groups encoded pairs into token-bucketed
 batches; batch_stream.py feeds them to training ahead of time; language_tags.py the `>>de<<` tags of
-multilingual runs; language_id.py tells which language a line is in.
+multilingual runs; language_id.py tells which language a line is in. Cleaning the training split:
+filters.py (which pairs are dropped and why), lexical.py (the IBM Model 1 score of misaligned pairs),
+cleaning.py (the filters built from the config, duplicates, the report, `--dropped`). shortlist.py
+learns a run's lexical shortlist (`tfm shortlist`).
 
 Entry points: `prepare.prepare`, `batches.ParallelData`, `batches.token_batches`.
 May import: the model, runtime and experiment wings.

@@ -149,7 +149,7 @@ def load_sentencepiece(path: Path) -> spm.SentencePieceProcessor:
 
 # --------------------------------------------------------------------------- prepare
 
-REPORT_FILE = "prepare_report.json"  # what the training-pair filters dropped (data/cleaning_report.py)
+REPORT_FILE = "prepare_report.json"  # what the training-pair filters dropped (data/cleaning.py)
 
 
 @dataclass

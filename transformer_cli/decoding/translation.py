@@ -1,7 +1,7 @@
 """Stage 4, prediction, whatever the engine: raw lines in, translations out; batched,
 order-preserving, streaming.
 
-Two engines translate: tfm's own (`translate.Translator`, torch) and CTranslate2
+Two engines translate: tfm's own (`torch_engine.Translator`, torch) and CTranslate2
 (`ct2_engine.CT2Translator`). Both are a `TranslationEngine`: they tokenize, search and detokenize in their
 own way, and share everything around that here: empty lines, over-long lines, the n-best record,
 chunked streaming. Nothing here imports torch: a CTranslate2 translation starts without it
