@@ -14,6 +14,7 @@ from typing import Any
 
 from ..data.shortlist import check_shortlist
 from ..experiment.config import DecodeConfig
+from ..experiment.scoring import search_alpha, total_log_prob
 from ..interop.ct2 import VMAP_FILE, ExportedModel, exported_decode, import_ctranslate2, read_export
 from ..model.lengths import output_length_limit, source_token_limit
 from ..runtime.errors import TfmError
@@ -208,7 +209,7 @@ class CT2Translator(TranslationEngine):
         return self.tgt_sp.encode(texts, out_type=str)
 
     def total_log_prob(self, score: float, length: int, beam: int, decode: DecodeConfig) -> float:
-        return score * length ** decode.length_penalty if beam > 1 else score  # CTranslate2 divides by len ** alpha
+        return total_log_prob(score, length, decode.length_penalty, beam, "length")  # CTranslate2: len ** alpha
 
     def detokenize(self, tokens: list[str]) -> str:
         return self.tgt_sp.decode_pieces(tokens)
@@ -251,7 +252,7 @@ class CT2Translator(TranslationEngine):
             # Asynchronous: with several workers (inter_threads) CTranslate2 decodes batches in parallel.
             submitted.append((batch, self._submit(
                 [pieces[i] for i in batch], beam_size=beam, num_hypotheses=nbest,
-                length_penalty=decode.length_penalty if beam > 1 else 0.0,
+                length_penalty=search_alpha(decode.length_penalty, beam),
                 max_decoding_length=max(limit, 1), max_input_length=self.max_input_length,
                 target_prefix=forced, return_scores=nbest > 1 or decode.scores,  # scores cost ~4% of greedy's time
                 use_vmap=decode.shortlist, asynchronous=True)))

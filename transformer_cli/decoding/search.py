@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
+from ..experiment.scoring import finished_needed, gnmt_length_penalty
 from ..model.decoder_state import SearchModel, SearchState
 from ..model.lengths import output_token_cap
 from .budget import check_deadline
@@ -146,11 +147,6 @@ def max_output_lengths(src: torch.Tensor, pad_id: int, a: float, b: int, min_len
     # overflows a float or an int64 on the way (max_len_a 1e308, max_len_b 1e20).
     a, b = min(a, float(cap)), min(b, cap)
     return ((a * src_len.float()).long() + b).clamp(min=min_len).clamp(min=1, max=cap)
-
-
-def length_penalty(length: torch.Tensor | int, alpha: float) -> torch.Tensor | float:
-    """GNMT (Wu et al., 2016): ((5 + len) / 6) ** alpha."""
-    return ((5.0 + length) / 6.0) ** alpha
 
 
 class PickRule(Protocol):
@@ -381,18 +377,6 @@ def done_sentences(beam_scores: torch.Tensor, history: torch.Tensor, alive: list
     return done
 
 
-def finished_needed(terms: list[TermIds] | None, n_sent: int, nbest: int, k: int, alpha: float) -> list[int]:
-    """Per sentence, the finished hypotheses beam search waits for before it may stop.
-
-    With alpha = 0 a live beam's score only falls, so beating the best live beam now is final:
-    `nbest`. With alpha > 0 a longer hypothesis can still overtake it (lp grows with length): K, as
-    CTranslate2 waits for with a length penalty. A sentence with constraints waits for `nbest`
-    only: its <eos> is barred until every term is placed (no improbable early ends to outwait), and
-    the beams that have placed them all are few of the K: K finished hypotheses took 1.6x the steps
-    for no gain in BLEU (docs/translation.md)."""
-    return [nbest if alpha == 0 or (terms and terms[s].constraints) else max(nbest, k) for s in range(n_sent)]
-
-
 def bar_tokens(logprobs: torch.Tensor, step: int, eos: int, min_len: int, forced: torch.Tensor | None,
                avoided: AvoidedSequences | None, alive: torch.Tensor, history: torch.Tensor, k: int,
                constrained: ConstrainedBeams | None = None, word_continuations: torch.Tensor | None = None) -> None:
@@ -484,7 +468,7 @@ def beam_search(
     state = model.init_state(memory, src_mask, beams=k, max_len=max(limits))
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     best_finished = [float("-inf")] * n_sent  # best finished score per sentence
-    min_finished = finished_needed(terms, n_sent, nbest, k, alpha)
+    min_finished = finished_needed([bool(terms and terms[s].constraints) for s in range(n_sent)], nbest, k, alpha)
 
     alive = torch.arange(n_sent, device=device)  # original sentence index of each active sentence
     alive_list = alive.tolist()
@@ -514,7 +498,7 @@ def beam_search(
 
         # 1) Finish hypotheses that chose <eos> within the top K (rare: handled in Python).
         finish_eos_choices(is_eos[:, :k], top_scores, top_beams, history, alive_list, k,
-                           length_penalty(step + 1, alpha), finished, best_finished)
+                           gnmt_length_penalty(step + 1, alpha), finished, best_finished)
 
         # 2) The K best non-<eos> candidates stay alive: a stable sort of the <eos> flags puts the
         #    others first, in score order (constrained: in the banks' filling order).
@@ -531,7 +515,7 @@ def beam_search(
 
         # 3) Sentences at their length limit finish their live beams; a sentence whose best finished
         #    hypothesis beats its best live beam ended now is done.
-        done = done_sentences(beam_scores, history, alive_list, at_limit, k, length_penalty(step + 1, alpha),
+        done = done_sentences(beam_scores, history, alive_list, at_limit, k, gnmt_length_penalty(step + 1, alpha),
                               finished, best_finished, min_finished,
                               constrained.complete() if constrained is not None else None)
         if all(done):

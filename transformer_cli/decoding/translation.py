@@ -20,6 +20,7 @@ from typing import IO, Any
 
 from ..data.language_tags import TargetLanguages, known_languages
 from ..experiment.config import DecodeConfig
+from ..experiment.scoring import total_log_prob
 from ..runtime.console import warn, write_fully
 from ..runtime.errors import TfmError
 from .budget import check_decoding_budget, check_decoding_work, parts_within_work
@@ -225,9 +226,8 @@ class TranslationEngine:
 
     def total_log_prob(self, score: float, length: int, beam: int, decode: DecodeConfig) -> float:
         """The plain sum of log-probabilities behind a search's `score` for an output of `length`
-        tokens (</s> included): each engine's length normalisation undone (tfm's: GNMT's,
-        ((5 + length) / 6) ** alpha, decoding/search.py)."""
-        return score * ((5.0 + length) / 6.0) ** decode.length_penalty if beam > 1 else score
+        tokens (</s> included): each engine's length normalisation undone (tfm's: GNMT's, scoring.py)."""
+        return total_log_prob(score, length, decode.length_penalty, beam, "gnmt")
 
     def confidence(self, translation: Translation, beam: int, decode: DecodeConfig) -> float | None:
         """The model's mean log-probability per output token (</s> included) of a translation: a

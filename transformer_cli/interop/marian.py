@@ -31,6 +31,7 @@ import torch
 from ..experiment.checkpoint import model_payload, save_checkpoint
 from ..experiment.config import config_from_dict, config_to_yaml
 from ..experiment.rundir import BEST, RunDirectory
+from ..experiment.scoring import MARIAN_LENGTH_PENALTY
 from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from ..model.transformer import Transformer, TransformerConfig, sinusoidal_table
 from ..runtime.errors import TfmError
@@ -475,8 +476,8 @@ def write_run_directory(run_dir: Path, hf_dir: Path, hf: dict[str, Any], languag
         "data": {"src_lang": src_lang, "tgt_lang": tgt_lang},
         "vocab": {"joint": False, "size": size},
         "model": {k: v for k, v in asdict(model.cfg).items() if k not in ("src_vocab_size", "tgt_vocab_size", "pad_id")},
-        # Marian's generate: length penalty 1 (score / length); its beam from config.json.
-        "decode": {"beam": hf["num_beams"], "length_penalty": 1.0},
+        # Marian's generate: its length penalty (score / length ** 1); its beam from config.json.
+        "decode": {"beam": hf["num_beams"], "length_penalty": MARIAN_LENGTH_PENALTY},
     }, f"{hf_dir}/config.json")
     manifest = {
         "src_lang": src_lang, "tgt_lang": tgt_lang,
