@@ -64,7 +64,7 @@ class DefaultPath:
 
     def translate(self, lines: list[str], beam: int) -> list[list[Translation]]:
         self.engine.decode = self.decode
-        return [[Translation(text, 0.0, 0)] for text in translate_texts(self.engine, lines, beam=beam)]
+        return [[Translation(text, 0.0, 0)] for text in translate_texts(self.engine, lines, self.decode.updated(beam=beam))]
 
     def close(self) -> None:
         self.engine.close()
@@ -169,14 +169,14 @@ def main() -> None:
                 translator = make()
                 if name not in SINGLE:
                     translator.decode = translator.decode.model_copy(update={"workers": workers})
-                translator.translate(src[: 2 * args.batch_size], beam=1)  # starts the workers
+                translator.translate(src[: 2 * args.batch_size], decode=translator.settings(beam=1))  # starts the workers
             except Exception as error:  # noqa: BLE001 - e.g. a CUDA library this CT2 build needs is missing
                 print(f"{name}: could not run on {args.device}: {str(error).splitlines()[0][:200]}", file=sys.stderr)
                 break
             entries.append((name, workers, translator))
     for beam in beams:  # an untimed round: oneDNN builds its kernels for each new batch shape on first use
         for _, _, translator in entries:
-            translator.translate(src, beam=beam)
+            translator.translate(src, decode=translator.settings(beam=beam))
     # The pairs behind the target ratios (workers auto) run next to each other, first in a round;
     # the order flips every round. Targets: tfm's default precision ≥ 1.0x CTranslate2 float32 (beam 5:
     # ≥ 1.3x where the default is bf16), tfm int8 ≥ 1.0x CTranslate2 int8.
@@ -197,7 +197,7 @@ def main() -> None:
         for beam in beams:
             for name, workers, translator in (entries if round_ % 2 == 0 else entries[::-1]):
                 start = time.perf_counter()
-                hyps = [t[0].text for t in translator.translate(src, beam=beam)]
+                hyps = [t[0].text for t in translator.translate(src, decode=translator.settings(beam=beam))]
                 seconds.setdefault((name, workers, beam), []).append(time.perf_counter() - start)
                 bleu[(name, workers, beam)] = sacrebleu.corpus_bleu(hyps, [ref]).score
     print("| system | workers | beam | sentences/s | BLEU |\n|---|---|---|---|---|")

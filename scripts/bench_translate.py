@@ -121,7 +121,7 @@ def main() -> None:
     single = DecodingWorkers(partial(decode_task, tfm, device), 1)
 
     def run_tfm(beam: int, workers: DecodingWorkers) -> None:
-        decode_in_batches(tfm, sources, decode, device, beam=beam, min_len=args.length, max_len=args.length,
+        decode_in_batches(tfm, sources, decode.updated(beam=beam), device, min_len=args.length, max_len=args.length,
                          workers=workers)
 
     hf.to(dtype)
@@ -129,7 +129,7 @@ def main() -> None:
     # Warm-up (first calls allocate and pick kernels; the pool's processes start).
     small = sources[: 2 * args.batch_size]
     for workers in (pool, single):
-        decode_in_batches(tfm, small, decode, device, beam=2, min_len=3, max_len=3, workers=workers)
+        decode_in_batches(tfm, small, decode.updated(beam=2), device, min_len=3, max_len=3, workers=workers)
     hf.generate(input_ids=hf_batches[0][:4], attention_mask=(hf_batches[0][:4] != PAD_ID).long(),
                 num_beams=2, max_new_tokens=3)
 
@@ -151,9 +151,9 @@ def main() -> None:
         trained = Translator.from_checkpoint(args.checkpoint, decode=decode.model_copy(
             update={"precision": args.precision, "workers": args.workers}), device="cpu")
         lines = [trained.src_sp.decode(s) for s in sources]
-        trained.translate(lines[: 2 * args.batch_size], beam=1)  # warm-up, starts the workers
+        trained.translate(lines[: 2 * args.batch_size], decode=trained.settings(beam=1))  # warm-up, starts the workers
         for beam in beams:
-            seconds = best_times([lambda beam=beam: trained.translate(lines, beam=beam)], args.repeats)[0]
+            seconds = best_times([lambda beam=beam: trained.translate(lines, decode=trained.settings(beam=beam))], args.repeats)[0]
             print(f"trained checkpoint, natural lengths, beam {beam}: {n / seconds:.1f} sent/s")
         trained.close()
 

@@ -77,7 +77,7 @@ def main() -> None:
     results = {}
     for layer in [None, *range(1, layers + 1)]:  # None: the mean over layers (the default)
         translator.decode = translator.decode.model_copy(update={"alignment": True, "alignment_layer": layer})
-        results[layer] = translator.translate(source, beam=args.beam)
+        results[layer] = translator.translate(source, decode=translator.settings(beam=args.beam))
     translations = [t[0].text for t in results[None]]
     keep = [i for i, t in enumerate(translations) if source[i].strip() and t.strip()]
     sure, possible = eflomal_links(lines(args.train, args.src_lang) + [source[i] for i in keep],

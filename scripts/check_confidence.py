@@ -56,7 +56,7 @@ def main() -> None:
     results = [t[0] for t in engine.translate(sources)]
     chrf = CHRF()
     quality = [chrf.sentence_score(t.text, [r]).score for t, r in zip(results, refs)]
-    mean = [engine.confidence(t, decode.beam, decode) for t in results]
+    mean = [engine.confidence(t, decode) for t in results]
     kept = [i for i, m in enumerate(mean) if m is not None]
     mean_kept = [mean[i] for i in kept]
     quality_kept = [quality[i] for i in kept]

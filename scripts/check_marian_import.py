@@ -83,9 +83,9 @@ def main() -> None:
     vocab = json.loads((hf_dir / "vocab.json").read_text())
     to_tfm = {m: t for t, m in enumerate(tfm_order(vocab, model.config.to_dict())) if t != BOS_ID}
     theirs = [[to_tfm[t] for t in row] for row in generate(model, tokenizer, test, 1, 60)]
-    decode = trained.config.decode.model_copy(update={"precision": "fp32"})
+    decode = trained.config.decode.updated(precision="fp32", beam=1)
     hyps = decode_in_batches(trained.model, [trained.src_sp.encode(s) for s in test], decode, torch.device("cpu"),
-                             beam=1, max_len=60)
+                             max_len=60)
     ours = [[t for t in h[0].tokens if t not in (EOS_ID, PAD_ID)] for h in hyps]
     same = sum(a == b for a, b in zip(ours, theirs))
     print(f"greedy, token for token: {same} of {len(test)} sentences identical (target ≥ 95 of 100)")

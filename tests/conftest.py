@@ -6,15 +6,20 @@ Corpus data is never read from a hard-coded path: the same script users run find
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import os
+import pickle
 import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -26,9 +31,39 @@ from transformer_cli.training.train import train
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def xdist_workers() -> int:
+    """Test processes of this run (pytest-xdist's -n; 1 without it)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _torch_threads():
-    torch.set_num_threads(2)
+    # The cores shared among the run's test processes: two processes of two threads each on two
+    # cores take turns on them (a step's threads wait for each other), slower than one thread each.
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // xdist_workers())))
+
+
+T = TypeVar("T")
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
+    """`build(folder)` once per test run, its result shared by the run's test processes (pytest-xdist
+    workers): the first to ask builds it in a folder beside theirs (a lock keeps the others waiting)
+    and leaves it pickled; the others read it. Without xdist: built here, as a session fixture is.
+    Whatever uses the result must not change what is in its folder (copy it first)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent  # the run's folder, above each worker's own
+    result = shared / f"{name}.pickle"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if `build` fails
+        if not result.exists():
+            value = build(Path(tempfile.mkdtemp(prefix=f"{name}-", dir=shared)))  # a failed try leaves its own
+            staged = result.with_suffix(".partial")
+            staged.write_bytes(pickle.dumps(value))
+            staged.replace(result)
+            return value
+    return pickle.loads(result.read_bytes())
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,7 +84,7 @@ def get_corpus_slice(dest: Path, lines: int) -> Path:
 @pytest.fixture(scope="session")
 def multi30k_2k(tmp_path_factory) -> Path:
     """First 2,000 lines of every Multi30k file (train, val, test), gzipped like the originals."""
-    return get_corpus_slice(tmp_path_factory.mktemp("multi30k_2k"), 2000)
+    return built_once(tmp_path_factory, "multi30k_2k", lambda folder: get_corpus_slice(folder, 2000))
 
 
 def multi30k_config(data_dir: Path, run_dir: Path, **sections) -> dict:
@@ -117,13 +152,14 @@ def reverse_model(tmp_path_factory):
 
     400 steps of the budget schedule (decay to 0 at the last step) end at valid BLEU 98.8–99.6 over
     seeds 1–3 in fp32 and 99.0 in bf16; 700 steps of inverse_sqrt took 1.7x as long for 98.6."""
-    root = tmp_path_factory.mktemp("reverse")
-    write_reverse_task(root / "data")
-    raw = reverse_task_config(root / "data", root / "run", max_steps=400, eval_every=400, lr_schedule="budget")
-    config = config_from_dict(raw)
-    prepare(config, progress=False)
-    summary = train(config, progress_bar=False)
-    return config, summary
+    def build(root: Path):
+        write_reverse_task(root / "data")
+        raw = reverse_task_config(root / "data", root / "run", max_steps=400, eval_every=400, lr_schedule="budget")
+        config = config_from_dict(raw)
+        prepare(config, progress=False)
+        return config, train(config, progress_bar=False)
+
+    return built_once(tmp_path_factory, "reverse", build)
 
 
 # --------------------------------------------------------------------------- a tiny prepared run (CLI tests)
@@ -161,10 +197,12 @@ def tiny_reverse_config(data_dir: Path, run_dir: Path, **train_overrides) -> dic
 @pytest.fixture(scope="session")
 def tiny_prepared(tmp_path_factory) -> tuple[Path, Path]:
     """(data folder, prepared run folder) of the tiny reverse task; copy the run before changing it."""
-    root = tmp_path_factory.mktemp("tiny")
-    write_reverse_task(root / "data", n_train=2000, n_test=50)
-    prepare(config_from_dict(tiny_reverse_config(root / "data", root / "run")), progress=False)
-    return root / "data", root / "run"
+    def build(root: Path) -> tuple[Path, Path]:
+        write_reverse_task(root / "data", n_train=2000, n_test=50)
+        prepare(config_from_dict(tiny_reverse_config(root / "data", root / "run")), progress=False)
+        return root / "data", root / "run"
+
+    return built_once(tmp_path_factory, "tiny", build)
 
 
 def tiny_run(tiny_prepared, dest: Path, **train_overrides) -> Path:

@@ -47,7 +47,7 @@ def test_maps_of_the_models_own_translation(attn_model, reverse_model):
     # The plotted target is the model's own greedy translation (compared with tfm's translator,
     # not a fixed string: the fixture's exact outputs depend on the CPU that trained it).
     greedy = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=fp32"])
-    assert maps.translation == greedy.translate(["wa wb wc wd"], beam=1)[0][0].text
+    assert maps.translation == greedy.translate(["wa wb wc wd"], decode=greedy.settings(beam=1))[0][0].text
     layers, heads, rows, cols = maps.weights.shape
     assert (layers, heads) == (2, 4) and rows == len(maps.row_tokens) and cols == len(maps.src_tokens)
     assert maps.src_tokens[-1] == "</s>" and maps.row_tokens[-1] == "</s>"

@@ -584,7 +584,7 @@ CASES = [
     Case("translate: --top-p abc", translate_input(b"wa\n", "--sample", "--top-p", "abc"), 2, "",
          usage_error("--top-p"), needs_checkpoint=True),
     Case("translate: --nbest 3 without --sample needs a beam", translate_input(b"wa\n", "--beam", "1", "--nbest", "3"),
-         2, "--nbest 3 needs a beam at least as large", needs_checkpoint=True),
+         2, "--nbest 3 (key 'decode.nbest'): 3 hypotheses need a beam at least as large", needs_checkpoint=True),
     Case("translate: --sample --nbest 3 with beam 1", translate_input(b"wa\n", "--beam", "1", "--nbest", "3",
                                                                      "--sample"), 0, "", stdout_lines(3),
          needs_checkpoint=True),

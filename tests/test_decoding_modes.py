@@ -41,10 +41,10 @@ engine = fp32_translator
 @pytest.mark.parametrize("beam", [1, 4])
 def test_an_ensemble_of_a_model_with_itself_is_the_model(checkpoint, held_out, beam):
     src, _ = held_out
-    alone = engine(checkpoint).translate(src, beam=beam, nbest=min(beam, 2))
+    alone = engine(checkpoint, beam=beam, nbest=min(beam, 2)).translate(src)
     twice = engine(checkpoint, checkpoint)
     assert isinstance(twice.model, Ensemble) and len(twice.model.members) == 2
-    together = twice.translate(src, beam=beam, nbest=min(beam, 2))
+    together = twice.translate(src, decode=twice.settings(beam=beam, nbest=min(beam, 2)))
     assert [[t.text for t in ts] for ts in together] == [[t.text for t in ts] for ts in alone]
     for ts_alone, ts_together in zip(alone, together):
         for a, b in zip(ts_alone, ts_together):
@@ -72,7 +72,7 @@ def test_an_ensemble_of_two_seeds_scores_at_least_their_mean(two_weak_models, he
     src, ref = held_out
     bleu = {}
     for name, paths in (("a", two_weak_models[:1]), ("b", two_weak_models[1:]), ("ab", two_weak_models)):
-        hyps = [t[0].text for t in engine(*paths).translate(src, beam=4)]
+        hyps = [t[0].text for t in engine(*paths, beam=4).translate(src)]
         bleu[name] = sacrebleu.corpus_bleu(hyps, [ref]).score
     assert bleu["a"] < 90 and bleu["b"] < 90, bleu  # weak members, so the comparison means something
     assert bleu["ab"] >= (bleu["a"] + bleu["b"]) / 2, bleu
@@ -117,8 +117,8 @@ def test_draws_follow_the_distribution_and_never_pick_a_zero():
     assert counts.tolist() == pytest.approx([0.5, 0.3, 0.0, 0.2], abs=0.03)
 
 
-def samples(translator, lines, **kwargs):
-    return [[t.text for t in ts] for ts in translator.translate(lines, **kwargs)]
+def samples(translator, lines, **settings):
+    return [[t.text for t in ts] for ts in translator.translate(lines, translator.settings(**settings))]
 
 
 def test_sampling_is_reproducible_per_seed_and_differs_across_seeds(checkpoint, held_out):
@@ -170,7 +170,7 @@ def test_pharaoh_links_each_target_subword_to_its_strongest_source_subword():
 @pytest.mark.parametrize("beam", [1, 4])
 def test_alignments_of_the_reverse_task_run_against_the_diagonal(checkpoint, held_out, beam):
     src, _ = held_out
-    translations = engine(checkpoint, alignment=True).translate(src, beam=beam, nbest=min(beam, 2))
+    translations = engine(checkpoint, alignment=True, beam=beam, nbest=min(beam, 2)).translate(src)
     links = reversed_links = 0
     for line, ts in zip(src, translations):
         for rank, t in enumerate(ts):
@@ -239,8 +239,8 @@ def test_a_prefix_starts_every_hypothesis_of_its_own_line(checkpoint, held_out, 
     prefixes = ["" if i % 2 else (" ".join(ref[i].split()[:2]) if i % 4 == 0 else "wp wp") for i in range(len(lines))]
     settings = {"sample": True, "seed": 5} if sample else {}
     translator = engine(checkpoint, **settings)
-    plain = translator.translate(lines, beam=beam, nbest=nbest)
-    forced = translator.translate(lines, beam=beam, nbest=nbest, terms=[LineTerms(prefix=p) for p in prefixes])
+    plain = translator.translate(lines, decode=translator.settings(beam=beam, nbest=nbest))
+    forced = translator.translate(lines, decode=translator.settings(beam=beam, nbest=nbest), terms=[LineTerms(prefix=p) for p in prefixes])
     for i, hyps in enumerate(forced):
         assert len(hyps) == nbest
         if prefixes[i]:

@@ -177,7 +177,7 @@ def test_alignments_under_auto_are_tfm_engines_on_ctranslate2s_translations(chec
     try:
         assert engine.name == "ctranslate2" and engine.aligner is not None
         pieces = engine.tokenize(lines)
-        found = engine.search(pieces, engine.decode.beam, 1)
+        found = engine.search(pieces)
         source_ids = [[own.src_sp.piece_to_id(p) for p in sentence] for sentence in pieces]
         output_ids = [[Hypothesis([own.tgt_sp.piece_to_id(p) for p in h.tokens], h.score) for h in sentence]
                       for sentence in found]

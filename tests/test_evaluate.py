@@ -67,7 +67,8 @@ def test_evaluate_model_on_a_split(reverse_model):
     config, summary = reverse_model
     from transformer_cli.evaluate import evaluate_model
 
-    result = evaluate_model(config, summary.best_checkpoint, "test", ["bleu"], beam=2)
+    result = evaluate_model(config.model_copy(update={"decode": config.decode.updated(beam=2)}), summary.best_checkpoint,
+                            "test", ["bleu"])
     assert result.scores["bleu"].score >= 90
     saved = json.loads(
         (config.run_path / "eval" / f"test.{summary.best_checkpoint.stem}.beam2.json").read_text())

@@ -41,9 +41,9 @@ def compare(checkpoint, sources, tmp_path, beam):
     tfm = Translator.from_checkpoint(checkpoint, device="cpu", overrides=SAME_SEARCH)
     ct2 = CT2Translator(out, decode=tfm.decode, compute_type="float32")
     ids = tfm.src_sp.encode(sources, out_type=int)
-    ours = [h[0].tokens for h in decode_in_batches(tfm.model, ids, tfm.decode, tfm.device, beam)]
+    ours = [h[0].tokens for h in decode_in_batches(tfm.model, ids, tfm.decode.updated(beam=beam), tfm.device)]
     pieces = [[tfm.src_sp.id_to_piece(i) for i in s] for s in ids]
-    theirs = [[tfm.tgt_sp.piece_to_id(p) for p in h[0].tokens] for h in ct2.search(pieces, beam)]
+    theirs = [[tfm.tgt_sp.piece_to_id(p) for p in h[0].tokens] for h in ct2.search(pieces, ct2.decode.updated(beam=beam))]
     return ours, theirs
 
 

@@ -137,9 +137,8 @@ def generate(hf_model, tokenizer, lines: list[str], beams: int, max_new_tokens: 
 
 def tfm_decode(trained, lines: list[str], beams: int, max_new_tokens: int) -> list[list[int]]:
     sources = [trained.src_sp.encode(line) for line in lines]
-    decode = trained.config.decode.model_copy(update={"precision": "fp32", "length_penalty": 1.0})
-    hyps = decode_in_batches(trained.model, sources, decode, torch.device("cpu"), beam=beams,
-                             max_len=max_new_tokens)
+    decode = trained.config.decode.updated(precision="fp32", length_penalty=1.0, beam=beams)
+    hyps = decode_in_batches(trained.model, sources, decode, torch.device("cpu"), max_len=max_new_tokens)
     return [[t for t in h[0].tokens if t not in (EOS_ID, PAD_ID)] for h in hyps]
 
 

@@ -112,8 +112,8 @@ def test_sampling_settings_without_sampling_are_refused(key, value):
 
 
 @pytest.mark.parametrize("options,message", [
-    (["--top-k", "3"], "key 'decode.top_k': 3 does nothing without sampling: add --sample"),
-    (["--seed", "7"], "key 'decode.seed': 7 does nothing without sampling"),
+    (["--top-k", "3"], "--top-k 3 (key 'decode.top_k'): 3 does nothing without sampling: add --sample"),
+    (["--seed", "7"], "--seed 7 (key 'decode.seed'): 7 does nothing without sampling"),
     (["--sample", "--beam", "4"], "--beam 4 does nothing with --sample"),
 ])
 def test_translate_refuses_options_that_do_nothing(checkpoint, options, message):
@@ -232,16 +232,16 @@ def test_the_work_of_a_call_grows_with_each_setting_and_over_max_work_is_refused
     work = {}
     for name, (lines, beam, constraints) in {"one": (1, 4, 0), "lines": (256, 4, 0), "beam": (1, 64, 0),
                                              "terms": (1, 4, 8)}.items():
-        shape = decoding_shape(cfg, decode, lines, 20, beam=beam, constraints=(constraints, 5))
+        shape = decoding_shape(cfg, decode.updated(beam=beam), lines, 20, constraints=(constraints, 5))
         work[name] = decoding_work([cfg], shape)
     assert work["lines"] == pytest.approx(256 * work["one"], rel=0.01)
     assert work["beam"] == pytest.approx(16 * work["one"], rel=0.01)
     assert work["terms"] == pytest.approx(9 * work["one"], rel=0.2)
-    check_decoding_work(cfg, decode, 256, 20, beam=5)  # a full request of a normal size passes
+    check_decoding_work(cfg, decode.updated(beam=5), 256, 20)  # a full request of a normal size passes
     heavy_terms = (32, 10)  # 256 lines, beam 64, nbest 64, 32 five-word constraints a line
     with pytest.raises(TfmError, match=r"256 line\(s\).*beam 64.*32 constraint\(s\) a line.*decode.max_work"):
-        check_decoding_work(cfg, decode, 256, 20, beam=64, nbest=64, longest_prefix=160, constraints=heavy_terms)
-    check_decoding_work(cfg, decode.model_copy(update={"max_work": 1e17}), 256, 20, beam=64, nbest=64,
+        check_decoding_work(cfg, decode.updated(beam=64, nbest=64), 256, 20, longest_prefix=160, constraints=heavy_terms)
+    check_decoding_work(cfg, decode.updated(max_work=1e17, beam=64, nbest=64), 256, 20,
                         longest_prefix=160, constraints=heavy_terms)  # raised: let in
 
 
@@ -255,20 +255,20 @@ def test_lines_over_max_work_together_are_split_into_parts_each_within_it():
     """A file's chunk of a base-size model at beam 5 (a test set's 1,000 lines) is over the default
     budget together; its parts, longest lines first, each pass the check and hold every line once."""
     cfg = TransformerConfig(src_vocab_size=10000, tgt_vocab_size=10000)
-    decode = DecodeConfig()
+    decode = DecodeConfig(beam=5)
     lengths = [5 + (i * 37) % 40 for i in range(1000)]
     with pytest.raises(TfmError, match="decode.max_work"):
-        check_decoding_work(cfg, decode, len(lengths), max(lengths), beam=5)
-    parts = parts_within_work(cfg, decode, lengths, beam=5)
+        check_decoding_work(cfg, decode, len(lengths), max(lengths))
+    parts = parts_within_work(cfg, decode, lengths)
     assert len(parts) > 1 and sorted(i for part in parts for i in part) == list(range(len(lengths)))
     for part in parts:
-        check_decoding_work(cfg, decode, len(part), max(lengths[i] for i in part), beam=5)
+        check_decoding_work(cfg, decode, len(part), max(lengths[i] for i in part))
     tops = [max(lengths[i] for i in part) for part in parts]
     assert tops == sorted(tops, reverse=True)
     # Within the budget: one part, the lines in their order; a line over it alone: a part of its own.
-    assert parts_within_work(cfg, decode, lengths[:10], beam=5) == [list(range(10))]
+    assert parts_within_work(cfg, decode, lengths[:10]) == [list(range(10))]
     tight = decode.model_copy(update={"max_work": 1.0})
-    assert parts_within_work(cfg, tight, [3, 9, 4], beam=5) == [[1], [2], [0]]
+    assert parts_within_work(cfg, tight, [3, 9, 4]) == [[1], [2], [0]]
 
 
 def test_translate_searches_a_chunk_over_max_work_a_part_at_a_time_with_the_same_translations(checkpoint):
@@ -278,8 +278,8 @@ def test_translate_searches_a_chunk_over_max_work_a_part_at_a_time_with_the_same
     lines = ["wa wb wc", "wd we", "wf wg wh wi", "wj wk", "", "wl wm wn"]
     whole = Translator.from_checkpoint(checkpoint, device="cpu", overrides=overrides)
     sources = whole.tokenize([line for line in lines if line])
-    one_line = decoding_work(whole.member_configs, decoding_shape(whole.member_configs[0], whole.decode, 1,
-                                                                  max(map(len, sources)), beam=4))
+    one_line = decoding_work(whole.member_configs, decoding_shape(whole.member_configs[0], whole.decode.updated(beam=4),
+                                                                  1, max(map(len, sources))))
     split = Translator.from_checkpoint(checkpoint, device="cpu",
                                        overrides=[*overrides, f"decode.max_work={2.5 * one_line}"])
     searches = []
@@ -288,8 +288,9 @@ def test_translate_searches_a_chunk_over_max_work_a_part_at_a_time_with_the_same
                                                            search_later(sources, *args, **kwargs))[1]
     try:
         with pytest.raises(TfmError, match="decode.max_work"):
-            split.check_search_budget(sources, 4, 1, split.decode)  # together: over the budget
-        assert [t[0].text for t in split.translate(lines, beam=4)] == [t[0].text for t in whole.translate(lines, beam=4)]
+            split.check_search_budget(sources, split.settings(beam=4))  # together: over the budget
+        beam_4 = [t[0].text for t in split.translate(lines, decode=split.settings(beam=4))]
+        assert beam_4 == [t[0].text for t in whole.translate(lines, decode=whole.settings(beam=4))]
         assert len(searches) > 1 and sum(searches) == len(sources) and max(searches) <= 2
     finally:
         whole.close()
@@ -306,9 +307,9 @@ def test_a_search_past_its_deadline_stops_between_steps(checkpoint, workers):
     lines = ["wa wb wc", "wd we", "wf wg wh wi", "wj wk"]
     try:
         with pytest.raises(DeadlinePassed):
-            translator.translate_later(lines, beam=4, deadline=time.monotonic() - 1)()
-        in_time = translator.translate_later(lines, beam=4, deadline=time.monotonic() + 600)()
-        assert [t[0].text for t in in_time] == [t[0].text for t in translator.translate(lines, beam=4)]
+            translator.translate_later(lines, decode=translator.settings(beam=4), deadline=time.monotonic() - 1)()
+        in_time = translator.translate_later(lines, decode=translator.settings(beam=4), deadline=time.monotonic() + 600)()
+        assert [t[0].text for t in in_time] == [t[0].text for t in translator.translate(lines, decode=translator.settings(beam=4))]
     finally:
         translator.close()
 

@@ -21,7 +21,7 @@ def test_int8_decoding_keeps_quality(reverse_model, beam):
                  or type(m).__module__.startswith("torch.ao.nn.quantized.dynamic")]
     assert not linears and quantized  # every Linear layer was replaced
     src, ref = read_lines(f"{config.data.test}.src.gz"), read_lines(f"{config.data.test}.tgt.gz")
-    hyps = [t[0].text for t in int8.translate(src, beam=beam)]
+    hyps = [t[0].text for t in int8.translate(src, decode=int8.settings(beam=beam))]
     assert sacrebleu.corpus_bleu(hyps, [ref]).score >= 90
 
 

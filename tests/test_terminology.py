@@ -156,7 +156,7 @@ def test_every_nbest_hypothesis_and_every_ensemble_translation_has_the_terms(che
     translator = engine(checkpoint)
     plain = [t[0].text for t in translator.translate(lines[:8])]
     terms = [LineTerms(constraints=tuple(absent_words(p, 2, i))) for i, p in enumerate(plain)]
-    nbest = translator.translate(lines[:8], beam=4, nbest=3, terms=terms)
+    nbest = translator.translate(lines[:8], decode=translator.settings(beam=4, nbest=3), terms=terms)
     assert all(len(h) == 3 and all(all(c in x.text for c in t.constraints) for x in h) for h, t in zip(nbest, terms))
     ensemble = Translator.from_checkpoint([checkpoint, checkpoint], device="cpu", overrides=FP32)
     together = ensemble.translate(lines[:8], terms=terms)
@@ -180,10 +180,10 @@ def test_a_constraint_that_cannot_fit_warns_and_still_translates(checkpoint, lin
 def test_constraints_need_beam_search_and_tfms_engine(checkpoint, lines):
     translator = engine(checkpoint)
     with pytest.raises(Exception, match="need beam search"):
-        translator.translate(lines[:2], beam=1, terms=[LineTerms(constraints=("wa",))] * 2)
+        translator.translate(lines[:2], decode=translator.settings(beam=1), terms=[LineTerms(constraints=("wa",))] * 2)
     sampler = engine(checkpoint, sample=True)
     with pytest.raises(Exception, match="not --sample"):
-        sampler.translate(lines[:2], beam=1, terms=[LineTerms(constraints=("wa",))] * 2)
+        sampler.translate(lines[:2], decode=sampler.settings(beam=1), terms=[LineTerms(constraints=("wa",))] * 2)
 
 
 # --------------------------------------------------------------------------- avoided terms
@@ -324,8 +324,8 @@ def test_the_memory_bound_counts_the_constrained_beams_candidates(checkpoint):
 
     cfg = engine(checkpoint).model.cfg
     decode = engine(checkpoint).decode
-    plain = decoding_bytes(cfg, decoding_shape(cfg, decode, 64, 20, beam=64))
-    constrained = decoding_bytes(cfg, decoding_shape(cfg, decode, 64, 20, beam=64, constraints=(32, 64)))
+    plain = decoding_bytes(cfg, decoding_shape(cfg, decode.updated(beam=64), 64, 20))
+    constrained = decoding_bytes(cfg, decoding_shape(cfg, decode.updated(beam=64), 64, 20, constraints=(32, 64)))
     assert constrained > plain + 64 * 64 * 35 * 32 * 64
 
 
@@ -437,6 +437,6 @@ def test_constraints_placed_by_the_search_are_met_as_whole_words(checkpoint, lin
     """Every term the constrained beam places is reported met under the whole-word rule."""
     translator = engine(checkpoint)
     terms = [LineTerms(constraints=tuple(absent_words(line, 2, seed))) for seed, line in enumerate(lines)]
-    found = translator.translate(lines, beam=4, terms=terms)
+    found = translator.translate(lines, decode=translator.settings(beam=4), terms=terms)
     assert all(not t[0].unmet for t in found), [(t[0].text, t[0].unmet) for t in found if t[0].unmet]
     assert all(missing_constraints(t[0].text, terms) == [] for t, terms in zip(found, terms))

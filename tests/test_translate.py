@@ -41,7 +41,7 @@ def held_out_pairs(reverse_model):
 @pytest.mark.parametrize("beam", [1, 4])
 def test_reverse_model_translates_held_out_sentences(translator, held_out_pairs, beam):
     src, ref = held_out_pairs
-    hyps = [t[0].text for t in translator.translate(src, beam=beam)]
+    hyps = [t[0].text for t in translator.translate(src, decode=translator.settings(beam=beam))]
     bleu = sacrebleu.corpus_bleu(hyps, [ref]).score
     assert bleu >= 90, f"beam {beam}: BLEU {bleu:.1f}"
 
@@ -52,7 +52,7 @@ def test_bf16_decoding_keeps_quality(reverse_model, held_out_pairs, beam):
     bf16 = Translator.from_checkpoint(summary.best_checkpoint, device="cpu", overrides=["decode.precision=bf16"])
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
     src, ref = held_out_pairs
-    hyps = [t[0].text for t in bf16.translate(src, beam=beam)]
+    hyps = [t[0].text for t in bf16.translate(src, decode=bf16.settings(beam=beam))]
     assert sacrebleu.corpus_bleu(hyps, [ref]).score >= 90
 
 
@@ -122,11 +122,11 @@ def test_beam_search_keeps_going_while_a_live_beam_can_win(alpha):
 def test_batch_invariance_and_order(translator, held_out_pairs, beam):
     src, _ = held_out_pairs
     lines = src[:40]
-    together = [t[0].text for t in translator.translate(lines, beam=beam)]
-    alone = [translator.translate([line], beam=beam)[0][0].text for line in lines[:12]]
+    together = [t[0].text for t in translator.translate(lines, decode=translator.settings(beam=beam))]
+    alone = [translator.translate([line], decode=translator.settings(beam=beam))[0][0].text for line in lines[:12]]
     assert together[:12] == alone
     shuffled = list(reversed(lines))
-    assert [t[0].text for t in translator.translate(shuffled, beam=beam)] == list(reversed(together))
+    assert [t[0].text for t in translator.translate(shuffled, decode=translator.settings(beam=beam))] == list(reversed(together))
 
 
 # Inputs whose text a test checks come from the task's training distribution (3–9 words): a
@@ -142,8 +142,8 @@ def test_a_long_line_does_not_shorten_the_other_translations_in_its_batch(transl
     long_line = " ".join(["wa"] * 700)  # one piece per word: 700 tokens, under max_positions
     translator.decode.max_len_a, translator.decode.max_len_b = 1.5, 5
     try:
-        alone = [t[0].text for t in translator.translate(IN_DOMAIN, beam=beam)]
-        together = [t[0].text for t in translator.translate([long_line, *IN_DOMAIN], beam=beam)]
+        alone = [t[0].text for t in translator.translate(IN_DOMAIN, decode=translator.settings(beam=beam))]
+        together = [t[0].text for t in translator.translate([long_line, *IN_DOMAIN], decode=translator.settings(beam=beam))]
     finally:
         translator.decode.max_len_a, translator.decode.max_len_b = 1.0, 5
     assert together[1:] == alone
@@ -152,11 +152,11 @@ def test_a_long_line_does_not_shorten_the_other_translations_in_its_batch(transl
 
 def own_translation(translator, line: str, beam: int) -> str:
     """The fixture model's translation of one line alone (fp32), the reference for plumbing tests."""
-    return translator.translate([line], beam=beam)[0][0].text
+    return translator.translate([line], decode=translator.settings(beam=beam))[0][0].text
 
 
 def test_empty_lines_stay_empty(translator):
-    out = translator.translate([IN_DOMAIN[0], "", "   ", IN_DOMAIN[1]], beam=3)
+    out = translator.translate([IN_DOMAIN[0], "", "   ", IN_DOMAIN[1]], decode=translator.settings(beam=3))
     texts = [t[0].text for t in out]
     assert texts[1] == "" and texts[2] == ""
     # Empty lines neither shift nor change the translations around them.
@@ -166,7 +166,7 @@ def test_empty_lines_stay_empty(translator):
 
 
 def test_nbest_is_sorted_and_formatted(translator):
-    out = translator.translate([IN_DOMAIN[0]], beam=4, nbest=3)[0]
+    out = translator.translate([IN_DOMAIN[0]], decode=translator.settings(beam=4, nbest=3))[0]
     assert len(out) == 3
     assert [t.score for t in out] == sorted((t.score for t in out), reverse=True)
     lines = format_nbest(7, out)
@@ -212,8 +212,8 @@ def test_balanced_batching_decodes_the_same_sentences_side_by_side(reverse_model
                                           overrides=[*settings, "decode.batching=balanced"])
     try:
         for beam in (1, 3):
-            expected = [t[0].text for t in by_length.translate(src[:16], beam=beam)]
-            assert [t[0].text for t in balanced.translate(src[:16], beam=beam)] == expected
+            expected = [t[0].text for t in by_length.translate(src[:16], decode=by_length.settings(beam=beam))]
+            assert [t[0].text for t in balanced.translate(src[:16], decode=balanced.settings(beam=beam))] == expected
         assert balanced.decoding_processes == 2  # two batches of 8 went to the two processes
     finally:
         by_length.close()
@@ -254,7 +254,7 @@ def test_cli_set_without_config_edits_the_checkpoint_settings(reverse_model):
     assert proc.returncode == 2 and "decode.beem" in proc.stderr and "beam" in proc.stderr
     proc = subprocess.run([*base, "--set", "decode.beam=1", "--nbest", "2"], input="wa\n",
                           capture_output=True, text=True)
-    assert proc.returncode == 2 and "--nbest 2 needs a beam" in proc.stderr
+    assert proc.returncode == 2 and "--nbest 2 (key 'decode.nbest'): 2 hypotheses need a beam" in proc.stderr
 
 
 @pytest.mark.slow
@@ -363,8 +363,8 @@ def test_packed_linear_layers_decode_exactly_like_nn_linear(reverse_model, held_
     assert attentions and all(m.queries_prescaled for m in attentions)
     src = held_out_pairs[0][:60]
     for beam in (1, 4):
-        assert ([t[0].text for t in packed.translate(src, beam=beam)]
-                == [t[0].text for t in plain.translate(src, beam=beam)])
+        assert ([t[0].text for t in packed.translate(src, decode=packed.settings(beam=beam))]
+                == [t[0].text for t in plain.translate(src, decode=plain.settings(beam=beam))])
 
 
 @pytest.mark.parametrize("vocab", [8000, 8001, 640])  # chunked path; ragged vocabulary and few chunks: fallback
@@ -452,8 +452,8 @@ def test_decoding_workers_translate_exactly_like_one_process(reverse_model, held
     torch.set_num_threads(1)  # what each worker runs: the same arithmetic
     try:
         for beam in (1, 4):
-            in_process = one.translate(src, beam=beam)
-            assert two.translate(src, beam=beam) == in_process
+            in_process = one.translate(src, decode=one.settings(beam=beam))
+            assert two.translate(src, decode=two.settings(beam=beam)) == in_process
         workers = two.workers.pids
         assert len(workers) == 2 and os.getpid() not in workers
     finally:
@@ -681,7 +681,7 @@ def test_continuous_greedy_out_of_memory_falls_back_to_batch_by_batch(translator
     lines = src[:40]
     before, translator.decode.batch_size = translator.decode.batch_size, 8
     try:
-        expected = [t[0].text for t in translator.translate(lines, beam=1)]
+        expected = [t[0].text for t in translator.translate(lines, decode=translator.settings(beam=1))]
         real = translate_module.greedy_search_continuous
         calls = []
 
@@ -692,7 +692,7 @@ def test_continuous_greedy_out_of_memory_falls_back_to_batch_by_batch(translator
             return real(model, batches, *args, **kwargs)
 
         monkeypatch.setattr(translate_module, "greedy_search_continuous", tight_memory)
-        assert [t[0].text for t in translator.translate(lines, beam=1)] == expected
+        assert [t[0].text for t in translator.translate(lines, decode=translator.settings(beam=1))] == expected
         assert calls == [5]  # 40 sentences: one task of 5 batches, which fell back
     finally:
         translator.decode.batch_size = before

@@ -305,33 +305,31 @@ def translate(
 
     translator = open_engine(cfg, set_, checkpoint, device, quantize, engine=engine, compute_type=compute_type,
                              model_dir=model_dir, lexical=bool(constraints or avoid or glossary),
-                             batch_size=batch_size, batch_tokens=batch_tokens, workers=workers,
+                             batch_size=batch_size, batch_tokens=batch_tokens, workers=workers, beam=beam, nbest=nbest,
                              sample=sample, top_k=top_k, top_p=top_p, temperature=temperature, seed=seed,
                              alignment=True if fmt in ("html", "xml", "markdown", "docx") else alignment, tgt_lang=tgt_lang)
     translator.target_languages().check(translator.decode.tgt_lang)  # before any input is read
-    nbest = _check_search(translator, beam, translator.decode.nbest if nbest is None else nbest)
+    _check_search(translator, beam)
     if prefix is not None:
         translator.prefix_tokens(prefix)  # a prefix it cannot spell: refused before any input is read
     if constraints or avoid or glossary:  # settings that cannot apply them: refused before any input is read
-        translator.check_lexical(constraints or glossary is not None, avoid is not None, beam or translator.decode.beam,
-                                 translator.decode)
+        translator.check_lexical(constraints or glossary is not None, avoid is not None, translator.decode)
     from .decoding.budget import check_decoding_budget, decoding_memory_limit
 
     translator.memory_limit = decoding_memory_limit(translator.decode, translator.device)
     # Before reading any input: settings that even one line of one token cannot afford are refused at
     # once; each chunk of input is checked again with its own sizes before it is decoded.
     if translator.member_configs:
-        check_decoding_budget(translator.member_configs, translator.decode, 1, 1, translator.memory_limit,
-                              beam=beam, nbest=nbest)
+        check_decoding_budget(translator.member_configs, translator.decode, 1, 1, translator.memory_limit)
     source = open_input(input_)
     from .runtime.files import atomic_path
 
     def run(out_stream):
         if fmt != "lines":
-            return _translate_document(translator, fmt, source, input_, out_stream, beam)
+            return _translate_document(translator, fmt, source, input_, out_stream)
         lines = read_decoded_lines(source, sys.stderr, str(input_) if input_ is not None else "standard input",
                                    strict=constraints)
-        return translate_stream(translator, lines, out_stream, beam=beam, nbest=nbest, progress=sys.stderr.isatty(),
+        return translate_stream(translator, lines, out_stream, progress=sys.stderr.isatty(),
                                 read_ahead=is_regular_file(source), terms=terminology if terminology.active else None,
                                 as_json=as_json)
 
@@ -347,19 +345,16 @@ def translate(
          f"{f'; {processes} decoding processes' if processes > 1 else ''}")
 
 
-def _check_search(translator, beam: Optional[int], nbest: int) -> int:
-    """--beam/--nbest/--sample against each other and the engine, before any input is read; the n-best size."""
-    if nbest < 1 or (beam is not None and beam < 1):
-        raise TfmError("--beam and --nbest must be at least 1")
-    if nbest > max(beam or translator.decode.beam, 1) and not translator.decode.sample:
-        raise TfmError(f"--nbest {nbest} needs a beam at least as large (--beam {nbest})")
+def _check_search(translator, beam: Optional[int]) -> None:
+    """--beam beside --sample, and the decode settings against the engine, before any input is read
+    (the rules between the settings, nbest ≤ beam among them, are checked where they are built:
+    `DecodeConfig.updated`)."""
     if translator.decode.sample and beam is not None and beam > 1:
         raise TfmError(f"--beam {beam} does nothing with --sample (samples are drawn, not searched): drop --beam, "
                        "and give the samples per line with --nbest")
     unsupported = translator.unsupported(translator.decode)
     if unsupported:
         raise TfmError(unsupported)
-    return nbest
 
 
 def _document_format(given: Optional[str], input_: Optional[Path], nbest: Optional[int], as_json: bool,
@@ -374,7 +369,7 @@ def _document_format(given: Optional[str], input_: Optional[Path], nbest: Option
     return fmt
 
 
-def _translate_document(translator, fmt: str, source, input_: Optional[Path], out_stream, beam: Optional[int]):
+def _translate_document(translator, fmt: str, source, input_: Optional[Path], out_stream):
     """Read the whole document, translate it in its format, write it; the stream's statistics."""
     import time
 
@@ -386,7 +381,7 @@ def _translate_document(translator, fmt: str, source, input_: Optional[Path], ou
     name = str(input_) if input_ is not None else "standard input"
     document = read_document(source, name, fmt=fmt)
     try:
-        translated, stats.sentences, stats.tokens = translate_document(translator, document, fmt, beam)
+        translated, stats.sentences, stats.tokens = translate_document(translator, document, fmt)
     except TfmError as exc:  # a document that cannot be read as its format: the message names the file
         raise (exc if str(exc).startswith(name) else TfmError(f"{name}: {exc}")) from None
     if isinstance(translated, bytes):  # a Word file
@@ -629,14 +624,15 @@ def evaluate(
             raise TfmError(f"--split {split!r}: choose valid or test")
         if engine is not None and engine not in ENGINES:
             raise TfmError(f"--engine {engine}: choose {', '.join(ENGINES)}")
-        from .decoding.engine import model_files
+        from .decoding.engine import model_files, with_options
 
         cfg = _load_for_inference(config, set_, checkpoint)
+        cfg.decode = with_options(cfg.decode, {"beam": beam})  # the settings travel in the config from here
         if cfg.data.multilingual or directions is not None:
-            result = _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine, compute_type,
+            result = _evaluate_directions(cfg, checkpoint, split, names, confidence, engine, compute_type,
                                           chosen, constraints, tgt_lang)
         else:
-            result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, beam, confidence,
+            result = evaluate_model(cfg, checkpoint or model_files(cfg), split, names, confidence,
                                     engine=engine, compute_type=compute_type, constraints=constraints,
                                     tgt_lang=tgt_lang)
     else:
@@ -708,7 +704,7 @@ def _chosen_directions(spec: str) -> list | str:
         raise TfmError(str(exc)) from None
 
 
-def _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine, compute_type, chosen,
+def _evaluate_directions(cfg, checkpoint, split, names, confidence, engine, compute_type, chosen,
                          constraints, tgt_lang):
     """`tfm evaluate --config` of a multilingual run (or with --directions): every direction."""
     from .decoding.engine import model_files
@@ -722,7 +718,7 @@ def _evaluate_directions(cfg, checkpoint, split, names, beam, confidence, engine
     if chosen == "all":  # every ordered pair of the run's languages
         languages = sorted({lang for d in cfg.data.pairs for lang in (d.src, d.tgt)})
         chosen = [Direction(a, b) for a in languages for b in languages if a != b]
-    return evaluate_directions(cfg, checkpoint or model_files(cfg), split, names, beam, chosen, confidence,
+    return evaluate_directions(cfg, checkpoint or model_files(cfg), split, names, chosen, confidence,
                                engine=engine, compute_type=compute_type)
 
 

@@ -128,13 +128,12 @@ def term_use(hyps: list[str], terms: list[LineTerms]) -> dict:
             "avoided_present": avoided}
 
 
-def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: list[str], beam: int | None,
-                   confidence: bool = False, engine: str | None = None, compute_type: str | None = None,
+def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: list[str], confidence: bool = False, engine: str | None = None, compute_type: str | None = None,
                    constraints: Path | None = None, tgt_lang: str | None = None) -> EvalResult:
     """Translate the configured split's raw source with the model (several checkpoints: their
     ensemble) through the engine `tfm translate` would choose (`engine`, `compute_type`: the
     command line's; None: the config's decode.engine, decode.compute_type) and score it against
-    the raw reference. `constraints`: a `tfm translate --constraints` file of the split's source
+    the raw reference, one translation a line under the config's decode settings. `constraints`: a `tfm translate --constraints` file of the split's source
     lines with their terms, translated instead of the source; the result adds the term-use rate.
     `tgt_lang`: the target-language tag for a model that translates into several."""
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
@@ -158,12 +157,13 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
     translator.target_languages().check(translator.decode.tgt_lang)
     started = time.perf_counter()
     try:
-        hyps = translate_texts(translator, src, beam, terms)  # as `tfm translate` would: the same chunks and batches
+        decode = translator.settings(nbest=1)
+        hyps = translate_texts(translator, src, decode, terms)  # as `tfm translate` would: the same chunks and batches
     finally:
         translator.close()
     seconds = time.perf_counter() - started
     result = score(hyps, refs, metrics, confidence)
-    beam_used = config.decode.beam if beam is None else beam
+    beam_used = decode.beam
     result.extra = {"split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": beam_used,
                     "engine": translator.describe(), "source": str(src_path),
                     "reference": str(ref_path), "decode_seconds": round(seconds, 2),
@@ -205,7 +205,7 @@ def gate_verdict(result: EvalResult, gate: float, direction: str | None, spec: s
     return True, f"PASS: {what} {bleu:.2f} >= {gate}"
 
 
-def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metrics: list[str], beam: int | None,
+def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metrics: list[str],
                         directions: list[Direction] | None = None, confidence: bool = False,
                         engine: str | None = None, compute_type: str | None = None) -> EvalResult:
     """A multilingual model on every direction of a split (`directions`, default: the run's): each
@@ -229,7 +229,8 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
     try:
         for d in chosen:
             translator.target_languages().check(d.tgt, f"direction {d.name}: target")
-        beam_used = config.decode.beam if beam is None else beam
+        decode = translator.settings(nbest=1)
+        beam_used = decode.beam
         out_dir = RunDirectory(config.run_path).eval_dir
         stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam_used}"
         per_direction, started = {}, time.perf_counter()
@@ -237,7 +238,7 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
             src, refs = read_lines(files[d][0]), read_lines(files[d][1])
             check_aligned(src, refs, str(files[d][0]), str(files[d][1]))
             hyps = translate_texts(translator, [f"{tag(d.tgt)} {line}" if line.strip() else line for line in src],
-                                   beam)
+                                   decode)
             result = score(hyps, refs, metrics, confidence)
             atomic_write_text(out_dir / f"{stem}.{d.name}.hyp", "\n".join(hyps) + "\n")
             per_direction[d.name] = {"zero_shot": d not in trained, "n_sentences": len(hyps),

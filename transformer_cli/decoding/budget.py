@@ -63,24 +63,21 @@ class DecodingShape:
 
 
 def decoding_shape(model_cfg: ModelSizes, decode: DecodeConfig, n_lines: int, longest_source_tokens: int,
-                   beam: int | None = None, nbest: int | None = None, processes: int = 1,
-                   longest_prefix: int = 0, constraints: tuple[int, int] = (0, 0)) -> DecodingShape:
+                   processes: int = 1, longest_prefix: int = 0, constraints: tuple[int, int] = (0, 0)) -> DecodingShape:
     """The largest batch `n_lines` lines whose longest has `longest_source_tokens` tokens (</s>
-    excluded) make under `decode` (its beam and nbest, or `beam`/`nbest` where given); a target
+    excluded) make under `decode` (its beam and nbest); a target
     prefix (or constraints) of `longest_prefix` tokens raises the output limit to leave room after
     it; `constraints`: the most terms a line has, and the most pieces a term has."""
     source = min(max(longest_source_tokens, 0), source_token_limit(model_cfg.max_positions)) + 1  # decoding cuts longer lines
     lines = max(min(n_lines, decode.batch_size), 1)
     if decode.batch_tokens is not None:  # length_sorted_batches: width × sentences ≤ batch_tokens
         lines = max(min(lines, decode.batch_tokens // source), 1)
-    beam = decode.beam if beam is None else beam
-    nbest = decode.nbest if nbest is None else nbest
     batches = -(-max(n_lines, 1) // lines)
     return DecodingShape(
         lines=lines, batches=batches, source=source,
         output=min(max(output_length_limit(source, decode.max_len_a, decode.max_len_b, model_cfg.max_positions),
                        longest_prefix + 1), output_token_cap(model_cfg.max_positions)),
-        beams=1 if decode.sample else max(beam, 1), samples=max(nbest, 1) if decode.sample else 1,
+        beams=1 if decode.sample else decode.beam, samples=decode.nbest if decode.sample else 1,
         sampling=decode.sample, processes=max(min(processes, batches), 1), terms=constraints[0],
         term_pieces=constraints[1])
 
@@ -127,20 +124,18 @@ def decoding_bytes(model_cfg: ModelSizes | Sequence[ModelSizes], shape: Decoding
 
 
 def check_decoding_budget(model_cfg: ModelSizes | Sequence[ModelSizes], decode: DecodeConfig,
-                          n_lines: int, longest_source_tokens: int, limit_bytes: int | None, *,
-                          beam: int | None = None, nbest: int | None = None, processes: int = 1,
+                          n_lines: int, longest_source_tokens: int, limit_bytes: int | None, *, processes: int = 1,
                           longest_prefix: int = 0, constraints: tuple[int, int] = (0, 0)) -> None:
     """Refuse (TfmError, one line naming the limit and the setting that raises the cost most) a
     decoding call of `n_lines` lines, the longest `longest_source_tokens` tokens, whose bound is
-    over `limit_bytes` (None: no limit). `beam`/`nbest` replace decode's; `processes`: decoding
+    over `limit_bytes` (None: no limit). `processes`: decoding
     processes that each take a batch at the same time (decode.workers); `longest_prefix`: target
     prefix tokens the output is forced through; `constraints`: as `decoding_shape`'s."""
     if limit_bytes is None:
         return
     members = list(model_cfg) if isinstance(model_cfg, Sequence) else [model_cfg]
     first = members[0]
-    shape = decoding_shape(first, decode, n_lines, longest_source_tokens, beam, nbest, processes, longest_prefix,
-                           constraints)
+    shape = decoding_shape(first, decode, n_lines, longest_source_tokens, processes, longest_prefix, constraints)
     need = decoding_bytes(members, shape)
     if need <= limit_bytes:
         return
@@ -166,8 +161,7 @@ def decoding_work(members: Sequence[ModelSizes], shape: DecodingShape) -> float:
 
 
 def parts_within_work(model_cfg: ModelSizes | Sequence[ModelSizes], decode: DecodeConfig, lengths: Sequence[int], *,
-                      beam: int | None = None, nbest: int | None = None, longest_prefix: int = 0,
-                      constraints: tuple[int, int] = (0, 0)) -> list[list[int]]:
+                      longest_prefix: int = 0, constraints: tuple[int, int] = (0, 0)) -> list[list[int]]:
     """The lines of one decoding call (`lengths`: their source tokens) as parts each within
     decode.max_work (`decoding_work`), longest lines first: a file's chunk of a large model at a wide
     beam is searched a part at a time instead of being refused. One part (all lines, in order) when
@@ -175,8 +169,8 @@ def parts_within_work(model_cfg: ModelSizes | Sequence[ModelSizes], decode: Deco
     members = list(model_cfg) if isinstance(model_cfg, Sequence) else [model_cfg]
 
     def work(n_lines: int, longest: int) -> float:
-        return decoding_work(members, decoding_shape(members[0], decode, n_lines, longest, beam, nbest, 1,
-                                                     longest_prefix, constraints))
+        return decoding_work(members, decoding_shape(members[0], decode, n_lines, longest, 1, longest_prefix,
+                                                     constraints))
 
     if not lengths or work(len(lengths), max(lengths)) <= decode.max_work:
         return [list(range(len(lengths)))]
@@ -193,13 +187,11 @@ def parts_within_work(model_cfg: ModelSizes | Sequence[ModelSizes], decode: Deco
 
 
 def check_decoding_work(model_cfg: ModelSizes | Sequence[ModelSizes], decode: DecodeConfig, n_lines: int,
-                        longest_source_tokens: int, *, beam: int | None = None, nbest: int | None = None,
-                        longest_prefix: int = 0, constraints: tuple[int, int] = (0, 0)) -> None:
+                        longest_source_tokens: int, *, longest_prefix: int = 0, constraints: tuple[int, int] = (0, 0)) -> None:
     """Refuse (TfmError, one line) a decoding call whose estimated work (`decoding_work`) is over
     decode.max_work: time is budgeted like memory, before the work starts."""
     members = list(model_cfg) if isinstance(model_cfg, Sequence) else [model_cfg]
-    shape = decoding_shape(members[0], decode, n_lines, longest_source_tokens, beam, nbest, 1, longest_prefix,
-                           constraints)
+    shape = decoding_shape(members[0], decode, n_lines, longest_source_tokens, 1, longest_prefix, constraints)
     need = decoding_work(members, shape)
     if need <= decode.max_work:
         return

@@ -208,20 +208,19 @@ class CT2Translator(TranslationEngine):
     def tokenize_target(self, texts: list[str]) -> list[list[str]]:
         return self.tgt_sp.encode(texts, out_type=str)
 
-    def total_log_prob(self, score: float, length: int, beam: int, decode: DecodeConfig) -> float:
-        return total_log_prob(score, length, decode.length_penalty, beam, "length")  # CTranslate2: len ** alpha
+    def total_log_prob(self, score: float, length: int, decode: DecodeConfig) -> float:
+        return total_log_prob(score, length, decode.length_penalty, decode.beam, "length")  # CTranslate2: len ** alpha
 
     def detokenize(self, tokens: list[str]) -> str:
         return self.tgt_sp.decode_pieces(tokens)
 
-    def search(self, pieces: list[list[str]], beam: int, nbest: int = 1, decode: DecodeConfig | None = None,
+    def search(self, pieces: list[list[str]], decode: DecodeConfig | None = None,
                terms: list[TermIds] | None = None, max_len: int | None = None,
                deadline: float | None = None) -> list[list[Hypothesis]]:
         """Sentencepiece pieces (no </s>) → per sentence its n-best hypotheses (pieces, score), in input order."""
-        return self.search_later(pieces, beam, nbest, decode or self.decode, terms, max_len)()
+        return self.search_later(pieces, decode or self.decode, terms, max_len)()
 
-    def search_later(self, pieces: list[list[str]], beam: int, nbest: int, decode: DecodeConfig,
-                     terms: list[TermIds] | None = None, max_len: int | None = None,
+    def search_later(self, pieces: list[list[str]], decode: DecodeConfig, terms: list[TermIds] | None = None, max_len: int | None = None,
                      deadline: float | None = None) -> Callable[[], list[list[Hypothesis]]]:
         """The batches submitted to CTranslate2's threads now; what it returns waits for them.
         The prefixes of `terms` become CTranslate2's `target_prefix` (hypotheses include them);
@@ -233,7 +232,7 @@ class CT2Translator(TranslationEngine):
             raise TfmError(unsupported)
         if terms and any(t.constraints or t.avoid for t in terms):
             raise TfmError("constraints and avoided terms are applied by tfm's own engine: use --engine torch")
-        self.check_search_budget(pieces, beam, nbest, decode, terms)
+        self.check_search_budget(pieces, decode, terms)
         prefixes = [t.prefix for t in terms] if terms and any(t.prefix for t in terms) else None
         self.open()
         # Batches of similar lengths (decode.batch_size, decode.batch_tokens), as tfm's engine makes them.
@@ -251,10 +250,10 @@ class CT2Translator(TranslationEngine):
                 limit = min(max(limit, max(map(len, forced)) + 1), self.max_input_length)
             # Asynchronous: with several workers (inter_threads) CTranslate2 decodes batches in parallel.
             submitted.append((batch, self._submit(
-                [pieces[i] for i in batch], beam_size=beam, num_hypotheses=nbest,
-                length_penalty=search_alpha(decode.length_penalty, beam),
+                [pieces[i] for i in batch], beam_size=decode.beam, num_hypotheses=decode.nbest,
+                length_penalty=search_alpha(decode.length_penalty, decode.beam),
                 max_decoding_length=max(limit, 1), max_input_length=self.max_input_length,
-                target_prefix=forced, return_scores=nbest > 1 or decode.scores,  # scores cost ~4% of greedy's time
+                target_prefix=forced, return_scores=decode.nbest > 1 or decode.scores,  # scores cost ~4% of greedy's time
                 use_vmap=decode.shortlist, asynchronous=True)))
 
         def collect() -> list[list[Hypothesis]]:  # (the failures of CTranslate2's threads come out here)

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..data.batches import TokenArray
 from ..data.prepare import load_sentencepiece
-from ..experiment.config import ExperimentConfig
+from ..experiment.config import DecodeConfig, ExperimentConfig
 from ..experiment.rundir import RunDirectory
 from ..experiment.runlock import RunLock
 from ..runtime.errors import TfmError
@@ -73,15 +73,21 @@ def check_teacher_vocabulary(engine: TranslationEngine, run: RunDirectory, manif
                            "vocab.from_run set to the teacher's run directory)")
 
 
-def _identity(config: ExperimentConfig, manifest: dict, teachers: list[Path], beam: int) -> dict:
+def _identity(config: ExperimentConfig, manifest: dict, teachers: list[Path], decode: DecodeConfig) -> dict:
     """What a partial output depends on: resuming with anything else would mix two corpora."""
     files = []
     for path in teachers:
         stat = path.stat()
         files.append([str(path.resolve()), stat.st_size, int(stat.st_mtime)])
     settings = config.distill
-    return {"teachers": files, "beam": beam, "length_penalty": config.decode.length_penalty,
+    return {"teachers": files, "beam": decode.beam, "length_penalty": decode.length_penalty,
             "data_digest": manifest.get("data_digest"), "chunk_lines": settings.chunk_lines, "score": settings.score}
+
+
+def teacher_settings(engine: TranslationEngine, config: ExperimentConfig) -> DecodeConfig:
+    """The teacher's decode settings: its engine's with distill.beam (None: decode.beam's), one
+    hypothesis a line, its score kept (drop_worst ranks by it)."""
+    return engine.decode.updated(scores=True, beam=config.distill.beam or config.decode.beam, nbest=1)
 
 
 def _check_identity(partial: Path, info: Path, identity: dict) -> None:
@@ -146,13 +152,13 @@ def _scores(translations, references: list[str] | None) -> list[float]:
 
 
 def translate_corpus(engine: TranslationEngine, config: ExperimentConfig, run: RunDirectory, manifest: dict,
-                     partial: Path, done: int, beam: int, progress: Callable[[int], None]) -> int:
-    """Append the teacher's translations of training lines done… to `partial`, a synced chunk at a time."""
+                     partial: Path, done: int, decode: DecodeConfig, progress: Callable[[int], None]) -> int:
+    """Append the teacher's translations (under `decode`: `teacher_settings`) of training lines
+    done… to `partial`, a synced chunk at a time."""
     src = TokenArray.load(run.binary_stem("train", "src"))
     tgt = TokenArray.load(run.binary_stem("train", "tgt")) if config.distill.score == "chrf" else None
     src_sp = load_sentencepiece(run.vocab_file(manifest, "src"))
     tgt_sp = load_sentencepiece(run.vocab_file(manifest, "tgt")) if tgt is not None else None
-    decode = engine.decode.model_copy(update={"scores": True, "beam": beam, "nbest": 1})
     chunk = config.distill.chunk_lines
     with open(partial, "ab") as out:
         for start in range(done, len(src), chunk):
@@ -160,7 +166,7 @@ def translate_corpus(engine: TranslationEngine, config: ExperimentConfig, run: R
             sources = _source_texts(src, src_sp, start, end)
             # Started together (CTranslate2 keeps its threads busy across them), each within the work
             # budget of a `tfm translate` chunk.
-            pending = [engine.translate_later(sources[i:i + CHUNK_LINES], beam=beam, decode=decode,
+            pending = [engine.translate_later(sources[i:i + CHUNK_LINES], decode,
                                               first_line=start + i + 1, warn_long=False)
                        for i in range(0, len(sources), CHUNK_LINES)]
             translations = [t for collect in pending for t in collect()]
@@ -254,8 +260,8 @@ def distill(config: ExperimentConfig, open_teacher: Callable[[], tuple[Translati
     engine, teachers = open_teacher()
     try:
         check_teacher_vocabulary(engine, run, manifest, ", ".join(map(str, teachers)))
-        beam = config.distill.beam or config.decode.beam
-        identity = _identity(config, manifest, teachers, beam)
+        decode = teacher_settings(engine, config)
+        identity = _identity(config, manifest, teachers, decode)
         directory.mkdir(parents=True, exist_ok=True)
         partial, info = directory / PARTIAL, directory / PARTIAL_INFO
         with RunLock(directory, "tfm distill"):  # one writer: two appending to teacher.tsv would interleave
@@ -265,7 +271,7 @@ def distill(config: ExperimentConfig, open_teacher: Callable[[], tuple[Translati
             _check_identity(partial, info, identity)
             done = _read_partial(partial, lines, config.distill.chunk_lines)
             started = time.perf_counter()
-            translate_corpus(engine, config, run, manifest, partial, done, beam,
+            translate_corpus(engine, config, run, manifest, partial, done, decode,
                              lambda n: progress(n, lines) if progress else None)
             seconds = time.perf_counter() - started
             describe = engine.describe()
@@ -275,7 +281,7 @@ def distill(config: ExperimentConfig, open_teacher: Callable[[], tuple[Translati
         engine.close()
     report = {"lines": lines, "kept": kept, "dropped": lines - kept, "resumed_at": done,
               "drop_worst": config.distill.drop_worst, "score": config.distill.score, "threshold": threshold,
-              "teachers": [str(t) for t in teachers], "beam": beam, "engine": describe,
+              "teachers": [str(t) for t in teachers], "beam": decode.beam, "engine": describe,
               "seconds": round(seconds, 2),
               "sentences_per_second": round((lines - done) / seconds, 1) if seconds > 0 and lines > done else None}
     atomic_write_text(directory / REPORT, json.dumps(report, indent=2))

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..experiment.config import DecodeConfig, ExperimentConfig, config_from_dict
+from ..experiment.config import DecodeConfig, DecodeSettingsError, ExperimentConfig
 from ..runtime.console import warn
 from ..runtime.errors import TfmError
 
@@ -76,11 +76,23 @@ def ctranslate2_device(device: str) -> tuple[str | None, str | None]:
     return "cpu", None
 
 
+def with_options(decode: DecodeConfig, updates: dict) -> DecodeConfig:
+    """`decode` with the command line's decode settings (None: not given), checked where settings are
+    built (`DecodeConfig.updated`); a broken rule is one line naming the options as given (--nbest 3)."""
+    given = {key: value for key, value in updates.items() if value is not None}
+    if not given:
+        return decode
+    try:
+        return decode.updated(**given)
+    except DecodeSettingsError as exc:
+        options = {key: f"--{key.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {value}")
+                   for key, value in given.items()}
+        raise TfmError(f"command line: {exc.naming(options)}") from None
+
+
 def apply_decode_options(engine: Any, updates: dict) -> None:
-    """Command-line decode settings (None: not given) into the engine's, validated like the config file."""
-    updates = {k: v for k, v in updates.items() if v is not None}
-    if updates:
-        engine.decode = config_from_dict({"decode": {**engine.decode.model_dump(), **updates}}, "command line").decode
+    """Command-line decode settings (None: not given) into the engine's (`with_options`)."""
+    engine.decode = with_options(engine.decode, updates)
 
 
 def model_files(cfg: ExperimentConfig) -> list[Path]:
@@ -196,11 +208,7 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
         checkpoints = model_files(cfg)
     # The config's settings with the command line's: known before anything loads. Without a config
     # they are the checkpoint's, read from its conversion below.
-    decode = None
-    if cfg is not None:
-        decode = config_from_dict({"decode": {**cfg.decode.model_dump(),
-                                              **{k: v for k, v in updates.items() if v is not None}}},
-                                  "command line").decode
+    decode = with_options(cfg.decode, updates) if cfg is not None else None
     choice = engine or (decode.engine if decode is not None else "auto")
     if choice == "torch" or (choice == "auto" and device.startswith("cuda") and not gpu_present()):
         # (--device cuda without a GPU: tfm's engine says what is wrong with the device, in one line)
@@ -220,28 +228,13 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
     ct2_device, device_reason = ctranslate2_device(device) if reason is None else (None, None)
     if reason or device_reason:
         return fall_back(reason or device_reason or "")
-    from ..interop.ct2 import NotConvertible, read_export
-    from ..interop.ct2_cache import cached_conversion, discard
+    from ..interop.ct2 import NotConvertible
     from .ct2_engine import CT2Translator
 
     try:
-        conversion = cached_conversion(checkpoints[0])
+        conversion, exported = read_conversion(checkpoints[0], announce)
     except NotConvertible as exc:
         return fall_back(f"CTranslate2 cannot express this model: {exc}")
-    if conversion.note:
-        announce(conversion.note)
-
-    try:
-        exported = read_export(conversion.directory)
-    except TfmError as exc:  # tfm's own cache, damaged past what its record shows: made again, once
-        if conversion.converted:
-            raise
-        discard(conversion.directory)
-        why = str(exc).split(": export it again")[0]  # (advice for a user's export, not for tfm's own cache)
-        announce(f"warning: the cached CTranslate2 conversion of {checkpoints[0].name} could not be read ({why}): "
-                 "made it again")
-        conversion = cached_conversion(checkpoints[0])
-        exported = read_export(conversion.directory)
     translator = CT2Translator(conversion.directory, device=ct2_device or "cpu", compute_type=compute_type,
                                decode=decode, overrides=None if cfg else overrides, model=exported,
                                shortlist=run_shortlist(cfg, checkpoints[0]))
@@ -260,6 +253,29 @@ def open_engine(cfg: ExperimentConfig | None, overrides: list[str] | None, check
         translator.aligner = torch_engine(cfg, overrides, checkpoints, ct2_device or "cpu", None,
                                           {**updates, "workers": "1"})
     return translator
+
+
+def read_conversion(checkpoint: Path, announce: Callable[[str], None]) -> tuple[Any, Any]:
+    """The CTranslate2 conversion cached beside `checkpoint` (made now where missing or stale) and
+    the export it holds; a cache damaged past what its record shows is made again, once. A model
+    CTranslate2 cannot express: `NotConvertible`."""
+    from ..interop.ct2 import read_export
+    from ..interop.ct2_cache import cached_conversion, discard
+
+    conversion = cached_conversion(checkpoint)
+    if conversion.note:
+        announce(conversion.note)
+    try:
+        return conversion, read_export(conversion.directory)
+    except TfmError as exc:  # tfm's own cache, damaged past what its record shows: made again, once
+        if conversion.converted:
+            raise
+        discard(conversion.directory)
+        why = str(exc).split(": export it again")[0]  # (advice for a user's export, not for tfm's own cache)
+        announce(f"warning: the cached CTranslate2 conversion of {checkpoint.name} could not be read ({why}): "
+                 "made it again")
+        conversion = cached_conversion(checkpoint)
+        return conversion, read_export(conversion.directory)
 
 
 def unaligned(decode: DecodeConfig | None) -> DecodeConfig | None:

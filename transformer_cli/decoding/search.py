@@ -54,13 +54,12 @@ class SearchSettings:
     word_continuations: tuple[int, ...] = ()  # target pieces that continue a word (constraints: whole words)
 
     @classmethod
-    def from_decode(cls, decode: DecodeConfig, beam: int | None = None, nbest: int = 1, min_len: int = 0,
-                    max_len: int | None = None, deadline: float | None = None) -> SearchSettings:
-        """`decode`'s settings; `beam` replaces its beam, `max_len` forces the length limit to a constant."""
+    def from_decode(cls, decode: DecodeConfig, min_len: int = 0, max_len: int | None = None,
+                    deadline: float | None = None) -> SearchSettings:
+        """`decode`'s settings; `max_len` forces the length limit to a constant."""
         a, b = (0.0, max_len) if max_len is not None else (decode.max_len_a, decode.max_len_b)
         sampling = Sampling(decode.temperature, decode.top_k, decode.top_p, decode.seed) if decode.sample else None
-        return cls(decode.beam if beam is None else beam, nbest, decode.length_penalty, a, b, min_len, sampling,
-                   deadline)
+        return cls(decode.beam, decode.nbest, decode.length_penalty, a, b, min_len, sampling, deadline)
 
     @property
     def continuous(self) -> bool:
@@ -268,18 +267,11 @@ def greedy_search_continuous(
     total, steps = len(limits_all), int(limits_all.max())
     outputs = torch.full((total, steps), eos, dtype=torch.long, device=device)  # (all sentences, steps)
     scores = torch.zeros(total, device=device)
-    firsts = [sum(counts[:i]) for i in range(len(counts))]  # each batch's first sentence number
-
-    def encode(i: int, capacity: int) -> SearchState:
-        memory, src_mask = model.encode(batches[i])
-        return model.init_state(memory, src_mask, max_len=capacity)
-
-    state = encode(0, steps)
+    waiting = WaitingBatches(model, batches)
+    state = waiting.encode(0, steps)
     state.positions = torch.zeros(counts[0], dtype=torch.long, device=device)
     sentence = torch.arange(counts[0], device=device)  # the sentence number each row decodes
     limits = limits_all[: counts[0]].clone()
-    queue: list[int] = list(range(1, len(batches)))  # batches not yet started
-    batch, waiting, taken = 0, None, 0  # the batch sentences are taken from: its number, encoded state, sentences taken
     tokens = torch.full((counts[0],), bos, dtype=torch.long, device=device)
     buffer = None
     while True:
@@ -300,20 +292,12 @@ def greedy_search_continuous(
         if not bool(finished.any()):
             continue
         free = finished.nonzero().squeeze(1)
-        while free.numel() and (waiting is not None or queue):  # done rows take waiting sentences
-            if waiting is None:
-                batch = queue.pop(0)
-                waiting, taken = encode(batch, 1), 0
-            rows = free[: counts[batch] - taken]
-            joining = torch.arange(taken, taken + len(rows), device=device)
-            state.admit(rows, waiting, joining)
-            numbers = joining + firsts[batch]
+        while free.numel() and waiting.any():  # done rows take waiting sentences
+            rows, numbers = waiting.admit(free, state)
             sentence.index_copy_(0, rows, numbers)
             limits.index_copy_(0, rows, limits_all.index_select(0, numbers))
             tokens.index_fill_(0, rows, bos)
-            taken, free = taken + len(rows), free[len(rows):]
-            if taken == counts[batch]:
-                waiting = None
+            free = free[len(rows):]
         if free.numel():  # no sentence waits: these rows leave the batch
             keep = torch.ones_like(finished).index_fill_(0, free, False).nonzero().squeeze(1)
             if keep.numel() == 0:
@@ -321,11 +305,43 @@ def greedy_search_continuous(
             sentence, limits, tokens = sentence[keep], limits[keep], tokens[keep]
             state = state.reorder(keep, keep)
         compact(state, int(source_lengths.index_select(0, sentence).max()))
-    hyps = []
-    for row, score in zip(outputs.tolist(), scores.tolist()):
-        end = row.index(eos) if eos in row else len(row)
-        hyps.append(Hypothesis(row[:end], score))
-    return [hyps[first : first + count] for first, count in zip(firsts, counts)]
+    hyps = [Hypothesis(row[: row.index(eos) if eos in row else len(row)], score)
+            for row, score in zip(outputs.tolist(), scores.tolist())]
+    return [hyps[first : first + count] for first, count in zip(waiting.firsts, counts)]
+
+
+class WaitingBatches:
+    """Continuous batching's queue: the batches whose sentences have not all started, each encoded
+    when its first sentence is needed (batch 0 starts the search)."""
+
+    def __init__(self, model: SearchModel, batches: list[torch.Tensor]):
+        self.model, self.batches = model, batches
+        self.counts = [b.size(0) for b in batches]
+        self.firsts = [sum(self.counts[:i]) for i in range(len(batches))]  # each batch's first sentence number
+        self.queue = list(range(1, len(batches)))  # batches not yet started
+        # the batch sentences are taken from: its number, its encoded state, its sentences taken
+        self.batch, self.state, self.taken = 0, None, 0
+
+    def encode(self, i: int, capacity: int) -> SearchState:
+        memory, src_mask = self.model.encode(self.batches[i])
+        return self.model.init_state(memory, src_mask, max_len=capacity)
+
+    def any(self) -> bool:
+        return self.state is not None or bool(self.queue)
+
+    def admit(self, free: torch.Tensor, state: SearchState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next waiting sentences into the free rows (the first of `free`, as many as the current
+        batch has left) of `state` → those rows and the sentence number each now decodes."""
+        if self.state is None:
+            self.batch = self.queue.pop(0)
+            self.state, self.taken = self.encode(self.batch, 1), 0
+        rows = free[: self.counts[self.batch] - self.taken]
+        joining = torch.arange(self.taken, self.taken + len(rows), device=free.device)
+        state.admit(rows, self.state, joining)
+        self.taken += len(rows)
+        if self.taken == self.counts[self.batch]:
+            self.state = None
+        return rows, joining + self.firsts[self.batch]
 
 
 def compact(state: SearchState, longest_source: int) -> None:
@@ -454,14 +470,11 @@ def beam_search(
     last token); a sentence whose terms cannot all be placed within its length limit gets no
     hypothesis ([]).
     """
-    pad = model.cfg.pad_id
-    device = src.device
-    n_sent = src.size(0)
-    k = beam
+    device, n_sent, k = src.device, src.size(0), beam
     memory, src_mask = model.encode(src)
     # Decoding rows: row = sent * K + beam; the K beams of a sentence share its cross-attention K/V.
     limit_tensor, prefixes, avoided = apply_terms(
-        terms, max_output_lengths(src, pad, max_len_a, max_len_b, min_len, model.cfg.max_positions),
+        terms, max_output_lengths(src, model.cfg.pad_id, max_len_a, max_len_b, min_len, model.cfg.max_positions),
         model.cfg.max_positions)
     limits = limit_tensor.tolist()
     forced = prefix_table(prefixes, device)[0] if prefixes else None
@@ -469,70 +482,94 @@ def beam_search(
     finished: list[list[Hypothesis]] = [[] for _ in range(n_sent)]
     best_finished = [float("-inf")] * n_sent  # best finished score per sentence
     min_finished = finished_needed([bool(terms and terms[s].constraints) for s in range(n_sent)], nbest, k, alpha)
-
-    alive = torch.arange(n_sent, device=device)  # original sentence index of each active sentence
-    alive_list = alive.tolist()
-    constrained = (ConstrainedBeams([t.constraints for t in terms], alive, k)
+    live = LiveBeams.start(n_sent, k, bos, device)
+    constrained = (ConstrainedBeams([t.constraints for t in terms], live.alive, k)
                    if terms and any(t.constraints for t in terms) else None)
-    beam_scores = torch.zeros(n_sent, k, device=device)  # cumulative log-probs (N, K)
-    history = torch.full((n_sent * k, 0), bos, dtype=torch.long, device=device)
-    # All K beams of a sentence start identical: the first step decodes one row per sentence
-    # (the caches store its keys/values for all K beams), later steps K rows.
-    tokens = torch.full((n_sent,), bos, dtype=torch.long, device=device)
-    first_row = torch.arange(n_sent, device=device)[:, None] * k  # (N, 1) each sentence's first row
     buffer = None
 
     for step in range(max(limits)):
         check_deadline()
-        n = len(alive_list)
-        logits = model.decode_step(tokens, state)  # (N*K, V); the first step (N, V)
+        logits = model.decode_step(live.tokens, state)  # (N*K, V); the first step (N, V)
         if buffer is None:
             buffer = logits_buffer(n_sent * k, logits)
         logprobs = log_probs(logits, buffer)
         vocab = logprobs.size(-1)
-        bar_tokens(logprobs, step, eos, min_len, forced, avoided, alive, history, k, constrained, word_continuations)
-        top_scores, top_ids = beam_candidates(logprobs, beam_scores, step, k, eos, alive, constrained)
+        bar_tokens(logprobs, step, eos, min_len, forced, avoided, live.alive, live.history, k, constrained,
+                   word_continuations)
+        top_scores, top_ids = beam_candidates(logprobs, live.scores, step, k, eos, live.alive, constrained)
         top_beams, top_tokens = top_ids // vocab, top_ids % vocab
         is_eos = top_tokens == eos
-        at_limit = [step + 1 >= limits[s] for s in alive_list]
-
+        at_limit = [step + 1 >= limits[s] for s in live.alive_list]
+        lp = gnmt_length_penalty(step + 1, alpha)
         # 1) Finish hypotheses that chose <eos> within the top K (rare: handled in Python).
-        finish_eos_choices(is_eos[:, :k], top_scores, top_beams, history, alive_list, k,
-                           gnmt_length_penalty(step + 1, alpha), finished, best_finished)
-
-        # 2) The K best non-<eos> candidates stay alive: a stable sort of the <eos> flags puts the
-        #    others first, in score order (constrained: in the banks' filling order).
-        pick = is_eos.to(torch.uint8).argsort(dim=1, stable=True)[:, :k]  # (N, K) positions among the candidates
-        beam_scores = top_scores.gather(1, pick)
-        next_tokens = top_tokens.gather(1, pick)
-        if constrained is not None:
-            constrained.select(pick)
-        if first_row.size(0) != n:
-            first_row = torch.arange(n, device=device)[:, None] * k  # (N, 1) each sentence's first row
-        source_rows = (top_beams.gather(1, pick) + first_row).view(-1)
-        history = torch.cat([history.index_select(0, source_rows), next_tokens.view(-1, 1)], dim=1)
-        tokens = next_tokens.view(-1)
-
+        finish_eos_choices(is_eos[:, :k], top_scores, top_beams, live.history, live.alive_list, k, lp, finished,
+                           best_finished)
+        # 2) The K best non-<eos> candidates stay alive.
+        source_rows = live.advance(top_scores, top_tokens, top_beams, is_eos, constrained)
         # 3) Sentences at their length limit finish their live beams; a sentence whose best finished
         #    hypothesis beats its best live beam ended now is done.
-        done = done_sentences(beam_scores, history, alive_list, at_limit, k, gnmt_length_penalty(step + 1, alpha),
-                              finished, best_finished, min_finished,
-                              constrained.complete() if constrained is not None else None)
+        done = done_sentences(live.scores, live.history, live.alive_list, at_limit, k, lp, finished, best_finished,
+                              min_finished, constrained.complete() if constrained is not None else None)
         if all(done):
             break
         if any(done):
-            keep_sent = torch.tensor([r for r, d in enumerate(done) if not d], device=device)
-            keep_rows = (keep_sent[:, None] * k + torch.arange(k, device=device)).view(-1)
-            alive_list = [alive_list[r] for r in keep_sent.tolist()]
-            alive = alive.index_select(0, keep_sent)
-            beam_scores = beam_scores.index_select(0, keep_sent)
-            history, tokens = history.index_select(0, keep_rows), tokens.index_select(0, keep_rows)
-            if constrained is not None:
-                constrained.keep(keep_rows)
+            keep_rows, keep_sent = live.keep([r for r, d in enumerate(done) if not d], constrained)
             state = state.reorder(source_rows.index_select(0, keep_rows), keep_sent)
         else:
             state = state.reorder(source_rows)  # beams move only within their sentence
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
+
+
+@dataclass
+class LiveBeams:
+    """Beam search's live sentences and their K beams each (row = sentence · K + beam)."""
+
+    k: int
+    alive: torch.Tensor  # (N,) the input sentence each live sentence is
+    alive_list: list[int]  # the same, as a list (read every step)
+    scores: torch.Tensor  # (N, K) each beam's cumulative log-probability
+    history: torch.Tensor  # (N·K, steps) each beam's tokens so far
+    tokens: torch.Tensor  # the tokens decoded next: (N,) at the first step, (N·K,) after it
+    first_row: torch.Tensor  # (N, 1) each sentence's first row
+
+    @classmethod
+    def start(cls, n_sent: int, k: int, bos: int, device: torch.device) -> LiveBeams:
+        """All K beams of a sentence start identical: the first step decodes one row per sentence
+        (the caches store its keys/values for all K beams), later steps K rows."""
+        alive = torch.arange(n_sent, device=device)
+        return cls(k, alive, alive.tolist(), torch.zeros(n_sent, k, device=device),
+                   torch.full((n_sent * k, 0), bos, dtype=torch.long, device=device),
+                   torch.full((n_sent,), bos, dtype=torch.long, device=device), alive[:, None] * k)
+
+    def advance(self, top_scores: torch.Tensor, top_tokens: torch.Tensor, top_beams: torch.Tensor,
+                is_eos: torch.Tensor, constrained: ConstrainedBeams | None) -> torch.Tensor:
+        """The K best non-<eos> candidates (N, 2K) stay alive: a stable sort of the <eos> flags puts
+        the others first, in score order (constrained: in the banks' filling order) → the row each
+        new beam continues (N·K,), for the caches to follow."""
+        pick = is_eos.to(torch.uint8).argsort(dim=1, stable=True)[:, : self.k]  # (N, K) among the candidates
+        self.scores = top_scores.gather(1, pick)
+        next_tokens = top_tokens.gather(1, pick)
+        if constrained is not None:
+            constrained.select(pick)
+        if self.first_row.size(0) != len(self.alive_list):
+            self.first_row = torch.arange(len(self.alive_list), device=self.scores.device)[:, None] * self.k
+        source_rows = (top_beams.gather(1, pick) + self.first_row).view(-1)
+        self.history = torch.cat([self.history.index_select(0, source_rows), next_tokens.view(-1, 1)], dim=1)
+        self.tokens = next_tokens.view(-1)
+        return source_rows
+
+    def keep(self, kept: list[int], constrained: ConstrainedBeams | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the live sentences `kept` (their positions among the live ones) go on: done
+        sentences leave the batch, so no compute is spent on them → their rows (M·K,) and positions (M,)."""
+        keep_sent = torch.tensor(kept, device=self.scores.device)
+        keep_rows = (keep_sent[:, None] * self.k + torch.arange(self.k, device=keep_sent.device)).view(-1)
+        self.alive_list = [self.alive_list[r] for r in kept]
+        self.alive = self.alive.index_select(0, keep_sent)
+        self.scores = self.scores.index_select(0, keep_sent)
+        self.history, self.tokens = self.history.index_select(0, keep_rows), self.tokens.index_select(0, keep_rows)
+        if constrained is not None:
+            constrained.keep(keep_rows)
+        return keep_rows, keep_sent
 
 
 # --------------------------------------------------------------------------- sampling

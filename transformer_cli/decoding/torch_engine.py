@@ -121,14 +121,12 @@ class Translator(TranslationEngine):
             self.workers = DecodingWorkers(partial(decode_task, self.model, self.device), processes)
         return self.workers
 
-    def search(self, sources: list[list[int]], beam: int, nbest: int,
-               decode: DecodeConfig | None = None, terms: list[TermIds] | None = None,
-               deadline: float | None = None) -> list[list[Hypothesis]]:
+    def search(self, sources: list[list[int]], decode: DecodeConfig | None = None,
+               terms: list[TermIds] | None = None, deadline: float | None = None) -> list[list[Hypothesis]]:
         decode = decode or self.decode
-        self.check_search_budget(sources, beam, nbest, decode, terms)
+        self.check_search_budget(sources, decode, terms)
         continuations = self.word_continuations() if terms and any(t.constraints for t in terms) else ()
-        return decode_in_batches(self.model, sources, decode, self.device, beam, nbest,
-                                 workers=self.decoding_workers(), terms=terms, deadline=deadline,
+        return decode_in_batches(self.model, sources, decode, self.device, workers=self.decoding_workers(), terms=terms, deadline=deadline,
                                  word_continuations=continuations)
 
     def word_continuations(self) -> tuple[int, ...]:
@@ -165,7 +163,7 @@ class Translator(TranslationEngine):
 
 def decode_in_batches(
     model: Transformer, sources: list[list[int]], decode: DecodeConfig, device: torch.device,
-    beam: int | None = None, nbest: int = 1, min_len: int = 0, max_len: int | None = None,
+    min_len: int = 0, max_len: int | None = None,
     workers: DecodingWorkers | None = None, terms: list[TermIds] | None = None, deadline: float | None = None,
     word_continuations: tuple[int, ...] = (),
 ) -> list[list[Hypothesis]]:
@@ -173,13 +171,13 @@ def decode_in_batches(
     sources longer than the model's positions are cut, the rest grouped into length-sorted batches
     (`decode.batch_size`, `decode.batch_tokens`), the batches into tasks (`group_into_tasks`), and
     each task decoded by `decode_task` on `workers` (CPU processes made for this `model`; None: this
-    process). `beam` replaces decode.beam; `min_len`/`max_len` force the output length (benchmarks
+    process). `min_len`/`max_len` force the output length (benchmarks
     with untrained weights). `terms`: per source, the target ids its hypotheses start with, must
     contain and must not contain (`TermIds`); each travels with its source through batches and tasks.
     `deadline`: the time.monotonic() by which every search must end (DeadlinePassed otherwise).
     `word_continuations`: the target pieces that continue a word (none may follow a constraint).
     """
-    settings = replace(SearchSettings.from_decode(decode, beam, nbest, min_len, max_len, deadline),
+    settings = replace(SearchSettings.from_decode(decode, min_len, max_len, deadline),
                        word_continuations=word_continuations)
     keep = source_token_limit(model.cfg.max_positions)
     sources = [s[:keep] + [EOS_ID] for s in sources]  # source too long → truncated

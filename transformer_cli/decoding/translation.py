@@ -94,8 +94,7 @@ class TranslationEngine:
         """Searches that run at once, each over a batch of its own (decode.workers)."""
         return 1
 
-    def check_search_budget(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
-                            terms: list[TermIds] | None = None) -> None:
+    def check_search_budget(self, sources: list[list], decode: DecodeConfig, terms: list[TermIds] | None = None) -> None:
         """A TfmError, naming the setting, where searching `sources` (with `terms`, which may raise
         the output length) could take more work than decode.max_work or more memory than
         `memory_limit` (decoding/budget.py)."""
@@ -103,12 +102,11 @@ class TranslationEngine:
             return
         longest = max(map(len, sources), default=0)
         prefix, constraints = term_room(terms)
-        check_decoding_work(self.member_configs, decode, len(sources), longest, beam=beam, nbest=nbest,
-                            longest_prefix=prefix, constraints=constraints)
+        check_decoding_work(self.member_configs, decode, len(sources), longest, longest_prefix=prefix,
+                            constraints=constraints)
         if self.memory_limit is not None:
-            check_decoding_budget(self.member_configs, decode, len(sources), longest, self.memory_limit, beam=beam,
-                                  nbest=nbest, processes=self.budget_processes(), longest_prefix=prefix,
-                                  constraints=constraints)
+            check_decoding_budget(self.member_configs, decode, len(sources), longest, self.memory_limit,
+                                  processes=self.budget_processes(), longest_prefix=prefix, constraints=constraints)
 
     def check_budget(self, lines: list[str], decode: DecodeConfig, terms: list[LineTerms] | None = None) -> None:
         """`check_search_budget` for `translate(lines, decode=decode, terms=terms)`, before the call
@@ -118,7 +116,7 @@ class TranslationEngine:
             room = [TermIds(self.tokenize_target([t.prefix])[0] if t.prefix else [],
                             self.tokenize_target(list(t.constraints)) if t.constraints else [])
                     for t in terms or [] if not t.empty]
-            self.check_search_budget(sources, decode.beam, decode.nbest, decode, room)
+            self.check_search_budget(sources, decode, room)
 
     def tokenize(self, lines: list[str]) -> list[list]:
         raise NotImplementedError
@@ -193,12 +191,12 @@ class TranslationEngine:
                            for ways in spellings(text, self._pieces)]
         return cache[term]
 
-    def check_terms(self, terms: list[LineTerms] | None, beam: int, decode: DecodeConfig) -> None:
+    def check_terms(self, terms: list[LineTerms] | None, decode: DecodeConfig) -> None:
         """A TfmError where this engine or these settings cannot apply `terms`."""
         if terms:
-            self.check_lexical(any(t.constraints for t in terms), any(t.avoid for t in terms), beam, decode)
+            self.check_lexical(any(t.constraints for t in terms), any(t.avoid for t in terms), decode)
 
-    def check_lexical(self, constraints: bool, avoid: bool, beam: int, decode: DecodeConfig) -> None:
+    def check_lexical(self, constraints: bool, avoid: bool, decode: DecodeConfig) -> None:
         """A TfmError where this engine or these settings cannot apply constraints or avoided terms."""
         if not self.lexical_constraints and (constraints or avoid):
             raise TfmError("constraints, glossaries and avoided terms are applied by tfm's own engine: use --engine "
@@ -206,14 +204,14 @@ class TranslationEngine:
         if constraints:
             if decode.sample:
                 raise TfmError("constraints (--constraints, --glossary) need beam search, not --sample")
-            if beam < 2:
-                raise TfmError(f"constraints (--constraints, --glossary) need beam search: beam {beam} is greedy; "
+            if decode.beam < 2:
+                raise TfmError(f"constraints (--constraints, --glossary) need beam search: beam {decode.beam} is greedy; "
                                "use --beam 2 or more (decode.beam)")
 
-    def search(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
-               terms: list[TermIds] | None = None, deadline: float | None = None) -> list[list[Hypothesis]]:
+    def search(self, sources: list[list], decode: DecodeConfig, terms: list[TermIds] | None = None,
+               deadline: float | None = None) -> list[list[Hypothesis]]:
         """Tokenized sources → per sentence its n-best hypotheses (tokens as `tokenize` gives them),
-        under `decode`'s settings (sampling, length limits); each with its sentence's `terms`
+        under `decode`'s settings (beam, nbest, sampling, length limits); each with its sentence's `terms`
         (prefix, constraints, avoided sequences: `TermIds`). `deadline`: the time.monotonic() by
         which the search must end; an engine that can stop between steps (tfm's) raises
         `budget.DeadlinePassed` there, one that cannot (CTranslate2) ignores it."""
@@ -224,18 +222,18 @@ class TranslationEngine:
         """Per sentence, per hypothesis its word alignment in Pharaoh format ("i-j …")."""
         raise TfmError("word alignments (--alignment) come from tfm's own engine: use --engine torch")
 
-    def total_log_prob(self, score: float, length: int, beam: int, decode: DecodeConfig) -> float:
+    def total_log_prob(self, score: float, length: int, decode: DecodeConfig) -> float:
         """The plain sum of log-probabilities behind a search's `score` for an output of `length`
         tokens (</s> included): each engine's length normalisation undone (tfm's: GNMT's, scoring.py)."""
-        return total_log_prob(score, length, decode.length_penalty, beam, "gnmt")
+        return total_log_prob(score, length, decode.length_penalty, decode.beam, "gnmt")
 
-    def confidence(self, translation: Translation, beam: int, decode: DecodeConfig) -> float | None:
+    def confidence(self, translation: Translation, decode: DecodeConfig) -> float | None:
         """The model's mean log-probability per output token (</s> included) of a translation: a
         length-normalised model score, not a quality estimate. None where the search kept no score."""
         if not math.isfinite(translation.score) or not translation.text:
             return None
         length = translation.n_tokens + 1
-        return self.total_log_prob(translation.score, length, beam, decode) / length
+        return self.total_log_prob(translation.score, length, decode) / length
 
     def detokenize(self, tokens: list) -> str:
         raise NotImplementedError
@@ -243,28 +241,26 @@ class TranslationEngine:
     def close(self) -> None:
         """Release what the engine started (worker processes, threads); it also ends at exit."""
 
-    def search_later(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
-                     terms: list[TermIds] | None = None,
+    def search_later(self, sources: list[list], decode: DecodeConfig, terms: list[TermIds] | None = None,
                      deadline: float | None = None) -> Callable[[], list[list[Hypothesis]]]:
         """`search`, started now and collected by calling what it returns. An engine that decodes
         in the background (CTranslate2) returns at once, so that the next chunk can be started
         before this one is collected; tfm's engine searches here."""
-        hyps = self.search(sources, beam, nbest, decode, terms, deadline=deadline)
+        hyps = self.search(sources, decode, terms, deadline=deadline)
         return lambda: hyps
 
-    def search_within_work(self, sources: list[list], beam: int, nbest: int, decode: DecodeConfig,
-                           terms: list[TermIds] | None = None,
+    def search_within_work(self, sources: list[list], decode: DecodeConfig, terms: list[TermIds] | None = None,
                            deadline: float | None = None) -> Callable[[], list[list[Hypothesis]]]:
         """`search_later` a part at a time where `sources` together are over decode.max_work
         (`budget.parts_within_work`): each search stays bounded, and the lines come back in order."""
         parts = [list(range(len(sources)))]
         if self.member_configs:
             prefix, constraints = term_room(terms)
-            parts = parts_within_work(self.member_configs, decode, [len(s) for s in sources], beam=beam,
-                                      nbest=nbest, longest_prefix=prefix, constraints=constraints)
+            parts = parts_within_work(self.member_configs, decode, [len(s) for s in sources], longest_prefix=prefix,
+                                      constraints=constraints)
         if len(parts) == 1:
-            return self.search_later(sources, beam, nbest, decode, terms, deadline=deadline)
-        started = [(part, self.search_later([sources[i] for i in part], beam, nbest, decode,
+            return self.search_later(sources, decode, terms, deadline=deadline)
+        started = [(part, self.search_later([sources[i] for i in part], decode,
                                             [terms[i] for i in part] if terms else None, deadline=deadline))
                    for part in parts]
 
@@ -277,11 +273,16 @@ class TranslationEngine:
 
         return collect
 
-    def translate(self, lines: list[str], beam: int | None = None, nbest: int = 1,
-                  first_line: int = 1, decode: DecodeConfig | None = None,
+    def settings(self, **changes: Any) -> DecodeConfig:
+        """The engine's decode settings with `changes` (beam=4, nbest=2…), checked as a config is
+        (`DecodeConfig.updated`): what `translate` and the other calls take as `decode`."""
+        return self.decode.updated(**changes)
+
+    def translate(self, lines: list[str], decode: DecodeConfig | None = None, first_line: int = 1,
                   warn_long: bool = True, terms: list[LineTerms] | None = None) -> list[list[Translation]]:
-        """Per input line its n-best translations (n samples with decode.sample); empty (or blank)
-        lines give empty output. `decode` replaces the engine's settings for this call.
+        """Per input line its decode.nbest best translations (samples with decode.sample); empty (or
+        blank) lines give empty output. `decode`: the settings of this call (`settings(beam=…)`);
+        None: the engine's own.
 
         A line longer than the model's positions is cut with a warning naming it (`first_line` is
         the number of `lines[0]` in the user's input; `warn_long=False`: silently, as a server does,
@@ -291,17 +292,16 @@ class TranslationEngine:
         that lacks a constraint (it did not fit the length limit) names it in `unmet`, with a warning
         unless `warn_long` is False.
         """
-        return self.translate_later(lines, beam, nbest, first_line, decode, warn_long, terms)()
+        return self.translate_later(lines, decode, first_line, warn_long, terms)()
 
-    def translate_later(self, lines: list[str], beam: int | None = None, nbest: int = 1,
-                        first_line: int = 1, decode: DecodeConfig | None = None, warn_long: bool = True,
+    def translate_later(self, lines: list[str], decode: DecodeConfig | None = None, first_line: int = 1,
+                        warn_long: bool = True,
                         terms: list[LineTerms] | None = None, deadline: float | None = None,
                         align_only: Collection[int] | None = None) -> Callable[[], list[list[Translation]]]:
         """`translate`, started now (`search_later`) and finished by calling what it returns;
         `deadline`: see `search`. `align_only`: with decode.alignment, the lines (0-based) that get
         word alignments (the forced pass costs time); the others come back with none (None: all)."""
         decode = self.decode if decode is None else decode
-        beam = decode.beam if beam is None else beam
         lines = self.target_languages().tag_lines(lines, decode.tgt_lang, first_line)
         nonempty = [i for i, line in enumerate(lines) if line.strip()]
         sources = self.tokenize([lines[i] for i in nonempty]) if nonempty else []
@@ -310,9 +310,9 @@ class TranslationEngine:
         steering = None
         if terms is not None and any(not terms[i].empty for i in nonempty):
             line_terms = [terms[i] for i in nonempty]
-            self.check_terms(line_terms, beam, decode)
+            self.check_terms(line_terms, decode)
             steering = [self.term_ids(t, first_line + i, warn_long) for i, t in zip(nonempty, line_terms)]
-        collect = (self.search_within_work(sources, max(beam, 1), nbest, decode, steering, deadline=deadline)
+        collect = (self.search_within_work(sources, decode, steering, deadline=deadline)
                    if sources else list)
 
         def linked(i: int) -> bool:  # whether line i gets word alignments
@@ -328,7 +328,7 @@ class TranslationEngine:
                 for k, pairs in zip(wanted, found):
                     alignments[k] = list(pairs)
             out: list[list[Translation]] = [[Translation("", 0.0, 0, "" if linked(i) else None)
-                                             for _ in range(max(nbest, 1))] for i in range(len(lines))]
+                                             for _ in range(decode.nbest)] for i in range(len(lines))]
             for i, h, a in zip(nonempty, hyps, alignments):
                 out[i] = [Translation(self.detokenize(x.tokens), x.score, len(x.tokens), pairs)
                           for x, pairs in zip(h, a)]
@@ -466,10 +466,10 @@ def input_chunks(engine: TranslationEngine, lines: Iterable[str]) -> Iterator[li
     return chunks(lines, min(CHUNK_LINES, engine.first_chunk_lines()), CHUNK_LINES)
 
 
-def translated_chunks(engine: TranslationEngine, lines: Iterable[str], beam: int | None = None, nbest: int = 1,
+def translated_chunks(engine: TranslationEngine, lines: Iterable[str], decode: DecodeConfig | None = None,
                       read_ahead: bool = False,
                       terms: Callable[[list[str], int], tuple[list[str], list[LineTerms] | None]] | None = None,
-                      decode: DecodeConfig | None = None, align_only: Collection[int] | None = None,
+                      align_only: Collection[int] | None = None,
                       ) -> Iterator[tuple[list[str], list[LineTerms] | None, list[list[Translation]]]]:
     """Each chunk of `lines` (`input_chunks`) → its sources, their terms and translations, in order.
 
@@ -479,7 +479,7 @@ def translated_chunks(engine: TranslationEngine, lines: Iterable[str], beam: int
     back each chunk's output until the next chunk has arrived. Where starting a chunk fails, the chunk
     before it still comes out first. `terms(chunk, first line number)` → the chunk's source lines
     and their terms (`--constraints` input lines hold both; a prefix, `--avoid`, `--glossary`);
-    `decode` replaces the engine's settings; `align_only`: the lines (0-based, over all of `lines`)
+    `decode`: the settings (None: the engine's); `align_only`: the lines (0-based, over all of `lines`)
     that get word alignments (`translate_later`)."""
     pending: tuple[list[str], list[LineTerms] | None, Callable[[], list[list[Translation]]]] | None = None
     read = 0
@@ -489,9 +489,8 @@ def translated_chunks(engine: TranslationEngine, lines: Iterable[str], beam: int
             sources, line_terms = terms(chunk, read + 1) if terms is not None else (chunk, None)
             in_chunk = None if align_only is None else {
                 i - read for i in ordered[bisect.bisect_left(ordered, read):bisect.bisect_left(ordered, read + len(chunk))]}
-            started = (sources, line_terms, engine.translate_later(sources, beam=beam, nbest=nbest, first_line=read + 1,
-                                                                   terms=line_terms, decode=decode,
-                                                                   align_only=in_chunk))
+            started = (sources, line_terms, engine.translate_later(sources, decode, first_line=read + 1,
+                                                                   terms=line_terms, align_only=in_chunk))
         except BaseException:
             if pending is not None:  # what was translated before the failure comes out first
                 yield pending[0], pending[1], pending[2]()
@@ -507,12 +506,14 @@ def translated_chunks(engine: TranslationEngine, lines: Iterable[str], beam: int
         yield pending[0], pending[1], pending[2]()
 
 
-def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO[str], beam: int | None = None,
-                     nbest: int = 1, progress: bool = False, read_ahead: bool = False,
+def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO[str],
+                     decode: DecodeConfig | None = None, progress: bool = False, read_ahead: bool = False,
                      terms: Callable[[list[str], int], tuple[list[str], list[LineTerms] | None]] | None = None,
                      as_json: bool = False) -> StreamStats:
     """Translate an (endless) stream of lines chunk by chunk (`translated_chunks`, `terms` as
-    there), writing and flushing after each: plain, n-best records, or JSON Lines (`as_json`)."""
+    there), writing and flushing after each: plain, n-best records (decode.nbest > 1), or JSON Lines
+    (`as_json`)."""
+    decode = engine.decode if decode is None else decode
     stats = StreamStats()
     started = time.perf_counter()
     # (A disabled tqdm still starts its monitor thread, which costs every short run a tenth of a second at exit.)
@@ -521,13 +522,13 @@ def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO
         from tqdm import tqdm
 
         bar = tqdm(desc="translate", unit="sent", file=sys.stderr)
-    for chunk, line_terms, results in translated_chunks(engine, lines, beam, nbest, read_ahead, terms):
+    for chunk, line_terms, results in translated_chunks(engine, lines, decode, read_ahead, terms):
         texts = []
         for offset, translations in enumerate(results):
             if as_json:
                 texts.append(json_record(stats.sentences + offset, translations,
                                          line_terms[offset] if line_terms else None))
-            elif nbest > 1:
+            elif decode.nbest > 1:
                 texts.extend(format_nbest(stats.sentences + offset, translations))
             else:
                 texts.append(with_alignment(translations[0]))
@@ -542,7 +543,7 @@ def translate_stream(engine: TranslationEngine, lines: Iterable[str], output: IO
     return stats
 
 
-def translate_texts(engine: TranslationEngine, lines: list[str], beam: int | None = None,
+def translate_texts(engine: TranslationEngine, lines: list[str], decode: DecodeConfig | None = None,
                     terms: list[LineTerms] | None = None) -> list[str]:
     """The best translation of each line (with its `terms`), in the chunks `translate_stream` takes
     (reading ahead)."""
@@ -551,7 +552,7 @@ def translate_texts(engine: TranslationEngine, lines: list[str], beam: int | Non
         def chunk_terms(chunk: list[str], first: int) -> tuple[list[str], list[LineTerms] | None]:
             return chunk, terms[first - 1 : first - 1 + len(chunk)]
 
-    return [t[0].text for _, _, results in translated_chunks(engine, lines, beam, read_ahead=True, terms=chunk_terms)
+    return [t[0].text for _, _, results in translated_chunks(engine, lines, decode, read_ahead=True, terms=chunk_terms)
             for t in results]
 
 

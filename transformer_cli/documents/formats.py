@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import IO
 
 from ..decoding.translation import Translation, TranslationEngine, translated_chunks
+from ..experiment.config import DecodeConfig
 from ..runtime.console import warn
 from ..runtime.errors import TfmError
 from .markdown import plan_markdown
@@ -95,9 +96,10 @@ LETTER = re.compile(r"[^\W\d_]")
 
 
 def translate_document(engine: TranslationEngine, document: str | bytes, fmt: str,
-                       beam: int | None = None) -> tuple[str | bytes, int, int]:
-    """The document translated in its format, its sentences and their target tokens. Markup needs the
-    engine's word alignments (decode.alignment: tfm's engine)."""
+                       decode: DecodeConfig | None = None) -> tuple[str | bytes, int, int]:
+    """The document translated in its format (under `decode`; None: the engine's settings), its
+    sentences and their target tokens. Markup needs the engine's word alignments (decode.alignment:
+    tfm's engine)."""
     plan = plan_document(document, fmt, engine.own_source_language)
     if plan.alignment and not engine.decode.alignment and fmt in ("srt", "vtt"):
         # Subtitles translate without alignments; their markup inside a cue then keeps its place.
@@ -109,13 +111,14 @@ def translate_document(engine: TranslationEngine, document: str | bytes, fmt: st
                        "(decode.alignment, tfm's engine)")
     # Aligning is a forced pass of tfm's model over each translation: only the sentences markup lies in
     # (one search for all of them, batched as lines are).
-    translations = translated(engine, plan.sentences, beam, align_only=plan.aligned if plan.alignment else None)
+    translations = translated(engine, plan.sentences, decode, align_only=plan.aligned if plan.alignment else None)
     return plan.rebuild(translations), len(translations), sum(t.n_tokens for t in translations)
 
 
-def translated(engine: TranslationEngine, sentences: list[str], beam: int | None,
+def translated(engine: TranslationEngine, sentences: list[str], decode: DecodeConfig | None,
                align_only: Collection[int] | None = None) -> list[Translation]:
     """Each sentence's best translation, in the chunks `tfm translate` takes; with word alignments
     for `align_only` (the sentences' numbers; None: all, where the engine makes them)."""
-    return [results[0] for _, _, chunk in translated_chunks(engine, sentences, beam, read_ahead=True,
+    decode = (engine.decode if decode is None else decode).updated(nbest=1)
+    return [results[0] for _, _, chunk in translated_chunks(engine, sentences, decode, read_ahead=True,
                                                               align_only=align_only) for results in chunk]

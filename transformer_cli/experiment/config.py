@@ -563,6 +563,16 @@ class DecodeConfig(_Section):
                                 f"true), or leave {key} out (its default is {default})")
         return self
 
+    def updated(self, **changes: Any) -> DecodeConfig:
+        """These settings with `changes` (a command's flags, a request's fields, a stage's needs:
+        `beam=1` for validation), validated as a config is: every decode setting travels as one
+        DecodeConfig, and each rule across its keys (nbest ≤ beam, sampling's keys) is checked here,
+        where the settings are built. A rule broken → `DecodeSettingsError` naming the keys."""
+        try:
+            return DecodeConfig.model_validate({**self.model_dump(), **changes})
+        except ValidationError as err:
+            raise DecodeSettingsError(err) from None
+
     @field_validator("workers", mode="before")
     @classmethod
     def _check_workers(cls, value: Any) -> int | str:
@@ -572,6 +582,25 @@ class DecodeConfig(_Section):
                 or int(value) < 1:
             raise ValueError("must be auto or a whole number of processes ≥ 1")
         return int(value)
+
+
+class DecodeSettingsError(ValueError):
+    """Decode settings that break a rule (`DecodeConfig.updated`): each problem as (key, message)."""
+
+    def __init__(self, err: ValidationError):
+        self.problems = []
+        for e in err.errors():
+            key, text = ".".join(map(str, e["loc"])), e["msg"].removeprefix("Value error, ")
+            if e["type"] == "value_error" and re.match(r"[\w.]+: ", text):  # a rule across keys names its key
+                key, _, text = text.partition(": ")
+            self.problems.append((key, text))
+        super().__init__("; ".join(f"{key}: {text}" for key, text in self.problems))
+
+    def naming(self, flags: dict[str, str]) -> str:
+        """The problems, each key named as the user gave it (`flags` maps keys to options: nbest →
+        --nbest 3) and as a config names it (key 'decode.nbest')."""
+        return "; ".join(f"{flags[key] + ' (' if key in flags else ''}key 'decode.{key}'{')' if key in flags else ''}: "
+                         f"{text}" for key, text in self.problems)
 
 
 # The settings that only sampling reads, and their defaults (which mean "no effect").

@@ -297,7 +297,7 @@ class Batcher:
 
         def start() -> Callable[[], list[list[Translation]]]:  # long lines are cut silently: one client must not flood the log
             deadline = None if timeout is None else time.monotonic() + timeout  # from the start of its decoding
-            return engine.translate_later(lines, nbest=decode.nbest, decode=decode, warn_long=False,
+            return engine.translate_later(lines, decode, warn_long=False,
                                           terms=terms, deadline=deadline)
 
         self.busy[id(engine)] += 1

@@ -8,7 +8,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..decoding.budget import DeadlinePassed, SearchesStopped
 from ..decoding.engine import CheckpointReplaced
@@ -119,13 +119,10 @@ SAMPLING_SETTINGS = ("top_k", "top_p", "temperature", "seed")  # meaningful only
 def request_decode(base: DecodeConfig, request: TranslateRequest) -> DecodeConfig:
     """The server's decode settings with the request's choices; a rule across them broken → ValueError."""
     chosen = {name: getattr(request, name) for name in REQUEST_SETTINGS if getattr(request, name) is not None}
-    settings = base.model_dump()
+    reset = {}
     if chosen.get("sample") is False:  # the server's sampling settings go with its sampling
-        settings.update({name: DecodeConfig.model_fields[name].default for name in SAMPLING_SETTINGS})
-    try:
-        return DecodeConfig.model_validate({**settings, **chosen})
-    except ValidationError as exc:
-        raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())) from None
+        reset = {name: DecodeConfig.model_fields[name].default for name in SAMPLING_SETTINGS}
+    return base.updated(**reset, **chosen)  # a DecodeSettingsError (a ValueError) names the keys
 
 
 def per_line(name: str, value: Any, lines: list[str], one_for_all: bool) -> list:
@@ -189,7 +186,7 @@ def response(results: list[list[Translation]], decode: DecodeConfig, terms: list
              engine: TranslationEngine | None = None) -> dict:
     body: dict = {"translations": [r[0].text for r in results]}
     if engine is not None:  # the model's mean log-probability per token: a score, not a quality estimate
-        scores = [engine.confidence(r[0], decode.beam, decode) for r in results]
+        scores = [engine.confidence(r[0], decode) for r in results]
         body["scores"] = [None if x is None else round(x, 4) for x in scores]
     if terms is not None and any(t.constraints for t in terms):  # what did not fit a line's length limit
         body["unmet"] = [list(r[0].unmet) for r in results]

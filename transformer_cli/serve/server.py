@@ -216,7 +216,7 @@ class Endpoints:
             check = target.check_budget
         if terms:
             try:
-                target.check_terms(terms, decode.beam, decode)
+                target.check_terms(terms, decode)
             except TfmError as exc:
                 raise RequestError(422, f"{exc} (this server decodes with {target.describe()})") from None
         within_budget(check, lines, decode, terms)
@@ -387,9 +387,7 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
     `quotas`: per client (Gate names it); `metrics`: GET /metrics; `load`: makes the engine anew for
     a reload (`app.state.endpoints.request_reload()`)."""
     from fastapi import FastAPI, Query
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, Response
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     batcher = Batcher(engine, max_wait, max_batch_lines, processes, runner)
     limits = dict(max_lines=max_lines, max_chars=max_chars, max_wait=max_wait, max_batch_lines=max_batch_lines,
@@ -408,19 +406,7 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
 
     app = FastAPI(title="tfm", description="Transformer translation (tfm serve)", lifespan=lifespan)
     app.state.engines, app.state.endpoints = endpoints.made, endpoints
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(request, exc: RequestValidationError):
-        return error_answer(422, validation_message(list(exc.errors())))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, exc: StarletteHTTPException):  # e.g. a body that is not UTF-8
-        return error_answer(exc.status_code, f"request: {str(exc.detail)[:300]}")
-
-    @app.exception_handler(Exception)
-    async def failed(request, exc: Exception):  # a bug: one line, the server goes on
-        log_failure(500, exc, debug)
-        return error_answer(500, f"internal error ({type(exc).__name__}); the server goes on")
+    answer_errors_in_one_line(app, debug)
 
     @app.get("/health")
     async def health() -> dict:
@@ -462,6 +448,72 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
     return app
 
 
+def answer_errors_in_one_line(app: Any, debug: bool) -> None:
+    """`app`'s answers to a malformed request (422), an HTTP error of the framework's (a body that
+    is not UTF-8) and a bug (500, the server goes on): one line each, as every other error."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request, exc: RequestValidationError):
+        return error_answer(422, validation_message(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):  # e.g. a body that is not UTF-8
+        return error_answer(exc.status_code, f"request: {str(exc.detail)[:300]}")
+
+    @app.exception_handler(Exception)
+    async def failed(request, exc: Exception):  # a bug: one line, the server goes on
+        log_failure(500, exc, debug)
+        return error_answer(500, f"internal error ({type(exc).__name__}); the server goes on")
+
+
+def check_address(host: str, port: int) -> None:
+    """A TfmError (one line) where `host`:`port` cannot be listened on, said before the HTTP server's
+    thread starts (where it would only be a failure of that thread)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise TfmError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+
+
+class Shutdown:
+    """`tfm serve`'s signal handler: the first SIGTERM, SIGINT or SIGHUP stops accepting and lets
+    the requests in flight finish for SHUTDOWN_GRACE seconds, then cuts their decoding (they get
+    503); a second signal cuts at once (`Terminated`, raised on the main thread between two steps)."""
+
+    def __init__(self, server: Any, endpoints: Endpoints):
+        self.server, self.endpoints = server, endpoints
+        self.hangup = getattr(signal, "SIGHUP", None)
+        self.terminal_outputs = outputs_a_hangup_takes()
+        self.grace: list[threading.Timer] = []
+
+    def stop(self, signum: int, frame: Any) -> None:
+        if signum == self.hangup:  # the terminal is gone: every later write to it would fail
+            discard_writes(self.terminal_outputs)
+        if self.server.should_exit:
+            self.server.force_exit = True
+            raise Terminated(signum)
+        self.server.should_exit = True
+        if not self.grace:  # a decoding that outlasts the grace is stopped: its requests get 503
+            self.grace.append(threading.Timer(SHUTDOWN_GRACE, self.cut_decoding))
+            self.grace[0].daemon = True
+            self.grace[0].start()
+
+    def cut_decoding(self) -> None:
+        stop_searches()  # tfm's engine in this process: at its next step
+        for made in self.endpoints.engines():
+            pool = getattr(made, "workers", None)
+            if pool is not None:
+                pool.stop_now()  # its decoding processes
+
+    def cancel(self) -> None:
+        for timer in self.grace:
+            timer.cancel()
+
+
 def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], None] | None = None,
           max_body_bytes: int = 1 << 20, debug: bool = False,
           lexical_engine: LexicalFactory | None = None, header_timeout: float = HEADER_TIMEOUT,
@@ -483,12 +535,7 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
     if workers is not None:
         workers.start()  # forked now, while this process has no thread but torch's
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:  # a clear error first
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise TfmError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+    check_address(host, port)  # a clear error first
     if ready is not None:
         ready()
     decoder = MainThreadDecoder()
@@ -512,36 +559,14 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
         except BaseException as exc:  # noqa: BLE001 (reported on the main thread)
             failure.append(exc)
 
-    hangup = getattr(signal, "SIGHUP", None)
-    terminal_outputs = outputs_a_hangup_takes()
-
-    grace: list[threading.Timer] = []
-
-    def stop(signum: int, frame: Any) -> None:  # stop accepting, finish the requests in flight; twice: now
-        if signum == hangup:  # the terminal is gone: every later write to it would fail
-            discard_writes(terminal_outputs)
-        if server.should_exit:
-            server.force_exit = True
-            raise Terminated(signum)  # out of the decoding on this (the main) thread, between two steps
-        server.should_exit = True
-        if not grace:  # a decoding that outlasts the grace is stopped: its requests get 503
-            grace.append(threading.Timer(SHUTDOWN_GRACE, cut_decoding))
-            grace[0].daemon = True
-            grace[0].start()
-
-    def cut_decoding() -> None:
-        stop_searches()  # tfm's engine in this process: at its next step
-        for made in endpoints.engines():
-            pool = getattr(made, "workers", None)
-            if pool is not None:
-                pool.stop_now()  # its decoding processes
+    shutdown = Shutdown(server, endpoints)
 
     def reload_model(signum: int, frame: Any) -> None:  # on the main thread, maybe mid-batch: only asks
         if not endpoints.request_reload():
             warn("tfm serve: SIGUSR1 before the server runs: no reload")
 
-    handled = [s for s in (signal.SIGINT, signal.SIGTERM, hangup) if s is not None]
-    previous = {s: signal.signal(s, stop) for s in handled if signal.getsignal(s) is not signal.SIG_IGN}
+    handled = [s for s in (signal.SIGINT, signal.SIGTERM, shutdown.hangup) if s is not None]
+    previous = {s: signal.signal(s, shutdown.stop) for s in handled if signal.getsignal(s) is not signal.SIG_IGN}
     if reload is not None and hasattr(signal, "SIGUSR1"):
         previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, reload_model)
     thread = threading.Thread(target=http, name="tfm-http")
@@ -552,8 +577,7 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
         if not server.should_exit:
             raise
     finally:
-        for timer in grace:
-            timer.cancel()
+        shutdown.cancel()
         for s, handler in previous.items():
             signal.signal(s, handler)
         thread.join()

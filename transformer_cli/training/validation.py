@@ -37,7 +37,7 @@ def validation_bleu(model: Transformer, data: ParallelData, references: list[str
     each direction's) and score them against the raw references."""
     chosen = bleu_sentences(data, min(config.train.eval_bleu_sentences, len(data), len(references)))
     src = [np.asarray(data.src[i]).tolist() for i in chosen]
-    hyps = decode_in_batches(model, src, config.decode, device, beam=1)
+    hyps = decode_in_batches(model, src, config.decode.updated(beam=1, nbest=1), device)
     texts = [tgt_sp.decode(h[0].tokens) for h in hyps]
     return sacrebleu.corpus_bleu(texts, [[references[i] for i in chosen]]).score
 
