@@ -466,9 +466,18 @@ def peak_rss_gib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5, budget: float = 0.5) -> float:
     """This CPU's matmul throughput in TFLOP/s: the best of `repeats` (size × size) @ (size × size)
-    products in `dtype` on the current threads, after one untimed (oneDNN builds its kernel)."""
+    products in `dtype` on the current threads, after one untimed (oneDNN builds its kernel). The size
+    halves while one product would take over `budget` seconds: bf16 emulated on a CPU without bf16
+    instructions takes about a minute for one 2048 × 2048 product, and is as slow at any size."""
+    probe = torch.randn(256, 256).to(dtype)
+    torch.mm(probe, probe)
+    start = time.perf_counter()
+    torch.mm(probe, probe)
+    seconds = time.perf_counter() - start
+    while size > 256 and seconds * (size / 256) ** 3 > budget:
+        size //= 2
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     torch.mm(a, b)
     best = float("inf")

@@ -139,6 +139,9 @@ def cases() -> list[tuple[str, str, str]]:
 def test_the_fuzzer_knows_every_option():
     assert all(value in NUMBERS + PATHS + WORDS for _, _, value in cases()), \
         [c for c in cases() if c[2] not in NUMBERS + PATHS + WORDS]
+    every = cases()
+    assert {case[:2] for case in sampled(every)} == {case[:2] for case in every}  # the sample misses no option
+    assert len(every) / 4 < len(sampled(every)) < len(every) / 2
 
 
 # --------------------------------------------------------------------------- the tree and its checksum
@@ -263,16 +266,29 @@ def fuzz_option(ws: Workspace, tmp_path: Path, command: str, name: str, value: s
         shutil.rmtree(ws.out, ignore_errors=True)
 
 
+def sampled(every: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """A fixed third of the cases in which every option has at least one value: each option's values
+    every third, starting one further along from one option to the next."""
+    options = list(dict.fromkeys((command, name) for command, name, _ in every))
+    chosen = []
+    for number, option in enumerate(options):
+        values = [case for case in every if case[:2] == option]
+        chosen += values[number % 3 :: 3] or values[:1]
+    return chosen
+
+
 ALL_CASES = cases()
-FAST_CASES = ALL_CASES[::3]  # a third of them in the fast tier, all of them in the slow one
+# Every run (CI and the fast tier) takes a fixed sample; the whole sweep runs with -m sweep.
+SAMPLED_CASES = sampled(ALL_CASES)
 
 
-@pytest.mark.parametrize("command, name, value", FAST_CASES, ids=[f"{c}-{n}-{v}" for c, n, v in FAST_CASES])
-def test_every_option_with_a_hostile_value_fast(ws, tmp_path, command, name, value):
+@pytest.mark.parametrize("command, name, value", SAMPLED_CASES, ids=[f"{c}-{n}-{v}" for c, n, v in SAMPLED_CASES])
+def test_every_option_with_a_hostile_value_sampled(ws, tmp_path, command, name, value):
     fuzz_option(ws, tmp_path, command, name, value)
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("command, name, value", ALL_CASES, ids=[f"{c}-{n}-{v}" for c, n, v in ALL_CASES])
 def test_every_option_with_a_hostile_value(ws, tmp_path, command, name, value):
     fuzz_option(ws, tmp_path, command, name, value)
@@ -308,8 +324,19 @@ def test_every_numeric_decode_setting_with_a_hostile_value(ws, tmp_path, key, va
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("key, value", TRAIN_CASES[::3], ids=[f"{k}={v}" for k, v in TRAIN_CASES[::3]])
+def test_every_numeric_train_setting_with_a_hostile_value_sampled(ws, tmp_path, key, value):
+    train_with_setting(ws, tmp_path, key, value)
+
+
+@pytest.mark.slow
+@pytest.mark.sweep
 @pytest.mark.parametrize("key, value", TRAIN_CASES, ids=[f"{k}={v}" for k, v in TRAIN_CASES])
 def test_every_numeric_train_setting_with_a_hostile_value(ws, tmp_path, key, value):
+    train_with_setting(ws, tmp_path, key, value)
+
+
+def train_with_setting(ws, tmp_path, key, value):
     """On a copy of the run (training writes it), bounded by a 3-second budget."""
     run = tmp_path / "run"
     shutil.copytree(ws.run, run)

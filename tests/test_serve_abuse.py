@@ -214,6 +214,7 @@ def test_requests_generated_from_the_openapi_schema_never_hurt_a_good_one(abused
 
 
 @pytest.mark.slow
+@pytest.mark.sweep
 def test_requests_generated_from_the_openapi_schema_long_run(abused):
     fuzz(abused, examples=600)  # with the fast tier's 120: 720 requests a full run
 
