@@ -10,12 +10,14 @@ grows or shrinks by about a hundred lines, not at every edit; tests/test_layout.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+
 PACKAGE = ROOT / "transformer_cli"
 PAGE = ROOT / "docs" / "architecture.md"
 # A tree line: two spaces, a wing ("model/") or the top's modules, its description, its count.
@@ -61,8 +63,8 @@ def generated_page(text: str) -> str:
     return "".join(out)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> None:
+    parser = ScriptParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="update docs/architecture.md in place")
     parser.add_argument("--check", action="store_true", help="exit 1 if the page's counts are stale")
     args = parser.parse_args()
@@ -71,17 +73,16 @@ def main() -> int:
     if args.check:
         if new != text:
             print("docs/architecture.md: stale line counts: run python scripts/architecture_counts.py --write")
-            return 1
-        return 0
+            raise SystemExit(1)
+        return
     if args.write:
         staged = PAGE.with_name(PAGE.name + ".tmp")
         staged.write_text(new, encoding="utf-8")
         staged.replace(PAGE)
-        return 0
+        return
     sys.stdout.write("".join(line for line in new.splitlines(keepends=True) if WING_LINE.match(line.rstrip("\n"))
                              or TOP_LINE.match(line.rstrip("\n"))))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

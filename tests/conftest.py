@@ -40,7 +40,12 @@ def xdist_workers() -> int:
 def _torch_threads():
     # The cores shared among the run's test processes: two processes of two threads each on two
     # cores take turns on them (a step's threads wait for each other), slower than one thread each.
-    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // xdist_workers())))
+    # The processes a test starts take as many (OMP_NUM_THREADS sets torch's default), so that a run
+    # in a subprocess and one in the test itself sum in the same order: resumed = uninterrupted.
+    threads = max(1, min(2, (os.cpu_count() or 1) // xdist_workers()))
+    torch.set_num_threads(threads)
+    if xdist_workers() > 1:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 T = TypeVar("T")

@@ -179,12 +179,11 @@ lines, tokens, beam = 32, 600, 4
 decode = DecodeConfig(beam=beam, batch_size=lines, workers=1, precision="fp32", max_len_a=0.0, max_len_b=tokens + 1)
 translator = Translator.from_checkpoint(sys.argv[1], decode=decode, device="cpu")
 sources = [[4 + (i + j) % 16 for j in range(tokens)] for i in range(lines)]
-decode_in_batches(translator.model, sources[:1], decode, translator.device, beam, 1, min_len=4, max_len=4)  # warm-up
+decode_in_batches(translator.model, sources[:1], decode, translator.device, min_len=4, max_len=4)  # warm-up
 Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
 before, _ = resident()
 # every hypothesis runs to the length limit, as the bound assumes
-decode_in_batches(translator.model, sources, decode, translator.device, beam, 1, min_len=tokens + 1,
-                  max_len=tokens + 1)
+decode_in_batches(translator.model, sources, decode, translator.device, min_len=tokens + 1, max_len=tokens + 1)
 _, peak = resident()
 shape = decoding_shape(translator.model.cfg, decode, lines, tokens)
 print(json.dumps({"estimate": decoding_bytes(translator.model.cfg, shape), "used": peak - before}))
