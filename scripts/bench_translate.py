@@ -120,8 +120,10 @@ def main() -> None:
     pool = DecodingWorkers(partial(decode_task, tfm, device), processes)
     single = DecodingWorkers(partial(decode_task, tfm, device), 1)
 
+    by_beam = {beam: decode.updated(beam=beam) for beam in beams}  # made before the timing
+
     def run_tfm(beam: int, workers: DecodingWorkers) -> None:
-        decode_in_batches(tfm, sources, decode.updated(beam=beam), device, min_len=args.length, max_len=args.length,
+        decode_in_batches(tfm, sources, by_beam[beam], device, min_len=args.length, max_len=args.length,
                          workers=workers)
 
     hf.to(dtype)
