@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
-from transformer_cli.runtime.files import read_lines  # noqa: E402
+from transformer_cli.runtime.files import read_lines, scratch_directory  # noqa: E402
 
 TARGET_NOISE, TARGET_MISALIGNED, TARGET_CLEAN = 0.95, 0.80, 0.02
 VARIANTS = {"default": [], "lexical": ["data.filters.lexical.enabled=true"],
@@ -132,7 +132,7 @@ def main() -> None:
     from bench_common import machine_line
 
     print(machine_line())
-    args.workdir.mkdir(parents=True, exist_ok=True)
+    scratch_directory(args.workdir, {"--data": [args.data]})
     data = args.data
     if data is None:
         data = args.workdir / "multi30k"

@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.files import scratch_directory  # noqa: E402
 
 
 def make_corpus(folder: Path, pairs: int, seed: int = 0) -> Path:
@@ -118,7 +119,7 @@ def main() -> None:
     from bench_common import machine_line
 
     print(machine_line())
-    args.workdir.mkdir(parents=True, exist_ok=True)
+    scratch_directory(args.workdir)
     print(f"{'pairs':>11} {'filters':>11} {'workers':>7} {'seconds':>8} {'pairs/s':>9} {'vocab s':>8} "
           f"{'encode pairs/s':>15} {'kept':>11} {'peak RSS (tree)':>16} {'max single proc':>16}", flush=True)
     results = []

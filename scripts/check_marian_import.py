@@ -32,6 +32,7 @@ from transformer_cli.experiment.checkpoint import load_trained_model  # noqa: E4
 from transformer_cli.interop.marian import import_marian, tfm_order  # noqa: E402
 from transformer_cli.model.special_tokens import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.files import scratch_directory  # noqa: E402
 
 
 def read(path: Path) -> list[str]:
@@ -48,7 +49,9 @@ def main() -> None:
     subprocess.run(["bash", str(ROOT / "scripts/get_data.sh"), "multi30k"], check=True, capture_output=True)
     data = ROOT / "data/multi30k"
     de, en = read(data / "train.de.gz"), read(data / "train.en.gz")
-    shutil.rmtree(args.workdir, ignore_errors=True)
+    scratch_directory(args.workdir)  # its own from an earlier run, or new: never a folder of the user's
+    for made in ("random", "hf", "run"):
+        shutil.rmtree(args.workdir / made, ignore_errors=True)
     model, tokenizer = save_hf_marian(args.workdir / "random", de, en)
     with torch.no_grad():  # a fresh start at transformers' own initialisation scale
         for name, p in model.named_parameters():

@@ -12,6 +12,10 @@ import sys
 import ctranslate2
 import sentencepiece as spm
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+from transformer_cli.runtime.errors import TfmError  # noqa: E402  (no torch: the output rule alone)
+from transformer_cli.runtime.files import check_output  # noqa: E402
+
 
 def fail(message: str) -> None:
     print(f"error: ct2_reference.py: {message}", file=sys.stderr)
@@ -23,13 +27,16 @@ parser.add_argument("model_dir"), parser.add_argument("input"), parser.add_argum
 parser.add_argument("--beam", type=int, default=5), parser.add_argument("--batch-size", type=int, default=64)
 parser.add_argument("--length-penalty", type=float, default=1.0), parser.add_argument("--compute-type", default="int8")
 args = parser.parse_args()
-# What a careful script checks before it writes: a model directory, an input, an output that is not the input.
+# What a careful script checks before it writes: a model directory, an input, an output that is not an input.
 if not os.path.isfile(os.path.join(args.model_dir, "model.bin")):
     fail(f"{args.model_dir}: not a CTranslate2 model directory (no model.bin)")
 if not os.path.isfile(args.input):
     fail(f"{args.input}: no such file")
-if os.path.isdir(args.output) or (os.path.exists(args.output) and os.path.samefile(args.input, args.output)):
-    fail(f"{args.output}: a directory or the input itself; name another file to write")
+try:  # tfm's output rule: not a directory, not the input (links included), not a run's own file
+    check_output(args.output, {"INPUT": [args.input], "MODEL_DIR": [os.path.join(args.model_dir, "model.bin")]},
+                 flag="OUTPUT")
+except TfmError as exc:
+    fail(str(exc))
 cores = len(os.sched_getaffinity(0))
 translator = ctranslate2.Translator(args.model_dir, compute_type=args.compute_type, inter_threads=cores, intra_threads=1)
 source = spm.SentencePieceProcessor(model_file=f"{args.model_dir}/source.spm.model")

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
+from transformer_cli.runtime.files import check_output  # noqa: E402
 
 TAGS = [("b", ""), ("i", ""), ("em", ""), ("strong", ""), ("span", ' class="hl"'), ("a", ' href="https://example.org/{n}"')]
 
@@ -110,13 +111,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/documents"))
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    if args.out.exists() and not args.out.is_dir():
-        raise TfmError(f"--out {args.out}: not a folder (the documents are written into one)")
     for path in (args.src, args.ref):
         if not path.is_file():
             raise TfmError(f"{path}: no such file")
-        if path.resolve().parent == args.out.resolve() and path.name in WRITTEN:
-            raise TfmError(f"--out {args.out}: it would write over the input {path}; choose another folder")
+    check_output(args.out, {"--src": [args.src], "--ref": [args.ref]}, flag="--out", directory=True, names=WRITTEN,
+                 ours=lambda folder: (folder / "tags.jsonl").is_file())  # documents made before: made anew
     sources, references = read(args.src), read(args.ref)
     rng = random.Random(args.seed)
     groups, i = [], 0

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
-from transformer_cli.runtime.files import atomic_write_bytes, read_lines  # noqa: E402
+from transformer_cli.runtime.files import atomic_write_bytes, check_output, read_lines  # noqa: E402
 
 KINDS = ("misaligned", "wrong_language", "copy", "fragment", "duplicate", "overlong", "garbage")
 
@@ -103,9 +103,10 @@ def main() -> None:
     args = parser.parse_args()
     if not 0 <= args.noise <= 10:
         raise TfmError(f"--noise {args.noise}: give 0 to 10 noisy pairs per clean pair")
-    if args.output.exists() and (not args.output.is_dir() or args.output.resolve() == args.data.resolve()):
-        raise TfmError(f"-o {args.output}: give a folder other than --data (its files are this script's input)")
     files = {lang: args.data / f"train.{lang}.gz" for lang in (args.src, args.tgt)}
+    written = [files[args.src].name, files[args.tgt].name, "train.labels"]
+    check_output(args.output, {"--data": [args.data, *files.values()]}, directory=True, names=written,
+                 ours=lambda folder: (folder / "train.labels").is_file())  # an earlier noisy corpus: replaced
     sources, targets = read_lines(files[args.src]), read_lines(files[args.tgt])
     if len(sources) != len(targets) or not sources:
         raise TfmError(f"{files[args.src]} and {files[args.tgt]}: {len(sources)} and {len(targets)} lines; "

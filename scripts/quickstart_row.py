@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
+from transformer_cli.runtime.files import check_output  # noqa: E402
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -98,6 +99,7 @@ def main() -> None:
         print(read_row(args.read, command))
         return
     run = args.run_dir or ROOT / "runs" / f"quickstart-{args.time}-{args.size or 'auto'}"
+    check_output(run, flag="--run-dir", directory=True)  # never the working directory, a run's own folder, …
     if run.exists():
         raise TfmError(f"{run} exists: the row is of a fresh run (give another --run-dir, or --read {run})")
     log = run.parent / f"{run.name}.log"

@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
+from transformer_cli.runtime.files import check_output  # noqa: E402
 
 TEXT = ("Ein Mann mit einem roten Hut fährt Fahrrad. Zwei Hunde spielen im Schnee.\n\n"
         "Eine Frau sitzt auf einer Bank und liest ein Buch.")
@@ -32,8 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     if not Path(args.checkpoint).is_file():
         raise TfmError(f"--checkpoint {args.checkpoint}: no such file")
-    if args.output.resolve() == Path(args.checkpoint).resolve():
-        raise TfmError(f"-o {args.output} is the checkpoint: writing the screenshot would replace it")
+    check_output(args.output, {"--checkpoint": [Path(args.checkpoint)]})
     try:
         from selenium import webdriver
     except ImportError:

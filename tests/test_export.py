@@ -182,8 +182,9 @@ def test_force_replaces_only_a_previous_export_and_never_deletes_anything_else(r
         return {str(p.relative_to(tmp_path)): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
 
     before = files()
-    for output, message in ((".", "working directory"), ("..", "working directory"), (run, "holds the checkpoint"),
-                            (run / "checkpoints", "holds the checkpoint"), ("notes", "not a previous tfm export"),
+    for output, message in ((".", "working directory"), ("..", "working directory"), (run, "this command's input (--checkpoint)"),
+                            (run / "checkpoints", "this command's input (--checkpoint)"),
+                            ("notes", "holds files tfm did not write there"),
                             ("a_file", "is not a directory")):
         result = tfm_in_process("export", "--checkpoint", checkpoint, "-o", output, "--force")
         assert result.exit_code == 2 and message in result.stderr, (output, result.stderr)

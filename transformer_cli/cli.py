@@ -19,7 +19,7 @@ from . import __version__
 from .runtime.console import say, warn
 from .runtime.entry import user_errors_in_one_line
 from .runtime.errors import TfmError, describe_os_error
-from .runtime.files import refuse_output_among_inputs, refuse_run_files
+from .runtime.files import check_output
 
 
 class OneValueOptions(TyperCommand):
@@ -171,7 +171,7 @@ def prepare(
     """Train the sentencepiece vocabulary and binarise train/valid/test into the run directory,
     dropping the training pairs that data.filters finds noisy (a report says which and why)."""
     cfg = _load(config, set_)  # before importing torch (seconds on a slow CPU): config errors come at once
-    refuse_output_among_inputs(dropped, {"--config": [config]}, flag="--dropped")
+    check_output(dropped, {"--config": [config]}, flag="--dropped")
     from .data.prepare import REPORT_FILE
     from .data.prepare import prepare as run_prepare
 
@@ -291,7 +291,9 @@ def translate(
 ) -> None:
     """Translate raw sentences, one per line (stdin → stdout by default), streaming; or a document
     (--format, or -i doc.html/.xml/.md/.srt/.vtt/.docx) with its paragraphs, markup or timings kept."""
-    refuse_output_among_inputs(output, {"-i": [input_], "--config": [config], "--checkpoint": checkpoint or []})
+    check_output(output, {"-i": [input_], "--config": [config], "--checkpoint": checkpoint or [], "--avoid": [avoid],
+                          "--glossary": [glossary], "--model": [model_dir / name for name in ("model.bin", "vmap.txt")]
+                          if model_dir is not None else []})
     fmt = _document_format(doc_format, input_, nbest, as_json, constraints or prefix or avoid or glossary)
     cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
     if engine is not None and engine not in ENGINES:
@@ -535,12 +537,7 @@ def _close_access_log(stream) -> None:
 
 def _check_access_log(path: Optional[Path], inputs: dict[str, list[Path | None]]) -> None:
     """--access-log names a file to append to: never a directory, one of the inputs or a run's own file."""
-    if path is None or str(path) == "-":
-        return
-    if path.is_dir():
-        raise TfmError(f"--access-log {path}: a directory; name a file to append to")
-    refuse_output_among_inputs(path, inputs)
-    refuse_run_files(path)
+    check_output(path, inputs, flag="--access-log")
 
 
 def _open_access_log(path: Optional[Path]):
@@ -564,8 +561,7 @@ def api_key(
     """Make an API key for tfm serve: its hash is added to the key file, the key printed once."""
     from .serve.access import new_api_key
 
-    if api_keys.is_dir():
-        raise TfmError(f"--api-keys {api_keys}: a directory; name the key file")
+    check_output(api_keys, flag="--api-keys")  # (the key file itself is read and written: its own output)
     say(new_api_key(api_keys, name))
 
 
@@ -734,7 +730,7 @@ def average(
     from .experiment.checkpoint import average_checkpoints
     from .experiment.rundir import save_checkpoint_file
 
-    refuse_output_among_inputs(output, {"a checkpoint to average": list(checkpoints)})
+    check_output(output, {"a checkpoint to average": list(checkpoints)}, run_files=False)  # (force: below)
     save_checkpoint_file(output, lambda: average_checkpoints(list(checkpoints)), force, "tfm average")
     say(f"averaged {len(checkpoints)} checkpoints → {output}")
 
@@ -754,6 +750,7 @@ def plot(
     """
     from .plot import plot_runs
 
+    check_output(output, {"RUNS": [run / "metrics.jsonl" if run.is_dir() else run for run in runs]})
     plot_runs(list(runs), output, width, height)
     say(f"wrote {output} ({width}x{height}, {len(runs)} run{'s' if len(runs) > 1 else ''})")
 
@@ -779,6 +776,7 @@ def attention(
     from .experiment.checkpoint import load_trained_model
     from .plot import figure_format
 
+    check_output(output, {"--checkpoint": [checkpoint]})
     figure_format(output)  # before any work
     trained = load_trained_model(checkpoint)
     n_layers = trained.model.cfg.enc_layers if self_ else trained.model.cfg.dec_layers
@@ -878,14 +876,6 @@ def export(
         f"translate with: tfm translate --engine ctranslate2 --model {output})")
 
 
-def _output_file(output: Path, inputs: dict[str, list[Path | None]]) -> None:
-    """`-o` of a command that writes one file: never a directory, one of its inputs or a run's own file."""
-    if output.is_dir():
-        raise TfmError(f"-o {output} is a directory: give the file to write")
-    refuse_output_among_inputs(output, inputs)
-    refuse_run_files(output)
-
-
 @app.command(cls=OneValueOptions)
 @user_errors
 def glossary(
@@ -901,7 +891,7 @@ def glossary(
     """A glossary from parallel text by word alignment, for tfm translate --glossary."""
     from .decoding.glossary import extract_glossary
 
-    _output_file(output, {"--checkpoint": [checkpoint], "--src": [src], "--ref": [ref]})
+    check_output(output, {"--checkpoint": [checkpoint], "--src": [src], "--ref": [ref]})
     say(json.dumps(extract_glossary(checkpoint, src, ref, lines, entries, agreement, output), ensure_ascii=False))
 
 
@@ -916,7 +906,7 @@ def sample_constraints(
     """Constraints sampled from references (1–2 phrases a line), for tfm translate/evaluate --constraints."""
     from .decoding.glossary import write_sampled_constraints
 
-    _output_file(output, {"--src": [src], "--ref": [ref]})
+    check_output(output, {"--src": [src], "--ref": [ref]})
     written = write_sampled_constraints(src, ref, seed, output)
     say(f"sampled constraints for {written} lines → {output}")
 
@@ -934,6 +924,7 @@ def import_model(
         raise TfmError(f"--format {format_}: only marian is supported")
     from .interop.marian import import_marian
 
+    check_output(output, {"SOURCE": [source]}, directory=True)
     result = import_marian(source, output)
     for warning in result.warnings:
         warn(f"warning: {warning}")

@@ -31,7 +31,14 @@ from ..model.lengths import source_token_limit
 from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from ..runtime.cpu import usable_cores
 from ..runtime.errors import TfmError
-from ..runtime.files import atomic_path, atomic_write_bytes, atomic_write_text, iter_raw_lines, remove_stale_temps
+from ..runtime.files import (
+    atomic_path,
+    atomic_write_bytes,
+    atomic_write_text,
+    check_output,
+    iter_raw_lines,
+    remove_stale_temps,
+)
 from .batches import array_path
 from .cleaning import Cleaning, CleaningReport, build_filters, clean_result, filter_sample, make_cleaning
 from .corpus import (
@@ -51,8 +58,14 @@ from .language_tags import known_languages
 
 
 def corpus_file(prefix: str, lang: str) -> Path:
-    """`<prefix>.<lang>` or `<prefix>.<lang>.gz`, whichever exists."""
-    for candidate in (Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")):
+    """`<prefix>.<lang>` or `<prefix>.<lang>.gz`, whichever exists. Both: an ambiguity, refused (a plain
+    file beside the .gz is often another command's output, e.g. a distilled corpus, or a stale unpacked
+    copy; reading either silently would train on what the user may not mean)."""
+    plain, packed = Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")
+    if plain.is_file() and packed.is_file():
+        raise TfmError(f"corpus files {plain} and {packed} both exist: tfm cannot tell which is the corpus; "
+                       "move or delete the one that is not")
+    for candidate in (plain, packed):
         if candidate.is_file():
             return candidate
         if candidate.is_dir():
@@ -408,13 +421,9 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
 
 def _check_dropped_file(config: ExperimentConfig, dropped: Path) -> None:
     """`--dropped` names a file to write that is none of the run's inputs and not in its directory."""
-    if dropped.is_dir():
-        raise TfmError(f"--dropped {dropped}: a directory; name a file to write the dropped pairs to")
-    target = dropped.resolve()
-    inputs = [path.resolve() for split in SPLITS for corpus in split_corpora(config, split) for path in corpus]
-    if target in inputs:
-        raise TfmError(f"--dropped {dropped}: is an input of this run (a corpus file); name another file")
-    if config.run_path.resolve() in target.parents:
+    check_output(dropped, {f"data.{split}": [path for corpus in split_corpora(config, split) for path in corpus]
+                           for split in SPLITS}, flag="--dropped")
+    if config.run_path.resolve() in dropped.resolve().parents:
         raise TfmError(f"--dropped {dropped}: is inside the run directory {config.run_path}, which prepare "
                        "rebuilds; name a file outside it")
 

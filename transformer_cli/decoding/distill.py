@@ -35,7 +35,7 @@ from ..experiment.config import DecodeConfig, ExperimentConfig
 from ..experiment.rundir import RunDirectory
 from ..experiment.runlock import RunLock
 from ..runtime.errors import TfmError
-from ..runtime.files import AtomicStream, atomic_write_text
+from ..runtime.files import AtomicStream, atomic_write_text, check_output
 from .translation import CHUNK_LINES, TranslationEngine
 
 PARTIAL = "teacher.tsv"
@@ -229,19 +229,15 @@ def write_corpus(config: ExperimentConfig, run: RunDirectory, manifest: dict, di
     return kept, threshold
 
 
-def refuse_foreign_corpus(directory: Path, config: ExperimentConfig) -> None:
-    """The distilled corpus is written as <output>/train.<lang>: a directory that already holds such
-    files (plain or gzipped) that no `tfm distill` wrote (it leaves teacher.json beside them) holds a
-    corpus, e.g. the run's own training data, which the output would replace, or shadow for every
-    later `tfm prepare` (a plain file beside its .gz). Refused before the teacher is loaded."""
-    if (directory / PARTIAL_INFO).is_file():
-        return
-    for lang in (config.data.src_lang, config.data.tgt_lang):
-        for name in (f"train.{lang}", f"train.{lang}.gz"):
-            if (directory / name).exists():
-                raise TfmError(f"distill.output {directory}: holds {name}, which tfm distill did not write (a "
-                               "corpus?): the distilled corpus would replace or shadow it; name a directory of "
-                               "its own")
+def check_distill_output(directory: Path, config: ExperimentConfig) -> None:
+    """The distilled corpus is written as <output>/train.<lang>: the output rule (files.check_output)
+    refuses the run directory itself and a directory that already holds such files (plain or gzipped)
+    that no `tfm distill` wrote (it leaves teacher.json beside them): a corpus, e.g. the run's own
+    training data, which the output would replace, or shadow for every later `tfm prepare` (a plain
+    file beside its .gz). Checked before the teacher is loaded."""
+    check_output(directory, {"the run directory": [config.run_path]}, flag="distill.output", directory=True,
+                 names=[f"train.{config.data.src_lang}", f"train.{config.data.tgt_lang}"],
+                 ours=lambda folder: (folder / PARTIAL_INFO).is_file())
 
 
 def distill(config: ExperimentConfig, open_teacher: Callable[[], tuple[TranslationEngine, list[Path]]],
@@ -254,9 +250,7 @@ def distill(config: ExperimentConfig, open_teacher: Callable[[], tuple[Translati
         raise TfmError(f"{config.run_path}: a multilingual run (tagged sources): tfm distill takes a bilingual run")
     lines = len(TokenArray.load(run.binary_stem("train", "src")))
     directory = output_dir(config)
-    if directory.resolve() == config.run_path.resolve() or directory.is_file():
-        raise TfmError(f"distill.output {directory}: name a directory of its own for the distilled corpus")
-    refuse_foreign_corpus(directory, config)
+    check_distill_output(directory, config)
     engine, teachers = open_teacher()
     try:
         check_teacher_vocabulary(engine, run, manifest, ", ".join(map(str, teachers)))

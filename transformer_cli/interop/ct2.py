@@ -39,7 +39,7 @@ import sentencepiece as spm
 from ..experiment.config import DecodeConfig, apply_override, check_inference_overrides, config_from_dict
 from ..model.special_tokens import BOS_ID, EOS_ID, UNK_ID
 from ..runtime.errors import TfmError
-from ..runtime.files import check_digest, digest_file, staging_directory
+from ..runtime.files import check_digest, check_output, digest_file, replace_with_staged, staging_directory
 
 if TYPE_CHECKING:  # this module imports neither torch nor numpy: CTranslate2 translates without them
     import numpy as np
@@ -198,24 +198,11 @@ def is_previous_export(directory: Path) -> bool:
 
 
 def check_output_directory(output: Path, checkpoint: Path, force: bool) -> None:
-    """The export may be written to `output`: a new or empty directory, or, with `force`, a previous
-    export. Never a file, the working directory or one of its parents, a directory that holds the
-    checkpoint (a run directory, its checkpoints/), or any other directory with files in it."""
-    if not output.exists():
-        return
-    if not output.is_dir():
-        raise TfmError(f"{output} exists and is not a directory: choose a new directory for the export")
-    target, cwd = output.resolve(), Path.cwd().resolve()
-    if target == cwd or target in cwd.parents:
-        raise TfmError(f"{output} is the working directory or one of its parents: export into a new directory")
-    if target in checkpoint.resolve().parents:
-        raise TfmError(f"{output} holds the checkpoint {checkpoint}: export into a new directory")
-    if not any(output.iterdir()):
-        return
-    if not is_previous_export(output):
-        raise TfmError(f"{output} is not empty and is not a previous tfm export (--force replaces only an "
-                       "export directory): choose a new directory")
-    if not force:
+    """The export may be written to `output` (the output rule, files.check_output: a new or empty
+    directory, never a file, the working directory or one of its parents, nor one that holds the
+    checkpoint) or, with `force`, over a previous export."""
+    check_output(output, {"--checkpoint": [checkpoint]}, directory=True, ours=is_previous_export)
+    if output.is_dir() and any(output.iterdir()) and not force:
         raise TfmError(f"{output} already holds an export (--force to replace it)")
 
 
@@ -265,7 +252,6 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
     import_ctranslate2()
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_directory(output)  # names this process: a killed export's is removed by the next
-    replaced = staging.with_name(staging.name + ".old")
     try:
         try:
             write_conversion(checkpoint, staging, quantization)
@@ -279,20 +265,12 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
             shutil.copyfile(shortlist, staging / VMAP_FILE)
             if digest is not None:
                 (staging / digest_file(Path(VMAP_FILE)).name).write_text(f"{digest}  {VMAP_FILE}\n", encoding="utf-8")
-        if output.exists():  # an empty directory, or a previous export (checked above)
-            output.rename(replaced)
-        try:
-            staging.rename(output)
-        except OSError:
-            if replaced.exists():
-                replaced.rename(output)
-            raise
-    except OSError as exc:  # a full disk: name the directory the user asked for, not the staging one
+        replace_with_staged(staging, output)  # an empty directory, or a previous export (checked above)
+    except OSError as exc:  # a full disk while writing: name the directory the user asked for
         raise OSError(exc.errno, exc.strerror, str(output)) from None
     finally:
-        for leftover in (staging, replaced):
-            if leftover.exists():
-                shutil.rmtree(leftover)
+        if staging.exists():
+            shutil.rmtree(staging)
     return output
 
 

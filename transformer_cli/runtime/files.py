@@ -12,7 +12,7 @@ import socket
 import stat
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -133,6 +133,78 @@ def refuse_output_among_inputs(output: Path | None, inputs: dict[str, list[Path 
             if path is not None and path.is_file() and os.path.samefile(output, path):
                 raise TfmError(f"{flag} {output} is also this command's input ({option}): writing it would "
                                f"replace it; choose another output path")
+
+
+def _twins(name: str) -> tuple[str, ...]:
+    """A file name and the name that would shadow it, or be shadowed by it, as a corpus (`x` / `x.gz`)."""
+    return (name[:-3], name) if name.endswith(".gz") else (name, f"{name}.gz")
+
+
+def check_output(target: str | Path | None, reads: Mapping[str, Iterable[Path | str | None]] | None = None, *,
+                 flag: str = "-o", directory: bool = False, names: Iterable[str] | None = None,
+                 ours: Callable[[Path], bool] | None = None, run_files: bool = True) -> None:
+    """The output rule, the one check every command and script makes before it writes `target`
+    (given on its command line as `flag`); a TfmError naming `flag` where it does not hold:
+
+    - `target` is none of the files the command reads (`reads`: option → the paths given to it), by
+      any path, links included, and none of a run's own files (unless this process is that run's writer);
+    - a file to write is not an existing directory;
+    - a directory that receives files (`directory`) is not an existing file, the working directory or
+      one of its parents, nor one of the directories read. Where `names` lists the files it receives,
+      none of them (nor its plain/.gz twin, which a corpus reader would take instead) may exist unless
+      `ours(target)` says tfm wrote them there; without `names` the directory is replaced whole, so it
+      must be empty, or hold nothing but what `ours` recognises, and hold none of the inputs.
+
+    `run_files=False` leaves a run's own files to the caller, which writes them under the run's lock
+    (`tfm average --force` into checkpoints/: experiment.rundir.save_checkpoint_file)."""
+    if target is None or str(target) == "-":
+        return
+    target = Path(target)
+    inputs = {option: [Path(p) for p in paths if p is not None] for option, paths in (reads or {}).items()}
+    if not directory:
+        if target.is_dir():
+            raise TfmError(f"{flag} {target} is a directory: give the file to write")
+        refuse_output_among_inputs(target, dict(inputs), flag)
+        if run_files:
+            refuse_run_files(target, hint=f"choose another path for {flag}")
+        return
+    if target.exists() and not target.is_dir():
+        raise TfmError(f"{flag} {target} exists and is not a directory: name a directory to write into")
+    resolved, cwd = target.resolve(), Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise TfmError(f"{flag} {target} is the working directory or one of its parents: name a directory of its own")
+    received = {twin for name in names or () for twin in _twins(name)}
+    for option, paths in inputs.items():
+        for path in paths:
+            read = path.resolve()
+            if read == resolved or (resolved in read.parents and (names is None or (
+                    read.parent == resolved and read.name in received))):
+                raise TfmError(f"{flag} {target} holds {path}, this command's input ({option}): writing there would "
+                               "replace it; name a directory of its own")
+    refuse_run_files(target, hint=f"choose another directory for {flag}")
+    if not target.is_dir() or not any(target.iterdir()) or (ours is not None and ours(target)):
+        return
+    if names is None:
+        raise TfmError(f"{flag} {target} is not empty and holds files tfm did not write there: name a new or "
+                       "empty directory")
+    for twin in sorted(received):
+        if (target / twin).exists():
+            raise TfmError(f"{flag} {target} holds {twin}, which tfm did not write there: the output would "
+                           "replace or shadow it; name a directory of its own")
+
+
+SCRATCH_MARK = ".tfm-scratch"  # in a script's --workdir: the script's own, its files replaced on each run
+
+
+def scratch_directory(directory: Path, reads: Mapping[str, Iterable[Path | str | None]] | None = None,
+                      flag: str = "--workdir") -> Path:
+    """A benchmark's or check's working directory, made ready: new, empty, or one that such a script
+    made before (it holds SCRATCH_MARK), whose files it may replace or delete; anything else is
+    refused by the output rule (check_output) before a file is touched."""
+    check_output(directory, reads, flag=flag, directory=True, ours=lambda folder: (folder / SCRATCH_MARK).is_file())
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / SCRATCH_MARK).write_text("the working directory of a tfm script: its files are replaced on each run\n")
+    return directory
 
 
 # --------------------------------------------------------------------------- temporaries that name their writer
@@ -309,6 +381,27 @@ def staging_directory(target: str | Path, run_cache: bool = False) -> Path:
                                     dir=target.parent))
     claim_directory(staging)  # a run built in it may write its own files there
     return staging
+
+
+def replace_with_staged(staging: Path, target: Path) -> None:
+    """Move the complete directory `staging` (from `staging_directory`) to `target`, an empty
+    directory or an earlier output it replaces (checked by the caller), which goes only once the
+    new one is in place; a failed move puts it back. An OSError names `target`, not the staging one."""
+    replaced = staging.with_name(staging.name + ".old")
+    try:
+        if target.exists():
+            target.rename(replaced)
+        try:
+            staging.rename(target)
+        except OSError:
+            if replaced.exists():
+                replaced.rename(target)
+            raise
+    except OSError as exc:  # a full disk: name the directory the user asked for
+        raise OSError(exc.errno, exc.strerror, str(target)) from None
+    finally:
+        if replaced.exists():
+            shutil.rmtree(replaced)
 
 
 def named_after(exc: OSError, target: Path) -> OSError:
