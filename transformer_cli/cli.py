@@ -849,24 +849,50 @@ def shortlist(
 @app.command(cls=OneValueOptions)
 @user_errors
 def export(
-    checkpoint: Path = typer.Option(..., "--checkpoint", help="Model file (.pt)."),
-    format_: str = typer.Option("ctranslate2", "--format", help="Export format: ctranslate2."),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Model file (.pt); default: the --config "
+                                              "run's checkpoint that validated best."),
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[list[str]] = SetOpt,
+    format_: str = typer.Option("ctranslate2", "--format", help="Export format: ctranslate2 (tfm translate "
+                                "--model, CTranslate2 users) or huggingface (a transformers model directory "
+                                "with its tokenizer and a model card)."),
     output: Path = typer.Option(..., "--output", "-o", help="Directory to write."),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
-    quantization: str = typer.Option("float32", "--quantization", help="Weights as stored: float32 (any compute "
-                                     "type at load time) or int8 (a quarter of the size on disk)."),
+    force: bool = typer.Option(False, "--force", help="Replace a previous export in that directory."),
+    quantization: str = typer.Option("float32", "--quantization", help="ctranslate2: weights as stored: float32 "
+                                     "(any compute type at load time) or int8 (a quarter of the size on disk)."),
 ) -> None:
-    """Convert a checkpoint for serving: a CTranslate2 model directory (with its sentencepiece models).
+    """Convert a checkpoint for serving or sharing: a CTranslate2 model directory (with its
+    sentencepiece models), or a Hugging Face transformers directory (save_pretrained's files and a model card).
 
-    Translate with it: tfm translate --engine ctranslate2 --model DIR. Needs pip install -e '.\\[ct2]'.
+    CTranslate2: translate with tfm translate --engine ctranslate2 --model DIR. Hugging Face: load with
+    AutoModelForSeq2SeqLM/AutoTokenizer; needs the run's test score
+    (tfm evaluate --split test) for the model card, and pip install -e '.\\[huggingface]'.
     """
+    if format_ not in ("ctranslate2", "huggingface"):
+        raise TfmError(f"--format {format_}: choose ctranslate2 or huggingface")
+    if quantization not in ("float32", "int8"):
+        raise TfmError(f"--quantization {quantization}: choose float32 or int8")
+    if format_ == "huggingface" and quantization != "float32":
+        raise TfmError(f"--quantization {quantization}: only --format ctranslate2 stores int8 weights")
+    if checkpoint is None:
+        if config is None:
+            raise TfmError("give --checkpoint, or --config (its run's checkpoint that validated best)")
+        from .experiment.rundir import RunDirectory
+
+        checkpoint = RunDirectory(_load_for_inference(config, set_, None).run_path).default_checkpoint()
+    elif config is not None or set_:
+        raise TfmError("give --checkpoint or --config, not both (--config exports its run's checkpoint)")
+    if format_ == "huggingface":
+        from .interop.huggingface import export_huggingface
+
+        done = export_huggingface(checkpoint, output, force=force)
+        say(f"exported {checkpoint} → {output} (Hugging Face {done.architecture}, {done.parameters:,} parameters, "
+            f"logits within {done.largest_difference:.1e} of tfm's; load with: "
+            f"AutoModelForSeq2SeqLM.from_pretrained(\"{output}\"))")
+        return
     from .data.shortlist import SHORTLIST_FILE, check_shortlist
     from .interop.ct2 import export_ctranslate2
 
-    if format_ != "ctranslate2":
-        raise TfmError(f"--format {format_}: only ctranslate2 is supported")
-    if quantization not in ("float32", "int8"):
-        raise TfmError(f"--quantization {quantization}: choose float32 or int8")
     shortlist = checkpoint.resolve().parent.parent / SHORTLIST_FILE  # the run's, where it has one (tfm shortlist)
     if shortlist.exists():
         check_shortlist(shortlist)  # (its pieces are checked against the model where it is used)

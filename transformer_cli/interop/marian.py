@@ -125,10 +125,12 @@ def read_marian_config(hf_dir: Path) -> dict[str, Any]:
     if not config_file.is_file():
         raise TfmError(f"{config_file} not found: {hf_dir} is not a Hugging Face model directory")
     hf = _read_json(config_file)
-    if not isinstance(hf, dict) or hf.get("model_type") != "marian":
+    if not isinstance(hf, dict) or hf.get("model_type") not in ("marian", "pegasus"):
         kind = hf.get("model_type") if isinstance(hf, dict) else None
-        raise TfmError(f"{config_file}: model_type {kind!r} is not a Marian model (model_type 'marian')")
+        raise TfmError(f"{config_file}: model_type {kind!r} is not a Marian model (model_type 'marian'; "
+                       "'pegasus': the pre-norm models tfm export writes)")
     hf = {**hf, **_typed_settings(hf, config_file)}
+    hf["norm_position"] = "pre" if hf["model_type"] == "pegasus" else "post"
 
     def refuse(key: str, why: str) -> None:
         raise TfmError(f"{config_file}: {key}={hf.get(key)!r}: {why}")
@@ -137,11 +139,11 @@ def read_marian_config(hf_dir: Path) -> dict[str, Any]:
         hf["decoder_vocab_size"] = hf["vocab_size"]
     if hf["decoder_start_token_id"] is None:
         hf["decoder_start_token_id"] = hf["pad_token_id"]
-    if not hf["share_encoder_decoder_embeddings"]:
-        refuse("share_encoder_decoder_embeddings", "separate source and target vocabularies are not supported")
-    if hf["decoder_vocab_size"] != hf["vocab_size"]:
-        refuse("decoder_vocab_size", f"differs from vocab_size={hf['vocab_size']} (separate source and target "
-                                     "vocabularies are not supported)")
+    if hf["share_encoder_decoder_embeddings"] and hf["decoder_vocab_size"] != hf["vocab_size"]:
+        refuse("decoder_vocab_size", f"differs from vocab_size={hf['vocab_size']}, but "
+                                     "share_encoder_decoder_embeddings says both sides have one vocabulary")
+    if not hf["share_encoder_decoder_embeddings"] and hf["norm_position"] == "pre":
+        refuse("share_encoder_decoder_embeddings", "a Pegasus model has one vocabulary")
     for encoder, decoder, what in (("encoder_attention_heads", "decoder_attention_heads", "number of heads"),
                                    ("encoder_ffn_dim", "decoder_ffn_dim", "feed-forward size")):
         if hf[encoder] != hf[decoder]:
@@ -154,15 +156,24 @@ def read_marian_config(hf_dir: Path) -> dict[str, Any]:
     if hf["d_model"] % hf["encoder_attention_heads"]:
         refuse("d_model", "not divisible by the number of attention heads")
     for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
-        if hf[key] >= hf["vocab_size"]:
-            refuse(key, f"not an id of the {hf['vocab_size']}-token vocabulary")
-    if hf["decoder_start_token_id"] != hf["pad_token_id"]:
+        if hf[key] >= min(hf["vocab_size"], hf["decoder_vocab_size"]):
+            refuse(key, f"not an id of the {min(hf['vocab_size'], hf['decoder_vocab_size'])}-token vocabulary")
+    if hf["decoder_start_token_id"] != hf["pad_token_id"] and not from_tfm(hf):
         # tfm gives its <s> a copy of the decoder-start row; a Marian model starts from <pad>, and
-        # another id here is a damaged file far more likely than such a model.
+        # another id here is a damaged file far more likely than such a model (tfm's own exports
+        # start from their <s>, and say so).
         refuse("decoder_start_token_id", f"Marian's decoder starts from <pad> (pad_token_id={hf['pad_token_id']})")
+    if from_tfm(hf) and hf["tfm"].get("positional") not in ("sinusoidal", "sinusoidal_split"):
+        raise TfmError(f"{config_file}: tfm.positional={hf['tfm'].get('positional')!r}: a tfm export has "
+                       "sinusoidal or sinusoidal_split")
     if hf["pad_token_id"] == hf["eos_token_id"]:
         refuse("eos_token_id", "the same id as pad_token_id")
     return hf
+
+
+def from_tfm(hf: dict[str, Any]) -> bool:
+    """config.json was written by `tfm export --format huggingface` (its `tfm` section)."""
+    return isinstance(hf.get("tfm"), dict)
 
 
 def _needs_extra(exc: ImportError) -> TfmError:
@@ -241,58 +252,83 @@ def read_weights(hf_dir: Path) -> Weights:
     raise TfmError(f"{hf_dir}: no model.safetensors or pytorch_model.bin (the model's weights)")
 
 
-def read_vocab(vocab_file: Path, hf: dict[str, Any]) -> dict[str, int]:
-    """vocab.json: pieces → the ids 0…vocab_size-1, with <pad> and </s> (where it names them) at
-    config.json's ids."""
+def read_vocab(vocab_file: Path, hf: dict[str, Any], size_key: str = "vocab_size") -> dict[str, int]:
+    """vocab.json (or target_vocab.json: `size_key` decoder_vocab_size): pieces → the ids
+    0…size-1, with <pad> and </s> (where it names them) at config.json's ids."""
     vocab = _read_json(vocab_file)
+    if from_tfm(hf) and isinstance(vocab, dict):  # its bare `>>xx<<` names of tags (huggingface.source_id_map)
+        vocab = {p: i for p, i in vocab.items() if not (p.startswith(">>") and vocab.get("\u2581" + p) == i)}
     if (not isinstance(vocab, dict) or not all(type(i) is int for i in vocab.values())
             or sorted(vocab.values()) != list(range(len(vocab)))):
         raise TfmError(f"{vocab_file}: not a Marian id map (pieces → the ids 0…N-1)")
-    if len(vocab) != hf["vocab_size"]:
-        raise TfmError(f"{vocab_file} has {len(vocab)} ids but config.json's vocab_size is {hf['vocab_size']}")
+    if len(vocab) != hf[size_key]:
+        raise TfmError(f"{vocab_file} has {len(vocab)} ids but config.json's {size_key} is {hf[size_key]}")
     for piece, key in (("<pad>", "pad_token_id"), ("</s>", "eos_token_id")):
         if piece in vocab and vocab[piece] != hf[key]:
             raise TfmError(f"{vocab_file}: {piece} is id {vocab[piece]}, but config.json's {key} is {hf[key]}")
     return vocab
 
 
-def tfm_order(vocab: dict[str, int], hf: dict[str, Any]) -> list[int]:
+def tfm_order(vocab: dict[str, int], hf: dict[str, Any], size_key: str = "vocab_size") -> list[int]:
     """tfm id → Marian id: tfm's specials first (<pad>, <unk>, <s> = Marian's decoder start, </s>),
     then every other Marian id in its order."""
     pad, eos = hf.get("pad_token_id"), hf.get("eos_token_id", 0)
     start = hf.get("decoder_start_token_id", pad)
     unk = vocab.get("<unk>")
-    size = hf["vocab_size"]
+    size = hf[size_key]
     ids = {"pad_token_id": pad, "eos_token_id": eos, "decoder_start_token_id": start, "vocab.json <unk>": unk}
     for name, value in ids.items():
         if not isinstance(value, int) or not 0 <= value < size:
             raise TfmError(f"config.json: {name}={value!r} is not an id of the {size}-token vocabulary")
     if len({pad, eos, unk}) < 3:
         raise TfmError(f"config.json: <pad> ({pad}), </s> ({eos}) and <unk> ({unk}) must be distinct ids")
-    return [pad, unk, start, eos] + [i for i in range(size) if i not in (pad, unk, eos)]
+    if start != pad and start in (unk, eos):
+        raise TfmError(f"config.json: decoder_start_token_id={start} is <unk> or </s>")
+    # Marian starts from <pad>: tfm's <s> is a copy of that row. A model with a start id of its own
+    # (tfm's exports) keeps it as <s>.
+    return [pad, unk, start, eos] + [i for i in range(size) if i not in (pad, unk, eos, start)]
 
 
-def convert_state_dict(weights: Weights, hf: dict[str, Any], order: list[int]) -> dict[str, torch.Tensor]:
+def convert_embeddings(weights: Weights, hf: dict[str, Any], orders: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The embeddings and the output layer, their rows in tfm's id order (`orders`: side → tfm id →
+    Marian id): one shared matrix, or (share_encoder_decoder_embeddings false) the encoder's and the
+    decoder's, each of its own vocabulary."""
+    d, size, tgt_size = hf["d_model"], hf["vocab_size"], hf["decoder_vocab_size"]
+    src_index, tgt_index = torch.tensor(orders["src"]), torch.tensor(orders["tgt"])
+    embedding = "vocab_size, d_model"
+    if hf["share_encoder_decoder_embeddings"]:
+        # The shared embedding: model.shared, or in files without it the encoder's (the decoder's is the same).
+        only_encoders = weights.has("encoder.embed_tokens.weight") and not weights.has("shared.weight")
+        shared = weights.take("encoder.embed_tokens.weight" if only_encoders else "shared.weight", (size, d),
+                              embedding)
+        for copy in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):  # pytorch_model.bin has them all
+            weights.take_copy(copy, shared, f"share_encoder_decoder_embeddings, {embedding}")
+        decoder = shared
+        state = {"src_embed.embedding.weight": shared[src_index]}
+        state["tgt_embed.embedding.weight"] = state["src_embed.embedding.weight"]
+    else:
+        decoder = weights.take("decoder.embed_tokens.weight", (tgt_size, d), "decoder_vocab_size, d_model")
+        state = {"src_embed.embedding.weight": weights.take("encoder.embed_tokens.weight", (size, d), embedding)[
+                     src_index], "tgt_embed.embedding.weight": decoder[tgt_index]}
+    if not hf["tie_word_embeddings"]:
+        state["output_proj.weight"] = weights.take("lm_head.weight", (tgt_size, d),
+                                                   "decoder_vocab_size, d_model")[tgt_index]
+    else:
+        weights.take_copy("lm_head.weight", decoder, f"tie_word_embeddings, {embedding}")
+        state["output_proj.weight"] = state["tgt_embed.embedding.weight"]
+    bias = weights.take("final_logits_bias", (1, tgt_size), "decoder_vocab_size").reshape(-1)[tgt_index].clone()
+    if hf["decoder_start_token_id"] == hf["pad_token_id"]:  # Marian's: <pad> and tfm's added <s> never produced
+        bias[PAD_ID] = bias[BOS_ID] = NEVER
+    if has_output_bias(hf, bias):
+        state["output_proj.bias"] = bias
+    return state
+
+
+def convert_state_dict(weights: Weights, hf: dict[str, Any], orders: dict[str, list[int]]) -> dict[str, torch.Tensor]:
     """Marian's tensor names and layout → tfm's (fused Q|K|V and K|V projections, permuted ids).
     Every tensor is taken with the shape config.json implies, and every tensor must be taken."""
-    d, ffn, size = hf["d_model"], hf["encoder_ffn_dim"], hf["vocab_size"]
-    index = torch.tensor(order)
-    embedding = "vocab_size, d_model"
-    # The shared embedding: model.shared, or in files without it the encoder's (the decoder's is the same).
-    only_encoders = weights.has("encoder.embed_tokens.weight") and not weights.has("shared.weight")
-    shared = weights.take("encoder.embed_tokens.weight" if only_encoders else "shared.weight", (size, d), embedding)
-    for copy in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):  # pytorch_model.bin has them all
-        weights.take_copy(copy, shared, f"share_encoder_decoder_embeddings, {embedding}")
-    state = {"src_embed.embedding.weight": shared[index]}
-    state["tgt_embed.embedding.weight"] = state["src_embed.embedding.weight"]
-    if not hf["tie_word_embeddings"]:
-        state["output_proj.weight"] = weights.take("lm_head.weight", (size, d), embedding)[index]
-    else:
-        weights.take_copy("lm_head.weight", shared, f"tie_word_embeddings, {embedding}")
-        state["output_proj.weight"] = state["src_embed.embedding.weight"]
-    bias = weights.take("final_logits_bias", (1, size), "vocab_size").reshape(-1)[index].clone()
-    bias[PAD_ID] = bias[BOS_ID] = NEVER
-    state["output_proj.bias"] = bias
+    d, ffn = hf["d_model"], hf["encoder_ffn_dim"]
+    state = convert_embeddings(weights, hf, orders)
 
     def linear(theirs: str, rows: int, columns: int, keys: str) -> tuple[torch.Tensor, torch.Tensor]:
         return weights.take(f"{theirs}.weight", (rows, columns), keys), weights.take(f"{theirs}.bias", (rows,), keys)
@@ -330,7 +366,21 @@ def convert_state_dict(weights: Weights, hf: dict[str, Any], order: list[int]) -
         attention(f"{ours}.cross_attn", f"{theirs}.encoder_attn", fused_self=False)
         norm(f"{ours}.cross_add_norm", f"{theirs}.encoder_attn_layer_norm")
         feed_forward(ours, theirs, "decoder")
+    if hf["norm_position"] == "pre":  # Pegasus: a LayerNorm after each stack
+        for stack in ("encoder", "decoder"):
+            state[f"{stack}_norm.weight"] = weights.take(f"{stack}.layer_norm.weight", (d,), "d_model")
+            state[f"{stack}_norm.bias"] = weights.take(f"{stack}.layer_norm.bias", (d,), "d_model")
+    if from_tfm(hf) and hf["tfm"]["positional"] == "sinusoidal":  # back to the interleaved layout it trained with
+        from .huggingface import interleaved_to_split, permute_model_dimension
+
+        state = permute_model_dimension(state, torch.argsort(interleaved_to_split(d)))
     return state
+
+
+def has_output_bias(hf: dict[str, Any], bias: torch.Tensor) -> bool:
+    """Whether the imported model needs an output bias: Marian's models have one; a tfm export
+    without one (its final_logits_bias all zero) comes back without it."""
+    return not (from_tfm(hf) and not hf["tfm"].get("output_bias") and not bool(bias.any()))
 
 
 def check_positions(weights: Weights, hf: dict[str, Any]) -> None:
@@ -400,19 +450,22 @@ def tfm_pieces(vocab: dict[str, int], order: list[int]) -> list[str]:
     """The piece of each tfm id: Marian's, with tfm's names for the special ids."""
     piece_of = {i: p for p, i in vocab.items()}
     pieces = [piece_of[m] for m in order]
-    pieces[BOS_ID] = "<s>" if "<s>" not in vocab else "<tfm_start>"  # a copy of the decoder-start row
+    if order[BOS_ID] == order[PAD_ID]:  # Marian's start, <pad>: tfm's <s> is a copy of its row
+        pieces[BOS_ID] = "<s>" if "<s>" not in vocab else "<tfm_start>"
     pieces[PAD_ID], pieces[EOS_ID] = "<pad>", "</s>"
     return pieces
 
 
-def tfm_model_config(hf: dict[str, Any], vocab_size: int) -> TransformerConfig:
+def tfm_model_config(hf: dict[str, Any], sizes: dict[str, int], output_bias: bool = True) -> TransformerConfig:
+    positional = hf["tfm"]["positional"] if from_tfm(hf) else "sinusoidal_split"
     return TransformerConfig(
-        src_vocab_size=vocab_size, tgt_vocab_size=vocab_size, d_model=hf["d_model"],
+        src_vocab_size=sizes["src"], tgt_vocab_size=sizes["tgt"], d_model=hf["d_model"],
         n_heads=hf["encoder_attention_heads"], enc_layers=hf["encoder_layers"], dec_layers=hf["decoder_layers"],
         d_ff=hf["encoder_ffn_dim"], dropout=float(hf["dropout"]),
         attention_dropout=float(hf["attention_dropout"]), activation=ACTIVATIONS[hf["activation_function"]],
-        norm_position="post", positional="sinusoidal_split", max_positions=hf["max_position_embeddings"],
-        share_embeddings=True, tie_output=hf["tie_word_embeddings"], output_bias=True, pad_id=PAD_ID)
+        norm_position=hf["norm_position"], positional=positional, max_positions=hf["max_position_embeddings"],
+        share_embeddings=hf["share_encoder_decoder_embeddings"], tie_output=hf["tie_word_embeddings"],
+        output_bias=output_bias, pad_id=PAD_ID)
 
 
 def read_languages(hf_dir: Path) -> tuple[str, str]:
@@ -436,33 +489,42 @@ def import_marian(hf_dir: Path, run_dir: Path) -> ImportResult:
     against everything else (config.json, the weights' names and shapes, the id map, the
     sentencepiece models) before anything is written."""
     hf = read_marian_config(hf_dir)
-    vocab_file = _required(hf_dir, "vocab.json", "the id map over both sentencepiece models")
+    shared = hf["share_encoder_decoder_embeddings"]
+    vocab_files = {"src": _required(hf_dir, "vocab.json", "the id map over both sentencepiece models" if shared
+                                    else "the source id map")}
+    if not shared and (hf_dir / "target_vocab.json").exists():  # without it: one id map for two embeddings
+        vocab_files["tgt"] = _required(hf_dir, "target_vocab.json", "the target id map (separate vocabularies)")
     spm_files = {"src": _required(hf_dir, "source.spm", "the source sentencepiece model"),
                  "tgt": _required(hf_dir, "target.spm", "the target sentencepiece model")}
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
         raise TfmError(f"{run_dir} exists and is not empty: import into a new run directory")
-    vocab = read_vocab(vocab_file, hf)
+    vocabs = {side: read_vocab(path, hf, "vocab_size" if side == "src" else "decoder_vocab_size")
+              for side, path in vocab_files.items()}
+    vocabs.setdefault("tgt", vocabs["src"])
     languages = read_languages(hf_dir)
     weights = read_weights(hf_dir)
     check_positions(weights, hf)
 
-    order = tfm_order(vocab, hf)
-    pieces, codes = tfm_pieces(vocab, order), {p for p in vocab if p.startswith(">>") and p.endswith("<<")}
+    orders = {side: tfm_order(vocab, hf, "vocab_size" if side == "src" else "decoder_vocab_size")
+              for side, vocab in vocabs.items()}
+    codes = {p for p in vocabs["src"] if p.startswith(">>") and p.endswith("<<")}
     warnings, models = [], {}
     for side, path in spm_files.items():
+        pieces = tfm_pieces(vocabs[side], orders[side])
         models[side], missing = tfm_sentencepiece(path, pieces, codes if side == "src" else set())
         if missing:
-            warnings.append(f"{path.name}: {missing} of its pieces are not in vocab.json (Marian maps them to "
-                            "<unk>; tfm segments around them)")
-    state = convert_state_dict(weights, hf, order)
+            warnings.append(f"{path.name}: {missing} of its pieces are not in {vocab_files.get(side, vocab_files['src']).name} "
+                            "(Marian maps them to <unk>; tfm segments around them)")
+    state = convert_state_dict(weights, hf, orders)
     weights.check_all_taken()
-    model = Transformer(tfm_model_config(hf, len(order)))
+    model = Transformer(tfm_model_config(hf, {side: len(order) for side, order in orders.items()},
+                                         output_bias="output_proj.bias" in state))
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        raise TfmError(f"{hf_dir}: the weights do not fit config.json ({str(exc).splitlines()[0]})") from None
+        raise TfmError(f"{hf_dir}: the weights do not fit config.json ({' '.join(str(exc).split())[:300]})") from None
     write_run_directory(run_dir, hf_dir, hf, languages, model, models)
-    return ImportResult(run_dir, model.num_parameters(), len(order), warnings)
+    return ImportResult(run_dir, model.num_parameters(), len(orders["src"]), warnings)
 
 
 def write_run_directory(run_dir: Path, hf_dir: Path, hf: dict[str, Any], languages: tuple[str, str],
@@ -470,11 +532,11 @@ def write_run_directory(run_dir: Path, hf_dir: Path, hf: dict[str, Any], languag
     """The run directory, staged beside `run_dir` and renamed into place when complete, so that a
     failed import leaves nothing behind."""
     src_lang, tgt_lang = languages
-    size = model.cfg.src_vocab_size
+    sizes = {"src": model.cfg.src_vocab_size, "tgt": model.cfg.tgt_vocab_size}
     config = config_from_dict({
         "run_dir": str(run_dir),
         "data": {"src_lang": src_lang, "tgt_lang": tgt_lang},
-        "vocab": {"joint": False, "size": size},
+        "vocab": {"joint": False, "size": max(sizes.values())},
         "model": {k: v for k, v in asdict(model.cfg).items() if k not in ("src_vocab_size", "tgt_vocab_size", "pad_id")},
         # Marian's generate: its length penalty (score / length ** 1); its beam from config.json.
         "decode": {"beam": hf["num_beams"], "length_penalty": MARIAN_LENGTH_PENALTY},
@@ -482,9 +544,9 @@ def write_run_directory(run_dir: Path, hf_dir: Path, hf: dict[str, Any], languag
     manifest = {
         "src_lang": src_lang, "tgt_lang": tgt_lang,
         "vocab": {"src": "spm.src.model", "tgt": "spm.tgt.model"},
-        "vocab_size": {"src": size, "tgt": size},
+        "vocab_size": sizes,
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
-        "shared_ids": True,  # two sentencepiece models over one id map: embeddings are shared
+        "shared_ids": model.cfg.share_embeddings,  # two sentencepiece models over one id map: shared embeddings
         "imported_from": {"format": "marian", "path": str(hf_dir.resolve())},
     }
     run_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,237 @@
+"""`tfm export --format huggingface`: tiny models of every exportable kind (post-norm → Marian,
+pre-norm → Pegasus; joint and separate vocabularies; a multilingual model) are written, loaded by
+transformers without remote code, and must generate exactly tfm's greedy output; the model card's
+YAML parses; bad inputs are one-line errors that leave nothing behind."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import built_once, fp32_translator, tfm_in_process, tiny_reverse_config, write_reverse_task
+from tests.test_multilingual import shift_config, write_shift_task
+from transformer_cli.data.prepare import prepare
+from transformer_cli.decoding.translation import translate_texts
+from transformer_cli.experiment.config import config_from_dict
+from transformer_cli.interop.huggingface import (
+    architecture_problems,
+    build_transformers_model,
+    split_order,
+    transformers_state,
+)
+from transformer_cli.model.transformer import Transformer, TransformerConfig
+from transformer_cli.training.train import train
+
+transformers = pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e '.[test]')")
+
+KINDS = {  # name → (the model section's changes, the vocab section's)
+    "pre-norm, joint": ({"norm_position": "pre"}, {}),
+    "post-norm, joint": ({"norm_position": "post"}, {}),
+    "post-norm, separate vocabularies": ({"norm_position": "post", "share_embeddings": False}, {"joint": False}),
+    "post-norm, split sinusoids, output bias": ({"norm_position": "post", "positional": "sinusoidal_split",
+                                                 "output_bias": True, "tie_output": False}, {}),
+}
+
+
+def trained_run(root: Path, model: dict, vocab: dict) -> Path:
+    """A tiny reverse-task model trained for 300 steps, scored on its test set; its config file."""
+    write_reverse_task(root / "data", n_train=2000, n_test=40)
+    if vocab.get("joint") is False:  # target words in capitals: two vocabularies that differ
+        for split in ("train", "valid", "test"):
+            target = root / "data" / f"{split}.tgt.gz"
+            target.write_bytes(gzip.compress(gzip.decompress(target.read_bytes()).upper()))
+    raw = tiny_reverse_config(root / "data", root / "run", max_steps=300, eval_every=300, lr_schedule="budget")
+    raw["model"].update(d_model=32, d_ff=64, n_heads=2, enc_layers=2, dec_layers=2, **model)
+    raw["vocab"].update(vocab)
+    raw["decode"].update(precision="fp32", engine="torch")
+    (root / "c.yaml").write_text(json.dumps(raw))
+    config = config_from_dict(raw)
+    prepare(config, progress=False)
+    train(config, progress_bar=False)
+    scored = tfm_in_process("evaluate", "--config", root / "c.yaml", "--split", "test")
+    assert scored.exit_code == 0, scored.stderr
+    return root / "c.yaml"
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    return {kind: built_once(tmp_path_factory, f"hf-{i}", lambda root, m=m, v=v: trained_run(root, m, v))
+            for i, (kind, (m, v)) in enumerate(KINDS.items())}
+
+
+def checkpoint_of(config: Path) -> Path:
+    from transformer_cli.experiment.config import load_config
+    from transformer_cli.experiment.rundir import RunDirectory
+
+    return RunDirectory(load_config(config).run_path).default_checkpoint()
+
+
+def greedy_through_transformers(directory: Path, lines: list[str], a: float, b: int) -> list[str]:
+    """transformers' greedy translations, each line with tfm's own output limit (a · its tokens + b,
+    </s> included): one `generate` call per line, as generate has one limit per call."""
+    from transformer_cli.model.lengths import output_length_limit
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(directory), trust_remote_code=False).eval()
+    found = []
+    for line in lines:
+        batch = tokenizer([line], return_tensors="pt")
+        limit = output_length_limit(batch["input_ids"].shape[1], a, b, model.config.max_position_embeddings)
+        with torch.no_grad():
+            out = model.generate(**batch, num_beams=1, do_sample=False, max_new_tokens=limit)
+        found.append(tokenizer.decode(out[0], skip_special_tokens=True))
+    return found
+
+
+def test_the_permutation_gives_transformers_an_equal_network_for_every_shape():
+    """No training: random weights of both norm positions, interleaved and split sinusoids, odd
+    head counts. transformers' logits equal tfm's (the export's own check, here on every layout)."""
+    from transformer_cli.experiment.config import config_from_dict as from_dict
+
+    torch.manual_seed(0)
+    for norm in ("pre", "post"):
+        for positional in ("sinusoidal", "sinusoidal_split"):
+            cfg = TransformerConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=24, n_heads=3, enc_layers=2,
+                                    dec_layers=1, d_ff=40, dropout=0.0, norm_position=norm, positional=positional,
+                                    max_positions=64, output_bias=norm == "post")
+            model = Transformer(cfg).eval()
+            with torch.no_grad():
+                for p in model.parameters():  # LayerNorms and biases away from their 1/0 starts
+                    p.add_(torch.randn_like(p) * 0.1)
+            config = from_dict({"data": {"src_lang": "de", "tgt_lang": "en"}})
+            hf = build_transformers_model(cfg, config, transformers_state(model))
+            src = torch.tensor([[5, 9, 17, 3], [6, 3, 0, 0]])
+            tgt = torch.tensor([[2, 7, 8], [2, 11, 0]])
+            with torch.no_grad():
+                ours = model(src, tgt)
+                theirs = hf(input_ids=src, attention_mask=(src != 0).long(), decoder_input_ids=tgt).logits
+            assert torch.allclose(ours, theirs, atol=1e-4), (norm, positional, float((ours - theirs).abs().max()))
+            order = split_order(cfg)
+            assert sorted(order.tolist()) == list(range(24)) and (order[:12] % 2 == 0).all() == (positional == "sinusoidal")
+
+
+def test_models_no_shipped_architecture_computes_are_named_with_the_reason():
+    shared = dict(src_vocab_size=50, tgt_vocab_size=50, d_model=24, n_heads=3)
+    assert architecture_problems(TransformerConfig(**shared, norm_position="pre")) == []
+    learned = architecture_problems(TransformerConfig(**shared, positional="learned"))
+    assert learned and "learned" in learned[0]
+    separate = architecture_problems(TransformerConfig(**{**shared, "tgt_vocab_size": 60}, norm_position="pre",
+                                                       share_embeddings=False, tie_output=True))
+    assert separate and "Pegasus" in separate[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_an_export_generates_exactly_tfms_greedy_output(kind, runs, tmp_path):
+    config = runs[kind]
+    checkpoint = checkpoint_of(config)
+    out = tmp_path / "hf"
+    done = tfm_in_process("export", "--config", config, "--format", "huggingface", "-o", out)
+    assert done.exit_code == 0, done.stderr
+    architecture = "MarianMTModel" if "post" in kind else "PegasusForConditionalGeneration"
+    assert architecture in done.stdout
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["architectures"] == [architecture] and "auto_map" not in saved  # no custom code
+    lines = gzip.decompress((config.parent / "data" / "test.src.gz").read_bytes()).decode().splitlines()[:40]
+    ours = translate_texts(fp32_translator(checkpoint, beam=1), lines)
+    assert greedy_through_transformers(out, lines, 1.0, 5) == ours  # (decode.max_len_a/b of the task's config)
+    assert sum(o.lower().split() == list(reversed(s.split())) for o, s in zip(ours, lines)) >= 5  # it learned
+
+
+@pytest.mark.slow
+def test_the_model_card_parses_and_names_the_test_scores(runs, tmp_path):
+    config = runs["pre-norm, joint"]
+    out = tmp_path / "card"
+    assert tfm_in_process("export", "--config", config, "--format", "huggingface", "-o", out).exit_code == 0
+    text = (out / "README.md").read_text()
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert front["tags"] == ["translation", "tfm"] and front["language"] == ["src", "tgt"]
+    assert front["metrics"] == ["bleu", "chrf"] and front["pipeline_tag"] == "translation"
+    score = json.loads(next((config.parent / "run" / "eval").glob("test.*.json")).read_text())["scores"]["bleu"]
+    metric = front["model-index"][0]["results"][0]["metrics"][0]
+    assert metric["value"] == round(score["score"], 2) and metric["args"] == score["signature"]
+    assert "pairs and kept" in text and "PegasusForConditionalGeneration" in text
+
+
+@pytest.mark.slow
+def test_bad_exports_are_one_line_and_leave_nothing(runs, tmp_path):
+    config = runs["post-norm, joint"]
+    checkpoint = checkpoint_of(config)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine\n")
+    unscored = tmp_path / "unscored.pt"
+    unscored.write_bytes(checkpoint.read_bytes())  # outside its run: no test score
+    payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    positions = payload["model_config"]["max_positions"], payload["model_config"]["d_model"]
+    payload["model_config"]["positional"] = payload["config"]["model"]["positional"] = "learned"
+    payload["model"].update({f"{side}_pos.table": torch.randn(*positions) for side in ("src", "tgt")})
+    torch.save(payload, tmp_path / "learned.pt")  # a model no shipped architecture computes
+    cases = [
+        (["--checkpoint", checkpoint, "-o", taken], "holds files tfm did not write there"),
+        (["--checkpoint", unscored, "-o", tmp_path / "a"], "no test score"),
+        (["--checkpoint", tmp_path / "learned.pt", "-o", tmp_path / "f"], "model.positional: learned (Marian and"),
+        (["--checkpoint", checkpoint, "--config", config, "-o", tmp_path / "b"], "not both"),
+        (["-o", tmp_path / "c"], "give --checkpoint, or --config"),
+        (["--checkpoint", checkpoint, "-o", tmp_path / "d", "--quantization", "int8"], "only --format ctranslate2"),
+    ]
+    for args, message in cases:
+        result = tfm_in_process("export", "--format", "huggingface", *args)
+        assert result.exit_code == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1, \
+            (args, result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["learned.pt", "taken", "unscored.pt"]
+    assert (taken / "notes.txt").read_text() == "mine\n"
+    first = tfm_in_process("export", "--format", "huggingface", "--checkpoint", checkpoint, "-o", tmp_path / "e")
+    assert first.exit_code == 0
+    again = tfm_in_process("export", "--format", "huggingface", "--checkpoint", checkpoint, "-o", tmp_path / "e")
+    assert again.exit_code == 2 and "--force" in again.stderr
+    forced = tfm_in_process("export", "--format", "huggingface", "--checkpoint", checkpoint, "-o", tmp_path / "e",
+                            "--force")
+    assert forced.exit_code == 0 and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.slow
+def test_a_multilingual_export_takes_the_target_language_tag_as_tfm_does(tmp_path):
+    write_shift_task(tmp_path / "data", n_train=2000, n_test=30)
+    raw = shift_config(tmp_path / "data", tmp_path / "run", max_steps=200, eval_every=200)
+    raw["decode"]["engine"] = "torch"
+    (tmp_path / "c.yaml").write_text(json.dumps(raw))
+    config = config_from_dict(raw)
+    prepare(config, progress=False)
+    train(config, progress_bar=False)
+    assert tfm_in_process("evaluate", "--config", tmp_path / "c.yaml", "--split", "test").exit_code == 0
+    out = tmp_path / "hf"
+    done = tfm_in_process("export", "--config", tmp_path / "c.yaml", "--format", "huggingface", "-o", out)
+    assert done.exit_code == 0, done.stderr
+    sources = gzip.decompress((tmp_path / "data" / "test.src.gz").read_bytes()).decode().splitlines()[:30]
+    checkpoint = checkpoint_of(tmp_path / "c.yaml")
+    for language in ("up", "dn"):
+        tagged = [f">>{language}<< {line}" for line in sources]
+        ours = translate_texts(fp32_translator(checkpoint, beam=1), tagged)
+        assert greedy_through_transformers(out, tagged, 1.0, 5) == ours, language
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_tfm_import_gives_back_the_exported_model_weight_for_weight(kind, runs, tmp_path):
+    from transformer_cli.experiment.checkpoint import load_trained_model
+
+    config = runs[kind]
+    checkpoint = checkpoint_of(config)
+    assert tfm_in_process("export", "--checkpoint", checkpoint, "--format", "huggingface",
+                          "-o", tmp_path / "hf").exit_code == 0
+    imported = tfm_in_process("import", "--format", "marian", tmp_path / "hf", "-o", tmp_path / "back")
+    assert imported.exit_code == 0, imported.stderr
+    original = load_trained_model(checkpoint)
+    back = load_trained_model(tmp_path / "back" / "checkpoints" / "checkpoint_best.pt")
+    assert back.model.cfg == original.model.cfg
+    ours, theirs = original.model.state_dict(), back.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    lines = gzip.decompress((config.parent / "data" / "test.src.gz").read_bytes()).decode().splitlines()[:20]
+    assert translate_texts(fp32_translator(checkpoint, beam=1), lines) == \
+        translate_texts(fp32_translator(tmp_path / "back" / "checkpoints" / "checkpoint_best.pt", beam=1), lines)
