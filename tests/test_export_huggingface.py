@@ -193,6 +193,13 @@ def test_bad_exports_are_one_line_and_leave_nothing(runs, tmp_path):
     forced = tfm_in_process("export", "--format", "huggingface", "--checkpoint", checkpoint, "-o", tmp_path / "e",
                             "--force")
     assert forced.exit_code == 0 and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    downloaded = tmp_path / "e"  # the same file names, but a config.json tfm did not write (a Hub download)
+    hub_config = json.loads((downloaded / "config.json").read_text())
+    del hub_config["tfm"]
+    (downloaded / "config.json").write_text(json.dumps(hub_config))
+    kept = tfm_in_process("export", "--format", "huggingface", "--checkpoint", checkpoint, "-o", downloaded, "--force")
+    assert kept.exit_code == 2 and "tfm did not write there" in kept.stderr
+    assert json.loads((downloaded / "config.json").read_text()) == hub_config
 
 
 @pytest.mark.slow

@@ -280,8 +280,15 @@ def check_equal_computation(tfm_model: Transformer, directory: Path) -> float:
 
 
 def is_previous_export(directory: Path) -> bool:
+    """What tfm export --format huggingface wrote: only its files, and a config.json with its `tfm`
+    section (a model directory downloaded from the Hub has the same file names)."""
     names = {p.name for p in directory.iterdir()}
-    return {"config.json", "model.safetensors", "tokenizer_config.json"} <= names <= EXPORT_FILES
+    if not {"config.json", "model.safetensors", "tokenizer_config.json"} <= names <= EXPORT_FILES:
+        return False
+    try:
+        return isinstance(json.loads((directory / "config.json").read_text(encoding="utf-8")).get("tfm"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass
