@@ -99,9 +99,9 @@ def main() -> None:
         print(read_row(args.read, command))
         return
     run = args.run_dir or ROOT / "runs" / f"quickstart-{args.time}-{args.size or 'auto'}"
-    check_output(run, flag="--run-dir", directory=True)  # never the working directory, a run's own folder, …
     if run.exists():
         raise TfmError(f"{run} exists: the row is of a fresh run (give another --run-dir, or --read {run})")
+    check_output(run, flag="--run-dir", directory=True)  # never the working directory, a run's own folder, …
     log = run.parent / f"{run.name}.log"
     if log.exists():
         raise TfmError(f"{log} exists: the quickstart's log would replace it (give another --run-dir)")
