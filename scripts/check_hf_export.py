@@ -74,8 +74,10 @@ def tfm_translations(config_file: Path, checkpoint: Path, lines: list[str], over
 
 
 def same_or_cut_loop(ours: str, theirs: str) -> bool:
-    shorter, longer = sorted((ours.split(), theirs.split()), key=len)
-    return ours == theirs or (len(longer) > len(shorter) >= 8 and longer[:len(shorter)] == shorter)
+    """Equal, or a loop cut at another length: the shorter output (8 words or more) is the start of the
+    longer, to the character (a loop may repeat inside one word: "Clalalala…")."""
+    shorter, longer = sorted((ours, theirs), key=len)
+    return ours == theirs or (len(shorter.split()) >= 8 and len(longer) > len(shorter) and longer.startswith(shorter))
 
 
 def main() -> None:

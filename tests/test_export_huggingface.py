@@ -156,6 +156,8 @@ def test_the_model_card_parses_and_names_the_test_scores(runs, tmp_path):
     metric = front["model-index"][0]["results"][0]["metrics"][0]
     assert metric["value"] == round(score["score"], 2) and metric["args"] == score["signature"]
     assert "pairs and kept" in text and "PegasusForConditionalGeneration" in text
+    from transformer_cli.runtime.devices import describe_machine
+    assert f"Trained on: {describe_machine(torch.device('cpu'))}." in text
 
 
 @pytest.mark.slow

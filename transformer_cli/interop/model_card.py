@@ -95,13 +95,14 @@ def _training(progress: dict[str, Any], run: Path | None) -> list[str]:
     if step is not None:
         minutes = f" in {elapsed / 60:.1f} minutes of training" if isinstance(elapsed, (int, float)) else ""
         lines.append(f"{step:,} updates{minutes}.")
+    machines = progress.get("machines") or []
+    lines.append(f"Trained on: {'; then '.join(machines)}." if machines
+                 else "The hardware it trained on is not recorded in its checkpoint.")
     choice = run / "shape_choice.json" if run is not None else None
     if choice is not None and choice.is_file():
         chosen = json.loads(choice.read_text(encoding="utf-8"))
-        lines.append(f"Shape chosen by `model.size: auto` on {chosen.get('device', 'an unrecorded device')} "
-                     f"({chosen.get('chosen')}, for a {chosen.get('budget_seconds', 0) / 60:.0f}-minute budget).")
-    else:
-        lines.append("The hardware it trained on is not recorded in the run.")
+        lines.append(f"Shape chosen by `model.size: auto` for a {chosen.get('budget_seconds', 0) / 60:.0f}-minute "
+                     f"budget on that machine: {chosen.get('chosen')}.")
     return lines
 
 

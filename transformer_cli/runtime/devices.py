@@ -29,6 +29,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def describe_machine(device: torch.device) -> str:
+    """What a run trains on, as a model card names it: the GPU, or the CPU with the instruction set
+    torch's kernels run at ("AMD EPYC" alone does not tell a Zen 3 from a Zen 5) and its cores."""
+    from .cpu import cpu_model_name, usable_cores
+
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA)"
+    return f"{cpu_model_name()} ({torch.backends.cpu.get_cpu_capability()}, {usable_cores()} cores)"
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """A failed allocation: CUDA's OutOfMemoryError, or the CPU allocator's RuntimeError."""
     if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):

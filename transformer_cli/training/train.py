@@ -34,7 +34,7 @@ from ..model.transformer import Transformer
 from ..runtime.allocator import loaded_allocator
 from ..runtime.console import TrainingConsole
 from ..runtime.cpu import keep_freed_memory, release_freed_memory
-from ..runtime.devices import is_out_of_memory, resolve_device
+from ..runtime.devices import describe_machine, is_out_of_memory, resolve_device
 from ..runtime.errors import Interrupted, TfmError
 from ..runtime.files import atomic_write_text, remove_stale_temps
 from ..runtime.precision import autocast_dtype, choose_precision
@@ -79,6 +79,7 @@ class TrainProgress:
     skipped_steps: int = 0  # all skipped updates of the run
     evaluated_step: int = 0  # the step of the last evaluation
     finished: str = ""  # why the run ended ("max_steps=…"); empty while it can go on
+    machines: list[str] = field(default_factory=list)  # what it trained on (devices.describe_machine), in order
 
 
 @dataclass
@@ -236,6 +237,8 @@ class Trainer:
         # A run that ended and whose limits still hold is complete: --resume changes nothing.
         self.complete = budget_spent(self.train_cfg, self.progress) if self.progress.finished else ""
         self.progress.finished = ""  # resumed with a larger budget: the run goes on
+        if describe_machine(device) not in self.progress.machines:  # (a model card names them)
+            self.progress.machines.append(describe_machine(device))
         if resume and not self.complete:
             self.console.print(f"resuming from {self.run_dir.checkpoints / LAST} at step {self.progress.step}")
         if not resume and world.rank > 0:  # same initial weights (DDP syncs them), own dropout
