@@ -950,7 +950,6 @@ def import_model(
         raise TfmError(f"--format {format_}: only marian is supported")
     from .interop.marian import import_marian
 
-    check_output(output, {"SOURCE": [source]}, directory=True)
     result = import_marian(source, output)
     for warning in result.warnings:
         warn(f"warning: {warning}")

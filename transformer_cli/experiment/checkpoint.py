@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +216,7 @@ class TrainedModel:
     src_sp: spm.SentencePieceProcessor
     tgt_sp: spm.SentencePieceProcessor
     spm_files: dict[str, bytes]  # "src"/"tgt" → the sentencepiece model file as prepare wrote it
+    progress: dict[str, Any] = field(default_factory=dict)  # training's record (steps, time, machines); {} if none
 
 
 def load_trained_model(path: str | Path) -> TrainedModel:
@@ -228,7 +229,7 @@ def load_trained_model(path: str | Path) -> TrainedModel:
     for side, sp, size in (("source", src_sp, model.cfg.src_vocab_size), ("target", tgt_sp, model.cfg.tgt_vocab_size)):
         if sp.vocab_size() != size:
             raise TfmError(f"{path}: {side} vocabulary has {sp.vocab_size()} pieces but the model expects {size}")
-    return TrainedModel(Path(path), model.eval(), config, src_sp, tgt_sp, files)
+    return TrainedModel(Path(path), model.eval(), config, src_sp, tgt_sp, files, payload.get("progress") or {})
 
 
 def check_same_vocabulary(first: Path, first_files: dict[str, bytes | None], other: Path,

@@ -39,7 +39,7 @@ import sentencepiece as spm
 from ..experiment.config import DecodeConfig, apply_override, check_inference_overrides, config_from_dict
 from ..model.special_tokens import BOS_ID, EOS_ID, UNK_ID
 from ..runtime.errors import TfmError
-from ..runtime.files import check_digest, check_output, digest_file, replace_with_staged, staging_directory
+from ..runtime.files import check_digest, check_export_directory, digest_file, replace_with_staged, staging_directory
 
 if TYPE_CHECKING:  # this module imports neither torch nor numpy: CTranslate2 translates without them
     import numpy as np
@@ -197,15 +197,6 @@ def is_previous_export(directory: Path) -> bool:
     return {"model.bin", TFM_JSON} <= names <= EXPORT_FILES and all((directory / n).is_file() for n in names)
 
 
-def check_output_directory(output: Path, checkpoint: Path, force: bool) -> None:
-    """The export may be written to `output` (the output rule, files.check_output: a new or empty
-    directory, never a file, the working directory or one of its parents, nor one that holds the
-    checkpoint) or, with `force`, over a previous export."""
-    check_output(output, {"--checkpoint": [checkpoint]}, directory=True, ours=is_previous_export)
-    if output.is_dir() and any(output.iterdir()) and not force:
-        raise TfmError(f"{output} already holds an export (--force to replace it)")
-
-
 class NotConvertible(TfmError):
     """The checkpoint's model is one CTranslate2 cannot express (the reasons, joined)."""
 
@@ -248,7 +239,7 @@ def export_ctranslate2(checkpoint: str | Path, output: str | Path, force: bool =
     The export is built in a staging directory beside `output` and moved into place only once it
     is complete; a previous export that `force` replaces is removed after that."""
     output, checkpoint = Path(output), Path(checkpoint)
-    check_output_directory(output, checkpoint, force)
+    check_export_directory(output, checkpoint, force, is_previous_export)
     import_ctranslate2()
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_directory(output)  # names this process: a killed export's is removed by the next

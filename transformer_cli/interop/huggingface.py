@@ -43,7 +43,7 @@ from ..model.lengths import output_token_cap, source_token_limit
 from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from ..model.transformer import Transformer, TransformerConfig
 from ..runtime.errors import TfmError
-from ..runtime.files import check_output, replace_with_staged, staging_directory
+from ..runtime.files import check_export_directory, replace_with_staged, staging_directory
 from .model_card import model_card, test_scores
 
 ARCHITECTURES = {"post": ("marian", "MarianMTModel"), "pre": ("pegasus", "PegasusForConditionalGeneration")}
@@ -303,19 +303,16 @@ def export_huggingface(checkpoint: str | Path, output: str | Path, force: bool =
     """Write `output`: the transformers model directory of `checkpoint` (see the module's text), with
     its model card. Built in a staging directory beside `output`, checked by loading it back, and
     moved into place only when complete; a previous export that `force` replaces goes after that."""
-    from ..experiment.checkpoint import load_checkpoint, load_trained_model
+    from ..experiment.checkpoint import load_trained_model
 
     output, checkpoint = Path(output), Path(checkpoint)
-    check_output(output, {"--checkpoint": [checkpoint]}, directory=True, ours=is_previous_export)
-    if output.is_dir() and any(output.iterdir()) and not force:
-        raise TfmError(f"{output} already holds an export (--force to replace it)")
+    check_export_directory(output, checkpoint, force, is_previous_export)
     trained = load_trained_model(checkpoint)
     cfg = trained.model.cfg
     problems = architecture_problems(cfg)
     if problems:
         raise NotExportable(f"cannot export to Hugging Face: {'; '.join(problems)}")
     scores = test_scores(checkpoint)  # before any work: a model card without a test score is refused
-    progress = load_checkpoint(checkpoint).get("progress", {})
     pieces = {side: [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
               for side, sp in (("src", trained.src_sp), ("tgt", trained.tgt_sp))}
     model = build_transformers_model(cfg, trained.config, transformers_state(trained.model))
@@ -325,7 +322,7 @@ def export_huggingface(checkpoint: str | Path, output: str | Path, force: bool =
         write_tokenizer(staging, trained.spm_files, pieces, trained.config, cfg.max_positions)
         difference = check_equal_computation(trained.model, staging)
         card = model_card(checkpoint, trained.config, cfg, ARCHITECTURES[cfg.norm_position][1],
-                          trained.model.num_parameters(), progress, scores, output)
+                          trained.model.num_parameters(), trained.progress, scores, output)
         (staging / "README.md").write_text(card, encoding="utf-8")
         replace_with_staged(staging, output)
     finally:

@@ -35,7 +35,7 @@ from ..experiment.scoring import MARIAN_LENGTH_PENALTY
 from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from ..model.transformer import Transformer, TransformerConfig, sinusoidal_table
 from ..runtime.errors import TfmError
-from ..runtime.files import atomic_write_text, staging_directory
+from ..runtime.files import atomic_write_text, check_output, staging_directory
 
 NEVER = -1.0e4  # output bias of tokens an imported model never produces (<pad>, tfm's added <s>)
 ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu", "gelu": "gelu"}
@@ -488,6 +488,7 @@ def import_marian(hf_dir: Path, run_dir: Path) -> ImportResult:
     sentencepiece models and checkpoints/checkpoint_best.pt. Everything is read and checked
     against everything else (config.json, the weights' names and shapes, the id map, the
     sentencepiece models) before anything is written."""
+    check_output(run_dir, {"SOURCE": [hf_dir]}, directory=True)  # new or empty, before anything is read
     hf = read_marian_config(hf_dir)
     shared = hf["share_encoder_decoder_embeddings"]
     vocab_files = {"src": _required(hf_dir, "vocab.json", "the id map over both sentencepiece models" if shared
@@ -496,8 +497,6 @@ def import_marian(hf_dir: Path, run_dir: Path) -> ImportResult:
         vocab_files["tgt"] = _required(hf_dir, "target_vocab.json", "the target id map (separate vocabularies)")
     spm_files = {"src": _required(hf_dir, "source.spm", "the source sentencepiece model"),
                  "tgt": _required(hf_dir, "target.spm", "the target sentencepiece model")}
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-        raise TfmError(f"{run_dir} exists and is not empty: import into a new run directory")
     vocabs = {side: read_vocab(path, hf, "vocab_size" if side == "src" else "decoder_vocab_size")
               for side, path in vocab_files.items()}
     vocabs.setdefault("tgt", vocabs["src"])

@@ -122,7 +122,7 @@ def refuse_run_files(target: str | Path, hint: str = "choose another output path
                        f"that run write its checkpoints, data, vocabulary and settings); {hint}")
 
 
-def refuse_output_among_inputs(output: Path | None, inputs: dict[str, list[Path | None]], flag: str = "-o") -> None:
+def refuse_output_among_inputs(output: Path | None, inputs: Mapping[str, Iterable[Path | None]], flag: str = "-o") -> None:
     """Raise a TfmError where `output` (given as `flag`) is the same file as one the command reads
     (`inputs`: option → the paths given to it), by any path, links included: the atomic write would
     replace it, e.g. a source text by its translation, a checkpoint by an average, a config by a report."""
@@ -164,7 +164,7 @@ def check_output(target: str | Path | None, reads: Mapping[str, Iterable[Path | 
     if not directory:
         if target.is_dir():
             raise TfmError(f"{flag} {target} is a directory: give the file to write")
-        refuse_output_among_inputs(target, dict(inputs), flag)
+        refuse_output_among_inputs(target, inputs, flag)
         if run_files:
             refuse_run_files(target, hint=f"choose another path for {flag}")
         return
@@ -191,6 +191,14 @@ def check_output(target: str | Path | None, reads: Mapping[str, Iterable[Path | 
         if (target / twin).exists():
             raise TfmError(f"{flag} {target} holds {twin}, which tfm did not write there: the output would "
                            "replace or shadow it; name a directory of its own")
+
+
+def check_export_directory(output: Path, checkpoint: Path, force: bool, is_previous: Callable[[Path], bool]) -> None:
+    """An export directory (replaced whole) under the output rule: new, empty, or an earlier export
+    of its kind (`is_previous`), which only `force` replaces."""
+    check_output(output, {"--checkpoint": [checkpoint]}, directory=True, ours=is_previous)
+    if output.is_dir() and any(output.iterdir()) and not force:
+        raise TfmError(f"{output} already holds an export (--force to replace it)")
 
 
 SCRATCH_MARK = ".tfm-scratch"  # in a script's --workdir: the script's own, its files replaced on each run
