@@ -70,11 +70,20 @@ def test_the_prediction_follows_each_measured_curve():
     assert shape.predicted_bleu(100.0) == 30.0  # never above what was measured
 
 
+def test_a_batch_reads_the_curve_of_the_largest_measured_batch_it_reaches():
+    shape = NamedShape("x", 64, 2, 1, 1, 128, curve=((1.0, 10.0), (4.0, 30.0)),
+                       larger_batches=((3000, ((1.0, 20.0), (4.0, 40.0))), (6000, ((1.0, 25.0), (4.0, 45.0)))))
+    assert shape.predicted_bleu(4.0) == shape.predicted_bleu(4.0, 2999) == 30.0  # below 3,000: the base curve
+    assert shape.predicted_bleu(4.0, 3000) == shape.predicted_bleu(4.0, 5999) == 40.0
+    assert shape.predicted_bleu(4.0, 6000) == shape.predicted_bleu(4.0, 10**6) == 45.0
+    assert shape.predicted_bleu(2.0, 3000) == pytest.approx(30.0)  # each curve read as the base one is
+
+
 def test_the_budget_becomes_updates_per_shape():
     slow = timings({name: 2.0 for name in SHAPES})
     for p in predict(slow, seconds_left=600.0, updates_left=100_000, max_tokens=3000):
         assert p.updates == 300 and p.max_tokens == 3000
-        assert p.bleu == SHAPES[p.timing.name].predicted_bleu(300)
+        assert p.bleu == SHAPES[p.timing.name].predicted_bleu(300, 3000)
     for p in predict(slow, seconds_left=600.0, updates_left=50, max_tokens=3000):  # max_steps ends first
         assert p.updates == 50
     for p in predict(slow, seconds_left=None, updates_left=1_000, max_tokens=3000):  # no max_time: the steps alone
@@ -136,6 +145,7 @@ def auto_config(tiny_prepared, tmp_path, **train):
     return raw
 
 
+@pytest.mark.slow
 def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_prepared, tmp_path, monkeypatch,
                                                                          capsys):
     # 10 minutes that must make a million updates: the batch shrinks to the floor (from 1,500 tokens).
@@ -186,6 +196,7 @@ def test_a_named_shape_trains_at_its_curves_learning_rate_unless_train_lr_is_giv
     assert resolved("model.size=null", "model.d_model=64").train.lr == load_config(None).train.lr  # no name: as given
 
 
+@pytest.mark.slow
 def test_the_probe_leaves_out_what_it_cannot_time_within_its_share_of_the_budget(tiny_prepared, tmp_path,
                                                                                  monkeypatch, capsys):
     """max_time 1 s: after the first shape the probe's 5% (0.05 s) are spent; the rest are said to be

@@ -28,11 +28,15 @@ class NamedShape:
     enc_layers: int
     dec_layers: int
     d_ff: int
-    # (updates, valid greedy BLEU), ascending in updates
+    # (updates, valid greedy BLEU), ascending in updates, at the smallest batch measured
     curve: tuple[tuple[float, float], ...]
     # The peak learning rate the curve was measured with, which `auto` trains the shape with (unless
     # the config gives train.lr): a narrow model takes a higher one.
     lr: float = 1e-3
+    # Curves measured at larger batches: (batch tokens, curve), ascending in tokens. A batch reads the
+    # curve of the largest measured batch it reaches, else `curve`: an update of a larger batch learns
+    # at least as much, so a smaller batch's curve is the cautious prediction for it.
+    larger_batches: tuple[tuple[int, tuple[tuple[float, float], ...]], ...] = ()
 
     def keys(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in SHAPE_KEYS}
@@ -41,12 +45,21 @@ class NamedShape:
         return (f"d_model {self.d_model}, {self.n_heads} heads, {self.enc_layers}+{self.dec_layers} layers, "
                 f"FFN {self.d_ff}")
 
-    def predicted_bleu(self, updates: float) -> float:
-        """BLEU reached after `updates`: linear in log(updates) between measured points; below the
-        first, proportional to the updates (0 at none); past the last, the last measured value (a
-        curve is never extrapolated upwards: what was not measured is not promised)."""
-        xs = [x for x, _ in self.curve]
-        ys = [y for _, y in self.curve]
+    def curve_for(self, batch: int | None) -> tuple[tuple[float, float], ...]:
+        """The curve that `batch`-token updates read (None: the smallest batch's)."""
+        curve = self.curve
+        for tokens, larger in self.larger_batches:
+            if batch is not None and batch >= tokens:
+                curve = larger
+        return curve
+
+    def predicted_bleu(self, updates: float, batch: int | None = None) -> float:
+        """BLEU reached after `updates` of `batch` tokens: linear in log(updates) between measured
+        points; below the first, proportional to the updates (0 at none); past the last, the last
+        measured value (a curve is never extrapolated upwards: what was not measured is not promised)."""
+        curve = self.curve_for(batch)
+        xs = [x for x, _ in curve]
+        ys = [y for _, y in curve]
         if updates <= xs[0]:
             return ys[0] * max(updates, 0.0) / xs[0]
         if updates >= xs[-1]:
@@ -56,17 +69,19 @@ class NamedShape:
         return y0 + (y1 - y0) * (math.log(updates) - math.log(x0)) / (math.log(x1) - math.log(x0))
 
 
-# Each point: the valid greedy BLEU (whole Multi30k valid set) a run had after that many updates,
-# in the regime `auto` puts a shape in: 1,000-token batches where a budget makes few updates
-# (10-minute runs on a 2-core AVX2 CPU; d192's at 1,500 tokens), 3,000-token batches where it makes
-# many (d256's last two: runs on a 2-core Zen 5), each at its shape's peak lr (d128 3e-3: 1e-3 and
-# 2e-3 learned slower, 5e-3 no faster). docs/training.md#choosing-the-shape-modelsize names each run.
+# Each point: the valid greedy BLEU (whole Multi30k valid set) a run had after that many updates, each
+# at its shape's peak lr (d128 3e-3: 1e-3 and 2e-3 learned slower, 5e-3 no faster). `curve`: 1,000-token
+# batches (d192's 1,500), where a budget makes few updates (10- and 30-minute runs on a 2-core AVX2
+# CPU); d256 also at 3,000 tokens (its first point a 10-minute run on that CPU, the others runs on a
+# 2-core Zen 5). docs/training.md#choosing-the-shape-modelsize names each run.
 SHAPES: dict[str, NamedShape] = {shape.name: shape for shape in (
     NamedShape("d128", 128, 4, 3, 3, 512, lr=3e-3, curve=((500, 17.21), (750, 23.96), (1000, 27.86), (1250, 31.13),
                                                           (1500, 32.72), (1750, 34.39), (2000, 35.43))),
     NamedShape("d192", 192, 4, 3, 3, 768, curve=((500, 18.62), (750, 25.79), (1024, 29.53))),
-    NamedShape("d256", 256, 4, 3, 3, 1024, curve=((500, 19.34), (750, 26.68), (1001, 28.12), (1500, 38.58),
-                                                  (4250, 41.13))),
+    NamedShape("d256", 256, 4, 3, 3, 1024,
+               curve=((500, 19.34), (750, 26.68), (1001, 28.12), (1250, 30.70), (1500, 33.90), (1750, 34.55),
+                      (2000, 35.33), (2750, 36.92)),
+               larger_batches=((3000, ((356, 22.78), (1500, 38.58), (4250, 41.13))),)),
 )}
 
 

@@ -78,7 +78,7 @@ def predict(timings: Sequence[ShapeTiming], seconds_left: float | None, updates_
         seconds_per_update = timing.seconds_per_update * batch / max_tokens
         by_time = math.inf if seconds_left is None else max(seconds_left, 0.0) / seconds_per_update
         updates = int(min(by_time, updates_left))
-        predictions.append(Prediction(timing, batch, updates, SHAPES[timing.name].predicted_bleu(updates)))
+        predictions.append(Prediction(timing, batch, updates, SHAPES[timing.name].predicted_bleu(updates, batch)))
     return predictions
 
 
