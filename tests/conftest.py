@@ -22,13 +22,17 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-import torch
 
-from transformer_cli.data.prepare import prepare
-from transformer_cli.experiment.config import config_from_dict
-from transformer_cli.training.train import train
+# torch and tfm's training are imported where a fixture needs them, not here: pytest's controlling
+# process (it only hands tests to the workers) reads this file too, and torch takes seconds to import.
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE): without it every
+# test process rewrites every test module's asserts again and every `tfm` process a test starts compiles
+# tfm's modules again, ~10 s a test process on a slow CPU. The caches are __pycache__/ folders (ignored by git).
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def xdist_workers() -> int:
@@ -43,6 +47,8 @@ def _torch_threads():
     # The processes a test starts take as many (OMP_NUM_THREADS sets torch's default), so that a run
     # in a subprocess and one in the test itself sum in the same order: resumed = uninterrupted.
     threads = max(1, min(2, (os.cpu_count() or 1) // xdist_workers()))
+    import torch
+
     torch.set_num_threads(threads)
     if xdist_workers() > 1:
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -71,10 +77,34 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
     return pickle.loads(result.read_bytes())
 
 
+# Fixtures that train a model for more than a few steps, or run a corpus through a script: seconds to
+# a minute each on a 2-core CPU. A test that needs one (directly or through another fixture) belongs
+# to the full suite, not to the fast tier's minute (`-m "not slow"`, docs/testing.md).
+TRAINED_FIXTURES = {"reverse_model", "shift_model", "two_weak_models", "multi30k_model", "marian", "marian_dir",
+                    "copy_model", "straight_30_steps", "hf_runs", "noisy", "multi30k_8k"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if TRAINED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_measurement_cache(tmp_path_factory):
     """The bf16 speed measurement (precision.measure_bf16_speedup) is cached here, not in ~/.cache."""
     os.environ.setdefault("TFM_CACHE", str(tmp_path_factory.mktemp("tfm_cache")))
+
+
+def prepare_and_train(raw: dict, train_it: bool = True):
+    """The real `prepare` (and `train`) of a raw config: (config, training summary or None)."""
+    from transformer_cli.data.prepare import prepare
+    from transformer_cli.experiment.config import config_from_dict
+    from transformer_cli.training.train import train
+
+    config = config_from_dict(raw)
+    prepare(config, progress=False)
+    return config, train(config, progress_bar=False) if train_it else None
 
 
 def get_corpus_slice(dest: Path, lines: int) -> Path:
@@ -160,11 +190,59 @@ def reverse_model(tmp_path_factory):
     def build(root: Path):
         write_reverse_task(root / "data")
         raw = reverse_task_config(root / "data", root / "run", max_steps=400, eval_every=400, lr_schedule="budget")
-        config = config_from_dict(raw)
-        prepare(config, progress=False)
-        return config, train(config, progress_bar=False)
+        return prepare_and_train(raw)
 
     return built_once(tmp_path_factory, "reverse", build)
+
+
+# --------------------------------------------------------------------------- synthetic multilingual task
+
+SHIFT = {"up": 1, "dn": -1}
+
+
+def shifted(words: list[str], language: str) -> list[str]:
+    return [WORDS[(WORDS.index(w) + SHIFT[language]) % len(WORDS)] for w in words]
+
+
+def write_shift_task(folder: Path, n_train: int = 3000, n_test: int = 100, seed: int = 0) -> None:
+    """Files train/valid/test.{src,up,dn}, line-aligned: 3–8 random words and their two shifts."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("valid", n_test), ("test", n_test)):
+        lines = [[rng.choice(WORDS) for _ in range(rng.randint(3, 8))] for _ in range(n)]
+        for language in ("src", "up", "dn"):
+            text = [" ".join(words if language == "src" else shifted(words, language)) for words in lines]
+            with gzip.open(folder / f"{split}.{language}.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(text) + "\n")
+
+
+def shift_config(data: Path, run: Path, **train) -> dict:
+    return {
+        "run_dir": str(run),
+        "data": {"directions": ["src-up", "src-dn"], "train": str(data / "train"), "valid": str(data / "valid"),
+                 "test": str(data / "test"), "filters": SYNTHETIC_FILTERS},
+        "vocab": {"size": 42},  # 16 words, their characters and the two tags: every word one piece
+        "model": {"d_model": 64, "n_heads": 4, "enc_layers": 2, "dec_layers": 2, "d_ff": 256, "dropout": 0.0,
+                  "norm_position": "pre"},
+        "train": {"seed": 1, "max_tokens": 1500, "lr_schedule": "budget", "lr": 0.003, "warmup": 60,
+                  "max_steps": 300, "eval_every": 300, "eval_bleu_sentences": 50, "log_every": 50,
+                  "label_smoothing": 0.0, "clip_norm": 1.0, "precision": "fp32", **train},
+        "decode": {"beam": 2, "batch_size": 32, "max_len_a": 1.0, "max_len_b": 5, "precision": "fp32"},
+    }
+
+
+@pytest.fixture(scope="session")
+def shift_model(tmp_path_factory) -> tuple[Path, Path]:
+    """(data folder, config file) of the tiny multilingual model, trained by prepare + train (~15 s),
+    once per test run (the Hugging Face export's tests read it too); copy the run before changing it."""
+    def build(root: Path) -> tuple[Path, Path]:
+        write_shift_task(root / "data")
+        raw = shift_config(root / "data", root / "run")
+        (root / "shift.yaml").write_text(json.dumps(raw))
+        prepare_and_train(raw)
+        return root / "data", root / "shift.yaml"
+
+    return built_once(tmp_path_factory, "shift", build)
 
 
 # --------------------------------------------------------------------------- a tiny prepared run (CLI tests)
@@ -204,7 +282,7 @@ def tiny_prepared(tmp_path_factory) -> tuple[Path, Path]:
     """(data folder, prepared run folder) of the tiny reverse task; copy the run before changing it."""
     def build(root: Path) -> tuple[Path, Path]:
         write_reverse_task(root / "data", n_train=2000, n_test=50)
-        prepare(config_from_dict(tiny_reverse_config(root / "data", root / "run")), progress=False)
+        prepare_and_train(tiny_reverse_config(root / "data", root / "run"), train_it=False)
         return root / "data", root / "run"
 
     return built_once(tmp_path_factory, "tiny", build)
@@ -231,6 +309,8 @@ def wait_until_training(run_dir: Path, records: int = 5, meanwhile=lambda: time.
 
 def assert_same_final_weights(a_path: Path, b_path: Path, step: int) -> None:
     """Two runs' checkpoint_last.pt are at `step` with bit-identical weights."""
+    import torch
+
     from transformer_cli.experiment.checkpoint import load_checkpoint
 
     a, b = load_checkpoint(a_path), load_checkpoint(b_path)

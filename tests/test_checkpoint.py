@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from tests.conftest import tfm_in_process as tfm
@@ -19,6 +20,7 @@ def mean_of(*paths):
     return {k: sum(s[k].double() for s in states) / len(states) for k in states[0]}
 
 
+@pytest.mark.slow
 def test_tfm_average_is_the_elementwise_mean_and_translates(tiny_prepared, tmp_path):
     config = tiny_run(tiny_prepared, tmp_path, max_steps=20, eval_every=5, keep_last=4)
     assert tfm("train", "--config", config).exit_code == 0
@@ -36,6 +38,7 @@ def test_tfm_average_is_the_elementwise_mean_and_translates(tiny_prepared, tmp_p
     assert translated.exit_code == 0 and translated.stdout.count("\n") == 2, translated.stderr
 
 
+@pytest.mark.slow
 def test_average_last_writes_the_mean_of_the_final_evaluations(tiny_prepared, tmp_path):
     config = tiny_run(tiny_prepared, tmp_path, max_steps=20, eval_every=4, keep_last=5, average_last=3,
                       average_window=0.5)
@@ -57,6 +60,7 @@ def test_average_last_writes_the_mean_of_the_final_evaluations(tiny_prepared, tm
         assert RunDirectory(cfg.run_path).default_checkpoint().name == chosen
 
 
+@pytest.mark.slow
 def test_no_average_of_early_checkpoints(tiny_prepared, tmp_path):
     """With evaluations at 5, 10, 15, 20 only step_20 lies in the last 20%: nothing is averaged."""
     config = tiny_run(tiny_prepared, tmp_path, max_steps=20, eval_every=5, average_last=3)
@@ -66,6 +70,7 @@ def test_no_average_of_early_checkpoints(tiny_prepared, tmp_path):
     assert RunDirectory(load_config(config).run_path).default_checkpoint().name == "checkpoint_best.pt"
 
 
+@pytest.mark.slow
 def test_average_refuses_checkpoints_of_another_vocabulary_or_other_settings(tiny_prepared, tmp_path):
     """Weights of the same shapes that mean other things (other pieces, other heads) average into no
     model: it was written without a word (an ensemble of them was refused)."""

@@ -169,6 +169,7 @@ def test_common_words_skip_identification_only_for_lines_made_of_them(multi30k_2
     assert not french.common_words["src"] and french.common_words["tgt"]
 
 
+@pytest.mark.slow
 def test_numbers_similarity_agrees_with_opusfilter_where_it_means_to():
     from opusfilter.filters import NonZeroNumeralsFilter
 
@@ -194,6 +195,7 @@ def test_duplicates_are_found_by_hash_in_order_across_chunks():
     assert pair_hashes(["a"], ["x"], "source", 0)[0] == pair_hashes(["a"], ["zz"], "source", 0)[0]
 
 
+@pytest.mark.slow
 def test_the_lexical_score_tells_misaligned_pairs_from_translations(multi30k_2k):
     src, tgt = read_lines(multi30k_2k / "train.de.gz"), read_lines(multi30k_2k / "train.en.gz")
     model = learn_lexical_model(src, tgt, recall=0.85, seed=1)
@@ -263,6 +265,7 @@ def test_the_label_benchmark_at_a_small_size(noisy, tmp_path):
                 assert row["share"] >= bench.TARGET_NOISE, (variant, label, rates)
 
 
+@pytest.mark.slow
 def test_a_filter_dropping_most_of_the_corpus_warns_and_one_dropping_all_is_an_error(multi30k_2k, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -300,6 +303,7 @@ def test_filter_settings_are_in_the_fingerprint_and_dropped_needs_a_fresh_pass(n
     assert changed.exit_code == 0 and "up to date" not in changed.stdout and "dropped: copy" not in changed.stdout
 
 
+@pytest.mark.slow
 def test_multilingual_runs_filter_each_direction_by_its_own_languages(multi30k_2k, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -326,6 +330,7 @@ def load_script(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_the_prepare_benchmark_streams_a_repeated_corpus_through_the_filters(tmp_path):
     """scripts/bench_prepare.py's corpus (Multi30k repeated, word order shuffled) through `tfm prepare`
     with the default filters: nearly every pair is kept (shuffled lines are not duplicates), the report

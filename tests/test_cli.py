@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import tfm_in_process
 
 
@@ -20,6 +22,7 @@ def test_the_tfm_entry_point_runs():
     assert proc.returncode == 0 and proc.stdout.startswith("tfm ") and not proc.stderr
 
 
+@pytest.mark.slow
 def test_reading_the_command_line_and_the_config_does_not_import_torch():
     # tfm train starts itself again on mimalloc after reading its config: importing torch first
     # would cost every run a second torch import (~1 s on these CPUs)
@@ -30,6 +33,7 @@ def test_reading_the_command_line_and_the_config_does_not_import_torch():
     assert proc.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_help_and_version():
     top = run("--help")
     assert top.exit_code == 0
@@ -74,6 +78,7 @@ def test_bad_device_and_missing_eval_files_are_one_line_errors(reverse_model, tm
     assert proc.exit_code == 2 and "file not found" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_paired_mode_gates_every_system(tmp_path):
     ref = tmp_path / "ref.txt"
     good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"

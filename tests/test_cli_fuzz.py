@@ -12,6 +12,7 @@ field definitions (train.* keys, which start training, in the slow tier)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -102,6 +103,7 @@ def good_invocations(ws: Workspace) -> dict[str, list[str]]:
     }
 
 
+@functools.cache
 def commands() -> dict:
     return typer.main.get_command(app).commands
 
@@ -136,6 +138,7 @@ def cases() -> list[tuple[str, str, str]]:
     return found
 
 
+@pytest.mark.slow
 def test_the_fuzzer_knows_every_option():
     assert all(value in NUMBERS + PATHS + WORDS for _, _, value in cases()), \
         [c for c in cases() if c[2] not in NUMBERS + PATHS + WORDS]
@@ -278,11 +281,20 @@ def sampled(every: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
 
 
 ALL_CASES = cases()
-# Every run (CI and the fast tier) takes a fixed sample; the whole sweep runs with -m sweep.
+# Every run takes a fixed sample, the fast tier its first case of each option; -m sweep runs them all.
 SAMPLED_CASES = sampled(ALL_CASES)
 
 
-@pytest.mark.parametrize("command, name, value", SAMPLED_CASES, ids=[f"{c}-{n}-{v}" for c, n, v in SAMPLED_CASES])
+def first_of_each_option_fast(cases: list[tuple[str, str, str]]) -> list:
+    seen: set[tuple[str, str]] = set()
+    params = []
+    for case in cases:
+        params.append(pytest.param(*case, id="-".join(case), marks=[] if case[:2] not in seen else [pytest.mark.slow]))
+        seen.add(case[:2])
+    return params
+
+
+@pytest.mark.parametrize("command, name, value", first_of_each_option_fast(SAMPLED_CASES))
 def test_every_option_with_a_hostile_value_sampled(ws, tmp_path, command, name, value):
     fuzz_option(ws, tmp_path, command, name, value)
 
@@ -355,6 +367,7 @@ SIZES = ["auto", "d128", "null", "AUTO", "''", " d192", "d999", "-1", "0", "1e30
 
 
 @pytest.mark.parametrize("value", SIZES)
+@pytest.mark.slow
 def test_model_size_with_a_hostile_value(ws, tmp_path, value):
     """`tfm train --resume --set model.size=…` on a copy of the run: `auto` resumes the run's own
     shape, any other shape is refused as a change of model; never a traceback, nothing else written."""
@@ -401,19 +414,53 @@ SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py")
                  if p.name not in ("bench_common.py", "ct2_reference.py"))  # a module, and a helper run by a benchmark
 
 
+# One script runs as a real process (the interpreter's start, its imports, its exit status as a shell
+# sees it); the others run in this process, through the same `__main__` path, which checks the same
+# wrapper without paying for torch's import again (seconds each on a slow CPU).
+REAL_PROCESS_SCRIPT = "quickstart_row.py"
+BAD_FILES = ["--checkpoint", "missing.pt", "--src", "no.txt", "--ref", "no.txt", "-o", "out.tsv"]
+
+
+def run_script_in_process(script: str, args: list[str], capfd) -> tuple[int, str, str]:
+    """`python scripts/<script> args` in this process: (exit status, stdout, stderr)."""
+    import runpy
+
+    import torch
+
+    argv, path, threads = sys.argv, list(sys.path), torch.get_num_threads()
+    sys.argv, sys.path = [str(ROOT / "scripts" / script), *args], [str(ROOT / "scripts"), *sys.path]
+    capfd.readouterr()
+    try:
+        runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
+        status = 0
+    except SystemExit as exit_:
+        status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    finally:
+        sys.argv, sys.path = argv, path
+        torch.set_num_threads(threads)  # a benchmark sets its own
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_script_ends_like_tfm_one_line_and_exit_2(script, tmp_path):
+def test_every_script_ends_like_tfm_one_line_and_exit_2(script, tmp_path, capfd, monkeypatch):
     """Scripts are tfm: the same entry wrapper (runtime/entry.py), so `--help` works, and an unknown
     option or a missing file is one `error:` line with exit 2, never a traceback."""
-    run = [sys.executable, str(ROOT / "scripts" / script)]
-    shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and shown.stdout, shown.stderr
+    monkeypatch.chdir(tmp_path)  # the missing files below are relative: nothing of the checkout is read
+    if script == REAL_PROCESS_SCRIPT:
+        def run(args: list[str]) -> tuple[int, str, str]:
+            done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True,
+                                  text=True, timeout=120)
+            return done.returncode, done.stdout, done.stderr
+    else:
+        def run(args: list[str]) -> tuple[int, str, str]:
+            return run_script_in_process(script, args, capfd)
+    status, out, err = run(["--help"])
+    assert status == 0 and out, err
     # Files that are not there: a script that takes these options fails on the first it reads (the
     # wrapper's one line), one that does not refuses the option (ScriptParser's one line).
-    for args in (["--checkpoint", str(tmp_path / "missing.pt"), "--src", str(tmp_path / "no.txt"),
-                  "--ref", str(tmp_path / "no.txt"), "-o", str(tmp_path / "out.tsv")],):
-        bad = subprocess.run([*run, *args], capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2, (args, bad.returncode, bad.stderr[-500:])
-        assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr[-500:]
-        assert bad.stderr.startswith("error: "), bad.stderr
+    status, out, err = run(BAD_FILES)
+    assert status == 2, (status, err[-500:])
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-500:]
+    assert err.startswith("error: "), err

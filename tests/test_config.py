@@ -110,6 +110,7 @@ def test_shipped_configs_validate(name):
 
 
 @pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.slow
 def test_shipped_configs_build_their_model(name):
     """Every shipped config's model section builds (on the meta device: no memory, no time)."""
     import torch
@@ -197,6 +198,7 @@ def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(tmp_path, text, s
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_nesting_is_bounded_in_a_file_and_in_set(tmp_path):
     deep = "[" * 50_000 + "]" * 50_000
     with pytest.raises(TfmError, match=r"line 2 invalid YAML: nested more than 32 levels deep"):

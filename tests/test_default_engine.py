@@ -57,6 +57,7 @@ def conversions(checkpoint: Path) -> list[str]:
     return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
 
 
+@pytest.mark.slow
 def test_auto_translates_through_ctranslate2_as_the_exported_directory_does(checkpoint, tmp_path):
     auto = tfm_in_process("translate", "--checkpoint", checkpoint, input=LINES)
     assert auto.exit_code == 0, auto.stderr
@@ -146,6 +147,7 @@ def test_an_unwritable_checkpoint_directory_converts_into_a_temporary_one(checkp
     (["--checkpoint", "{ckpt}", "--quantize", "int8"], "engine: torch (--quantize is tfm's own int8"),
     (["--checkpoint", "{ckpt}", "--set", "decode.precision=fp32"], "engine: torch (decode.precision fp32"),
 ])
+@pytest.mark.slow
 def test_settings_only_tfm_has_fall_back_to_its_engine_and_say_why(checkpoint, args, reason):
     args = [a.replace("{ckpt}", str(checkpoint)) for a in args]
     result = tfm_in_process("translate", *args, input=LINES)
@@ -422,6 +424,7 @@ def _damage(directory: Path, how: str) -> None:
 @pytest.mark.parametrize("how", ["model.bin deleted", "model.bin truncated", "config.json replaced",
                                  "tfm_decode.json deleted", "model.bin garbled, size and time kept",
                                  "its record deleted"])
+@pytest.mark.slow
 def test_a_damaged_conversion_is_made_again_with_one_line_and_the_checkpoints_settings(checkpoint, how):
     """tfm's own cache heals: whatever was damaged, the next command converts again (one warning
     line, no temporary directory, no 'export it again'), and translates as before, with the decode

@@ -67,6 +67,7 @@ def corpus(cfg, tmp_path: Path) -> tuple[list[str], list[str]]:
     return ((out / "train.src").read_text().splitlines(), (out / "train.tgt").read_text().splitlines())
 
 
+@pytest.mark.slow
 def test_the_distilled_corpus_is_the_teachers_translation_of_each_training_source_in_order(teacher, tmp_path):
     cfg = config_with(teacher, tmp_path, *TORCH_FP32)
     result = distill(cfg, opener(cfg))
@@ -80,6 +81,7 @@ def test_the_distilled_corpus_is_the_teachers_translation_of_each_training_sourc
     assert len(scored) == 2000 and [row.split("\t", 1)[1] for row in scored] == expected
 
 
+@pytest.mark.slow
 def test_resuming_a_torn_output_goes_on_from_the_last_whole_chunk_and_repeats_nothing(teacher, tmp_path):
     cfg = config_with(teacher, tmp_path)  # the default engine (CTranslate2): same chunks, same output
     distill(cfg, opener(cfg))
@@ -118,6 +120,7 @@ def test_a_kill_9_mid_distillation_resumes_to_the_uninterrupted_corpus(teacher, 
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_an_ensemble_teacher_translates_as_the_ensemble_does(teacher, tmp_path):
     cfg = config_with(teacher, tmp_path, *FP32)
     steps = RunDirectory(cfg.run_path).step_checkpoints()
@@ -129,6 +132,7 @@ def test_an_ensemble_teacher_translates_as_the_ensemble_does(teacher, tmp_path):
     assert corpus(cfg, tmp_path) == tuple(map(list, zip(*[(s, t) for s, t in zip(sources, expected) if s and t])))
 
 
+@pytest.mark.slow
 def test_drop_worst_leaves_out_the_lowest_scores_and_needs_no_second_translation(teacher, tmp_path):
     cfg = config_with(teacher, tmp_path, *TORCH_FP32)
     distill(cfg, opener(cfg))
@@ -149,6 +153,7 @@ def test_keep_mask_drops_exactly_the_share_asked_ties_in_line_order():
     assert keep_mask(np.zeros(3), 0.0)[0].all()
 
 
+@pytest.mark.slow
 def test_chrf_scores_are_sentence_chrf_against_the_reference(teacher, tmp_path):
     cfg = config_with(teacher, tmp_path, *TORCH_FP32, "distill.score=chrf")
     distill(cfg, opener(cfg))
@@ -161,6 +166,7 @@ def test_chrf_scores_are_sentence_chrf_against_the_reference(teacher, tmp_path):
         assert float(score) == pytest.approx(CHRF().sentence_score(text, [sp.decode(refs[i].tolist())]).score)
 
 
+@pytest.mark.slow
 def test_a_teacher_of_another_vocabulary_is_refused(teacher, tmp_path, tiny_prepared):
     data, _ = tiny_prepared
     raw = json.loads(teacher.read_text())

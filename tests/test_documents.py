@@ -406,6 +406,7 @@ def zip_bomb(document: bytes, member: str, unpacked_mb: int, members: int = 1) -
     ("word/media/image1.png", 40, 1, "word/media/image1.png in the Word document unpacks to more than 32 MB"),
     ("customXml/item9.xml", 30, 5, "the Word document unpacks to more than 128 MB"),
 ])
+@pytest.mark.slow
 def test_a_word_document_is_read_only_within_its_unpacked_limits(member, unpacked_mb, members, says):
     from transformer_cli.documents.word import DocumentTooLarge, plan_word
 
@@ -434,6 +435,7 @@ def test_empty_and_blank_documents_come_back_as_they_were():
             assert plan.sentences == [] and plan.rebuild([]) == document
 
 
+@pytest.mark.slow
 def test_a_large_document_is_planned_and_rebuilt_within_the_limits():
     """Large documents are planned and rebuilt exactly: 2 MB of HTML and of text (a fifth of the
     10 MB limit: the whole limit took minutes of the suite for no other check), 10,000 tags in one

@@ -67,6 +67,7 @@ def initial_parameters(config) -> list[torch.Tensor]:
     return [p.detach().double() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_checkpoint_ema_matches_an_independent_recomputation(tiny_prepared, tmp_path):
     """checkpoint_ema.pt = the warmed-up average of the initial weights and those after every step."""
     decay = 0.7
@@ -89,6 +90,7 @@ def test_checkpoint_ema_matches_an_independent_recomputation(tiny_prepared, tmp_
     assert any(not torch.allclose(saved["model"][n], last["model"][n], atol=1e-4) for n in names)  # not the last
 
 
+@pytest.mark.slow
 def test_resume_continues_the_average_exactly(tiny_prepared, tmp_path):
     """A run stopped at step 15 and resumed writes the same checkpoint_ema.pt as one run straight to 30."""
     straight = tiny_run(tiny_prepared, tmp_path / "straight", max_steps=30, eval_every=5, ema_decay=0.8)
@@ -104,6 +106,7 @@ def test_resume_continues_the_average_exactly(tiny_prepared, tmp_path):
     assert set(scores) == {"metric", "checkpoint_best.pt", "checkpoint_ema.pt"}
 
 
+@pytest.mark.slow
 def test_default_checkpoint_takes_the_best_validated_of_avg_ema_best(tiny_prepared, tmp_path):
     config = tiny_run(tiny_prepared, tmp_path, max_steps=20, eval_every=4, keep_last=5, average_last=3,
                       average_window=0.5, ema_decay=0.9)

@@ -29,6 +29,7 @@ def test_scores_equal_sacrebleu(pair):
     assert result.scores["bleu"].signature.startswith("nrefs:1|case:mixed|eff:no|tok:13a")
 
 
+@pytest.mark.slow
 def test_cli_json_and_gate(pair):
     folder, hyps, refs = pair
     expected = sacrebleu.corpus_bleu(hyps, [refs]).score

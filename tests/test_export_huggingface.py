@@ -5,8 +5,11 @@ YAML parses; bad inputs are one-line errors that leave nothing behind."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,6 @@ import torch
 import yaml
 
 from tests.conftest import built_once, fp32_translator, tfm_in_process, tiny_reverse_config, write_reverse_task
-from tests.test_multilingual import shift_config, write_shift_task
 from transformer_cli.data.prepare import prepare
 from transformer_cli.decoding.translation import translate_texts
 from transformer_cli.experiment.config import config_from_dict
@@ -27,7 +29,10 @@ from transformer_cli.interop.huggingface import (
 from transformer_cli.model.transformer import Transformer, TransformerConfig
 from transformer_cli.training.train import train
 
-transformers = pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e '.[test]')")
+
+def transformers():
+    """transformers, imported by the first test that needs it (its import takes seconds: not at collection)."""
+    return pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e '.[test]')")
 
 KINDS = {  # name → (the model section's changes, the vocab section's)
     "pre-norm, joint": ({"norm_position": "pre"}, {}),
@@ -59,9 +64,15 @@ def trained_run(root: Path, model: dict, vocab: dict) -> Path:
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    return {kind: built_once(tmp_path_factory, f"hf-{i}", lambda root, m=m, v=v: trained_run(root, m, v))
-            for i, (kind, (m, v)) in enumerate(KINDS.items())}
+def hf_runs(tmp_path_factory) -> Callable[[str], Path]:
+    """The trained run of a kind, built when a test first asks for it (by whichever test process
+    asks first: the kinds train side by side in a parallel run)."""
+    @functools.cache
+    def run_of(kind: str) -> Path:
+        model, vocab = KINDS[kind]
+        return built_once(tmp_path_factory, f"hf-{list(KINDS).index(kind)}", lambda root: trained_run(root, model, vocab))
+
+    return run_of
 
 
 def checkpoint_of(config: Path) -> Path:
@@ -76,8 +87,8 @@ def greedy_through_transformers(directory: Path, lines: list[str], a: float, b: 
     </s> included): one `generate` call per line, as generate has one limit per call."""
     from transformer_cli.model.lengths import output_length_limit
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory))
-    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(directory), trust_remote_code=False).eval()
+    tokenizer = transformers().AutoTokenizer.from_pretrained(str(directory))
+    model = transformers().AutoModelForSeq2SeqLM.from_pretrained(str(directory), trust_remote_code=False).eval()
     found = []
     for line in lines:
         batch = tokenizer([line], return_tensors="pt")
@@ -127,8 +138,8 @@ def test_models_no_shipped_architecture_computes_are_named_with_the_reason():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_an_export_generates_exactly_tfms_greedy_output(kind, runs, tmp_path):
-    config = runs[kind]
+def test_an_export_generates_exactly_tfms_greedy_output(kind, hf_runs, tmp_path):
+    config = hf_runs(kind)
     checkpoint = checkpoint_of(config)
     out = tmp_path / "hf"
     done = tfm_in_process("export", "--config", config, "--format", "huggingface", "-o", out)
@@ -144,8 +155,8 @@ def test_an_export_generates_exactly_tfms_greedy_output(kind, runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_model_card_parses_and_names_the_test_scores(runs, tmp_path):
-    config = runs["pre-norm, joint"]
+def test_the_model_card_parses_and_names_the_test_scores(hf_runs, tmp_path):
+    config = hf_runs("pre-norm, joint")
     out = tmp_path / "card"
     assert tfm_in_process("export", "--config", config, "--format", "huggingface", "-o", out).exit_code == 0
     text = (out / "README.md").read_text()
@@ -161,8 +172,8 @@ def test_the_model_card_parses_and_names_the_test_scores(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_bad_exports_are_one_line_and_leave_nothing(runs, tmp_path):
-    config = runs["post-norm, joint"]
+def test_bad_exports_are_one_line_and_leave_nothing(hf_runs, tmp_path):
+    config = hf_runs("post-norm, joint")
     checkpoint = checkpoint_of(config)
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -205,19 +216,17 @@ def test_bad_exports_are_one_line_and_leave_nothing(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_multilingual_export_takes_the_target_language_tag_as_tfm_does(tmp_path):
-    write_shift_task(tmp_path / "data", n_train=2000, n_test=30)
-    raw = shift_config(tmp_path / "data", tmp_path / "run", max_steps=200, eval_every=200)
+def test_a_multilingual_export_takes_the_target_language_tag_as_tfm_does(shift_model, tmp_path):
+    data, shared_config = shift_model
+    shutil.copytree(json.loads(shared_config.read_text())["run_dir"], tmp_path / "run")  # evaluate writes its scores
+    raw = {**json.loads(shared_config.read_text()), "run_dir": str(tmp_path / "run")}
     raw["decode"]["engine"] = "torch"
     (tmp_path / "c.yaml").write_text(json.dumps(raw))
-    config = config_from_dict(raw)
-    prepare(config, progress=False)
-    train(config, progress_bar=False)
     assert tfm_in_process("evaluate", "--config", tmp_path / "c.yaml", "--split", "test").exit_code == 0
     out = tmp_path / "hf"
     done = tfm_in_process("export", "--config", tmp_path / "c.yaml", "--format", "huggingface", "-o", out)
     assert done.exit_code == 0, done.stderr
-    sources = gzip.decompress((tmp_path / "data" / "test.src.gz").read_bytes()).decode().splitlines()[:30]
+    sources = gzip.decompress((data / "test.src.gz").read_bytes()).decode().splitlines()[:30]
     checkpoint = checkpoint_of(tmp_path / "c.yaml")
     for language in ("up", "dn"):
         tagged = [f">>{language}<< {line}" for line in sources]
@@ -227,10 +236,10 @@ def test_a_multilingual_export_takes_the_target_language_tag_as_tfm_does(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_tfm_import_gives_back_the_exported_model_weight_for_weight(kind, runs, tmp_path):
+def test_tfm_import_gives_back_the_exported_model_weight_for_weight(kind, hf_runs, tmp_path):
     from transformer_cli.experiment.checkpoint import load_trained_model
 
-    config = runs[kind]
+    config = hf_runs(kind)
     checkpoint = checkpoint_of(config)
     assert tfm_in_process("export", "--checkpoint", checkpoint, "--format", "huggingface",
                           "-o", tmp_path / "hf").exit_code == 0

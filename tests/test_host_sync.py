@@ -49,6 +49,7 @@ def mark_steps(inside: list[bool], methods=STEP_METHODS, assign=setattr) -> None
 
 
 @pytest.mark.parametrize("clip_norm, ema", [(1.0, None), (0.0, 0.999)])
+@pytest.mark.slow
 def test_no_training_step_reads_a_tensor_value(tiny_prepared, tmp_path, monkeypatch, clip_norm, ema):
     """20 updates, logged every 10: the next batches, the learning rate, forward and backward, the
     clip, the non-finite check, the optimizer and the moving average read no tensor value; the
@@ -64,6 +65,7 @@ def test_no_training_step_reads_a_tensor_value(tiny_prepared, tmp_path, monkeypa
     assert not any(mode.reads), f"{sum(mode.reads)} tensor value(s) read inside training steps"
 
 
+@pytest.mark.slow
 def test_collating_ahead_changes_nothing_and_resumes_exactly(tiny_prepared, tmp_path):
     """Batches collated on a background thread one update ahead: the same weights as collating
     in the step, and a run stopped at step 10 and resumed ends where the straight run ends (the

@@ -10,11 +10,11 @@ import io
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import sentencepiece as spm
 import torch
-from transformers import MarianConfig, MarianMTModel, MarianTokenizer
 
 from tests.conftest import multi30k_config, tfm_in_process
 from transformer_cli.data.prepare import prepare
@@ -27,6 +27,9 @@ from transformer_cli.runtime.errors import TfmError
 from transformer_cli.training.train import train
 
 SENTENCES = 60
+
+if TYPE_CHECKING:
+    from transformers import MarianMTModel, MarianTokenizer
 
 
 def read_gz(path: Path, n: int) -> list[str]:
@@ -44,6 +47,7 @@ def unigram_model(lines: list[str], size: int) -> bytes:
 def save_hf_marian(folder: Path, de: list[str], en: list[str]) -> tuple[MarianMTModel, MarianTokenizer]:
     """What an OPUS-MT model directory holds: source.spm, target.spm, one vocab.json over both
     (</s>=0, <unk>=1, …, <pad> last), config.json and model.safetensors."""
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer  # here: its import takes seconds
     folder.mkdir(parents=True)
     models = {"source.spm": unigram_model(de, 300), "target.spm": unigram_model(en, 250)}
     vocab = {"</s>": 0, "<unk>": 1}

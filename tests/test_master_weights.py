@@ -5,6 +5,7 @@ updates too small for bf16 still add up, and a tiny Transformer learns."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tests.test_model import tiny_config
@@ -56,6 +57,7 @@ def test_updates_below_bf16_resolution_accumulate_in_the_masters():
     assert torch.equal(weight, master.to(torch.bfloat16)) and (weight < 1).all()
 
 
+@pytest.mark.slow
 def test_a_tiny_transformer_learns_to_copy_with_bf16_weights():
     torch.manual_seed(0)
     rng = np.random.default_rng(0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import random
 import shutil
 import urllib.request
 from pathlib import Path
@@ -14,7 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import SYNTHETIC_FILTERS, WORDS, assert_same_final_weights, tfm, tfm_in_process
+from tests.conftest import (
+    SHIFT,
+    assert_same_final_weights,
+    shift_config,
+    shifted,
+    tfm,
+    tfm_in_process,
+    write_shift_task,
+)
 from transformer_cli.data import language_id
 from transformer_cli.data.batches import ParallelData
 from transformer_cli.data.prepare import prepare
@@ -22,52 +29,6 @@ from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.experiment.directions import DirectionRange, epoch_sample, sampling_rates, tag_piece
 from transformer_cli.runtime.errors import TfmError
 from transformer_cli.training.train import train
-
-SHIFT = {"up": 1, "dn": -1}
-
-
-def shifted(words: list[str], language: str) -> list[str]:
-    return [WORDS[(WORDS.index(w) + SHIFT[language]) % len(WORDS)] for w in words]
-
-
-def write_shift_task(folder: Path, n_train: int = 3000, n_test: int = 100, seed: int = 0) -> None:
-    """Files train/valid/test.{src,up,dn}, line-aligned: 3–8 random words and their two shifts."""
-    rng = random.Random(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, n in (("train", n_train), ("valid", n_test), ("test", n_test)):
-        lines = [[rng.choice(WORDS) for _ in range(rng.randint(3, 8))] for _ in range(n)]
-        for language in ("src", "up", "dn"):
-            text = [" ".join(words if language == "src" else shifted(words, language)) for words in lines]
-            with gzip.open(folder / f"{split}.{language}.gz", "wt", encoding="utf-8") as f:
-                f.write("\n".join(text) + "\n")
-
-
-def shift_config(data: Path, run: Path, **train) -> dict:
-    return {
-        "run_dir": str(run),
-        "data": {"directions": ["src-up", "src-dn"], "train": str(data / "train"), "valid": str(data / "valid"),
-                 "test": str(data / "test"), "filters": SYNTHETIC_FILTERS},
-        "vocab": {"size": 42},  # 16 words, their characters and the two tags: every word one piece
-        "model": {"d_model": 64, "n_heads": 4, "enc_layers": 2, "dec_layers": 2, "d_ff": 256, "dropout": 0.0,
-                  "norm_position": "pre"},
-        "train": {"seed": 1, "max_tokens": 1500, "lr_schedule": "budget", "lr": 0.003, "warmup": 60,
-                  "max_steps": 300, "eval_every": 300, "eval_bleu_sentences": 50, "log_every": 50,
-                  "label_smoothing": 0.0, "clip_norm": 1.0, "precision": "fp32", **train},
-        "decode": {"beam": 2, "batch_size": 32, "max_len_a": 1.0, "max_len_b": 5, "precision": "fp32"},
-    }
-
-
-@pytest.fixture(scope="module")
-def shift_model(tmp_path_factory) -> tuple[Path, Path]:
-    """(data folder, config file) of the tiny multilingual model, trained by prepare + train (~15 s)."""
-    root = tmp_path_factory.mktemp("multilingual")
-    write_shift_task(root / "data")
-    raw = shift_config(root / "data", root / "run")
-    (root / "shift.yaml").write_text(json.dumps(raw))
-    config = config_from_dict(raw)
-    prepare(config, progress=False)
-    train(config, progress_bar=False)
-    return root / "data", root / "shift.yaml"
 
 
 def follows(output: str, source: str, language: str) -> bool:

@@ -124,6 +124,7 @@ def test_translate_refuses_options_that_do_nothing(checkpoint, options, message)
 # --------------------------------------------------------------------------- the decoding budget
 
 
+@pytest.mark.slow
 def test_a_million_beams_are_refused_before_any_input_is_read(checkpoint):
     """It grew until the kernel killed it (exit 137, no message). Standard input stays open and
     empty here: a command that read it first would wait forever."""

@@ -41,6 +41,7 @@ def run_reference(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_ct2_reference_script_refuses_to_write_over_its_input_and_names_what_is_missing(tmp_path):
     model = tmp_path / "model"
     model.mkdir()

@@ -25,6 +25,7 @@ def write_run(folder, valid=True, steps=10):
     return folder
 
 
+@pytest.mark.slow
 def test_png_has_the_requested_size_and_overlays_runs(tmp_path):
     a, b = write_run(tmp_path / "base"), write_run(tmp_path / "big")
     out = plot_runs([a, b], tmp_path / "curves.png", width=640, height=480)

@@ -24,6 +24,7 @@ def prepared(multi30k_2k, tmp_path_factory):
     return config, prepare(config, progress=False)
 
 
+@pytest.mark.slow
 def test_vocab_has_fixed_special_ids(prepared):
     config, result = prepared
     sp = spm.SentencePieceProcessor(model_file=str(config.run_path / "spm.model"))
@@ -52,6 +53,7 @@ def test_valid_and_test_line_counts_kept(prepared):
     assert stats["train"]["src"]["lines"] == 2000 - dropped
 
 
+@pytest.mark.slow
 def test_summary_and_idempotent_rerun(prepared):
     config, result = prepared
     assert "unk%" in result.summary and "train" in result.summary
@@ -194,6 +196,7 @@ def test_vocab_sample_is_uniform_aligned_and_in_corpus_order(tmp_path):
     assert limited[2] == 300 and limited[0] == [f"s{i}" for i in range(300)]
 
 
+@pytest.mark.slow
 def test_small_vocab_sample_still_builds_a_working_vocab(multi30k_2k, tmp_path):
     raw = multi30k_config(multi30k_2k, tmp_path / "run", vocab={"size": 500, "input_sentence_size": 600})
     result = prepare(config_from_dict(raw), progress=False)
@@ -230,6 +233,7 @@ def test_truncated_gzip_corpus_is_a_clear_error(multi30k_2k, tmp_path):
         prepare(config_from_dict(raw), progress=False)
 
 
+@pytest.mark.slow
 def test_several_training_corpora_prepare_as_their_concatenation(multi30k_2k, tmp_path):
     """`data.train` as a list (e.g. real + back-translated pairs) gives the same vocabulary and
     arrays as one file holding the corpora one after the other; a bad line names its own file."""

@@ -44,6 +44,7 @@ keys = st.one_of(st.sampled_from(config_keys()), st.text(max_size=15))
 
 @SETTINGS
 @given(st.lists(st.tuples(keys, values), max_size=4))
+@pytest.mark.slow
 def test_random_overrides_are_accepted_or_refused_with_a_tfm_error(assignments):
     """Any `--set key=value` list either validates or raises TfmError (one line): never another exception."""
     try:
@@ -67,6 +68,7 @@ def known_characters(sp: spm.SentencePieceProcessor) -> str:
     return "".join(sorted({c for piece in pieces for c in piece if c != "▁"}))
 
 
+@pytest.mark.slow
 def test_random_text_round_trips_through_prepares_sentencepiece_model(multi30k_spm):
     sp = multi30k_spm
     alphabet = known_characters(sp) + "  \t"
@@ -98,6 +100,7 @@ def tiny_translator(tiny_prepared, tmp_path_factory) -> Translator:
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.binary(max_size=300))
+@pytest.mark.slow
 def test_random_bytes_on_stdin_never_crash_translate(tiny_translator, data):
     warnings, output = io.StringIO(), io.StringIO()
     lines = read_decoded_lines(io.BytesIO(data), warnings)

@@ -70,6 +70,7 @@ def test_a_run_directorys_own_config_means_that_directory(tmp_path):
     assert load_config(run / "config.yaml").run_path == tmp_path / "origin"
 
 
+@pytest.mark.slow
 def test_a_copied_run_trains_and_prepares_itself_never_its_origin(trained, tmp_path):
     origin = copy_of(trained, tmp_path / "a")
     copy = copy_of(origin, tmp_path / "b")  # cp -r a b: b/config.yaml still names a's directory
@@ -106,6 +107,7 @@ def test_prepare_with_changed_settings_does_not_rebuild_a_trained_run(trained, t
     ("data.train_limit=300", "was trained with another source vocabulary"),  # learnt from fewer sentences
     ("data.max_len=6", "was trained on other encoded data"),  # the same vocabulary, fewer training pairs
 ])
+@pytest.mark.slow
 def test_resume_refuses_a_run_prepared_again_since(trained, tmp_path, changed, message):
     """The run is prepared again with other settings while its checkpoints are away (as an older tfm
     did under them); put back, they must not go on training with ids that now mean other pieces."""

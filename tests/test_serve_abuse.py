@@ -343,7 +343,9 @@ def test_a_request_that_would_hold_the_engine_is_cut_at_its_deadline_and_good_cl
         code, stderr = server.stop()
     assert heavy and heavy[0][0] == status, heavy
     assert len(answers) >= 30 and all(status == 200 for status, _ in answers)
-    assert max(seconds for _, seconds in answers) < 2 + 3, max(answers, key=lambda a: a[1])
+    # The deadline (2 s) plus slack for a 2-core machine whose other test process is busy; held by the
+    # heavy request, a good client would wait until that request ended.
+    assert max(seconds for _, seconds in answers) < 2 + 5, max(answers, key=lambda a: a[1])
     assert code == 0 and "Traceback" not in stderr, stderr
 
 

@@ -14,6 +14,7 @@ from transformer_cli.runtime.errors import TfmError
 from transformer_cli.training.train import train
 
 
+@pytest.mark.slow
 def test_event_files_hold_the_runs_scalars_and_a_resume_appends_to_them(tiny_prepared, tmp_path):
     config = tiny_run(tiny_prepared, tmp_path, max_steps=10, eval_every=10, log_every=5, tensorboard=True)
     train(load_config(config), progress_bar=False)

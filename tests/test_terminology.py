@@ -80,6 +80,7 @@ def test_the_automaton_tracks_each_terms_longest_matched_prefix(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.slow
 def test_barred_tokens_are_the_last_of_every_sequence_the_output_is_inside(seed):
     """The automaton of avoided sequences against brute force: after any output, exactly the last
     tokens of the sequences whose other tokens the output ends with are barred, per sentence (two
