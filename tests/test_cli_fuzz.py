@@ -427,7 +427,12 @@ def run_script_in_process(script: str, args: list[str], capfd) -> tuple[int, str
 
     import torch
 
+    import transformer_cli.cli
+
     argv, path, threads = sys.argv, list(sys.path), torch.get_num_threads()
+    # A script that is `tfm glossary` (say) runs tfm's main(), which marks the process as the `tfm`
+    # program: a later in-process `tfm train` would then start the test process again on mimalloc.
+    as_program = transformer_cli.cli._RUN_AS_PROGRAM
     sys.argv, sys.path = [str(ROOT / "scripts" / script), *args], [str(ROOT / "scripts"), *sys.path]
     capfd.readouterr()
     try:
@@ -438,6 +443,7 @@ def run_script_in_process(script: str, args: list[str], capfd) -> tuple[int, str
     finally:
         sys.argv, sys.path = argv, path
         torch.set_num_threads(threads)  # a benchmark sets its own
+        transformer_cli.cli._RUN_AS_PROGRAM = as_program
     out, err = capfd.readouterr()
     return status, out, err
 
