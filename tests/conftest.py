@@ -54,6 +54,20 @@ def _torch_threads():
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_kept(_torch_threads):
+    """A test that sets torch's thread count (to match a worker process's arithmetic, or to see that
+    CTranslate2 gives it back) leaves it as it found it: left at 2 beside the other test process's
+    threads, OpenMP's threads outnumber the cores and wait on each other (every later test in that
+    process ran ~2.5x slower on a 2-core Zen 3)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 T = TypeVar("T")
 
 
@@ -92,8 +106,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_measurement_cache(tmp_path_factory):
-    """The bf16 speed measurement (precision.measure_bf16_speedup) is cached here, not in ~/.cache."""
-    os.environ.setdefault("TFM_CACHE", str(tmp_path_factory.mktemp("tfm_cache")))
+    """The bf16 speed measurement (precision.measure_bf16_speedup) is cached here, not in ~/.cache:
+    one folder for the run's test processes and the processes they start (measured once a run)."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # the run's folder, above each worker's own
+    (shared / "tfm_cache").mkdir(exist_ok=True)
+    os.environ.setdefault("TFM_CACHE", str(shared / "tfm_cache"))
 
 
 def prepare_and_train(raw: dict, train_it: bool = True):

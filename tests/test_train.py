@@ -320,6 +320,29 @@ def test_the_precision_measurement_leaves_the_global_rng_alone(monkeypatch, tmp_
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_emulated_bf16_is_screened_on_a_few_rows_and_real_bf16_timed_on_the_full_shape(monkeypatch, tmp_path):
+    """Where bf16 is emulated (~100x slower) timing the full shape took a minute: a few rows decide
+    that; a CPU not clearly slower on them is timed on the model's full shape."""
+    from transformer_cli.runtime import precision
+
+    monkeypatch.setenv("TFM_CACHE", str(tmp_path))
+    full_shape_rows = []
+
+    def matmul_flops(a, b):
+        if a.dtype == torch.bfloat16:
+            full_shape_rows.append(a.size(0))
+            return 300.0
+        return 100.0
+
+    monkeypatch.setattr(precision, "_matmul_flops", matmul_flops)
+    for rows_flops, expected, timed in ((1.0, 0.01, []), (20.0, 0.2, []), (30.0, 3.0, [64]), (250.0, 3.0, [64])):
+        (tmp_path / "bf16_speedup.json").unlink(missing_ok=True)
+        full_shape_rows.clear()
+        monkeypatch.setattr(precision, "_few_calls_flops", lambda a, b, f=rows_flops: f if a.size(0) == 2 else -1.0)
+        assert measure_bf16_speedup(16, 32, tokens=64) == pytest.approx(expected)
+        assert full_shape_rows == timed
+
+
 def test_tfm_precision_env_decides_auto_only(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for forced, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("BF16", torch.bfloat16)):
