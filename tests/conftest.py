@@ -40,13 +40,18 @@ def xdist_workers() -> int:
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 
+def threads_per_test_process() -> int:
+    """The cores shared among the run's test processes: each one's share (1 or 2)."""
+    return max(1, min(2, (os.cpu_count() or 1) // xdist_workers()))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _torch_threads():
     # The cores shared among the run's test processes: two processes of two threads each on two
     # cores take turns on them (a step's threads wait for each other), slower than one thread each.
     # The processes a test starts take as many (OMP_NUM_THREADS sets torch's default), so that a run
     # in a subprocess and one in the test itself sum in the same order: resumed = uninterrupted.
-    threads = max(1, min(2, (os.cpu_count() or 1) // xdist_workers()))
+    threads = threads_per_test_process()
     import torch
 
     torch.set_num_threads(threads)

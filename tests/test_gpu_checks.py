@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tfm, tiny_run
+from tests.conftest import tfm, threads_per_test_process, tiny_run
 from transformer_cli.experiment.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
+THREADS = str(threads_per_test_process())  # the benchmarks' default, 2, beside the other test process: more threads than cores
 
 
 def script_module(name: str):
@@ -220,7 +221,7 @@ def test_bench_train_runs_synthetic_wmt_batches_and_the_table_reads_them():
 def tiny_synthetic_bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """bench_train.py on CPU, configs/tiny.yaml at WMT lengths: two timed steps after one."""
     return subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/tiny.yaml", "--synthetic", "wmt",
-                           "--device", "cpu", "--steps", "2", "--warmup", "1", "--max-tokens", "256", *args],
+                           "--device", "cpu", "--steps", "2", "--warmup", "1", "--max-tokens", "256", "--threads", THREADS, *args],
                           capture_output=True, text=True, cwd=ROOT, timeout=timeout)
 
 
@@ -259,7 +260,7 @@ def test_bench_train_runs_tfm_trains_own_loop_beside_its_steps(tiny_prepared, tm
     run = tmp_path / "run"
     before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
     bench = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", str(config), "--device", "cpu",
-                            "--steps", "3", "--warmup", "1", "--max-tokens", "256", "--precision", "fp32", "--no-memory",
+                            "--steps", "3", "--warmup", "1", "--max-tokens", "256", "--threads", THREADS, "--precision", "fp32", "--no-memory",
                             "--steady-state"],
                            capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert bench.returncode == 0, bench.stderr[-2000:]
@@ -309,7 +310,7 @@ def test_bench_loss_times_the_output_loss_eager_and_compiled_and_the_table_reads
     """scripts/bench_loss.py on CPU at a small shape, through torch's own compiler: both ways of
     computing the chunks are timed in one run, and the table shows their ratio as printed."""
     run = subprocess.run([sys.executable, "scripts/bench_loss.py", "--rows", "300", "--d-model", "32", "--vocab", "500",
-                          "--rounds", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          "--rounds", "2", "--threads", THREADS], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     figures = script_module("gpu_summary").loss_figures(run.stdout)
     assert figures["eager"] > 0 and figures["compiled"] > 0
