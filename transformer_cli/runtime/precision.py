@@ -66,7 +66,7 @@ def _few_calls_flops(a: torch.Tensor, b: torch.Tensor) -> float:
 def measure_bf16_speedup(d_model: int, d_ff: int, tokens: int = 2048) -> float:
     """bf16 / fp32 matmul throughput for the model's own FFN shape, (tokens × d_model) @ (d_model × d_ff).
 
-    ~0.3 s (~0.5 s where bf16 is emulated); the answer is cached per CPU model, torch version, thread count and shape.
+    ~0.3 s (0.2–1.5 s where bf16 is emulated); the answer is cached per CPU model, torch version, thread count and shape.
     """
     key = f"{cpu_model_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | " \
           f"{tokens}x{d_model}x{d_ff}"
@@ -85,8 +85,8 @@ def measure_bf16_speedup(d_model: int, d_ff: int, tokens: int = 2048) -> float:
     a, b = torch.randn(tokens, d_model, generator=generator), torch.randn(d_model, d_ff, generator=generator)
     fp32 = _matmul_flops(a, b)
     # A CPU without bf16 instructions emulates them ~100x slower than fp32: timing the full shape
-    # there took 25–50 s on a Zen 3, once per shape that model.size auto times. A 32nd of the rows
-    # first (~0.3 s there); only a CPU that is not clearly slower on them is timed on the full shape.
+    # there took up to 46 s on a Zen 3 (d512, 1 thread), once per shape model.size auto times. A 32nd of
+    # the rows first (1.5 s there); only a CPU that is not clearly slower on them is timed on the full shape.
     b16 = b.bfloat16()
     screened = _few_calls_flops(a[: max(1, tokens // 32)].bfloat16(), b16) / fp32
     speedup = screened if screened < BF16_SCREEN else _matmul_flops(a.bfloat16(), b16) / fp32
