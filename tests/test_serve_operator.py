@@ -3,7 +3,9 @@ metrics, the access log, /languages and /detect."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -320,3 +322,33 @@ def test_x_forwarded_for_names_the_client_only_from_a_proxy_the_operator_trusts(
             assert statuses == [200, 200, 429] and set(clients) == {"127.0.0.1"}
         else:
             assert statuses == [200, 200, 200] and clients[-3:] == ["203.0.113.1", "203.0.113.2", "203.0.113.3"]
+
+
+def test_key_files_that_cannot_hold_keys_are_one_line_errors_and_stay_as_they_were(tmp_path):
+    """A directory, bytes that are not UTF-8, a path through a file: `tfm serve --api-keys` and
+    `tfm api-key` name the file and what is wrong, and append nothing."""
+    from transformer_cli.runtime.errors import TfmError
+    from transformer_cli.serve.access import ApiKeys, new_api_key
+
+    folder, latin = tmp_path / "folder", tmp_path / "latin.txt"
+    folder.mkdir()
+    latin.write_bytes(b"sha256:\xff\n")
+    for path, says in ((folder, "a directory, not a key file"), (latin, "not UTF-8 text"),
+                       (latin / "keys.txt", "cannot be read (Not a directory)")):
+        with pytest.raises(TfmError, match=rf"^--api-keys {path}: {re.escape(says)}"):
+            ApiKeys.load(path)
+    for path, says in ((folder, "not a regular file"), (latin, "not UTF-8 text")):
+        with pytest.raises(TfmError, match=rf"^--api-keys {path}: {says}"):
+            new_api_key(path, "x")
+    assert latin.read_bytes() == b"sha256:\xff\n" and list(folder.iterdir()) == []
+
+
+def test_the_access_log_never_fails_a_request_and_proxies_are_trusted_only_when_named():
+    from transformer_cli.serve.access import AccessLog, trusted_proxy_addresses
+
+    AccessLog(None).write("alice", "POST", "/translate", 200, 5, 1, 0.01)  # no log asked for
+    closed = io.StringIO()
+    closed.close()
+    AccessLog(closed).write("alice", "POST", "/translate", 200, 5, 1, 0.01)  # a log that went away
+    assert trusted_proxy_addresses(None) is None
+    assert trusted_proxy_addresses("*, 10.0.0.0/8,127.0.0.1") == "*,10.0.0.0/8,127.0.0.1"
