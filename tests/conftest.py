@@ -76,6 +76,12 @@ def _torch_threads_kept(_torch_threads):
 T = TypeVar("T")
 
 
+def run_folder(tmp_path_factory) -> Path:
+    """The test run's temporary folder: above each xdist worker's own, shared by the run's processes."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
     """`build(folder)` once per test run, its result shared by the run's test processes (pytest-xdist
     workers): the first to ask builds it in a folder beside theirs (a lock keeps the others waiting)
@@ -83,7 +89,7 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
     Whatever uses the result must not change what is in its folder (copy it first)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return build(tmp_path_factory.mktemp(name))
-    shared = tmp_path_factory.getbasetemp().parent  # the run's folder, above each worker's own
+    shared = run_folder(tmp_path_factory)
     result = shared / f"{name}.pickle"
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if `build` fails
@@ -113,9 +119,7 @@ def pytest_collection_modifyitems(config, items):
 def _private_measurement_cache(tmp_path_factory):
     """The bf16 speed measurement (precision.measure_bf16_speedup) is cached here, not in ~/.cache:
     one folder for the run's test processes and the processes they start (measured once a run)."""
-    shared = tmp_path_factory.getbasetemp()
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        shared = shared.parent  # the run's folder, above each worker's own
+    shared = run_folder(tmp_path_factory)
     (shared / "tfm_cache").mkdir(exist_ok=True)
     os.environ.setdefault("TFM_CACHE", str(shared / "tfm_cache"))
 
