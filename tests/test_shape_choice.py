@@ -1,6 +1,7 @@
 """model.size: named shapes, and `auto` choosing what to train from the budget and the machine's
 measured speed (training/shape_choice.py)."""
 
+import dataclasses
 import json
 import shutil
 
@@ -9,7 +10,14 @@ import yaml
 
 from tests.conftest import tiny_reverse_config
 from transformer_cli.experiment.config import config_from_dict, load_config
-from transformer_cli.experiment.shapes import FALLBACK, SHAPE_KEYS, SHAPES, NamedShape
+from transformer_cli.experiment.shapes import (
+    CURVE_DROPOUT,
+    FALLBACK,
+    LONG_BUDGET_DROPOUT,
+    SHAPE_KEYS,
+    SHAPES,
+    NamedShape,
+)
 from transformer_cli.runtime.errors import TfmError
 from transformer_cli.training import shape_choice
 from transformer_cli.training.shape_choice import CHOICE_FILE, ShapeTiming, choose, predict
@@ -124,6 +132,22 @@ def test_a_budget_of_few_updates_takes_the_floor_batch():
     assert batch(800, 100_000, timing, 600.0) == 800  # never raised
 
 
+def test_dropout_rises_only_for_a_budget_past_where_the_shape_overfit():
+    shape = NamedShape("x", 64, 2, 1, 1, 128, curve=((1.0, 10.0),), overfits_after=6e6)
+    assert shape.dropout_for(6e6) == CURVE_DROPOUT and shape.dropout_for(6e6 + 1) == LONG_BUDGET_DROPOUT
+    assert NamedShape("y", 64, 2, 1, 1, 128, curve=((1.0, 10.0),)).dropout_for(1e12) == CURVE_DROPOUT  # never seen
+    d256 = SHAPES["d256"]
+    auto = load_config(None, ["model.size=auto"])
+    timing = ShapeTiming("d256", 1.0, 2800.0, "fp32")
+    few, many = (shape_choice.Prediction(timing, 3000, updates, 30.0) for updates in (1373, 4917))
+    assert shape_choice.dropout_of_choice(auto, d256, few) == CURVE_DROPOUT  # a Zen 3's 30 minutes
+    assert shape_choice.dropout_of_choice(auto, d256, many) == LONG_BUDGET_DROPOUT  # a Zen 5's
+    assert shape_choice.dropout_of_choice(load_config(None, ["model.size=auto", "model.dropout=0.2"]), d256,
+                                          many) is None  # given: the config's
+    assert shape_choice.with_shape(auto, d256, dropout=0.3).model.dropout == 0.3
+    assert shape_choice.with_shape(auto, d256).model.dropout == auto.model.dropout
+
+
 def test_ties_go_to_the_fastest_shape():
     measured = timings({name: 0.001 for name in SHAPES})  # every curve past its end: its last value
     predictions = predict(measured, 1e6, 10**9, 3000)
@@ -152,6 +176,9 @@ def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_p
     raw = auto_config(tiny_prepared, tmp_path, max_steps=4, eval_every=4, eval_bleu_sentences=2, max_time=600,
                       min_updates=10**6)
     raw["train"].pop("lr", None)  # the chosen shape's own
+    raw["model"].pop("dropout", None)  # ... and dropout: every shape "overfit" from the start, so 0.3
+    for name, shape in list(SHAPES.items()):
+        monkeypatch.setitem(SHAPES, name, dataclasses.replace(shape, overfits_after=0))
     summary = train(config_from_dict(raw), progress_bar=False)
     assert summary.steps == 4
     run = tmp_path / "run"
@@ -164,6 +191,7 @@ def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_p
     assert record["max_tokens"] == shape_choice.BATCH_FLOOR
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["max_tokens"] == shape_choice.BATCH_FLOOR
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["lr"] == chosen.lr == record["lr"]
+    assert written["dropout"] == record["dropout"] == LONG_BUDGET_DROPOUT
     from transformer_cli.experiment.checkpoint import load_checkpoint
     trained = load_checkpoint(run / "checkpoints" / "checkpoint_last.pt")["model_config"]
     assert {k: trained[k] for k in SHAPE_KEYS} == chosen.keys()
@@ -183,6 +211,7 @@ def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_p
     assert {k: resumed["model_config"][k] for k in SHAPE_KEYS} == chosen.keys()
     assert resumed["config"]["train"]["max_tokens"] == shape_choice.BATCH_FLOOR  # the run's batches, not 1,500
     assert resumed["config"]["train"]["lr"] == chosen.lr  # and its learning rate
+    assert resumed["config"]["model"]["dropout"] == LONG_BUDGET_DROPOUT  # and its dropout, not the default
 
 
 @pytest.mark.parametrize("size", ["d128", "d256"])

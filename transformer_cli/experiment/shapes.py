@@ -18,6 +18,11 @@ from dataclasses import dataclass
 # The keys a shape fixes; the rest of the model section (dropout, norm position, …) is the config's.
 SHAPE_KEYS = ("d_model", "n_heads", "enc_layers", "dec_layers", "d_ff")
 AUTO = "auto"
+# The dropout every curve was measured at, and the one a budget past a shape's overfitting point takes
+# (measured on d256 over 30 minutes of a Zen 5: 0.3 kept the valid loss falling to the end and scored
+# higher than 0.1; docs/training.md).
+CURVE_DROPOUT = 0.1
+LONG_BUDGET_DROPOUT = 0.3
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,15 @@ class NamedShape:
     # curve of the largest measured batch it reaches, else `curve`: an update of a larger batch learns
     # at least as much, so a smaller batch's curve is the cautious prediction for it.
     larger_batches: tuple[tuple[int, tuple[tuple[float, float], ...]], ...] = ()
+    # Batch tokens (updates × train.max_tokens) after which this shape's valid loss was seen to rise at
+    # the curves' dropout (CURVE_DROPOUT); None: not seen within any run of it.
+    overfits_after: float | None = None
+
+    def dropout_for(self, batch_tokens: float) -> float:
+        """The dropout `auto` trains with for a budget of `batch_tokens` (updates × batch): the curves'
+        own, unless the budget runs past where this shape overfit at it."""
+        past = self.overfits_after is not None and batch_tokens > self.overfits_after
+        return LONG_BUDGET_DROPOUT if past else CURVE_DROPOUT
 
     def keys(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in SHAPE_KEYS}
@@ -74,7 +88,9 @@ class NamedShape:
 # batches (d192's 1,500), where a budget makes few updates (10- and 30-minute runs on a 2-core AVX2
 # CPU); d128 also at 3,000 tokens (a 30-minute run on that CPU), d256 too (its first point a 10-minute
 # run on that CPU, the others runs on a 2-core Zen 5). A curve keeps the evaluations that bettered
-# every earlier one. docs/training.md#choosing-the-shape-modelsize names each run.
+# every earlier one. docs/training.md#choosing-the-shape-modelsize names each run. `overfits_after`:
+# d256's from its dropout-0.1 run on the Zen 5; d128's 2,871 updates of 3,000 tokens at 0.1 still
+# bettered the valid BLEU at their last evaluation (no point seen), d192 was not run that long.
 SHAPES: dict[str, NamedShape] = {shape.name: shape for shape in (
     NamedShape("d128", 128, 4, 3, 3, 512, lr=3e-3, curve=((500, 17.21), (750, 23.96), (1000, 27.86), (1250, 31.13),
                                                           (1500, 32.72), (1750, 34.39), (2000, 35.43)),
@@ -84,7 +100,10 @@ SHAPES: dict[str, NamedShape] = {shape.name: shape for shape in (
     NamedShape("d256", 256, 4, 3, 3, 1024,
                curve=((500, 19.34), (750, 26.68), (1001, 28.12), (1250, 30.70), (1500, 33.90), (1750, 34.55),
                       (2000, 35.33), (2750, 36.92)),
-               larger_batches=((3000, ((356, 22.78), (1500, 38.58), (4250, 41.13))),)),
+               larger_batches=((3000, ((356, 22.78), (1500, 38.58), (4250, 41.13))),),
+               # 3,000-token batches at dropout 0.1, 30 minutes on a Zen 5: the valid loss bottomed at ~2,000
+               # updates and rose to the end
+               overfits_after=2000 * 3000),
 )}
 
 

@@ -11,7 +11,9 @@ A budget that buys few updates learns more from more, smaller batches: with `tra
 a shape that would make fewer updates than that trains on 1,000-token batches (`batch_for_budget`).
 
 Each shape trains at the peak learning rate its curve was measured with (`NamedShape.lr`) unless
-the config gives `train.lr`.
+the config gives `train.lr`, and at the dropout its curve was measured with, or a higher one where
+the budget runs past the point that shape was seen to overfit (`NamedShape.dropout_for`), unless the
+config gives `model.dropout`.
 
 A resumed run never probes again: its checkpoint's shape, batch and learning rate are the run's
 (`shape_of_run`).
@@ -115,10 +117,11 @@ def table(predictions: Sequence[Prediction], chosen: Prediction) -> list[str]:
 
 
 def with_shape(config: ExperimentConfig, shape: NamedShape, max_tokens: int | None = None,
-               lr: float | None = None) -> ExperimentConfig:
-    """The config with this named shape (every shape key set: an ordinary, pinned run), batch and
-    peak learning rate."""
-    model = config.model.model_copy(update={"size": shape.name, **shape.keys()})
+               lr: float | None = None, dropout: float | None = None) -> ExperimentConfig:
+    """The config with this named shape (every shape key set: an ordinary, pinned run), batch, peak
+    learning rate and dropout (None: the config's)."""
+    chosen_dropout = {} if dropout is None else {"dropout": dropout}
+    model = config.model.model_copy(update={"size": shape.name, **shape.keys(), **chosen_dropout})
     train = config.train.model_copy(update={"max_tokens": max_tokens or config.train.max_tokens,
                                             "lr": lr or config.train.lr})
     return config.model_copy(update={"model": model, "train": train})
@@ -127,6 +130,14 @@ def with_shape(config: ExperimentConfig, shape: NamedShape, max_tokens: int | No
 def lr_of_choice(config: ExperimentConfig, shape: NamedShape) -> float | None:
     """The peak learning rate `auto` trains `shape` with: its curve's, unless the config gives train.lr."""
     return None if "lr" in config.train.model_fields_set else shape.lr
+
+
+def dropout_of_choice(config: ExperimentConfig, shape: NamedShape, chosen: Prediction) -> float | None:
+    """The dropout `auto` trains `shape` with for the updates it predicted, unless the config gives
+    model.dropout (None)."""
+    if "dropout" in config.model.model_fields_set:
+        return None
+    return shape.dropout_for(chosen.updates * chosen.max_tokens)
 
 
 def probe_batches(data: ParallelData, config: ExperimentConfig, count: int) -> list[list[Batch]]:
@@ -198,7 +209,11 @@ def shape_of_run(config: ExperimentConfig, last_checkpoint: Path, keep_batch: bo
     if len(keys) != len(SHAPE_KEYS):
         raise TfmError(f"{last_checkpoint} does not say its model's shape; give the shape keys "
                        "(model.d_model, …) instead of model.size auto")
-    model = config.model.model_copy(update={"size": chosen if chosen in SHAPES else None, **keys})
+    # ... and its dropout where the config leaves it to `auto` (it may have chosen one for its budget)
+    trained_model = payload.get("config", {}).get("model", {}) if keep_batch else {}
+    dropout = ({"dropout": trained_model["dropout"]} if "dropout" in trained_model
+               and "dropout" not in config.model.model_fields_set else {})
+    model = config.model.model_copy(update={"size": chosen if chosen in SHAPES else None, **keys, **dropout})
     # ... its batches (the data order, batches taken of each epoch, is counted in them) and its
     # learning rate (the schedule goes on where it was)
     trained_train = payload.get("config", {}).get("train", {}) if keep_batch else {}
@@ -226,12 +241,16 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
         say(line)
     shape = SHAPES[chosen.timing.name]
     lr = lr_of_choice(config, shape)
+    dropout = dropout_of_choice(config, shape, chosen)
     say(f"model.size auto: training {shape.name} ({shape.describe()}), {chosen.max_tokens:,}-token batches"
         + (f" (train.min_updates {train_cfg.min_updates:,}: smaller than train.max_tokens "
            f"{train_cfg.max_tokens:,})" if chosen.max_tokens != train_cfg.max_tokens else "")
         + (f", peak lr {lr:g} (the shape's; train.lr would pin another)" if lr is not None
-           else f", peak lr {train_cfg.lr:g} (train.lr)"))
+           else f", peak lr {train_cfg.lr:g} (train.lr)")
+        + (f", dropout {dropout:g} (for {chosen.updates:,} updates; model.dropout would pin another)"
+           if dropout is not None else f", dropout {config.model.dropout:g} (model.dropout)"))
     record = {"chosen": shape.name, "max_tokens": chosen.max_tokens, "lr": lr or train_cfg.lr,
+              "dropout": config.model.dropout if dropout is None else dropout,
               "probe_seconds": round(spent, 2),
               "budget_seconds": budget, "max_steps": train_cfg.max_steps, "device": str(device),
               "shapes": [{**asdict(p.timing), "tokens_per_second": round(p.timing.tokens_per_second, 1),
@@ -239,7 +258,7 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
                          for p in predictions]}
     run_root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_root / CHOICE_FILE, json.dumps(record, indent=1) + "\n")
-    return with_shape(config, shape, chosen.max_tokens, lr), spent
+    return with_shape(config, shape, chosen.max_tokens, lr, dropout), spent
 
 
 def resolve_size(config: ExperimentConfig, resume: bool, last_checkpoint: Path,
