@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tfm, threads_per_test_process, tiny_run
+from tests.conftest import tfm_in_process, threads_per_test_process, tiny_run
 from transformer_cli.experiment.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,8 +143,8 @@ def test_the_table_reads_what_tfm_train_and_evaluate_print(tiny_prepared, tmp_pa
     and at another, their output as the train section's log: the table shows the step count and the
     first evaluation's BLEU (the config's, judged against 41), then every evaluation under its label."""
     config = tiny_run(tiny_prepared, tmp_path, max_steps=20, log_every=5)
-    trained = tfm("train", "--config", config)
-    assert trained.returncode == 0, trained.stderr
+    trained = tfm_in_process("train", "--config", config)  # what `tfm train` prints, without a process's start-up
+    assert trained.exit_code == 0, trained.stderr
     shell = f"tfm() {{ {shlex.quote(sys.executable)} -m transformer_cli \"$@\"; }}\n{script_function('evaluate_at')}\n"
     evaluated = subprocess.run(["bash", "-c", shell + f"evaluate_at {config} {tmp_path / 'run'} test && "
                                 f"evaluate_at {config} {tmp_path / 'run'} test 0.0"],
@@ -255,8 +255,8 @@ def test_bench_train_runs_tfm_trains_own_loop_beside_its_steps(tiny_prepared, tm
     clip, skip check, ledger) over the run's batches, in a temporary run directory: a run that has
     trained already is read, never written."""
     config = tiny_run(tiny_prepared, tmp_path, max_steps=4)
-    trained = tfm("train", "--config", config)
-    assert trained.returncode == 0, trained.stderr
+    trained = tfm_in_process("train", "--config", config)
+    assert trained.exit_code == 0, trained.stderr
     run = tmp_path / "run"
     before = sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*"))
     bench = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", str(config), "--device", "cpu",

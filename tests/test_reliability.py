@@ -23,7 +23,6 @@ from tests.conftest import (
     TFM,
     get_corpus_slice,
     multi30k_config,
-    tfm,
     tfm_in_process,
     tiny_run,
     wait_until_training,
@@ -36,7 +35,8 @@ from transformer_cli.runtime.signals import StopRequest, Terminated, _exit_at_on
 from transformer_cli.training.train import train
 
 
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
+def one_line_error(proc) -> str:
+    """The one `error:` line of a finished command (a subprocess, or tfm_in_process's result)."""
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, proc.stderr
@@ -89,8 +89,8 @@ def test_kill_9_at_random_moments_always_resumes(tiny_prepared, tmp_path, kills_
     assert kills == kills_wanted, f"only {kills} kills in the time limit"
     assert steps_seen == sorted(steps_seen) and steps_seen[-1] > 0, steps_seen
     final = steps_seen[-1] + 20
-    done = tfm("train", "--config", config, "--resume", "--set", f"train.max_steps={final}")
-    assert done.returncode == 0, done.stderr
+    done = tfm_in_process("train", "--config", config, "--resume", "--set", f"train.max_steps={final}")
+    assert done.exit_code == 0, done.stderr
     assert f"resuming from {last} at step {steps_seen[-1]}" in done.stderr
     assert load_checkpoint(last)["progress"]["step"] == final
     assert temp_files(tmp_path / "run") == []  # killed writes' temp files were cleaned up
@@ -117,8 +117,8 @@ def test_a_second_signal_while_stopping_corrupts_nothing(tiny_prepared, tmp_path
     assert proc.returncode in (130, 143) and "Traceback" not in stderr, stderr
     step = load_checkpoint(last)["progress"]["step"]  # whole, whichever write the second signal hit
     assert step >= 10  # the first evaluation's checkpoint, or a later one
-    resumed = tfm("train", "--config", config, "--resume", "--set", f"train.max_steps={step + 3}")
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = tfm_in_process("train", "--config", config, "--resume", "--set", f"train.max_steps={step + 3}")
+    assert resumed.exit_code == 0, resumed.stderr
     assert temp_files(tmp_path / "run") == []  # an abandoned temp file, if any, was cleaned up
 
 
@@ -178,9 +178,9 @@ def test_stale_temp_files_are_removed_at_start(tiny_prepared, tmp_path):
     stale.write_bytes(b"half a checkpoint")
     metrics = tmp_path / "run/metrics.jsonl"
     metrics.write_text('{"kind": "train", "step": 1, "lo')  # an append cut by a kill
-    proc = tfm("train", "--config", config)
-    assert proc.returncode == 0, proc.stderr
-    assert not stale.exists() and "removed .checkpoint_last.pt.abc123.tmp" in proc.stderr
+    result = tfm_in_process("train", "--config", config)  # the command line's start-up, in this process
+    assert result.exit_code == 0, result.stderr
+    assert not stale.exists() and "removed .checkpoint_last.pt.abc123.tmp" in result.stderr
     lines = metrics.read_text().splitlines()
     assert lines[0] == '{"kind": "train", "step": 1, "lo' and all(json.loads(line) for line in lines[1:])
 
@@ -192,10 +192,10 @@ def test_stale_temp_files_are_removed_at_start(tiny_prepared, tmp_path):
 def test_divergence_stops_with_exit_3_and_keeps_the_last_checkpoint(tiny_prepared, tmp_path):
     """An absurd learning rate makes every loss NaN after the first update: exit 3, no traceback."""
     config = tiny_run(tiny_prepared, tmp_path, lr=1e30, save_every=1, max_bad_steps=4, clip_norm=0.0)
-    proc = tfm("train", "--config", config)
-    assert proc.returncode == 3, proc.stderr
-    assert "training diverged: 4 consecutive steps" in one_line_error(proc)
-    assert proc.stderr.count("update(s) skipped") == 4  # read at each of the four checkpoints
+    result = tfm_in_process("train", "--config", config)  # the command line's exit status, in this process
+    assert result.exit_code == 3, result.stderr
+    assert "training diverged: 4 consecutive steps" in one_line_error(result)
+    assert result.stderr.count("update(s) skipped") == 4  # read at each of the four checkpoints
     assert load_checkpoint(tmp_path / "run/checkpoints/checkpoint_last.pt")["progress"]["step"] >= 1
 
 
@@ -356,8 +356,8 @@ def test_failed_prepare_write_is_one_line_and_leaves_nothing_half_written(multi3
     run = tmp_path / "run"
     assert not (run / fails_on).exists() and not (run / "prepare.json").exists()
     assert [p for p in run.rglob("*") if p.name.endswith(".tmp")] == []
-    done = subprocess.run([*TFM, "prepare", "--config", str(config)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    done = tfm_in_process("prepare", "--config", config)  # no limit now: in this process
+    assert done.exit_code == 0, done.stderr
     assert (run / fails_on).stat().st_size > max_bytes  # it did need more than the limit
 
 

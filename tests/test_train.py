@@ -22,6 +22,7 @@ from .conftest import (
     ROOT,
     assert_same_final_weights,
     multi30k_config,
+    tfm_in_process,
     tiny_run,
     wait_until_training,
 )
@@ -164,18 +165,19 @@ def test_same_seed_same_loss_curve(multi30k_2k, tmp_path):
 
 @pytest.mark.slow
 def test_end_to_end_cli_tiny_config_valid_loss_falls(multi30k_2k, tmp_path):
+    """configs/tiny.yaml through the command line's prepare and train (in this process: the README's
+    main job runs them as real processes in test_quickstart.py)."""
     sets = [f"--set=run_dir={tmp_path / 'run'}", f"--set=data.train={multi30k_2k / 'train'}",
             f"--set=data.valid={multi30k_2k / 'val'}", f"--set=data.test={multi30k_2k / 'test_2016_flickr'}",
             "--set=train.max_steps=150", "--set=train.eval_every=50", "--set=train.eval_bleu_sentences=20"]
-    tfm = [sys.executable, "-m", "transformer_cli.cli"]
     config = str(ROOT / "configs" / "tiny.yaml")
-    prep = subprocess.run([*tfm, "prepare", "--config", config, *sets], capture_output=True, text=True)
-    assert prep.returncode == 0, prep.stderr
+    prep = tfm_in_process("prepare", "--config", config, *sets)
+    assert prep.exit_code == 0, prep.stderr
     assert "unk%" in prep.stdout
-    again = subprocess.run([*tfm, "prepare", "--config", config, *sets], capture_output=True, text=True)
+    again = tfm_in_process("prepare", "--config", config, *sets)
     assert "reused" in again.stdout
-    run = subprocess.run([*tfm, "train", "--config", config, *sets], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
+    run = tfm_in_process("train", "--config", config, *sets)
+    assert run.exit_code == 0, run.stderr
     assert "done (max_steps=150)" in run.stderr
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     valid = [r["loss"] for r in records if r["kind"] == "valid"]

@@ -11,6 +11,7 @@ import pytest
 import sacrebleu
 import torch
 
+from tests.conftest import tfm_in_process
 from transformer_cli.decoding.search import beam_search, beam_top_k, greedy_search, log_probs, logits_buffer, top_k
 from transformer_cli.decoding.torch_engine import Translator
 from transformer_cli.decoding.translation import balanced_batches, format_nbest, length_sorted_batches
@@ -234,38 +235,41 @@ def test_cli_streams_stdin_to_stdout(reverse_model, held_out_pairs):
     assert "sentences/s" in proc.stderr
 
 
+# The command line in this process (Typer's runner: the same parsing, error wrapper and exit codes);
+# test_cli_streams_stdin_to_stdout above runs it as a real process.
+
+
 @pytest.mark.slow
 def test_cli_nbest_output_and_invalid_utf8(reverse_model):
     _, summary = reverse_model
     data = b"wa wb wc\n\xff\xfe wc wd\nwd we wf\n"
-    proc = subprocess.run([*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "3",
-                           "--nbest", "2"], input=data, capture_output=True)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.decode().splitlines()
+    result = tfm_in_process("translate", "--checkpoint", summary.best_checkpoint, "--beam", "3", "--nbest", "2",
+                            input=data)
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
     assert len(lines) == 6 and [line.split("\t")[0] for line in lines] == ["0", "0", "1", "1", "2", "2"]
-    assert b"line 2 is not valid UTF-8" in proc.stderr
+    assert "line 2 is not valid UTF-8" in result.stderr
 
 
 @pytest.mark.slow
 def test_cli_set_without_config_edits_the_checkpoint_settings(reverse_model):
     _, summary = reverse_model
-    base = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint)]
-    proc = subprocess.run([*base, "--set", "decode.beem=3"], input="wa\n", capture_output=True, text=True)
-    assert proc.returncode == 2 and "decode.beem" in proc.stderr and "beam" in proc.stderr
-    proc = subprocess.run([*base, "--set", "decode.beam=1", "--nbest", "2"], input="wa\n",
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "--nbest 2 (key 'decode.nbest'): 2 hypotheses need a beam" in proc.stderr
+    base = ["translate", "--checkpoint", summary.best_checkpoint]
+    result = tfm_in_process(*base, "--set", "decode.beem=3", input="wa\n")
+    assert result.exit_code == 2 and "decode.beem" in result.stderr and "beam" in result.stderr
+    result = tfm_in_process(*base, "--set", "decode.beam=1", "--nbest", "2", input="wa\n")
+    assert result.exit_code == 2 and "--nbest 2 (key 'decode.nbest'): 2 hypotheses need a beam" in result.stderr
 
 
 @pytest.mark.slow
 def test_cli_bad_checkpoint_is_one_line_exit_2(tmp_path, reverse_model):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"this is not a checkpoint")
-    for args in (["--checkpoint", str(bad)], ["--checkpoint", str(tmp_path / "missing.pt")]):
-        proc = subprocess.run([*TFM, "translate", *args], input="wa\n", capture_output=True, text=True)
-        assert proc.returncode == 2
-        assert "Traceback" not in proc.stderr and proc.stderr.startswith("error: ")
-        assert len(proc.stderr.strip().splitlines()) == 1
+    for args in (["--checkpoint", bad], ["--checkpoint", tmp_path / "missing.pt"]):
+        result = tfm_in_process("translate", *args, input="wa\n")
+        assert result.exit_code == 2
+        assert "Traceback" not in result.stderr and result.stderr.startswith("error: ")
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_vocab_mismatch_is_detected(reverse_model, tmp_path):
