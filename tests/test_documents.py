@@ -12,7 +12,7 @@ import lxml.etree
 import lxml.html
 import pytest
 
-from tests.conftest import tfm
+from tests.conftest import tfm, tfm_in_process
 from transformer_cli.decoding.translation import Translation
 from transformer_cli.documents.formats import document_format, read_document
 from transformer_cli.documents.markdown import plan_markdown
@@ -483,11 +483,12 @@ def test_the_command_line_translates_documents_as_it_translates_their_sentences(
     (tmp_path / "lines.txt").write_text("\n".join(lines) + "\n")
     (tmp_path / "doc.txt").write_text(f"  {lines[0]}\n\n\n{lines[1]}\n\n{lines[2]}\n")
     settings = ["--checkpoint", checkpoint, "--set", "decode.precision=fp32", "--engine", "torch"]
-    plain = tfm("translate", *settings, "-i", tmp_path / "lines.txt")
-    assert plain.returncode == 0, plain.stderr
+    plain = tfm_in_process("translate", *settings, "-i", tmp_path / "lines.txt")  # the command line, in this process
+    assert plain.exit_code == 0, plain.stderr
     expected = plain.stdout.splitlines()
-    doc = tfm("translate", *settings, "-i", tmp_path / "doc.txt", "--format", "text", "-o", tmp_path / "out.txt")
-    assert doc.returncode == 0, doc.stderr
+    doc = tfm_in_process("translate", *settings, "-i", tmp_path / "doc.txt", "--format", "text", "-o",
+                         tmp_path / "out.txt")
+    assert doc.exit_code == 0, doc.stderr
     assert (tmp_path / "out.txt").read_text() == f"  {expected[0]}\n\n\n{expected[1]}\n\n{expected[2]}\n"
 
 
@@ -571,7 +572,7 @@ def test_bad_documents_are_one_line_errors_and_write_nothing(reverse_model, tmp_
     (tmp_path / "cut.docx").write_bytes(word_document()[:300])
     for name, says in (("bad.xml", "line 2"), ("nul.html", "NUL"), ("report.pdf", "not text"),
                        ("cut.docx", "not a Word (.docx) document")):
-        done = tfm("translate", "--checkpoint", checkpoint, "-i", tmp_path / name, "-o", tmp_path / "out")
-        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+        done = tfm_in_process("translate", "--checkpoint", checkpoint, "-i", tmp_path / name, "-o", tmp_path / "out")
+        assert done.exit_code == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert f"error: {tmp_path / name}: " in done.stderr  # the message names the file
         assert not (tmp_path / "out").exists()

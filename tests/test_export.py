@@ -144,13 +144,13 @@ def test_cli_export_and_translate_stream(reverse_model, tmp_path):
 
     src = read_lines(f"{config.data.test}.src.gz")[:30]
     text = "\n".join(src[:20] + ["", "   "] + src[20:]) + "\n"
-    torch_out = subprocess.run([*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "1",
-                                "--set", "decode.precision=fp32"], input=text, capture_output=True, text=True)
+    # the command line in this process (tfm translate --engine ctranslate2 as a process: test_default_engine.py)
+    torch_out = tfm_in_process("translate", "--checkpoint", summary.best_checkpoint, "--beam", "1",
+                               "--set", "decode.precision=fp32", input=text)
     for compute_type in ("float32", "int8"):
-        proc = subprocess.run([*TFM, "translate", "--engine", "ctranslate2", "--model", str(out), "--beam", "1",
-                               "--compute-type", compute_type, "--batch-size", "7"],
-                              input=text, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
+        proc = tfm_in_process("translate", "--engine", "ctranslate2", "--model", out, "--beam", "1",
+                              "--compute-type", compute_type, "--batch-size", "7", input=text)
+        assert proc.exit_code == 0, proc.stderr
         lines = proc.stdout.split("\n")[:-1]
         assert len(lines) == 32 and lines[20] == "" and lines[21] == ""
         if compute_type == "float32":

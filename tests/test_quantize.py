@@ -1,14 +1,11 @@
-import subprocess
-import sys
 
 import pytest
 import sacrebleu
 import torch
 
+from tests.conftest import tfm_in_process
 from transformer_cli.decoding.torch_engine import Translator
 from transformer_cli.runtime.files import read_lines
-
-TFM = [sys.executable, "-m", "transformer_cli.cli"]
 
 
 @pytest.mark.parametrize("beam", [1, 4])
@@ -71,11 +68,11 @@ def test_auto_falls_back_to_fp32_where_torch_cannot_quantize(monkeypatch):
 @pytest.mark.slow
 def test_int8_is_reachable_from_the_cli(reverse_model):
     _, summary = reverse_model
-    base = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--beam", "2"]
+    base = ["translate", "--checkpoint", summary.best_checkpoint, "--beam", "2"]  # the command line, in this process
     for extra in (["--quantize", "int8"], ["--set", "decode.precision=int8"]):
-        proc = subprocess.run([*base, *extra], input="wa wb wc\n\nwd we\n", capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
-        lines = proc.stdout.split("\n")
+        result = tfm_in_process(*base, *extra, input="wa wb wc\n\nwd we\n")
+        assert result.exit_code == 0, result.stderr
+        lines = result.stdout.split("\n")
         assert len(lines) == 4 and lines[1] == "" and lines[3] == "" and lines[0] and lines[2]
-    proc = subprocess.run([*base, "--quantize", "int4"], input="wa\n", capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --quantize int4")
+    result = tfm_in_process(*base, "--quantize", "int4", input="wa\n")
+    assert result.exit_code == 2 and result.stderr.startswith("error: --quantize int4")
