@@ -66,7 +66,7 @@ def test_cli_writes_png_and_refuses_bad_input(reverse_model, tmp_path):
 
     _, summary = reverse_model
     args = ["attention", "--checkpoint", summary.best_checkpoint, "--src", "wa wb wc"]
-    # A real process for the plain case and one error; the variants in this process (same app).
+    # A real process for the plain case; the variants and the errors in this process (same app).
     proc = subprocess.run([*TFM, *args, "-o", str(tmp_path / "a.png")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     for extra in (["--self", "--layer", "1"], ["--tgt", "wc wb wa"]):
@@ -75,10 +75,10 @@ def test_cli_writes_png_and_refuses_bad_input(reverse_model, tmp_path):
     for name in ("a.png", "a3.png", "a2.png"):
         with Image.open(tmp_path / name) as image:
             assert image.format == "PNG" and min(image.size) > 100
-    proc = subprocess.run([*TFM, *args, "--layer", "3", "-o", str(tmp_path / "x.png")], capture_output=True, text=True)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert errors == ["error: --layer 3: the decoder has 2 layers (choose 1 to 2)"], proc.stderr
+    result = tfm_in_process(*args, "--layer", "3", "-o", tmp_path / "x.png")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and "Traceback" not in result.stderr, result.stderr
+    assert errors == ["error: --layer 3: the decoder has 2 layers (choose 1 to 2)"], result.stderr
     bad = [(["--layer", "0", "--self"], "the encoder has 2 layers"),
            (["--self", "--tgt", "wc wb wa"], "--tgt has no effect with --self")]
     for extra, message in bad:

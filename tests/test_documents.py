@@ -505,9 +505,9 @@ def test_tags_follow_their_words_through_a_real_models_alignments(reverse_model,
         words[k % len(words)] = f'<b data-n="{k}">{words[k % len(words)]}</b>'
         body.append(f"<p>{' '.join(words)}</p>")
     (tmp_path / "doc.html").write_text("\n".join(body) + "\n")
-    done = tfm("translate", "--checkpoint", summary.best_checkpoint, "--set", "decode.precision=fp32",
-               "-i", tmp_path / "doc.html", "-o", tmp_path / "out.html")
-    assert done.returncode == 0, done.stderr
+    done = tfm_in_process("translate", "--checkpoint", summary.best_checkpoint, "--set", "decode.precision=fp32",
+                          "-i", tmp_path / "doc.html", "-o", tmp_path / "out.html")
+    assert done.exit_code == 0, done.stderr
     root = lxml.etree.fromstring(f"<div>{(tmp_path / 'out.html').read_text()}</div>")
     right = sum(root.find(f".//b[@data-n='{k}']").text == line.split()[k % len(line.split())]
                 for k, line in enumerate(sources))
@@ -548,17 +548,17 @@ def test_only_sentences_with_markup_are_aligned_and_the_page_is_the_same(reverse
 ])
 def test_bad_document_options_are_one_line_errors(reverse_model, tmp_path, args, says):
     (tmp_path / "in.txt").write_text("wa wb\n")
-    done = tfm("translate", "--checkpoint", reverse_model[1].best_checkpoint, "-i", tmp_path / "in.txt", *args)
-    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    done = tfm_in_process("translate", "--checkpoint", reverse_model[1].best_checkpoint, "-i", tmp_path / "in.txt", *args)
+    assert done.exit_code == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_markup_on_ctranslate2_keeps_its_tags_through_tfm_engines_alignments(reverse_model, tmp_path):
     pytest.importorskip("ctranslate2")
     (tmp_path / "page.html").write_text("<p>wa <b>wb</b> wc <i>wd</i></p>\n")
-    done = tfm("translate", "--checkpoint", reverse_model[1].best_checkpoint, "--engine", "ctranslate2",
-               "-i", tmp_path / "page.html", "-o", tmp_path / "page.out.html")
-    assert done.returncode == 0, done.stderr
+    done = tfm_in_process("translate", "--checkpoint", reverse_model[1].best_checkpoint, "--engine", "ctranslate2",
+                          "-i", tmp_path / "page.html", "-o", tmp_path / "page.out.html")
+    assert done.exit_code == 0, done.stderr
     assert "word alignments by tfm's engine" in done.stderr
     page = (tmp_path / "page.out.html").read_text()
     assert page.count("<b>") == page.count("</b>") == page.count("<i>") == page.count("</i>") == 1, page

@@ -18,7 +18,6 @@ from tests.conftest import (
     assert_same_final_weights,
     shift_config,
     shifted,
-    tfm,
     tfm_in_process,
     write_shift_task,
 )
@@ -157,8 +156,8 @@ def test_the_tag_chooses_the_output_language(shift_model):
 
 def test_a_missing_or_unknown_tag_is_an_error_listing_the_languages(shift_model):
     data, config_path = shift_model
-    missing = tfm("translate", "--config", config_path, input="wa wb\n")
-    assert missing.returncode == 2 and "translates into several languages (dn, up): give --tgt-lang" in missing.stderr
+    missing = tfm_in_process("translate", "--config", config_path, input="wa wb\n")
+    assert missing.exit_code == 2 and "translates into several languages (dn, up): give --tgt-lang" in missing.stderr
     unknown = tfm_in_process("translate", "--config", config_path, "--tgt-lang", "xx", input="wa wb\n")
     assert unknown.exit_code == 2 and "knows no tag >>xx<<; it knows dn, up" in unknown.stderr
     line = tfm_in_process("translate", "--config", config_path, "--tgt-lang", "up", input="wa\n>>zz<< wa\n")
@@ -188,8 +187,8 @@ def test_the_exported_model_translates_the_same(shift_model, tmp_path):
 @pytest.mark.slow
 def test_evaluate_scores_every_direction_and_gates_one(shift_model):
     data, config_path = shift_model
-    table = tfm("evaluate", "--config", config_path, "--engine", "torch", "--min-bleu", "src-up=80")
-    assert table.returncode == 0, table.stderr
+    table = tfm_in_process("evaluate", "--config", config_path, "--engine", "torch", "--min-bleu", "src-up=80")
+    assert table.exit_code == 0, table.stderr
     rows = {line.split()[0]: line.split() for line in table.stdout.splitlines() if line[:1].isalpha()}
     assert {"src-up", "src-dn", "average"} <= set(rows)
     bleu = {name: float(rows[name][1]) for name in ("src-up", "src-dn", "average")}

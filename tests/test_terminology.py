@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FP32, WORDS, fp32_translator, tfm, tfm_in_process
+from tests.conftest import FP32, WORDS, fp32_translator, tfm_in_process
 from transformer_cli.decoding.constraints import AvoidedSequences, ConstraintTable, kmp_transitions, recent_tokens
 from transformer_cli.decoding.terms import (
     Glossary,
@@ -216,15 +216,15 @@ def write(path: Path, data: bytes | str) -> Path:
 
 
 def test_translate_constraints_file_json_and_glossary_on_the_command_line(checkpoint, lines, tmp_path):
-    """A real `tfm translate --constraints --json` run (prefix and avoided fields, a line without
+    """`tfm translate --constraints --json` on the command line (in this process) (prefix and avoided fields, a line without
     terms), then `--glossary`: its entries fire on whole words, case-insensitively, and are reported."""
     src = [lines[0], lines[1], lines[2]]
     first_word = src[0].split()[-1]  # the reverse task's translation starts with the source's last word
     term = absent_words(src[1], 1, 0)[0]
     data = f"{src[0]}\t^{first_word}\t{term}\n{src[1]}\t\n{src[2]}\t!{src[2].split()[0]}\n"
-    result = tfm("translate", "--checkpoint", checkpoint, "--set", "decode.precision=fp32", "--constraints", "--json",
-                 "-i", write(tmp_path / "in.tsv", data))
-    assert result.returncode == 0, result.stderr
+    result = tfm_in_process("translate", "--checkpoint", checkpoint, "--set", "decode.precision=fp32", "--constraints",
+                            "--json", "-i", write(tmp_path / "in.tsv", data))
+    assert result.exit_code == 0, result.stderr
     assert "engine: torch (constraints and avoided terms are tfm's own" in result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["line"] for r in records] == [0, 1, 2]
