@@ -9,6 +9,8 @@ languages' `train.*.gz` beside them, e.g. Multi30k's fr and cs) and writes `<out
 adds half as many noisy pairs as there are clean ones, in equal shares of the kinds:
 
 - misaligned: a source and the target of another pair;
+- partly_aligned: a pair whose target goes on with another pair's target (a sentence split that
+  failed on one side, merged segments);
 - wrong_language: one side replaced by another language's line (a swapped or mislabelled file);
 - copy: the target is the source, untranslated (or the source the target);
 - fragment: a word or two of each side (menus, buttons, broken segmentation);
@@ -34,7 +36,7 @@ from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
 from transformer_cli.runtime.files import atomic_write_bytes, check_output, read_lines  # noqa: E402
 
-KINDS = ("misaligned", "wrong_language", "copy", "fragment", "duplicate", "overlong", "garbage")
+KINDS = ("misaligned", "partly_aligned", "wrong_language", "copy", "fragment", "duplicate", "overlong", "garbage")
 
 
 def garbage_line(rng: random.Random) -> str:
@@ -56,6 +58,9 @@ def noisy_pair(kind: str, clean: list[tuple[str, str]], others: list[list[str]],
     if kind == "misaligned":
         j = rng.randrange(len(clean) - 1)
         return src, clean[j + (j >= i)][1]
+    if kind == "partly_aligned":
+        j = rng.randrange(len(clean) - 1)
+        return src, f"{tgt} {clean[j + (j >= i)][1]}"
     if kind == "wrong_language":
         line = rng.choice(rng.choice(others))
         return (line, tgt) if rng.random() < 0.5 else (src, line)

@@ -54,6 +54,9 @@ def test_the_noisy_corpus_is_the_clean_one_plus_each_kind_of_noise_labelled(nois
             assert s == t
         elif label == "misaligned":
             assert (s, t) not in pairs and s in set(sources) and t in set(targets)
+        elif label == "partly_aligned":  # its own target, then another pair's
+            assert (s, t) not in pairs and any(t.startswith(f"{own} ") and t[len(own) + 1:] in set(targets)
+                                               for own in (tg for sr, tg in pairs if sr == s))
         elif label == "wrong_language":
             assert (s in others) != (t in others)
         elif label == "overlong":
@@ -259,6 +262,8 @@ def test_the_label_benchmark_at_a_small_size(noisy, tmp_path):
         for label, row in rates.items():
             if label == "misaligned":
                 assert row["share"] >= (0.6 if variant == "lexical" else 0.0), (variant, rates)
+            elif label in bench.UNJUDGED:
+                pass  # partly aligned: what no filter here is meant to see yet (bench_cleaning.py shows it)
             elif label == "clean":
                 assert row["share"] <= (bench.TARGET_CLEAN if variant == "default" else 0.05), (variant, rates)
             else:
