@@ -328,21 +328,21 @@ def test_emulated_bf16_is_screened_on_a_few_rows_and_real_bf16_timed_on_the_full
     from transformer_cli.runtime import precision
 
     monkeypatch.setenv("TFM_CACHE", str(tmp_path))
-    full_shape_rows = []
+    bf16_rows, screen_flops = [], [0.0]
 
-    def matmul_flops(a, b):
-        if a.dtype == torch.bfloat16:
-            full_shape_rows.append(a.size(0))
-            return 300.0
-        return 100.0
+    def matmul_flops(a, b, seconds=0.08):
+        if a.dtype != torch.bfloat16:
+            return 100.0
+        bf16_rows.append(a.size(0))
+        return screen_flops[0] if a.size(0) == 2 else 300.0  # the screen's 64 // 32 rows, or the full shape
 
     monkeypatch.setattr(precision, "_matmul_flops", matmul_flops)
-    for rows_flops, expected, timed in ((1.0, 0.01, []), (20.0, 0.2, []), (30.0, 3.0, [64]), (250.0, 3.0, [64])):
+    for rows_flops, expected, timed in ((1.0, 0.01, [2]), (20.0, 0.2, [2]), (30.0, 3.0, [2, 64]), (250.0, 3.0, [2, 64])):
         (tmp_path / "bf16_speedup.json").unlink(missing_ok=True)
-        full_shape_rows.clear()
-        monkeypatch.setattr(precision, "_few_calls_flops", lambda a, b, f=rows_flops: f if a.size(0) == 2 else -1.0)
+        bf16_rows.clear()
+        screen_flops[0] = rows_flops
         assert measure_bf16_speedup(16, 32, tokens=64) == pytest.approx(expected)
-        assert full_shape_rows == timed
+        assert bf16_rows == timed
 
 
 def test_tfm_precision_env_decides_auto_only(monkeypatch):

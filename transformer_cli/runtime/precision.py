@@ -43,6 +43,7 @@ def cache_dir() -> Path:
 
 
 def _matmul_flops(a: torch.Tensor, b: torch.Tensor, seconds: float = 0.08) -> float:
+    """Mean FLOP/s of at least three calls, and of as many as fit in `seconds`, after two untimed."""
     for _ in range(2):  # warm-up: oneDNN picks and JITs its kernel on first use
         a @ b
     calls, started = 0, time.perf_counter()
@@ -52,21 +53,10 @@ def _matmul_flops(a: torch.Tensor, b: torch.Tensor, seconds: float = 0.08) -> fl
     return 2 * a.size(0) * a.size(1) * b.size(1) * calls / (time.perf_counter() - started)
 
 
-def _few_calls_flops(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The fastest of three calls after a first (oneDNN picks and JITs its kernel on first use)."""
-    a @ b
-    fastest = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        a @ b
-        fastest = min(fastest, time.perf_counter() - started)
-    return 2 * a.size(0) * a.size(1) * b.size(1) / fastest
-
-
 def measure_bf16_speedup(d_model: int, d_ff: int, tokens: int = 2048) -> float:
     """bf16 / fp32 matmul throughput for the model's own FFN shape, (tokens × d_model) @ (d_model × d_ff).
 
-    ~0.3 s (0.2–1.5 s where bf16 is emulated); the answer is cached per CPU model, torch version, thread count and shape.
+    ~0.3 s (0.2–1.8 s where bf16 is emulated); the answer is cached per CPU model, torch version, thread count and shape.
     """
     key = f"{cpu_model_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | " \
           f"{tokens}x{d_model}x{d_ff}"
@@ -86,9 +76,9 @@ def measure_bf16_speedup(d_model: int, d_ff: int, tokens: int = 2048) -> float:
     fp32 = _matmul_flops(a, b)
     # A CPU without bf16 instructions emulates them ~100x slower than fp32: timing the full shape
     # there took up to 46 s on a Zen 3 (d512, 1 thread), once per shape model.size auto times. A 32nd of
-    # the rows first (1.5 s there); only a CPU that is not clearly slower on them is timed on the full shape.
+    # the rows first (1.8 s there); only a CPU that is not clearly slower on them is timed on the full shape.
     b16 = b.bfloat16()
-    screened = _few_calls_flops(a[: max(1, tokens // 32)].bfloat16(), b16) / fp32
+    screened = _matmul_flops(a[: max(1, tokens // 32)].bfloat16(), b16, seconds=0.0) / fp32
     speedup = screened if screened < BF16_SCREEN else _matmul_flops(a.bfloat16(), b16) / fp32
     cached[key] = round(speedup, 3)
     try:
