@@ -15,8 +15,8 @@ the config gives `train.lr`, and at the dropout its curve was measured with, or 
 the budget runs past the point that shape was seen to overfit (`NamedShape.dropout_for`), unless the
 config gives `model.dropout`.
 
-A resumed run never probes again: its checkpoint's shape, batch and learning rate are the run's
-(`shape_of_run`).
+A resumed run never probes again: its checkpoint's shape, batch, learning rate and dropout are the
+run's (`shape_of_run`).
 """
 
 from __future__ import annotations
