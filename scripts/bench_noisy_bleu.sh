@@ -28,7 +28,8 @@ for arm in $ARMS; do
     lexical) SETS=("${NOISY[@]}" --set data.filters.lexical.enabled=true) ;;
     *) echo "error: ARMS: unknown arm '$arm' (clean, noisy, filtered, lexical)" >&2; exit 2 ;;
   esac
-  # the quickstart's settings (scripts/quickstart.sh): dropout 0.1, inverse_sqrt
+  # the quickstart's schedule (scripts/quickstart.sh, inverse_sqrt); dropout pinned at 0.1, what
+  # model.size auto chooses for 10 minutes, so that every arm trains alike
   RUN=(--set run_dir="$OUT/$arm" --set model.dropout=0.1 --set train.lr_schedule=inverse_sqrt "${SETS[@]}")
   tfm prepare --config "$CONFIG" "${RUN[@]}" --force --discard-checkpoints > "$OUT/$arm.prepare.txt"
   tfm train --config "$CONFIG" "${RUN[@]}" --set train.max_time="$TIME" 2> "$OUT/$arm.train.log"
