@@ -5,10 +5,12 @@ through `tfm prepare`'s filters, and the filters' throughput.
     python scripts/bench_cleaning.py --variants default lexical --noise 0.5 --seed 1
 
 For each variant (`default`: data.filters as a new config has them; `lexical`: the defaults plus the
-lexical filter for misaligned pairs) it runs `tfm prepare --dropped` on the noisy corpus and prints,
-for each kind of noise, the share of those pairs dropped (target: at least 95% of each kind; 80% of
-the misaligned pairs with the lexical filter on) and the share of clean pairs dropped (target: at
-most 2%). Of equal pairs one must be kept and the others dropped, whichever is labelled clean.
+lexical filter for misaligned pairs; `model`: the defaults plus the model filter with the runs given
+as `--forward` (de→en) and/or `--backward` (en→de)) it runs `tfm prepare --dropped` on the noisy
+corpus and prints, for each kind of noise, the share of those pairs dropped (target: at least 95% of
+each kind; 80% of the misaligned pairs with the lexical filter on; with the model filter 95% of the
+misaligned and 80% of the partly aligned pairs, and at most 1% of clean pairs) and the share of clean
+pairs dropped (target: at most 2%). Of equal pairs one must be kept and the others dropped, whichever is labelled clean.
 Then the filters' throughput on the same pairs, in one process (pairs/s): without language
 identification, the defaults, and the defaults with the lexical filter.
 """
@@ -31,11 +33,13 @@ from transformer_cli.runtime.errors import TfmError  # noqa: E402
 from transformer_cli.runtime.files import read_lines, scratch_directory  # noqa: E402
 
 TARGET_NOISE, TARGET_MISALIGNED, TARGET_CLEAN = 0.95, 0.80, 0.02
-# Pairs whose target translates the source and goes on: no filter of tfm's is meant to see them yet
+# The model filter's: misaligned and partly aligned pairs, at most 1% of clean ones.
+MODEL_TARGETS = {"misaligned": 0.95, "partly_aligned": 0.80, "clean": 0.01}
+# Pairs whose target translates the source and goes on: only the model filter is meant to see them
 # (the lexical score averages over the words, most of which do translate); shown, not judged.
 UNJUDGED = ("partly_aligned",)
 VARIANTS = {"default": [], "lexical": ["data.filters.lexical.enabled=true"],
-            "no-language": ["data.filters.language.enabled=false"]}
+            "no-language": ["data.filters.language.enabled=false"], "model": ["data.filters.model.enabled=true"]}
 
 
 def drop_rates(labels: list[str], src: list[str], tgt: list[str], dropped: list[dict]) -> dict[str, dict]:
@@ -63,6 +67,8 @@ def drop_rates(labels: list[str], src: list[str], tgt: list[str], dropped: list[
 
 def target_of(label: str, variant: str) -> tuple[str, bool]:
     """(target text, whether it is one this variant must meet)."""
+    if variant == "model" and label in MODEL_TARGETS:
+        return f"{'<=' if label == 'clean' else '>='} {MODEL_TARGETS[label]:.0%}", True
     if label == "clean":
         return f"<= {TARGET_CLEAN:.0%}", True
     if label == "misaligned":
@@ -72,7 +78,9 @@ def target_of(label: str, variant: str) -> tuple[str, bool]:
     return f">= {TARGET_NOISE:.0%}", True
 
 
-def meets(label: str, share: float) -> bool:
+def meets(label: str, share: float, variant: str = "default") -> bool:
+    if variant == "model" and label in MODEL_TARGETS:
+        return share <= MODEL_TARGETS[label] if label == "clean" else share >= MODEL_TARGETS[label]
     if label == "clean":
         return share <= TARGET_CLEAN
     return share >= (TARGET_MISALIGNED if label == "misaligned" else TARGET_NOISE)
@@ -83,13 +91,16 @@ def make_corpus(data: Path, out: Path, noise: float, seed: int) -> None:
                     str(noise), "--seed", str(seed), "-o", str(out)], check=True, stdout=subprocess.DEVNULL)
 
 
-def run_variant(data: Path, noisy: Path, workdir: Path, variant: str, vocab_size: int) -> tuple[dict, float]:
-    """prepare with the variant's filters; returns (drop rates per label, seconds)."""
+def run_variant(data: Path, noisy: Path, workdir: Path, variant: str, vocab_size: int,
+                models: list[str]) -> tuple[dict, float]:
+    """prepare with the variant's filters (`models`: the model filter's settings); returns (drop
+    rates per label, seconds)."""
     from transformer_cli.data.prepare import prepare
     from transformer_cli.experiment.config import load_config
 
     sets = [f"run_dir={workdir / ('run-' + variant)}", f"data.train={noisy}/train", f"data.valid={data}/val",
-            f"data.test={data}/test_2016_flickr", f"vocab.size={vocab_size}", *VARIANTS[variant]]
+            f"data.test={data}/test_2016_flickr", f"vocab.size={vocab_size}", *VARIANTS[variant],
+            *(models if variant == "model" else [])]
     config = load_config(ROOT / "configs" / "de-en.yaml", sets)
     dropped_file = workdir / f"dropped-{variant}.jsonl"
     started = time.perf_counter()
@@ -100,21 +111,31 @@ def run_variant(data: Path, noisy: Path, workdir: Path, variant: str, vocab_size
     return drop_rates(labels, read_lines(noisy / "train.de.gz"), read_lines(noisy / "train.en.gz"), dropped), seconds
 
 
-def throughput(noisy: Path, data: Path) -> list[tuple[str, float]]:
-    """The filters' pairs/s on the noisy pairs in this process (no encoding): what each costs."""
+def throughput(noisy: Path, data: Path, forward: str | None, backward: str | None) -> list[tuple[str, float]]:
+    """The filters' pairs/s on the noisy pairs in this process (no encoding): what each costs; the
+    model filter's (its thresholds learned first, not timed) where its models are given."""
     from transformer_cli.data.cleaning import COMMON_WORDS_PAIRS
     from transformer_cli.data.filters import DirectionFilters
     from transformer_cli.data.lexical import learn_lexical_model
+    from transformer_cli.data.model_filter import checkpoint_of, learn_model_filter
     from transformer_cli.experiment.config import FiltersConfig
 
     src, tgt = read_lines(noisy / "train.de.gz"), read_lines(noisy / "train.en.gz")
     rows = []
-    for name, language, lexical in (("no language id", False, False), ("default", True, False),
-                                    ("default + lexical", True, True)):
+    variants = [("no language id", False, False), ("default", True, False), ("default + lexical", True, True)]
+    if forward or backward:
+        variants.append(("default + model", True, False))
+    for name, language, lexical in variants:
         settings = FiltersConfig().model_dump()
         settings["language"]["enabled"], settings["lexical"]["enabled"] = language, lexical
+        settings["model"]["enabled"] = name == "default + model"
         model = learn_lexical_model(src, tgt, settings["lexical"]["recall"], 1) if lexical else None
         filters = DirectionFilters(settings, "de", "en", model)
+        if settings["model"]["enabled"]:
+            rule = FiltersConfig().model
+            filters.scorer, _ = learn_model_filter(rule, forward and checkpoint_of(forward),
+                                                   backward and checkpoint_of(backward),
+                                                   src[:rule.sample_pairs], tgt[:rule.sample_pairs], 1)
         if language:
             filters.learn_common_words(src[:COMMON_WORDS_PAIRS], tgt[:COMMON_WORDS_PAIRS])
         started = time.perf_counter()
@@ -132,8 +153,14 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["default", "lexical"], choices=sorted(VARIANTS))
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tfm_bench_cleaning"))
+    parser.add_argument("--forward", help="the model filter's forward model (a de→en run or checkpoint)")
+    parser.add_argument("--backward", help="the model filter's backward model (an en→de run or checkpoint)")
     parser.add_argument("--no-throughput", action="store_true")
     args = parser.parse_args()
+    models = [f"data.filters.model.{way}={path}" for way, path in (("forward", args.forward),
+                                                                  ("backward", args.backward)) if path]
+    if "model" in args.variants and not models:
+        raise TfmError("--variants model: give --forward and/or --backward (the scoring models' runs)")
     from bench_common import machine_line
 
     print(machine_line())
@@ -148,17 +175,17 @@ def main() -> None:
     noisy = args.workdir / "noisy"
     make_corpus(data, noisy, args.noise, args.seed)
     for variant in args.variants:
-        rates, seconds = run_variant(data, noisy, args.workdir, variant, args.vocab_size)
+        rates, seconds = run_variant(data, noisy, args.workdir, variant, args.vocab_size, models)
         print(f"\nfilters: {variant} (tfm prepare {seconds:.1f} s)")
         print(f"{'pairs':<16}{'count':>8}{'dropped':>9}{'share':>8}  {'target':<20}{'met':<5} reasons")
         for label, row in rates.items():
             target, applies = target_of(label, variant)
-            met = ("yes" if meets(label, row["share"]) else "NO") if applies else "-"
+            met = ("yes" if meets(label, row["share"], variant) else "NO") if applies else "-"
             reasons = ", ".join(f"{r} {n}" for r, n in row["reasons"].most_common(3))
             print(f"{label:<16}{row['pairs']:>8,}{row['dropped']:>9,}{row['share']:>8.1%}  {target:<20}{met:<5} {reasons}")
     if not args.no_throughput:
         print("\nfilters alone, one process (pairs/s):")
-        for name, rate in throughput(noisy, data):
+        for name, rate in throughput(noisy, data, args.forward, args.backward):
             print(f"  {name:<20}{rate:>10,.0f}")
 
 

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # What corpus cleaning buys at equal training budget: test2016 BLEU of the quickstart's model trained
 # on clean Multi30k, on Multi30k + 50% injected noise (scripts/make_noisy.py), and on the noisy corpus
-# through the default filters (and, with ARMS including lexical, the lexical filter too).
+# through the default filters (and, with ARMS including lexical, the lexical filter too; with model,
+# the model filter, its runs given as FORWARD (de→en) and/or BACKWARD (en→de)).
 #   TIME=10m scripts/bench_noisy_bleu.sh           (training budget per arm; default 10m)
 #   ARMS="clean noisy filtered lexical" scripts/bench_noisy_bleu.sh
-# Target: noisy + default filters within 1.0 BLEU of clean. Writes runs/noisy-bleu/<arm>/.
+#   ARMS="clean model" FORWARD=runs/de-en BACKWARD=runs/en-de scripts/bench_noisy_bleu.sh
+# Targets: noisy + default filters within 1.0 BLEU of clean; + the model filter within 0.5.
+# Writes runs/noisy-bleu/<arm>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TIME=${TIME:-10m}
@@ -26,7 +29,14 @@ for arm in $ARMS; do
     noisy) SETS=("${NOISY[@]}" "${OFF[@]}") ;;
     filtered) SETS=("${NOISY[@]}") ;;
     lexical) SETS=("${NOISY[@]}" --set data.filters.lexical.enabled=true) ;;
-    *) echo "error: ARMS: unknown arm '$arm' (clean, noisy, filtered, lexical)" >&2; exit 2 ;;
+    model)
+      if [ -z "${FORWARD:-}${BACKWARD:-}" ]; then
+        echo "error: ARMS: the model arm needs FORWARD and/or BACKWARD (the scoring models' runs)" >&2; exit 2
+      fi
+      SETS=("${NOISY[@]}" --set data.filters.model.enabled=true)
+      [ -n "${FORWARD:-}" ] && SETS+=(--set "data.filters.model.forward=$FORWARD")
+      [ -n "${BACKWARD:-}" ] && SETS+=(--set "data.filters.model.backward=$BACKWARD") ;;
+    *) echo "error: ARMS: unknown arm '$arm' (clean, noisy, filtered, lexical, model)" >&2; exit 2 ;;
   esac
   # the quickstart's schedule (scripts/quickstart.sh, inverse_sqrt); dropout pinned at 0.1, what
   # model.size auto chooses for 10 minutes, so that every arm trains alike

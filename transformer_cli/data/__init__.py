@@ -6,8 +6,9 @@ prepare.py is `tfm prepare` (reading, checking, encoding, the manifest); corpus.
 batches; batch_stream.py feeds them to training ahead of time; language_tags.py the `>>de<<` tags of
 multilingual runs; language_id.py tells which language a line is in. Cleaning the training split:
 filters.py (which pairs are dropped and why), lexical.py (the IBM Model 1 score of misaligned pairs),
-cleaning.py (the filters built from the config, duplicates, the report, `--dropped`). shortlist.py
-learns a run's lexical shortlist (`tfm shortlist`).
+model_filter.py (misaligned and partly aligned pairs scored by translation models), cleaning.py (the
+filters built from the config, duplicates, the report, `--dropped`). shortlist.py learns a run's
+lexical shortlist (`tfm shortlist`).
 
 Entry points: `prepare.prepare`, `batches.ParallelData`, `batches.token_batches`.
 May import: the model, runtime and experiment wings.

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..experiment.config import ExperimentConfig
-from ..runtime.console import warn
+from ..runtime.console import say, warn
 from ..runtime.errors import TfmError
 from ..runtime.files import AtomicStream, text_file_problem
 from .corpus import (
@@ -32,13 +32,15 @@ from .corpus import (
 from .filters import REASONS, DirectionFilters, SeenHashes
 from .language_id import MODEL_NAME, identify, model_language
 from .lexical import learn_lexical_model
+from .model_filter import ModelFilter, check_model, learn_model_filter
 
 COMMON_WORDS_PAIRS = 20_000  # the first pairs of a direction, whose in-language lines give its common words
 _CHECK = "check data.src_lang/tgt_lang and the files, or turn the filter off:"
 # The filter (config key under data.filters) behind each reason; None: not a filter of its own.
 FILTER_OF = {"empty": None, "encoding": "text", "length": "length", "copy": "copies", "characters": "characters",
              "repeats": "repeats", "numbers": "numbers", "language": "language", "misaligned": "lexical",
-             "too_long": None, "length_ratio": None, "duplicate": "duplicates"}
+             "model_misaligned": "model", "partly_aligned": "model", "too_long": None, "length_ratio": None,
+             "duplicate": "duplicates"}
 
 
 @dataclass
@@ -87,7 +89,7 @@ class CleaningReport:
                     key = FILTER_OF[reason]
                     what = f"data.filters.{key}" if key else "data.max_len / data.max_len_ratio"
                     hint = (" (is data.src_lang/tgt_lang right, or are the files swapped?)"
-                            if reason in ("language", "characters", "misaligned") else "")
+                            if reason in ("language", "characters", "misaligned", "model_misaligned") else "")
                     out.append(f"filter '{reason}' dropped {d.dropped[reason] / d.read:.0%} of {d.name}'s "
                                f"{d.read:,} training pairs{hint}; see {what}")
         return out
@@ -121,12 +123,12 @@ class CleaningReport:
     def table(self) -> str:
         """Pairs read, dropped by each reason (share), kept: the one table `tfm prepare` prints."""
         read = max(self.read, 1)
-        rows = [f"{'training pairs':<22}{'pairs':>11}{'share':>8}", "-" * 41,
-                f"{'read':<22}{self.read:>11,}{'':>8}"]
+        rows = [f"{'training pairs':<25}{'pairs':>11}{'share':>8}", "-" * 44,
+                f"{'read':<25}{self.read:>11,}{'':>8}"]
         for reason, count in self.dropped().items():
             if count:
-                rows.append(f"{'dropped: ' + reason:<22}{count:>11,}{count / read:>8.1%}")
-        rows.append(f"{'kept':<22}{self.kept:>11,}{self.kept / read:>8.1%}")
+                rows.append(f"{'dropped: ' + reason:<25}{count:>11,}{count / read:>8.1%}")
+        rows.append(f"{'kept':<25}{self.kept:>11,}{self.kept / read:>8.1%}")
         return "\n".join(rows)
 
 
@@ -206,10 +208,12 @@ def make_cleaning(config: ExperimentConfig, corpora: list[list[Corpus]], dropped
     """An empty report and the --dropped writer for a run's training split, with the directions'
     `filters` (`corpora`: each direction's training corpora)."""
     settings = config.data.filters
+    reported = settings.model_dump()
+    if filters and "learned" in filters[0].settings["model"]:  # the model filter's thresholds
+        reported["model"]["learned"] = filters[0].settings["model"]["learned"]
     report = CleaningReport([DirectionCounts(d.name, [str(src) for src, _ in direction],
                                              [str(path) for pair in direction for path in pair])
-                             for d, direction in zip(config.data.pairs, corpora)], settings.warn_share,
-                            settings.model_dump())
+                             for d, direction in zip(config.data.pairs, corpora)], settings.warn_share, reported)
     return Cleaning(filters, report,
                     DroppedWriter(dropped_file) if dropped_file is not None else None,
                     SeenHashes() if settings.duplicates.enabled else None)
@@ -245,13 +249,35 @@ def build_filters(config: ExperimentConfig, corpora: list[list[Corpus]], seed: i
                  f"({MODEL_NAME}, 176 languages): the language filter is off for that side")
         if config.data.filters.language.enabled:  # the first pairs of the direction teach its common words
             filters.learn_common_words(*head_pairs(direction_corpora, COMMON_WORDS_PAIRS))
+        if config.data.filters.model.enabled:
+            filters.scorer = model_filter(config, direction_corpora, filters, seed)
         out.append(filters)
     return out
 
 
+def model_filter(config: ExperimentConfig, corpora: list[Corpus], filters: DirectionFilters, seed: int) -> ModelFilter:
+    """The direction's model filter: its models checked, its thresholds learned from a sample of the
+    pairs the other filters keep (printed, and kept in the report's settings)."""
+    rule = config.data.filters.model
+    if len(config.data.pairs) != 1:
+        raise TfmError("data.filters.model: scores the pairs of a run with one direction (data.src_lang → "
+                       f"data.tgt_lang), not of {len(config.data.pairs)} directions")
+    direction = config.data.pairs[0]
+    forward = check_model(rule.forward, "forward", direction.src, direction.tgt) if rule.forward else None
+    backward = check_model(rule.backward, "backward", direction.tgt, direction.src) if rule.backward else None
+    src, tgt, _ = sample_pairs(corpora, rule.sample_pairs, seed, config.data.train_limit, skip_invalid=True)
+    kept = [i for i, reason in enumerate(filters.reasons(src, tgt)) if reason is None]
+    found, learned = learn_model_filter(rule, forward, backward, [src[i] for i in kept], [tgt[i] for i in kept], seed)
+    say(f"data.filters.model: thresholds from {learned['sample_pairs']:,} sample pairs: cross-entropy above "
+        f"{learned['misaligned_above']} → model_misaligned, continuation above {learned['partly_above']} → "
+        f"partly_aligned ({learned.get('sample_dropped', 0):.1%} of the sample)")
+    filters.settings["model"]["learned"] = learned
+    return found
+
+
 def _sample_reasons(task: tuple[int, list[str], list[str]]) -> list[str | None]:
     direction, src, tgt = task
-    return _sample_filters[direction].reasons(src, tgt)
+    return _sample_filters[direction].reasons(src, tgt, scored=False)
 
 
 _sample_filters: list[DirectionFilters] = []

@@ -12,13 +12,17 @@ Each pair meets the filters in this order and is counted at the first that drops
     numbers      the sides' digits disagree                                           (numbers)
     language     a side identified as another language than its own                   (language)
     misaligned   a low lexical translation score (data/lexical.py; off by default)    (lexical)
+    model_misaligned  a high (dual) cross-entropy under translation models             (model)
+    partly_aligned    a side that goes on past the translation of the other            (model)
+                 (data/model_filter.py; off by default)
     too_long     a side over data.max_len pieces (after encoding)
     length_ratio the sides' pieces differ by more than data.max_len_ratio (after encoding)
     duplicate    a pair (or source) seen before in the direction, by an 8-byte hash   (duplicates)
 
-Everything up to `misaligned` runs on text, before encoding (a dropped pair is never encoded),
+Everything up to `partly_aligned` runs on text, before encoding (a dropped pair is never encoded),
 in the encoding workers; `duplicate` runs in the main process, in corpus order, so the first of
-equal pairs is kept whatever the number of workers. No torch here.
+equal pairs is kept whatever the number of workers. No torch here (the model filter imports it
+in the workers that score).
 """
 
 from __future__ import annotations
@@ -28,16 +32,20 @@ import hashlib
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .language_id import identify, model_language
 from .lexical import LexicalModel
 
+if TYPE_CHECKING:
+    from .model_filter import ModelFilter
+
 COMMON_MIN_HITS, COMMON_MIN_SHARE = 2, 0.4  # `plainly_in_language`: at least 2 words and 40% of them
 # The reasons in the order the filters run (the report lists them so).
 REASONS = ("empty", "encoding", "length", "copy", "characters", "repeats", "numbers", "language", "misaligned",
-           "too_long", "length_ratio", "duplicate")
+           "model_misaligned", "partly_aligned", "too_long", "length_ratio", "duplicate")
 
 _NONZERO_DIGIT = re.compile("[1-9]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ufffd]")  # tab is allowed
@@ -76,12 +84,14 @@ def script_of(language: str) -> str | None:
 @dataclass
 class DirectionFilters:
     """What the workers need to filter one direction's pairs: the settings (`data.filters` as a
-    plain dict), the direction's languages, and the lexical model learned for it (or None)."""
+    plain dict), the direction's languages, and the lexical model and model filter learned for it
+    (or None)."""
 
     settings: dict
     src_lang: str
     tgt_lang: str
     lexical: LexicalModel | None = None
+    scorer: ModelFilter | None = None
     # each side's most frequent words, from lines fastText identified as its language
     # (`learn_common_words`): a line made mostly of them skips the identifier
     common_words: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -200,8 +210,9 @@ class DirectionFilters:
                              for token in line.casefold().split())
             self.common_words[side] = frozenset(word for word, _ in counts.most_common(top))
 
-    def reasons(self, src: list[str | None], tgt: list[str | None]) -> list[str | None]:
-        """Each pair's reason to be dropped by the text filters, or None."""
+    def reasons(self, src: list[str | None], tgt: list[str | None], scored: bool = True) -> list[str | None]:
+        """Each pair's reason to be dropped by the filters, or None; `scored=False` leaves the model
+        filter out (a vocabulary sample: its pairs' words count, not their alignment)."""
         found: list[str | None] = []
         check_language = self._language["src"] or self._language["tgt"]
         for s, t in zip(src, tgt):
@@ -219,6 +230,11 @@ class DirectionFilters:
                 bad = self.lexical.misaligned([src[i] for i in open_rows], [tgt[i] for i in open_rows])
                 for i in np.asarray(open_rows)[bad]:
                     found[i] = "misaligned"
+        if scored and self.scorer is not None and self.on("model"):
+            open_rows = [i for i, r in enumerate(found) if r is None]
+            scores = self.scorer.reasons([src[i] for i in open_rows], [tgt[i] for i in open_rows])  # type: ignore[misc]
+            for i, reason in zip(open_rows, scores):
+                found[i] = reason
         return found
 
 

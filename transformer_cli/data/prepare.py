@@ -55,6 +55,7 @@ from .corpus import (
 )
 from .filters import DirectionFilters
 from .language_tags import known_languages
+from .model_filter import checkpoint_of, model_identity
 
 
 def corpus_file(prefix: str, lang: str) -> Path:
@@ -186,6 +187,10 @@ def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
     if parent is not None:  # a parent whose vocabulary changed is a new input
         inputs += [hashlib.sha256(path.read_bytes()).hexdigest() for path in parent.files.values()]
     data = config.data.model_dump()
+    scoring = data["filters"].pop("model")  # off: runs prepared before the model filter stay prepared
+    if scoring["enabled"]:  # its models are inputs too
+        scoring["identities"] = [_model_identity(scoring[key]) for key in ("forward", "backward")]
+        data["filters"]["model"] = scoring
     if data["directions"] is None:  # a bilingual run: its fingerprint as before directions existed
         del data["directions"], data["temperature"]
     if len(data["train"]) == 1:
@@ -194,6 +199,14 @@ def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
         [data, vocab, config.model.max_positions, inputs], sort_keys=True
     ).encode()
     return hashlib.sha256(payload).hexdigest()[:16]
+
+
+def _model_identity(path: str | None) -> str | None:
+    """A scoring model's digest; None for none, or one that cannot be read (prepare says why later)."""
+    try:
+        return model_identity(checkpoint_of(path)) if path else None
+    except (OSError, TfmError):
+        return None
 
 
 def _summary_table(stats: dict) -> str:

@@ -198,6 +198,28 @@ class LexicalFilter(_Filter):
     min_count: int = Field(3, ge=1)  # words seen fewer times in the sample are not scored
 
 
+class ModelFilter(_Filter):
+    """Pairs scored by translation models (data/model_filter.py): a forward (src→tgt) and/or a
+    backward (tgt→src) tfm run, e.g. one imported with `tfm import`."""
+
+    enabled: bool = False  # costs a forward pass of each model per pair (docs/training.md)
+    forward: str | None = Field(None, min_length=1)  # run directory or checkpoint, this direction's languages
+    backward: str | None = Field(None, min_length=1)  # run directory or checkpoint, the other way
+    recall: float = Field(0.95, gt=0.0, lt=1.0)  # share of re-paired sample pairs to drop (misaligned), at most
+    partial_recall: float = Field(0.9, gt=0.0, lt=1.0)  # share of sample pairs with a target run on (partly aligned)
+    clean_loss: float = Field(0.005, gt=0.0, lt=1.0)  # estimated share of good pairs each score may drop
+    max_share: float = Field(0.5, gt=0.0, le=1.0)  # never more of the sample dropped by either score
+    sample_pairs: int = Field(2000, ge=100, le=100_000)  # training pairs the thresholds are learned from
+    batch_tokens: int = Field(4000, ge=64)  # pieces per scoring batch (either side)
+
+    @model_validator(mode="after")
+    def _needs_a_model(self) -> ModelFilter:
+        if self.enabled and self.forward is None and self.backward is None:
+            raise _rule("forward", "the model filter is on but names no model: give forward (a run directory or "
+                                   "checkpoint, src→tgt) and/or backward (tgt→src)")
+        return self
+
+
 class DuplicatesFilter(_Filter):
     by: Literal["pair", "source"] = "pair"  # source: a second pair with the same source is dropped too
 
@@ -213,6 +235,7 @@ class FiltersConfig(_Section):
     numbers: NumbersFilter = Field(default_factory=NumbersFilter)
     language: LanguageFilter = Field(default_factory=LanguageFilter)  # each side identified as its language
     lexical: LexicalFilter = Field(default_factory=LexicalFilter)  # misaligned pairs
+    model: ModelFilter = Field(default_factory=ModelFilter)  # misaligned and partly aligned pairs
     duplicates: DuplicatesFilter = Field(default_factory=DuplicatesFilter)
     warn_share: float = Field(0.5, gt=0.0, le=1.0)  # a filter dropping more of a direction than this warns
 

@@ -1,0 +1,243 @@
+"""The model filter (data.filters.model): pairs scored by translation models, misaligned and partly
+aligned pairs dropped at thresholds learned without labels.
+
+The scoring model is the reverse task's (conftest: src → the same words reversed, valid BLEU ~99):
+the hand-made corpus holds its translations, pairs of one source with another's translation, and
+translations run on by another pair's translation."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import SYNTHETIC_FILTERS, WORDS, reverse_task_config, tfm_in_process
+from transformer_cli.data.model_filter import REASON_MISALIGNED, REASON_PARTLY, continuation, dual_cross_entropy
+from transformer_cli.data.prepare import REPORT_FILE, _fingerprint, prepare
+from transformer_cli.experiment.config import config_from_dict, load_config
+from transformer_cli.runtime.errors import TfmError
+
+MODEL_REASONS = (REASON_MISALIGNED, REASON_PARTLY)
+
+
+def test_continuation_is_how_much_better_the_best_prefix_ended_there_scores():
+    # three likely pieces after which </s> was likely, then three unlikely ones and a late </s>
+    pieces = np.array([-0.1, -0.1, -0.1, -5.0, -5.0, -5.0, -4.0])
+    eos = np.array([-9.0, -9.0, -9.0, -0.1, -9.0, -9.0, -4.0])
+    best = (-0.3 - 0.1) / 4
+    assert continuation(pieces, eos) == pytest.approx(best - pieces.mean())
+    # a side as likely throughout as its end: no prefix is better than the whole
+    assert continuation(np.full(7, -1.0), np.full(7, -1.0)) == 0.0
+    # prefixes shorter than a quarter of the side are not candidates (a first word alone is no translation)
+    short = np.array([-0.1] + [-3.0] * 7 + [-3.0])
+    early_eos = np.array([-9.0, -0.1] + [-9.0] * 6 + [-3.0])
+    assert continuation(short, early_eos) == 0.0
+
+
+def test_dual_cross_entropy_is_low_only_where_both_models_agree_it_is_low():
+    forward, backward = np.array([1.0, 3.0, 1.0]), np.array([1.0, 1.0, 3.0])
+    assert dual_cross_entropy(forward, backward).tolist() == [1.0, 4.0, 4.0]
+    assert dual_cross_entropy(forward, None) is forward and dual_cross_entropy(None, backward) is backward
+
+
+# --------------------------------------------------------------------------- a hand-made noisy corpus
+
+CLEAN, MISALIGNED, PARTLY = 400, 60, 60
+
+
+def write_noisy_reverse_corpus(folder: Path, seed: int = 7) -> list[str]:
+    """train.{src,tgt}.gz of the reverse task (other sentences than the model's, same words) with
+    misaligned and partly aligned pairs shuffled in; valid/test clean. Returns the training labels."""
+    rng = random.Random(seed)
+
+    def sentence() -> list[str]:
+        return [rng.choice(WORDS) for _ in range(rng.randint(4, 8))]
+
+    rows = []
+    for _ in range(CLEAN):
+        words = sentence()
+        rows.append(("clean", words, words[::-1]))
+    for _ in range(MISALIGNED):
+        rows.append(("misaligned", sentence(), sentence()[::-1]))
+    for _ in range(PARTLY):
+        words = sentence()
+        rows.append(("partly", words, words[::-1] + sentence()[::-1]))
+    rng.shuffle(rows)
+    folder.mkdir(parents=True, exist_ok=True)
+    held_out = [row for row in rows if row[0] == "clean"][:40]
+    for split, chosen in (("train", rows), ("valid", held_out), ("test", held_out)):
+        for side, lang in ((1, "src"), (2, "tgt")):
+            with gzip.open(folder / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write("".join(" ".join(row[side]) + "\n" for row in chosen))
+    return [row[0] for row in rows]
+
+
+@pytest.fixture(scope="module")
+def noisy_reverse(tmp_path_factory) -> tuple[Path, list[str]]:
+    folder = tmp_path_factory.mktemp("noisy_reverse")
+    return folder, write_noisy_reverse_corpus(folder)
+
+
+def filter_config(data: Path, run: Path, way: str, model_run: Path | str, **rule) -> dict:
+    """The reverse task's config over the noisy corpus, model filter on with `model_run` as the
+    forward model (the corpus read src → tgt) or the backward one (read tgt → src)."""
+    raw = reverse_task_config(data, run)
+    if way == "backward":
+        raw["data"]["src_lang"], raw["data"]["tgt_lang"] = "tgt", "src"
+    raw["prepare"] = {"workers": rule.pop("workers", 1)}
+    raw["data"]["filters"] = {**SYNTHETIC_FILTERS, "model": {"enabled": True, way: str(model_run), **rule}}
+    return raw
+
+
+def drops_by_label(labels: list[str], dropped_file: Path) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {label: {} for label in set(labels)}
+    for line in dropped_file.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        row = out[labels[record["line"] - 1]]
+        row[record["reason"]] = row.get(record["reason"], 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("way", ["forward", "backward"])
+def test_the_model_filter_drops_misaligned_and_partly_aligned_pairs_at_thresholds_learned_without_labels(
+        reverse_model, noisy_reverse, tmp_path, way):
+    """The thresholds come from the corpus's own pairs re-paired and run on; no label is read. The
+    backward model reads the corpus the other way round: its continuation is the source's."""
+    config, _ = reverse_model
+    data, labels = noisy_reverse
+    raw = filter_config(data, tmp_path / "run", way, config.run_dir)
+    dropped = tmp_path / "dropped.jsonl"
+    result = prepare(config_from_dict(raw), progress=False, dropped=dropped)
+    by_label = drops_by_label(labels, dropped)
+    model_drops = {label: sum(n for reason, n in row.items() if reason in MODEL_REASONS)
+                   for label, row in by_label.items()}
+    assert model_drops["misaligned"] >= 0.9 * MISALIGNED, by_label
+    assert by_label["partly"].get(REASON_PARTLY, 0) + by_label["partly"].get(REASON_MISALIGNED, 0) >= 0.8 * PARTLY, by_label
+    assert by_label["partly"].get(REASON_PARTLY, 0) >= 0.5 * PARTLY, by_label  # the continuation, not chance
+    assert sum(by_label["clean"].values()) <= 0.03 * CLEAN, by_label
+    # the report names the reasons with examples and says what was learned
+    report = json.loads((Path(config_from_dict(raw).run_dir) / REPORT_FILE).read_text())
+    examples = report["directions"][0]["examples"]
+    assert set(MODEL_REASONS) <= set(examples) and all(examples[r] for r in MODEL_REASONS)
+    learned = report["filters"]["model"]["learned"]
+    assert learned["sample_pairs"] == CLEAN + MISALIGNED + PARTLY
+    assert 0 < learned["misaligned_above"] < float("inf") and 0 < learned["partly_above"] < float("inf")
+    assert "dropped: partly_aligned" in result.cleaning.table()
+
+
+def test_encoding_workers_score_as_one_process_does(reverse_model, noisy_reverse, tmp_path):
+    """The filter travels to spawned encoding workers without its models (each loads them once)."""
+    config, _ = reverse_model
+    data, labels = noisy_reverse
+    outcomes = []
+    for workers in (1, 2):
+        raw = filter_config(data, tmp_path / f"run{workers}", "forward", config.run_dir, workers=workers)
+        raw["prepare"]["chunk_lines"] = 100  # several chunks, so both workers score some
+        dropped = tmp_path / f"dropped{workers}.jsonl"
+        prepare(config_from_dict(raw), progress=False, dropped=dropped)
+        outcomes.append([(r["line"], r["reason"]) for r in map(json.loads, dropped.read_text().splitlines())])
+    assert outcomes[0] == outcomes[1] and outcomes[0]
+
+
+def test_the_filter_pickles_without_its_models(reverse_model, noisy_reverse):
+    from transformer_cli.data.model_filter import ModelFilter, checkpoint_of
+
+    config, _ = reverse_model
+    found = ModelFilter(checkpoint_of(config.run_dir), None, 1000, misaligned_above=1.0, partly_above=0.5)
+    src, tgt = ["wa wb wc wd"], ["wd wc wb wa"]
+    before = found.reasons(src, tgt)
+    copy = pickle.loads(pickle.dumps(found))
+    assert found._loaded and not copy._loaded and len(pickle.dumps(found)) < 2000
+    assert copy.reasons(src, tgt) == before == [None]
+
+
+def test_the_fingerprint_names_the_scoring_models_and_ignores_the_filter_when_off(reverse_model, noisy_reverse,
+                                                                                 tmp_path):
+    import shutil
+
+    config, _ = reverse_model
+    base = reverse_task_config(noisy_reverse[0], tmp_path / "run")
+    off = config_from_dict(base)
+    off_with_keys = config_from_dict({**base, "data": {**base["data"], "filters": {
+        **SYNTHETIC_FILTERS, "model": {"enabled": False, "forward": "elsewhere", "recall": 0.5}}}})
+    assert _fingerprint(off, None) == _fingerprint(off_with_keys, None)  # runs prepared before stay prepared
+    copy = tmp_path / "model.pt"
+    shutil.copy(Path(config.run_dir) / "checkpoints" / "checkpoint_best.pt", copy)
+    on = config_from_dict({**base, "data": {**base["data"], "filters": {"model": {"enabled": True, "forward": str(copy)}}}})
+    first = _fingerprint(on, None)
+    assert first != _fingerprint(off, None)
+    copy.write_bytes(copy.read_bytes()[:-1] + bytes([copy.read_bytes()[-1] ^ 1]))  # another model, same path
+    assert _fingerprint(on, None) != first
+
+
+def test_bad_model_filter_settings_are_one_line_errors(reverse_model, noisy_reverse, tmp_path):
+    config, _ = reverse_model
+    data, _ = noisy_reverse
+    with pytest.raises(TfmError, match="key 'data.filters.model.forward'.*names no model"):
+        load_config(None, ["data.filters.model.enabled=true"])
+    not_a_checkpoint = tmp_path / "notes.txt"
+    not_a_checkpoint.write_text("hello\n")
+    cases = [
+        ("forward", tmp_path / "missing", "data.filters.model.forward: .*missing: no such run directory"),
+        ("forward", tmp_path, "data.filters.model.forward: no checkpoint in"),
+        ("backward", not_a_checkpoint, "data.filters.model.backward: .*notes.txt: not a checkpoint"),
+        # the reverse model translates src → tgt: as the backward model of src → tgt it is the wrong way round
+        ("backward", config.run_dir, "data.filters.model.backward: .* translates src-tgt, not tgt-src"),
+    ]
+    for way, model, says in cases:
+        raw = filter_config(data, tmp_path / "run", way, model)
+        if way == "backward":  # read src → tgt, so the backward model must translate tgt → src
+            raw["data"]["src_lang"], raw["data"]["tgt_lang"] = "src", "tgt"
+        config_file = tmp_path / "config.json"
+        config_file.write_text(json.dumps(raw))
+        result = tfm_in_process("prepare", "--config", config_file)
+        assert result.exit_code == 2, result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and re.search(says, errors[0]) and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_prepare_killed_while_scoring_leaves_nothing_and_runs_again_to_the_same_result(reverse_model, tmp_path):
+    """kill -9 while the encoding workers score: no manifest, report or --dropped file is left half
+    written, and the next `tfm prepare` drops exactly the pairs an uninterrupted one drops."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    config, _ = reverse_model
+    data = tmp_path / "data"
+    write_noisy_reverse_corpus(data)
+    for lang in ("src", "tgt"):  # five times the pairs (each copy a duplicate: that filter is off here)
+        lines = gzip.open(data / f"train.{lang}.gz", "rt", encoding="utf-8").read()
+        with gzip.open(data / f"train.{lang}.gz", "wt", encoding="utf-8") as f:
+            f.write(lines * 5)
+    results = []
+    for name, kill in (("killed", True), ("whole", False)):
+        raw = filter_config(data, tmp_path / name, "forward", config.run_dir)
+        raw["prepare"]["chunk_lines"] = 200
+        config_file = tmp_path / f"{name}.json"
+        config_file.write_text(json.dumps(raw))
+        dropped = tmp_path / f"{name}.dropped.jsonl"
+        command = [sys.executable, "-m", "transformer_cli.cli", "prepare", "--config", str(config_file),
+                   "--dropped", str(dropped)]
+        if kill:
+            proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            while "thresholds from" not in (line := proc.stdout.readline()):  # the sample is scored: encoding starts
+                assert line, "prepare ended before it learned its thresholds"
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            run = tmp_path / name
+            assert not (run / "prepare.json").exists() and not (run / REPORT_FILE).exists() and not dropped.exists(), \
+                sorted(p.name for p in run.iterdir())
+        finished = subprocess.run(command, capture_output=True, text=True)
+        assert finished.returncode == 0, finished.stderr
+        results.append([(r["line"], r["reason"]) for r in map(json.loads, dropped.read_text().splitlines())])
+    differing = set(results[0]) ^ set(results[1])
+    assert not differing and len(results[0]) >= 5 * (MISALIGNED + PARTLY) // 2, (len(results[0]), sorted(differing)[:10])

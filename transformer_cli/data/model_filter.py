@@ -1,0 +1,298 @@
+"""Misaligned and partly aligned pairs, scored by translation models (`data.filters.model`).
+
+Each pair is scored teacher-forced, one forward pass per model and pair: a forward model
+(src→tgt) gives each target piece's log-probability and, at every position, that of </s>; a
+backward model (tgt→src) the same for the source. Two scores come out of that pass:
+
+- *cross-entropy*: the mean negative log-probability of a side (its pieces and </s>). With both
+  models, dual conditional cross-entropy (Junczys-Dowmunt 2018, the WMT18 filtering task's
+  winner): |H_fwd − H_bwd| + (H_fwd + H_bwd) / 2, low only where both models find the pair likely
+  and agree. A side that does not translate the other is improbable everywhere: misaligned.
+- *continuation*: the best prefix of a side, ended by </s>, against the whole side:
+  max over k ≥ len/4 of (Σ_{i<k} log p(t_i) + log p(</s> | t_<k)) / (k + 1), minus the whole
+  side's mean log-probability (≥ 0; k = len is the whole). A target that translates the source
+  and then goes on (a failed sentence split, merged segments) has a likely prefix that the model
+  would have ended, then improbable pieces: the mean over the whole side hides it, the best
+  prefix shows it. (Measured on Multi30k: the cross-entropy alone catches 40% of such targets at
+  1% of clean pairs, the continuation 92%.)
+
+The thresholds are learned without labels, as the lexical filter's are: a sample of the training
+pairs (after the rule filters) is scored as it is, re-paired at random (misaligned pairs of this
+corpus) and with each target (and source, with a backward model) run on by another pair's
+target (partly aligned pairs). Each threshold drops at most an estimated `clean_loss` of the
+sample's good pairs (`learn_threshold`), stops where it drops `recall` of the made-up pairs, and
+never drops more than `max_share` of the sample itself.
+
+Models load lazily, once per process (`tfm prepare`'s encoding workers are spawned, one thread
+each); the filter object itself pickles without them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..experiment.rundir import RunDirectory
+from ..runtime.errors import TfmError
+
+REASON_MISALIGNED, REASON_PARTLY = "model_misaligned", "partly_aligned"
+SAMPLING_ERRORS = 1.0  # the threshold's allowance for the estimate's sampling error, in standard errors
+
+
+def checkpoint_of(path: str | Path) -> Path:
+    """A run directory's default checkpoint, or the checkpoint file itself."""
+    path = Path(path)
+    return RunDirectory(path).default_checkpoint() if path.is_dir() else path
+
+
+def dual_cross_entropy(forward: np.ndarray | None, backward: np.ndarray | None) -> np.ndarray:
+    """(pairs,) dual conditional cross-entropy of the two models' per-pair cross-entropies, or the
+    one model's where there is only one."""
+    if forward is None or backward is None:
+        only = forward if backward is None else backward
+        assert only is not None
+        return only
+    return np.abs(forward - backward) + (forward + backward) / 2
+
+
+def continuation(token_log_probs: np.ndarray, eos_log_probs: np.ndarray) -> float:
+    """How much better the side's best prefix ended by </s> scores than the whole side (mean
+    log-probability per position; ≥ 0). `token_log_probs`: (T+1,) each piece's log-probability and
+    the final </s>'s; `eos_log_probs`: (T+1,) log p(</s>) at each position."""
+    pieces = len(token_log_probs) - 1
+    first = max(1, pieces // 4)
+    prefix_sums = np.concatenate([[0.0], np.cumsum(token_log_probs[:-1])])  # (T+1,) Σ of the first k pieces
+    k = np.arange(first, pieces + 1)
+    best = ((prefix_sums[k] + eos_log_probs[k]) / (k + 1)).max()
+    return float(max(best - token_log_probs.mean(), 0.0))
+
+
+@dataclass
+class PairScores:
+    cross_entropy: np.ndarray  # (pairs,) higher: less likely a translation
+    continuation: np.ndarray  # (pairs,) higher: a side goes on past the translation of the other
+
+
+def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped by length into batches of at most `batch_tokens` padded pieces (one at least)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[i] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def _side_log_probs(trained: Any, sources: list[str], targets: list[str], batch_tokens: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """One model's (cross-entropy, continuation) of each target given its source, (pairs,) each."""
+    import torch
+
+    from ..model.lengths import source_token_limit
+    from ..model.special_tokens import BOS_ID, EOS_ID
+    from .batches import pad_batch
+
+    limit = source_token_limit(trained.model.cfg.max_positions)
+    src_ids = [ids[:limit] for ids in trained.src_sp.encode(sources, out_type=int)]
+    tgt_ids = [ids[:limit] for ids in trained.tgt_sp.encode(targets, out_type=int)]
+    cross, cont = np.zeros(len(sources)), np.zeros(len(sources))
+    lengths = [max(len(s), len(t)) + 1 for s, t in zip(src_ids, tgt_ids)]
+    with torch.inference_mode():
+        for batch in _batches(lengths, batch_tokens):
+            src = pad_batch([src_ids[i] for i in batch], suffix=EOS_ID)  # (B, S)
+            tgt = [tgt_ids[i] for i in batch]
+            logits = trained.model(src, pad_batch(tgt, prefix=BOS_ID))  # (B, T+1, V)
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            gold = log_probs.gather(-1, pad_batch(tgt, suffix=EOS_ID).unsqueeze(-1)).squeeze(-1).numpy()  # (B, T+1)
+            eos = log_probs[..., EOS_ID].numpy()  # (B, T+1)
+            for row, i in enumerate(batch):
+                end = len(tgt_ids[i]) + 1
+                cross[i] = -gold[row, :end].mean()
+                cont[i] = continuation(gold[row, :end], eos[row, :end])
+    return cross, cont
+
+
+@dataclass
+class ModelFilter:
+    """The scoring models (paths) and the learned thresholds; `reasons` drops pairs above them."""
+
+    forward: Path | None
+    backward: Path | None
+    batch_tokens: int
+    misaligned_above: float = float("inf")
+    partly_above: float = float("inf")
+    _loaded: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:  # to the encoding workers: paths and thresholds, not the models
+        return {**self.__dict__, "_loaded": {}}
+
+    def _model(self, which: str) -> Any:
+        if which not in self._loaded:
+            import torch
+
+            from ..experiment.checkpoint import load_trained_model
+
+            if multiprocessing.parent_process() is not None:  # an encoding worker: one of several
+                torch.set_num_threads(1)
+            self._loaded[which] = load_trained_model(getattr(self, which))
+        return self._loaded[which]
+
+    def scores(self, src: list[str], tgt: list[str]) -> PairScores:
+        forward = backward = None
+        cont = np.zeros(len(src))
+        if self.forward is not None:
+            forward, cont = _side_log_probs(self._model("forward"), src, tgt, self.batch_tokens)
+        if self.backward is not None:
+            backward, back_cont = _side_log_probs(self._model("backward"), tgt, src, self.batch_tokens)
+            cont = np.maximum(cont, back_cont)
+        return PairScores(dual_cross_entropy(forward, backward), cont)
+
+    def reasons(self, src: list[str], tgt: list[str]) -> list[str | None]:
+        """Each pair's reason to be dropped by the model scores, or None."""
+        if not src:
+            return []
+        scores = self.scores(src, tgt)
+        return [REASON_MISALIGNED if ce > self.misaligned_above else REASON_PARTLY if c > self.partly_above else None
+                for ce, c in zip(scores.cross_entropy, scores.continuation)]
+
+
+def check_model(path: str, key: str, src_lang: str, tgt_lang: str) -> Path:
+    """The checkpoint a `data.filters.model` key names, loaded once to check it: a missing path,
+    an unreadable checkpoint or a model of other languages is a one-line error naming the key."""
+    from ..experiment.checkpoint import load_trained_model
+
+    try:
+        if not Path(path).exists():
+            raise TfmError(f"{path}: no such run directory or checkpoint")
+        checkpoint = checkpoint_of(path)
+        config = load_trained_model(checkpoint).config
+    except TfmError as err:
+        raise TfmError(f"data.filters.model.{key}: {err}") from None
+    pairs = config.data.pairs
+    if len(pairs) != 1 or (pairs[0].src, pairs[0].tgt) != (src_lang, tgt_lang):
+        raise TfmError(f"data.filters.model.{key}: {path} translates {', '.join(p.name for p in pairs)}, "
+                       f"not {src_lang}-{tgt_lang}")
+    return checkpoint
+
+
+def model_identity(checkpoint: Path) -> str:
+    """A digest of the checkpoint's bytes: the fingerprint of a prepared run names its scoring models."""
+    digest = hashlib.sha256()
+    with open(checkpoint, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def _quantile(values: np.ndarray, q: float) -> float:
+    return float(np.quantile(values, q)) if len(values) else float("inf")
+
+
+@dataclass
+class Threshold:
+    value: float
+    noise: float  # estimated share of the sample that is like the made-up pairs
+    recall: float  # share of the made-up pairs above the threshold
+    clean_loss: float  # estimated share of the sample's other pairs above it
+
+    def report(self) -> dict:
+        return {name: round(value, 4) for name, value in self.__dict__.items()}
+
+
+def _share_above(values: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """(points,) the share of `values` above each point."""
+    return 1 - np.searchsorted(np.sort(values), points, side="right") / max(len(values), 1)
+
+
+def bad_share(real: np.ndarray, made_up: np.ndarray) -> float:
+    """The estimated share of the sample's pairs that are like the made-up bad ones. Above the
+    made-up pairs' q-quantile lie (1 − q) of the bad pairs and fewer good ones, so the sample's share
+    there over (1 − q) bounds the bad share from above, and nearly meets it where the scores
+    separate well; the median of that bound at q = 0.5 … 0.9 (one point alone is noisy with a few
+    dozen bad pairs in the sample)."""
+    if not len(real) or not len(made_up):
+        return 0.0
+    bounds = [np.mean(real > np.quantile(made_up, q)) / (1 - q) for q in (0.5, 0.6, 0.7, 0.8, 0.9)]
+    return float(min(1.0, np.median(bounds)))
+
+
+def learn_threshold(real: np.ndarray, made_up: np.ndarray, recall: float, clean_loss: float,
+                    max_share: float) -> Threshold:
+    """The score above which a pair is dropped, from the sample's scores (`real`) and those of the
+    made-up bad pairs: the lowest that drops at most an estimated `clean_loss` of the sample's good
+    pairs, but no lower than what drops `recall` of the made-up pairs, nor than what drops
+    `max_share` of the sample. The sample is a mixture of good pairs and bad ones like the made-up
+    pairs (`bad_share` of it), so the good pairs' share above a point is what the sample has there
+    less the bad pairs' part: (sample above − bad share · made-up above) / (1 − bad share)."""
+    noise = bad_share(real, made_up)
+    points = np.unique(real)  # ascending
+    real_above, made_above = _share_above(real, points), _share_above(made_up, points)
+    good_above = (real_above - noise * made_above) / max(1 - noise, 1e-9)
+    # within the budget up to the estimate's sampling error (a few dozen bad pairs in the sample
+    # scatter it by more than the budget)
+    error = np.sqrt(real_above * (1 - real_above) / len(real) +
+                    noise ** 2 * made_above * (1 - made_above) / max(len(made_up), 1)) / max(1 - noise, 1e-9)
+    within = np.logical_and.accumulate((good_above <= clean_loss + SAMPLING_ERRORS * error)[::-1])[::-1]
+    by_clean = float(points[within.argmax()]) if within.any() and noise < 1 else float("inf")
+    value = max(by_clean, _quantile(made_up, 1 - recall), _quantile(real, 1 - max_share))
+    found = float(_share_above(made_up, np.array([value]))[0]) if len(made_up) else 0.0
+    good = float(_share_above(real, np.array([value]))[0] - noise * found) / max(1 - noise, 1e-9)
+    return Threshold(value, noise, found, max(good, 0.0))
+
+
+def learn_model_filter(rule: Any, forward: Path | None, backward: Path | None, src: list[str], tgt: list[str],
+                       seed: int) -> tuple[ModelFilter, dict]:
+    """The filter with thresholds learned from the sample pairs `src`/`tgt` (`rule`: the config's
+    data.filters.model), and what was learned, for the report."""
+    found = ModelFilter(forward, backward, rule.batch_tokens)
+    n = len(src)
+    if n < 2:
+        return found, {"sample_pairs": n, "misaligned_above": None, "partly_above": None}
+    rng = random.Random(seed)
+    other = np.array([(i + 1 + rng.randrange(n - 1)) % n for i in range(n)])  # another pair, never the same
+    real = found.scores(src, tgt)
+    repaired = found.scores(src, [tgt[j] for j in other])
+    run_on = []  # each side a model reads, run on by another pair's target
+    if forward is not None:
+        run_on.append(found.scores(src, [f"{t} {tgt[j]}" for t, j in zip(tgt, other)]))
+    if backward is not None:
+        run_on.append(found.scores([f"{s} {src[j]}" for s, j in zip(src, other)], tgt))
+    run_on_cross = np.concatenate([scores.cross_entropy for scores in run_on])
+    run_on_cont = np.concatenate([scores.continuation for scores in run_on])
+    # Each score's good pairs are the sample's pairs the other score keeps (a partly aligned pair has a
+    # high cross-entropy too, a misaligned one may have a high continuation, and neither is like the
+    # other score's made-up pairs); its made-up pairs are those the other score keeps too, made of
+    # two pairs both scores keep (a misaligned pair run on is no partly aligned pair). Three rounds,
+    # the continuation first.
+    cross_value, cont_value = float("inf"), float("inf")
+    keep = np.ones(n, dtype=bool)
+    for _ in range(3):
+        made_of_good = np.tile(keep & keep[other], len(run_on))
+        cont = learn_threshold(real.continuation[real.cross_entropy <= cross_value],
+                               run_on_cont[made_of_good & (run_on_cross <= cross_value)],
+                               rule.partial_recall, rule.clean_loss, rule.max_share)
+        cont_value = cont.value
+        keep = (real.continuation <= cont_value) & (real.cross_entropy <= cross_value)
+        made_of_good = keep & keep[other]
+        cross = learn_threshold(real.cross_entropy[real.continuation <= cont_value],
+                                repaired.cross_entropy[made_of_good & (repaired.continuation <= cont_value)],
+                                rule.recall, rule.clean_loss, rule.max_share)
+        cross_value = cross.value
+        keep = (real.continuation <= cont_value) & (real.cross_entropy <= cross_value)
+    found.misaligned_above, found.partly_above = cross.value, cont.value
+    return found, {
+        "sample_pairs": n,
+        "misaligned_above": round(cross.value, 4),
+        "partly_above": round(cont.value, 4),
+        "sample_dropped": round(float(np.mean((real.cross_entropy > cross.value) | (real.continuation > cont.value))), 4),
+        "cross_entropy": cross.report(),
+        "continuation": cont.report(),
+    }
