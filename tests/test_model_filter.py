@@ -46,6 +46,24 @@ def test_dual_cross_entropy_is_low_only_where_both_models_agree_it_is_low():
     assert dual_cross_entropy(forward, None) is forward and dual_cross_entropy(None, backward) is backward
 
 
+def test_a_threshold_learned_without_labels_estimates_the_bad_share_and_keeps_the_good_pairs():
+    """A sample of 2,700 good pairs (scores around 0) and 300 bad ones (around 6), and made-up bad
+    pairs like the bad ones: the threshold falls between them, the bad share is estimated near 10%."""
+    from transformer_cli.data.model_filter import learn_threshold
+
+    rng = np.random.default_rng(0)
+    good, bad, made_up = rng.normal(0, 1, 2700), rng.normal(6, 1, 300), rng.normal(6, 1, 3000)
+    found = learn_threshold(np.concatenate([good, bad]), made_up, recall=0.95, clean_loss=0.005, max_share=0.5)
+    assert 0.08 <= found.noise <= 0.12, found
+    assert np.mean(good > found.value) <= 0.01 and np.mean(bad > found.value) >= 0.9 and found.recall >= 0.95, found
+    # made-up pairs no sample pair resembles: nothing to drop but what recall asks
+    none_bad = learn_threshold(good, made_up, recall=0.95, clean_loss=0.005, max_share=0.5)
+    assert none_bad.noise < 0.01 and np.mean(good > none_bad.value) <= 0.01, none_bad
+    # a model that cannot tell them apart: never more than max_share of the sample
+    alike = learn_threshold(good, rng.normal(0, 1, 1000), recall=0.95, clean_loss=0.005, max_share=0.3)
+    assert np.mean(good > alike.value) <= 0.3 + 1e-9, alike
+
+
 # --------------------------------------------------------------------------- a hand-made noisy corpus
 
 CLEAN, MISALIGNED, PARTLY = 400, 60, 60

@@ -217,7 +217,8 @@ def bad_share(real: np.ndarray, made_up: np.ndarray) -> float:
     made-up pairs' q-quantile lie (1 − q) of the bad pairs and fewer good ones, so the sample's share
     there over (1 − q) bounds the bad share from above, and nearly meets it where the scores
     separate well; the median of that bound at q = 0.5 … 0.9 (one point alone is noisy with a few
-    dozen bad pairs in the sample)."""
+    dozen bad pairs in the sample). Lower quantiles let more good pairs in where a weak model's
+    scores overlap (q from 0.1: 6.9% of clean Multi30k pairs dropped instead of 4.4%)."""
     if not len(real) or not len(made_up):
         return 0.0
     bounds = [np.mean(real > np.quantile(made_up, q)) / (1 - q) for q in (0.5, 0.6, 0.7, 0.8, 0.9)]
