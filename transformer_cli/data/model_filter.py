@@ -29,7 +29,6 @@ each); the filter object itself pickles without them.
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import random
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ import numpy as np
 
 from ..experiment.rundir import RunDirectory
 from ..runtime.errors import TfmError
+from ..runtime.files import content_hash
 
 REASON_MISALIGNED, REASON_PARTLY = "model_misaligned", "partly_aligned"
 SAMPLING_ERRORS = 1.0  # the threshold's allowance for the estimate's sampling error, in standard errors
@@ -185,11 +185,7 @@ def check_model(path: str, key: str, src_lang: str, tgt_lang: str) -> Path:
 
 def model_identity(checkpoint: Path) -> str:
     """A digest of the checkpoint's bytes: the fingerprint of a prepared run names its scoring models."""
-    digest = hashlib.sha256()
-    with open(checkpoint, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
+    return content_hash(checkpoint)[:16]
 
 
 def _quantile(values: np.ndarray, q: float) -> float:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..runtime.errors import TfmError
-from ..runtime.files import staging_directory, writer_tag
+from ..runtime.files import content_hash, staging_directory, writer_tag
 
 CACHE_NAME = "ctranslate2"
 SOURCE_JSON = "tfm_source.json"  # inside a conversion: the checkpoint's hash and the identities it was read as
@@ -68,14 +68,6 @@ class Conversion:
 def file_identity(path: Path) -> list[int]:
     status = path.stat()
     return [status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns]
-
-
-def content_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _source_record(directory: Path) -> dict:

@@ -48,6 +48,15 @@ def text_file_problem(path: str | Path, head: int = 1 << 16) -> str | None:
     return None
 
 
+def content_hash(path: Path) -> str:
+    """A file's SHA-256 (hex), read a megabyte at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def iter_raw_lines(path: str | Path) -> Iterator[bytes]:
     """Lines of a plain or gzipped file as bytes (line ending included); a broken gzip is a TfmError."""
     path = Path(path)
