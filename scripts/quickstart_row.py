@@ -7,6 +7,13 @@ to choose it), the steps made, the best valid BLEU and test2016 beam-5 BLEU / ch
     python scripts/quickstart_row.py --time 30m               # the 30-minute budget
     python scripts/quickstart_row.py --size d256              # a pinned shape, for comparison
     python scripts/quickstart_row.py --read runs/quickstart   # the row of a finished run, no training
+    python scripts/quickstart_row.py --isa-cap avx512         # as on a CPU of a lower class (below)
+
+`--isa-cap` stands in for a CPU class that is not at hand: every library's kernels are capped to an
+instruction set (torch's ATen, oneDNN, MKL, FBGEMM, CTranslate2), so training and decoding run as on
+a CPU with AVX-512 but no bf16 (`avx512`: Intel Skylake / Cascade Lake) or with AVX2 only (`avx2`:
+Zen 3, Haswell…), and `precision: auto` measures bf16 as such a CPU runs it. The row names the cap.
+The caches, clocks and cores stay this CPU's: a capped Zen 4 is not a Skylake Xeon.
 
 No figure is typed by hand: each is read from the run (shape_choice.json, metrics.jsonl, the
 translations the quickstart wrote) or from the machine (/proc/cpuinfo).
@@ -31,6 +38,14 @@ from transformer_cli.runtime.files import check_output  # noqa: E402
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
+# The environment that caps every library tfm uses to one instruction set (--isa-cap).
+ISA_CAPS = {
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+               "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512", "CT2_FORCE_CPU_ISA": "AVX512"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2"},
+}
+
 
 def cpu() -> tuple[str, str]:
     """The CPU's model name and its bf16-relevant instruction sets ("avx2" … "amx_bf16")."""
@@ -48,7 +63,7 @@ def cpu() -> tuple[str, str]:
     return name, " ".join(shown) or "no AVX2"
 
 
-def read_row(run: Path, command: str) -> str:
+def read_row(run: Path, command: str, isa_cap: str | None = None) -> str:
     """The table row of a finished quickstart run."""
     from sacrebleu.metrics import BLEU, CHRF
 
@@ -75,6 +90,8 @@ def read_row(run: Path, command: str) -> str:
         choice = json.loads(choice_file.read_text(encoding="utf-8"))
         shape += f"; auto: {len(choice['shapes'])} shapes timed in {choice['probe_seconds']:.0f} s"
     name, flags = cpu()
+    if isa_cap:
+        flags += f"; capped to {isa_cap}: " + " ".join(f"{k}={v}" for k, v in ISA_CAPS[isa_cap].items())
     best_text = f"{best['bleu']:.2f} (step {best['step']:,})" if best else "n/a"
     return (f"| {name} ({flags}) | {datetime.date.today().isoformat()} | `{command}` | {shape} | {steps:,} | "
             f"{best_text} | **{bleu:.2f} / {chrf:.2f}** |")
@@ -91,21 +108,27 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=None,
                         help="where the run goes (must not exist; default runs/quickstart-<time>-<size>)")
     parser.add_argument("--read", type=Path, default=None, help="print the row of this finished run; train nothing")
+    parser.add_argument("--isa-cap", choices=sorted(ISA_CAPS), default=None,
+                        help="run as on a CPU of a lower class: every library capped to AVX-512 without bf16 or to AVX2")
     args = parser.parse_args()
     env_part = f"TIME={args.time} " + (f"SIZE={args.size} " if args.size else "")
-    command = f"{env_part}scripts/quickstart.sh"
+    if args.isa_cap:  # the command that made the row: the caps live in this script
+        env_part = f"python scripts/quickstart_row.py --isa-cap {args.isa_cap} --time {args.time}" + \
+                   (f" --size {args.size}" if args.size else "")
+    command = env_part if args.isa_cap else f"{env_part}scripts/quickstart.sh"
     if args.read is not None:
         print(HEADER)
-        print(read_row(args.read, command))
+        print(read_row(args.read, command, args.isa_cap))
         return
-    run = args.run_dir or ROOT / "runs" / f"quickstart-{args.time}-{args.size or 'auto'}"
+    cap = f"-{args.isa_cap}" if args.isa_cap else ""
+    run = args.run_dir or ROOT / "runs" / f"quickstart-{args.time}-{args.size or 'auto'}{cap}"
     if run.exists():
         raise TfmError(f"{run} exists: the row is of a fresh run (give another --run-dir, or --read {run})")
     check_output(run, flag="--run-dir", directory=True)  # never the working directory, a run's own folder, …
     log = run.parent / f"{run.name}.log"
     if log.exists():
         raise TfmError(f"{log} exists: the quickstart's log would replace it (give another --run-dir)")
-    env = {**os.environ, "TIME": args.time, "RUN_DIR": str(run)}
+    env = {**os.environ, **ISA_CAPS.get(args.isa_cap or "", {}), "TIME": args.time, "RUN_DIR": str(run)}
     if args.size:
         env["SIZE"] = args.size
     run.parent.mkdir(parents=True, exist_ok=True)
@@ -115,7 +138,7 @@ def main() -> None:
     if done.returncode != 0:
         raise TfmError(f"scripts/quickstart.sh exited {done.returncode}: see {log}")
     print(HEADER)
-    print(read_row(run, command))
+    print(read_row(run, command, args.isa_cap))
 
 
 if __name__ == "__main__":

@@ -266,7 +266,9 @@ def test_the_compiled_chunk_loss_equals_the_eager_one():
             assert (got - want).abs().max() <= tolerance * want.abs().max(), (dtype, got, want)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         loss, _ = output_layer_loss(hidden, projection, target, 0.1, chunk_rows=64, chunk_loss=compiled)
-    assert loss.grad_fn is None and loss.item() == pytest.approx(ours[0].item(), rel=1e-6)
+    # Another compiled graph (no gradients): in bf16 its sums may round apart by ~1e-6 (1.2e-6 seen
+    # after another test had compiled the model in the same process).
+    assert loss.grad_fn is None and loss.item() == pytest.approx(ours[0].item(), rel=1e-5)
 
 
 def test_loss_without_gradients_computes_none():
@@ -309,6 +311,11 @@ def test_precision_auto_follows_the_device_and_the_measured_cpu_speedup(monkeypa
     for speedup, bf16 in ((0.6, False), (1.4, False), (4.2, True)):  # the decision follows the cached figure
         (tmp_path / "bf16_speedup.json").write_text(json.dumps({key: speedup}))
         assert choose_precision("auto", cpu, (64, 128)).bf16 is bf16
+    # The same CPU with its kernels capped (as on a CPU without bf16) is another machine: measured again.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    choose_precision("auto", cpu, (64, 128))
+    keys = json.loads((tmp_path / "bf16_speedup.json").read_text())
+    assert len(keys) == 2 and key in keys and any("oneDNN avx512_core" in k for k in keys)
 
 
 def test_the_precision_measurement_leaves_the_global_rng_alone(monkeypatch, tmp_path):

@@ -56,9 +56,13 @@ def _matmul_flops(a: torch.Tensor, b: torch.Tensor, seconds: float = 0.08) -> fl
 def measure_bf16_speedup(d_model: int, d_ff: int, tokens: int = 2048) -> float:
     """bf16 / fp32 matmul throughput for the model's own FFN shape, (tokens × d_model) @ (d_model × d_ff).
 
-    ~0.3 s (0.2–1.8 s where bf16 is emulated); the answer is cached per CPU model, torch version, thread count and shape.
+    ~0.3 s (0.2–1.8 s where bf16 is emulated); the answer is cached per CPU model and instruction-set
+    cap, torch version, thread count and shape.
     """
-    key = f"{cpu_model_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | " \
+    # The instruction sets the kernels may use are part of the machine: with oneDNN or ATen capped
+    # (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY) the same CPU emulates bf16, and an uncapped answer would be wrong.
+    isa = f"{torch.backends.cpu.get_cpu_capability()}, oneDNN {os.environ.get('ONEDNN_MAX_CPU_ISA', 'any').lower()}"
+    key = f"{cpu_model_name()} ({isa}) | torch {torch.__version__} | {torch.get_num_threads()} threads | " \
           f"{tokens}x{d_model}x{d_ff}"
     path = cache_dir() / "bf16_speedup.json"
     try:
