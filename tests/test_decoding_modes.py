@@ -182,7 +182,10 @@ def test_alignments_of_the_reverse_task_run_against_the_diagonal(checkpoint, hel
             if rank == 0:  # the best translation is the reversed source: its links run anti-diagonally
                 links += len(pairs)
                 reversed_links += sum(j == n_src - 1 - i for i, j in pairs)
-    assert reversed_links / links >= 0.8, reversed_links / links
+    # The reverse model's links ran anti-diagonally 0.80–0.81 of the time (Zen 4: bf16, fp32, and fp32 with every
+    # library capped to AVX2, where 0.7996 failed a bound of 0.8); random or diagonal links would match
+    # about once per sentence, ~1 / its length.
+    assert reversed_links / links >= 0.7, reversed_links / links
 
 
 def test_translate_prints_alignments_after_a_tab(checkpoint):
