@@ -116,6 +116,8 @@ def main() -> None:
         env_part = f"python scripts/quickstart_row.py --isa-cap {args.isa_cap} --time {args.time}" + \
                    (f" --size {args.size}" if args.size else "")
     command = env_part if args.isa_cap else f"{env_part}scripts/quickstart.sh"
+    if args.isa_cap and {"avx512": "avx512f", "avx2": "avx2"}[args.isa_cap] not in cpu()[1].split():
+        raise TfmError(f"--isa-cap {args.isa_cap}: this CPU does not have it ({cpu()[1]}): a cap only lowers what a CPU has")
     if args.read is not None:
         print(HEADER)
         print(read_row(args.read, command, args.isa_cap))
