@@ -5,6 +5,7 @@ materialised (B, H, T, S) float mask would rule the flash kernel out and cost me
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -140,3 +141,26 @@ def test_cuda_attention_is_chosen_among_kernels_that_build_nothing_per_shape():
         assert torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_a_capped_process_keeps_its_compiled_kernels_apart(monkeypatch):
+    """inductor's on-disk kernels built under ATEN_CPU_CAPABILITY=avx2 and loaded uncapped computed
+    wrong losses: a capped process compiles into a folder named by its cap; an uncapped one, or a
+    user's own TORCHINDUCTOR_CACHE_DIR, is left as torch has it."""
+    from transformer_cli.model.kernels import keep_compiled_kernels_per_isa_cap
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    keep_compiled_kernels_per_isa_cap()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    folders = set()
+    for cap in ("avx2", "AVX512"):
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        keep_compiled_kernels_per_isa_cap()
+        folders.add(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith(f"aten-{cap.lower()}")
+    assert len(folders) == 2
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/mine")
+    keep_compiled_kernels_per_isa_cap()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"

@@ -10,6 +10,7 @@ Shapes: B batch, H heads, Tq queries, Tk keys, Dh = d_model / H. Boolean masks: 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,27 @@ from torch import nn
 def causal_mask(length: int, device: torch.device | None = None) -> torch.Tensor:
     """(1, 1, T, T): position t may attend to positions ≤ t."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def keep_compiled_kernels_per_isa_cap() -> None:
+    """Before torch.compile: a process whose kernels are capped to a lower instruction set
+    (`ATEN_CPU_CAPABILITY`, as on a CPU of a lower class) keeps inductor's on-disk kernels in a folder
+    of its own. With one folder for both, a kernel built in a capped run and loaded in an uncapped
+    one (or the other way round) computed wrong values or freed memory twice (torch 2.13, a Zen 4:
+    the compiled output loss 1,503 where eager gave 1,176). A `TORCHINDUCTOR_CACHE_DIR` the user
+    set is left alone."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not cap or "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        base = default_cache_dir()
+    except ImportError:  # another torch: a folder of tfm's in the temporary one
+        import tempfile
+
+        base = os.path.join(tempfile.gettempdir(), "torchinductor_tfm")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"aten-{cap}")
 
 
 def compile_for_training(model: nn.Module, backend: str = "inductor") -> nn.Module:
@@ -34,6 +56,7 @@ def compile_for_training(model: nn.Module, backend: str = "inductor") -> nn.Modu
     The model remembers the backend (`compile_backend`): loss.batch_loss compiles the chunked
     output loss's chunks with it, fused instead of one elementwise step at a time through memory.
     The embeddings and the final norms stay eager."""
+    keep_compiled_kernels_per_isa_cap()
     transformer = getattr(model, "module", model)  # inside DDP's wrapper
     for layer in (*transformer.encoder_layers, *transformer.decoder_layers):
         layer.compile(dynamic=True, backend=backend)

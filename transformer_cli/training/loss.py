@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.batches import Batch
+from ..model.kernels import keep_compiled_kernels_per_isa_cap
 from ..model.special_tokens import PAD_ID
 
 # The output projection and the loss run over this many bytes of fp32 log-probabilities at a time
@@ -75,6 +76,7 @@ def fused_chunk_loss(logits: torch.Tensor, bias: torch.Tensor | None, target: to
 def compiled_chunk_loss(backend: str = "inductor") -> ChunkLoss:
     """`fused_chunk_loss` through torch.compile (`train.compile: true`), dynamic in the chunk's rows
     from the start: the last chunk of each batch has its own number of them."""
+    keep_compiled_kernels_per_isa_cap()
     return cast(ChunkLoss, torch.compile(fused_chunk_loss, dynamic=True, backend=backend))
 
 
