@@ -45,6 +45,7 @@ ISA_CAPS = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
              "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2"},
 }
+ISA_FLAG = {"avx512": "avx512f", "avx2": "avx2"}  # the /proc/cpuinfo flag a CPU needs for each cap
 
 
 def cpu() -> tuple[str, str]:
@@ -111,13 +112,14 @@ def main() -> None:
     parser.add_argument("--isa-cap", choices=sorted(ISA_CAPS), default=None,
                         help="run as on a CPU of a lower class: every library capped to AVX-512 without bf16 or to AVX2")
     args = parser.parse_args()
-    env_part = f"TIME={args.time} " + (f"SIZE={args.size} " if args.size else "")
+    size = f" --size {args.size}" if args.size else ""
     if args.isa_cap:  # the command that made the row: the caps live in this script
-        env_part = f"python scripts/quickstart_row.py --isa-cap {args.isa_cap} --time {args.time}" + \
-                   (f" --size {args.size}" if args.size else "")
-    command = env_part if args.isa_cap else f"{env_part}scripts/quickstart.sh"
-    if args.isa_cap and {"avx512": "avx512f", "avx2": "avx2"}[args.isa_cap] not in cpu()[1].split():
-        raise TfmError(f"--isa-cap {args.isa_cap}: this CPU does not have it ({cpu()[1]}): a cap only lowers what a CPU has")
+        command = f"python scripts/quickstart_row.py --isa-cap {args.isa_cap} --time {args.time}{size}"
+        flags = cpu()[1]
+        if ISA_FLAG[args.isa_cap] not in flags.split():
+            raise TfmError(f"--isa-cap {args.isa_cap}: this CPU does not have it ({flags}): a cap only lowers what a CPU has")
+    else:
+        command = f"TIME={args.time} " + (f"SIZE={args.size} " if args.size else "") + "scripts/quickstart.sh"
     if args.read is not None:
         print(HEADER)
         print(read_row(args.read, command, args.isa_cap))
