@@ -15,6 +15,11 @@
 #                    test and valid (valid picks the penalty), the GPU's clocks sampled while it trains
 #                    (train.clocks); its run directory is runs/gpu-checks/de-en-gpu, made afresh on every call
 #   tests            the CUDA DDP test (torchrun, nccl)
+#   auto             tfm train --config configs/de-en.yaml (model.size: auto) for TRAIN_TIME on the GPU: what
+#                    the probe times and chooses there, then test2016 beam 5 (run dir runs/gpu-checks/de-en-auto)
+#   auto_base        the same config with the paper's base shape pinned (512, 8 heads, 6+6, FFN 2048) at
+#                    8,192-token batches, dropout 0.3, peak lr 7e-4: its valid BLEU at every evaluation is
+#                    the curve that lets `auto` weigh that shape (runs/gpu-checks/de-en-auto-base)
 #   train_budget     the same with train.lr_schedule=budget (the cosine decay to 0 when max_time ends that
 #                    the CPU configs use) in runs/gpu-checks/de-en-gpu-budget: test and valid BLEU
 #   big_bf16_weights bench_wmt_big with tfm's weights in bf16 and fp32 master copies in Adam (--bf16-weights)
@@ -41,7 +46,7 @@
 # Usage: bash scripts/gpu_checks.sh OUT_DIR [section ...]   (default: all, in the order above)
 #   BUDGET=SECONDS   the whole run's limit (520); a section gets what is left, capped at its own
 #                    limit, and is skipped when less than its minimum is left
-#   TRAIN_TIME=150s  train's and train_budget's max_time
+#   TRAIN_TIME=150s  the max_time of train, train_budget, auto and auto_base (whole seconds or minutes)
 #   PLAN=1           print each section's command and limits instead of running it
 # OUT_DIR receives summary.md (the final table, also printed; scripts/gpu_summary.py), sections.tsv
 # and logs.tar.gz (every section's whole log, rewritten after each section: a run stopped from
@@ -50,11 +55,15 @@
 set -u
 out=${1:?usage: gpu_checks.sh OUT_DIR [section ...]}
 shift
-all="env bench_wmt_big bench_wmt_base train tests train_budget big_bf16_weights bench_loss eager_big eager_base bench_base bench_base_cudnn decode big_no_flash bench_small"
+all="env bench_wmt_big bench_wmt_base train tests auto auto_base train_budget big_bf16_weights bench_loss eager_big eager_base bench_base bench_base_cudnn decode big_no_flash bench_small"
 sections=${*:-$all}
 for s in $sections; do
     case " $all " in *" $s "*) ;; *) echo "gpu_checks.sh: unknown section '$s' ($all)" >&2; exit 2 ;; esac
 done
+train_time=${TRAIN_TIME:-150s}
+[[ $train_time =~ ^[0-9]+[sm]?$ ]] || { echo "gpu_checks.sh: TRAIN_TIME '$train_time' is not whole seconds (150s) or minutes (5m)" >&2; exit 2; }
+train_seconds=${train_time%s}  # for the limits of the sections that train that long
+[[ $train_time == *m ]] && train_seconds=$((${train_time%m} * 60))
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root" || exit 2
 mkdir -p "$out" || exit 2
@@ -62,10 +71,13 @@ out=$(cd "$out" && pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-checks.XXXXXX")  # the logs; OUT_DIR gets them as one archive
 trap 'rm -rf "$work"' EXIT
 budget=${BUDGET:-520}
-train_time=${TRAIN_TIME:-150s}
 gpu_config=configs/de-en-gpu.yaml  # what train and train_budget train
 train_dir=runs/gpu-checks/de-en-gpu  # train's run (configs/de-en-gpu.yaml's own runs/de-en-gpu is left alone)
 budget_dir=runs/gpu-checks/de-en-gpu-budget  # train_budget's
+auto_dir=runs/gpu-checks/de-en-auto  # auto's
+base_dir=runs/gpu-checks/de-en-auto-base  # auto_base's
+base_shape="--set model.d_model=512 --set model.n_heads=8 --set model.enc_layers=6 --set model.dec_layers=6 \
+--set model.d_ff=2048 --set model.dropout=0.3 --set train.max_tokens=8192 --set train.lr=0.0007"
 plan=${PLAN:-0}
 started=$SECONDS
 : >"$work/sections.tsv"
@@ -133,20 +145,24 @@ export work
 
 prepare_pid=""
 start_prepare() {  # the four Multi30k run directories, in the background (CPU work)
-    [ "$plan" = 1 ] && { echo "== prepare (background): configs/de-en.yaml, configs/de-en-gpu.yaml, $train_dir and $budget_dir"; return; }
+    [ "$plan" = 1 ] && { echo "== prepare (background): configs/de-en.yaml, configs/de-en-gpu.yaml, $train_dir, $budget_dir, $auto_dir and $base_dir"; return; }
     # this script's own runs: a call with `train` trains afresh; one without (decode on a still-warm
     # machine) keeps the checkpoint an earlier call trained (prepare leaves a prepared run as it is)
     case " $sections " in *" train "*) rm -rf "$train_dir" ;; esac
     case " $sections " in *" train_budget "*) rm -rf "$budget_dir" ;; esac
+    case " $sections " in *" auto "*) rm -rf "$auto_dir" ;; esac
+    case " $sections " in *" auto_base "*) rm -rf "$base_dir" ;; esac
     # Bounded like a section (a download that hangs offline must not hold the sections that wait for it).
     timeout -k 10 "$((budget / 2))" bash -c 'scripts/get_data.sh multi30k && {
       tfm prepare --config configs/de-en.yaml & p1=$!
       tfm prepare --config configs/de-en-gpu.yaml & p2=$!
       tfm prepare --config configs/de-en-gpu.yaml --set run_dir="$2" & p4=$!
+      tfm prepare --config configs/de-en.yaml --set run_dir="$3" & p5=$!
+      tfm prepare --config configs/de-en.yaml --set run_dir="$4" & p6=$!
       tfm prepare --config configs/de-en-gpu.yaml --set run_dir="$1"; r3=$?
-      wait $p1; r1=$?; wait $p2; r2=$?; wait $p4; r4=$?
-      echo $SECONDS >"$work/prepare.seconds"; exit $((r1 || r2 || r3 || r4)); }' \
-        prepare "$train_dir" "$budget_dir" >"$work/prepare.log" 2>&1 &
+      wait $p1; r1=$?; wait $p2; r2=$?; wait $p4; r4=$?; wait $p5; r5=$?; wait $p6; r6=$?
+      echo $SECONDS >"$work/prepare.seconds"; exit $((r1 || r2 || r3 || r4 || r5 || r6)); }' \
+        prepare "$train_dir" "$budget_dir" "$auto_dir" "$base_dir" >"$work/prepare.log" 2>&1 &
     prepare_pid=$!
     prepare_start=$SECONDS
 }
@@ -197,7 +213,7 @@ needs_data() {  # section NAME: skipped (with the reason) when prepare failed
     return 1
 }
 
-case " $sections " in *" train"*|*" bench_base"*|*" bench_small "*|*" decode "*|*" tests "*) start_prepare ;; esac
+case " $sections " in *" train"*|*" bench_base"*|*" bench_small "*|*" decode "*|*" tests "*|*" auto"*) start_prepare ;; esac
 bench="python3 scripts/bench_train.py --device cuda"
 for s in $sections; do
     case $s in
@@ -215,6 +231,14 @@ for s in $sections; do
         needs_data train && section train 220 270 "sampled_train $work/train.clocks --config $gpu_config --set run_dir=$train_dir --set train.max_time=$train_time &&
             evaluate_at $gpu_config $train_dir test && evaluate_at $gpu_config $train_dir test 0.6 &&
             evaluate_at $gpu_config $train_dir valid && evaluate_at $gpu_config $train_dir valid 0.6"
+        ;;
+    auto)
+        needs_data auto && section auto $((train_seconds + 30)) $((train_seconds + 90)) "tfm train --config configs/de-en.yaml --set run_dir=$auto_dir --set train.max_time=$train_time &&
+            evaluate_at configs/de-en.yaml $auto_dir test"
+        ;;
+    auto_base)
+        needs_data auto_base && section auto_base $((train_seconds + 30)) $((train_seconds + 90)) "tfm train --config configs/de-en.yaml --set run_dir=$base_dir --set train.max_time=$train_time $base_shape &&
+            evaluate_at configs/de-en.yaml $base_dir test"
         ;;
     train_budget)
         needs_data train_budget && section train_budget 180 250 "sampled_train $work/train_budget.clocks --config $gpu_config --set run_dir=$budget_dir --set train.max_time=$train_time --set train.lr_schedule=budget &&

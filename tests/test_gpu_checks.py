@@ -43,9 +43,9 @@ def run_checks(out: Path, *sections: str, **env) -> subprocess.CompletedProcess:
                           env={**os.environ, **env}, timeout=300)
 
 
-def planned(tmp_path: Path) -> dict[str, tuple[int, int, str]]:
+def planned(tmp_path: Path, **env: str) -> dict[str, tuple[int, int, str]]:
     """{section: (least seconds, most seconds, command)} as PLAN=1 prints them."""
-    run = run_checks(tmp_path / "plan", PLAN="1")
+    run = run_checks(tmp_path / "plan", PLAN="1", **env)
     assert run.returncode == 0, run.stderr
     plan = {}
     for name, least, most, command in re.findall(r"^== (\w+) \(at least (\d+)s, at most (\d+)s\)\n(.*?)(?=^== |\Z)",
@@ -56,7 +56,8 @@ def planned(tmp_path: Path) -> dict[str, tuple[int, int, str]]:
 
 def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
     plan = planned(tmp_path)
-    assert list(plan) == ["env", "bench_wmt_big", "bench_wmt_base", "train", "tests", "train_budget", "big_bf16_weights",
+    assert list(plan) == ["env", "bench_wmt_big", "bench_wmt_base", "train", "tests", "auto", "auto_base", "train_budget",
+                          "big_bf16_weights",
                           "bench_loss", "eager_big", "eager_base", "bench_base", "bench_base_cudnn", "decode",
                           "big_no_flash", "bench_small"]
     parsers = {name: script_module(name).build_parser() for name in ("bench_train", "bench_engines", "bench_loss")}
@@ -83,6 +84,15 @@ def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
     train, variant = (re.search(r"sampled_train \S+ (.*?) &&", plan[name][2]).group(1) for name in ("train", "train_budget"))
     assert variant == train.replace("runs/gpu-checks/de-en-gpu ", "runs/gpu-checks/de-en-gpu-budget ") + \
         " --set train.lr_schedule=budget"
+    # `auto` trains the shipped config as it is; auto_base the same with the paper's base shape pinned,
+    # in a run of its own, and both train as long as TRAIN_TIME says (their limits follow it).
+    auto, base = (re.search(r"^tfm train (.*?) &&", plan[name][2]).group(1) for name in ("auto", "auto_base"))
+    assert auto == "--config configs/de-en.yaml --set run_dir=runs/gpu-checks/de-en-auto --set train.max_time=150s"
+    pinned = load_config(ROOT / "configs/de-en.yaml", base.split("--set ")[1:])
+    assert base.startswith(auto.replace("de-en-auto ", "de-en-auto-base ") + " --set model.d_model=512 ")
+    assert (pinned.model.size, pinned.model.d_model, pinned.model.enc_layers, pinned.model.d_ff) == (None, 512, 6, 2048)
+    longer = planned(tmp_path, TRAIN_TIME="5m")
+    assert longer["auto"][:2] == (plan["auto"][0] + 150, plan["auto"][1] + 150) and "max_time=5m " in longer["auto"][2]
     # The WMT shapes run at their configs' batch size; the target sections as `tfm train` runs the
     # configs (their train.compile), the eager ones without torch.compile.
     for name, config in (("bench_wmt_big", "big"), ("bench_wmt_base", "base"), ("eager_big", "big"), ("eager_base", "base")):
@@ -99,6 +109,10 @@ def test_every_planned_command_parses_and_names_files_that_exist(tmp_path):
 def test_an_unknown_section_is_refused_before_anything_runs(tmp_path):
     run = run_checks(tmp_path / "out", "env", "bench_huge")
     assert run.returncode == 2 and "unknown section 'bench_huge'" in run.stderr
+    assert not (tmp_path / "out").exists()
+    run = run_checks(tmp_path / "out", "auto", TRAIN_TIME="1.5m")  # the sections' limits need whole seconds
+    assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+        "gpu_checks.sh: TRAIN_TIME '1.5m' is not whole seconds (150s) or minutes (5m)"]
     assert not (tmp_path / "out").exists()
 
 
