@@ -264,3 +264,67 @@ def test_a_kill_9_mid_write_leaves_a_temporary_that_the_next_command_removes(tra
     again = tfm("translate", "--checkpoint", checkpoint, "-o", out, input="wa wb\n")
     assert again.exit_code == 0, again.stderr
     assert out.read_text().count("\n") == 1 and list(out.parent.glob(".*.tmp")) == []
+
+
+def test_where_the_filesystem_has_no_flock_the_lock_holders_pid_decides(tmp_path, monkeypatch):
+    """Some network mounts refuse flock (ENOLCK): the PID the holder wrote into the lock file is
+    checked instead: a live other process keeps the run, a dead one's lock is taken over."""
+    import errno
+
+    from transformer_cli.experiment import runlock
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(runlock.fcntl, "flock", no_flock)
+    run = tmp_path / "run"
+    run.mkdir()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        (run / runlock.LOCK_NAME).write_text(f"PID {sleeper.pid} (tfm train)\n")
+        with pytest.raises(runlock.TfmError) as refused:
+            with RunLock(run, "tfm prepare"):
+                pass
+        assert str(refused.value) == f"{run} is in use by PID {sleeper.pid} (tfm train) (lock {run / runlock.LOCK_NAME})"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    (run / runlock.LOCK_NAME).write_text(f"PID {dead_pid()} (tfm train)\n")  # its holder died: taken over
+    with RunLock(run, "tfm prepare"):
+        assert (run / runlock.LOCK_NAME).read_text() == f"PID {os.getpid()} (tfm prepare)\n"
+        with RunLock(run, "tfm train"):  # the PID is this process's own: no other holder to wait for
+            pass
+
+
+def test_files_tfm_cannot_read_as_text_are_named_with_their_fix(tmp_path):
+    latin1 = tmp_path / "corpus.de"
+    latin1.write_bytes("Grüße aus Köln\n".encode("latin-1") * 3)
+    assert files.text_file_problem(latin1) == ("it is not UTF-8 (byte 2: invalid start byte); Latin-1 or "
+                                               "Windows-1252? convert it: iconv -f WINDOWS-1252 -t UTF-8")
+    cut = tmp_path / "cut.de"
+    cut.write_bytes("Grüße".encode()[:3])  # a character cut in two at the end of what was read: not a finding
+    assert files.text_file_problem(cut) is None
+    assert files.text_file_problem(tmp_path / "missing.de") is None  # the caller says "not found" itself
+    assert files._process_start(dead_pid()) is None
+
+
+def test_a_digest_file_that_cannot_be_read_is_one_line_with_the_remedy(tmp_path):
+    shortlist = tmp_path / "shortlist.txt"
+    files.write_with_digest(shortlist, "a b\n")
+    assert files.check_digest(shortlist, "make it again") == files.digest_file(shortlist).read_text().split()[0]
+    files.digest_file(shortlist).write_text("")
+    with pytest.raises(files.TfmError) as empty:
+        files.check_digest(shortlist, "make it again")
+    assert str(empty.value) == f"{files.digest_file(shortlist)}: cannot be read (IndexError): make it again"
+
+
+def test_a_staged_directory_that_cannot_be_moved_into_place_puts_the_previous_one_back(tmp_path):
+    target = tmp_path / "export"
+    target.mkdir()
+    (target / "model.bin").write_text("previous")
+    gone = staging_directory(target)
+    gone.rmdir()  # the move fails (as on a full or vanished mount): the error names the target
+    with pytest.raises(OSError) as failed:
+        files.replace_with_staged(gone, target)
+    assert failed.value.filename == str(target)
+    assert (target / "model.bin").read_text() == "previous" and sorted(p.name for p in tmp_path.iterdir()) == ["export"]
