@@ -180,7 +180,8 @@ def time_shape(config: ExperimentConfig, shape: NamedShape, updates: list[list[B
         # A GPU's first pass over new batch shapes picks its kernels and grows its memory pool, and
         # waiting for each update idles it where training queues the next: timed so, an H200 looked
         # 2.4x slower than it trains (3,183 updates predicted for 150 s, 6,058 made). The batches
-        # pass once untimed, then once timed as a whole, queued as in training.
+        # pass once untimed, then once timed as a whole, queued as in training. (Then a 300-s run made
+        # half the updates predicted: its evaluations and the loop's host work are not timed here.)
         for batches in updates:
             _train_update(model, optimizer, batches, device, amp_dtype, config.train)
         torch.cuda.synchronize(device)
