@@ -10,6 +10,7 @@ import torch
 from transformer_cli.experiment.config import ExperimentConfig
 from transformer_cli.model.special_tokens import BOS_ID, EOS_ID, PAD_ID
 from transformer_cli.model.transformer import Transformer, ffn_dropout
+from transformer_cli.runtime.cpu import cpu_model_name
 from transformer_cli.training.train import build_model
 
 
@@ -36,13 +37,9 @@ def hf_model(config: ExperimentConfig, vocab_size: int):
 
 
 def machine_line(device: torch.device | None = None) -> str:
-    cpu = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     import os
+
+    cpu = cpu_model_name()
 
     gpu = f"GPU {torch.cuda.get_device_name(device)}, " if device is not None and device.type == "cuda" else ""
     # The instruction set torch's kernels run at (AVX2, AVX512…): "AMD EPYC" alone does not tell a

@@ -28,17 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from transformer_cli.interop.ct2_cache import cached_conversion  # noqa: E402
+from transformer_cli.runtime.cpu import cpu_model_name  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
-
-
-def machine() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def timed(command: list[str]) -> float:
@@ -77,7 +68,7 @@ def main() -> None:
     ratios = [r / t for t, r in zip(seconds["tfm"], seconds["reference"])]
     lines = len(source.read_text(encoding="utf-8").splitlines())
     ours, theirs = ((work / f).read_text(encoding="utf-8").splitlines() for f in ("tfm.out", "reference.out"))
-    print(f"{machine()}; {lines} lines, beam {beam}, batch {decode['batch_size']}, CTranslate2 int8, "
+    print(f"{cpu_model_name()}; {lines} lines, beam {beam}, batch {decode['batch_size']}, CTranslate2 int8, "
           f"{args.rounds} paired rounds, start to exit")
     print("| process | median s | fastest s |\n|---|---|---|")
     for name, label in (("tfm", "tfm translate -i -o (auto, cached)"), ("reference", "scripts/ct2_reference.py")):
