@@ -23,6 +23,8 @@ from typing import TypeVar
 
 import pytest
 
+from tests import warm_processes
+
 # torch and tfm's training are imported where a fixture needs them, not here: pytest's controlling
 # process (it only hands tests to the workers) reads this file too, and torch takes seconds to import.
 
@@ -33,6 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # tfm's modules again, ~10 s a test process on a slow CPU. The caches are __pycache__/ folders (ignored by git).
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+# `python -m transformer_cli ...` started by a test forks from a process that has imported torch and
+# tfm already (tests/warm_processes.py says what differs from a cold start, and when it starts cold).
+warm_processes.install()
 
 
 def xdist_workers() -> int:

@@ -13,6 +13,7 @@ import torch
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
+from tests.warm_processes import preexec
 from transformer_cli.data.prepare import prepare  # noqa: E402
 from transformer_cli.decoding.ct2_engine import CT2Translator
 from transformer_cli.decoding.torch_engine import Translator, decode_in_batches  # noqa: E402
@@ -136,8 +137,7 @@ def test_cli_export_and_translate_stream(reverse_model, tmp_path):
     # was there stays whole and no staging directory is left.
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     full = subprocess.run([*TFM, "export", "--checkpoint", str(summary.best_checkpoint), "-o", str(out), "--force"],
-                          capture_output=True, text=True, preexec_fn=lambda: resource.setrlimit(
-                              resource.RLIMIT_FSIZE, (20_000, 20_000)))
+                          capture_output=True, text=True, preexec_fn=preexec(limits=((resource.RLIMIT_FSIZE, 20_000),)))
     assert full.returncode == 2 and full.stderr.strip().splitlines()[-1] == f"error: {out}: File too large (EFBIG)"
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -27,6 +27,7 @@ from tests.conftest import (
     tiny_run,
     wait_until_training,
 )
+from tests.warm_processes import preexec
 from transformer_cli.experiment.checkpoint import load_checkpoint
 from transformer_cli.experiment.config import load_config
 from transformer_cli.runtime.devices import split_on_out_of_memory
@@ -251,9 +252,7 @@ def test_consecutive_nan_steps_leave_weights_untouched_then_stop(tiny_prepared, 
 
 
 def limit_file_size(max_bytes: int):
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
-    return apply
+    return preexec(limits=((resource.RLIMIT_FSIZE, max_bytes),))
 
 
 @pytest.mark.slow
@@ -433,11 +432,8 @@ def test_out_of_memory_while_training_names_max_tokens(tiny_prepared, tmp_path):
     """An allocation that cannot succeed (address-space limit in the child): a message naming the knob."""
     config = tiny_run(tiny_prepared, tmp_path, max_steps=2)
 
-    def limit_memory() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
-
     proc = subprocess.run([*TFM, "train", "--config", str(config), "--set", f"model.d_ff={2**27}"],
-                          capture_output=True, text=True, preexec_fn=limit_memory)
+                          capture_output=True, text=True, preexec_fn=preexec(limits=((resource.RLIMIT_AS, 8 * 2**30),)))
     assert proc.returncode == 2, proc.stderr
     message = one_line_error(proc)
     assert "out of memory while training" in message and "train.max_tokens (now 1500)" in message

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.warm_processes import preexec
 from transformer_cli.decoding.torch_engine import Translator
 from transformer_cli.runtime.files import read_lines
 
@@ -40,13 +41,10 @@ def post(port: int, body, raw: bytes | None = None, timeout: float = 60) -> tupl
         return error.code, json.loads(error.read())
 
 
-def _default_signal_dispositions() -> None:
-    """In the server's process before exec: the signals a server stops on as a shell would leave
-    them. An ignored disposition is inherited across exec, and late in a full test run the test
-    process was found with SIGINT and SIGHUP ignored (the server then, rightly, kept ignoring them)."""
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
+# In the server's process before exec: the signals a server stops on as a shell would leave them. An
+# ignored disposition is inherited across exec, and late in a full test run the test process was found
+# with SIGINT and SIGHUP ignored (the server then, rightly, kept ignoring them).
+_default_signal_dispositions = preexec(default_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
 
 
 class Server:

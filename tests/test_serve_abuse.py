@@ -316,7 +316,9 @@ def test_a_request_that_would_hold_the_engine_is_cut_at_its_deadline_and_good_cl
     """The heavy request is refused before decoding (413: its estimated work is over decode.max_work)
     or, let in, cut at --request-timeout (504); meanwhile 15 good clients keep getting answers, none
     waiting much longer than the deadline."""
-    let_in = ["--set", f"decode.max_work={max_work}"] if max_work else []
+    # let in: past the work budget, and past the memory budget, which otherwise follows the machine's
+    # free memory (half of it by default: the heavy request's estimate is near that on a 24 GB machine)
+    let_in = ["--set", f"decode.max_work={max_work}", "--set", "decode.max_memory=1TB"] if max_work else []
     server = Server(reverse_model[1].best_checkpoint, "--request-timeout", "2", "--max-lines", "256",
                     "--engine", "torch", *let_in)
     try:
@@ -354,7 +356,8 @@ def test_a_request_that_would_hold_the_engine_is_cut_at_its_deadline_and_good_cl
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_sigterm_mid_decode_ends_serve_within_seconds_and_answers_503(reverse_model, workers):
     server = Server(reverse_model[1].best_checkpoint, "--request-timeout", "600", "--max-lines", "256",
-                    "--engine", "torch", "--workers", workers, "--set", "decode.max_work=1e16")  # let it in
+                    "--engine", "torch", "--workers", workers, "--set", "decode.max_work=1e16",
+                    "--set", "decode.max_memory=1TB")  # let it in, whatever memory the machine has free
     heavy: list = []
     request = threading.Thread(target=lambda: heavy.append(post(server.port, heavy_request(), timeout=60)))
     request.start()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.warm_processes import preexec
 from transformer_cli.data.prepare import prepare
 from transformer_cli.experiment.checkpoint import load_checkpoint
 from transformer_cli.experiment.config import TrainConfig, config_from_dict, load_config
@@ -404,7 +405,7 @@ def test_signal_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straig
     # With the signal at its default, as in a terminal, even where this suite runs with SIGINT ignored
     # (`pytest &` from a script): tfm keeps an ignored signal ignored.
     proc = subprocess.Popen([*tfm, str(stopped)], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
+                            preexec_fn=preexec(default_signals=(signum,)))
     wait_until_training(tmp_path / "stopped")
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)

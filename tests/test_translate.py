@@ -12,6 +12,7 @@ import sacrebleu
 import torch
 
 from tests.conftest import tfm_in_process
+from tests.warm_processes import preexec
 from transformer_cli.decoding.search import beam_search, beam_top_k, greedy_search, log_probs, logits_buffer, top_k
 from transformer_cli.decoding.torch_engine import Translator
 from transformer_cli.decoding.translation import balanced_batches, format_nbest, length_sorted_batches
@@ -523,7 +524,7 @@ def test_sigterm_or_hangup_while_writing_output_leaves_no_file_and_no_worker(rev
     args = [*TFM, "translate", "--checkpoint", str(summary.best_checkpoint), "--set", "decode.precision=fp32",
             "--batch-size", "8", "--workers", "2", "--output", str(out)]
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
+                            start_new_session=True, preexec_fn=preexec(default_signals=(signum,)))
     threading.Thread(target=lambda: feed_forever(proc.stdin, src), daemon=True).start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(f.stat().st_size for f in out.parent.glob(".out.txt.*")):
@@ -559,7 +560,7 @@ def test_a_full_disk_under_stdout_or_output_is_one_line_exit_2(reverse_model, he
     assert full.returncode == 0, full.stderr.decode()
     limit = len(full.stdout) - 5
     assert limit > 1000
-    limited = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # noqa: E731
+    limited = preexec(limits=((resource.RLIMIT_FSIZE, limit),))
     with open(tmp_path / "stdout.txt", "w") as stdout:
         proc = subprocess.run(args, input=text, stdout=stdout, stderr=subprocess.PIPE, env=env, preexec_fn=limited)
     assert (proc.returncode, proc.stderr.decode()) == (2, "error: standard output: File too large (EFBIG)\n")

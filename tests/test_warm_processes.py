@@ -1,0 +1,71 @@
+"""The tests' `tfm` processes forked from a warm process (tests/warm_processes.py) are started as
+cold ones: what the kernel and the command show of them is the same either way."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import warm_processes
+from tests.conftest import tfm_in_process, tiny_run
+from tests.warm_processes import preexec
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+
+
+def observe(checkpoint: Path, cwd: Path) -> dict:
+    """Start `tfm translate`; once it waits for its input, read what /proc shows of it; then give it
+    a line and take its output and exit status."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transformer_cli.cli", "translate", "--checkpoint", str(checkpoint), "--engine", "torch",
+         "--set", "decode.precision=fp32"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+        env={**os.environ, "TFM_SOMETHING_ELSE": "1"}, start_new_session=True,
+        preexec_fn=preexec(default_signals=(signal.SIGHUP,), limits=((resource.RLIMIT_FSIZE, 10**6),)))
+    main_thread = Path(f"/proc/{proc.pid}/task/{proc.pid}/syscall")
+    deadline = time.monotonic() + 120
+    while main_thread.read_text().split()[:2] != ["0", "0x0"]:  # read() on standard input
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    status = proc_status(proc.pid)
+    stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    seen = {
+        "signals": {k: status[k] for k in ("SigBlk", "SigIgn", "SigCgt")},
+        "new session": int(stat[3]) == proc.pid,  # the session id (field 6) is its own PID
+        "file size limit": [line.split()[3:5] for line in Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+                            if line.startswith("Max file size")],
+        "cwd": os.readlink(f"/proc/{proc.pid}/cwd"),
+        "fds": sorted(os.listdir(f"/proc/{proc.pid}/fd")),
+        "child of this process": int(stat[1]) == os.getpid(),
+    }
+    out, err = proc.communicate("3 1 4 1 5\n", timeout=120)
+    return {**seen, "exit": proc.returncode, "out": out, "err": err.split(" in ")[0]}
+
+
+@pytest.mark.slow
+def test_a_warm_tfm_process_is_what_a_cold_one_is(tiny_prepared, tmp_path, monkeypatch):
+    """Signal dispositions, blocked and caught signals, a new session, a resource limit set by
+    preexec(), the working directory, the open file descriptors, the output and the exit status.
+    (Not the count of threads: numpy's OpenBLAS starts its idle pool at import in a cold process, in
+    a forked one at its first use.)"""
+    if warm_processes._coverage_running():
+        pytest.skip("coverage.py measures this run: every command starts cold")
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=2, eval_every=2)
+    assert tfm_in_process("train", "--config", config).exit_code == 0
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint_last.pt"
+    monkeypatch.setenv("TFM_TEST_WARM", "0")
+    cold = observe(checkpoint, tmp_path)
+    monkeypatch.setenv("TFM_TEST_WARM", "1")
+    warm = observe(checkpoint, tmp_path)
+    assert cold.pop("child of this process") and not warm.pop("child of this process")  # forked elsewhere
+    assert warm == cold and cold["exit"] == 0 and cold["out"].strip(), (warm, cold)
