@@ -3,6 +3,7 @@ cold ones: what the kernel and the command show of them is the same either way."
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -69,3 +70,26 @@ def test_a_warm_tfm_process_is_what_a_cold_one_is(tiny_prepared, tmp_path, monke
     warm = observe(checkpoint, tmp_path)
     assert cold.pop("child of this process") and not warm.pop("child of this process")  # forked elsewhere
     assert warm == cold and cold["exit"] == 0 and cold["out"].strip(), (warm, cold)
+
+
+@pytest.mark.slow
+def test_a_command_whose_warm_process_has_gone_starts_cold(monkeypatch, tmp_path):
+    """Kill -9 of the warm process: the next command starts cold (a child of this process) and
+    works; a working directory that does not exist is Popen's own error, as for a cold start."""
+    if warm_processes._coverage_running():
+        pytest.skip("coverage.py measures this run: every command starts cold")
+    monkeypatch.setattr(warm_processes, "_WARM", {})  # a warm process of this test's own
+    log = tmp_path / "warm.jsonl"
+    monkeypatch.setenv("TFM_TEST_WARM_LOG", str(log))
+    version = [sys.executable, "-m", "transformer_cli.cli", "--version"]
+    warm = subprocess.run(version, capture_output=True, text=True)
+    process = warm_processes._WARM["system"].process
+    process.kill()
+    process.wait()
+    cold = subprocess.run(version, capture_output=True, text=True)
+    assert warm.returncode == cold.returncode == 0 and warm.stdout == cold.stdout != ""
+    assert [json.loads(line)[0] for line in log.read_text().splitlines()] == ["warm: system",
+                                                                              "cold: the warm process has gone"]
+    assert warm_processes._WARM["system"].failed
+    with pytest.raises(FileNotFoundError):
+        subprocess.run(version, cwd=tmp_path / "missing")

@@ -331,6 +331,7 @@ class _Warm:
 
 _COLD_POPEN = subprocess.Popen
 _WARM: dict[str, _Warm] = {}
+_WARM_LOCK = threading.Lock()
 
 
 def _on_mimalloc(env: dict[str, str]) -> dict[str, str] | None:
@@ -385,26 +386,30 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
         return None
     env = {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
     cwd = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
+    if not os.path.isdir(cwd):
+        return None  # Popen's own error, raised here
     module, argv = args[2], args[3:]
     kind = "system"
     if argv[:1] == ["train"] and _train_allocator(argv, cwd) in ("auto", "mimalloc"):
         relaunched = _on_mimalloc(env)
         if relaunched is not None:
             kind, module, env = "mimalloc", "transformer_cli", relaunched
-    if kind not in _WARM:
-        launch_env = dict(os.environ)
-        _WARM[kind] = _Warm(launch_env if kind == "system" else _on_mimalloc(launch_env) or launch_env)
-    warm = _WARM[kind]
+    with _WARM_LOCK:  # tests start commands from several threads
+        if kind not in _WARM:
+            launch_env = dict(os.environ)
+            _WARM[kind] = _Warm(launch_env if kind == "system" else _on_mimalloc(launch_env) or launch_env)
+        warm = _WARM[kind]
     changed = {k for k in set(env) | set(warm.env) if env.get(k) != warm.env.get(k)}
     read_at_import = sorted(k for k in changed if not k.startswith(RUNTIME_KEYS) and k not in RUNTIME_NAMES)
     if read_at_import:
         _why("cold: environment " + ",".join(read_at_import), args)
         return None
-    if not warm.ready():
+    with _WARM_LOCK:
+        ready = warm.ready()
+    if not ready:
         _why("cold: no warm process", args)
         return None
-    _why("warm: " + kind, args)
-    return {"warm": warm, "module": module, "argv": argv, "cwd": cwd, "env": env,
+    return {"warm": warm, "kind": kind, "module": module, "argv": argv, "cwd": cwd, "env": env,
             "new_session": bool(start_new_session), "orig_argv": [sys.executable, "-m", module, *argv],
             "restore_signals": bool(restore_signals), "ignored": _signal_set("SigIgn"),
             "blocked": _signal_set("SigBlk"), **steps}
@@ -416,7 +421,8 @@ def _why(how: str, args: list[str]) -> None:
     log = os.environ.get("TFM_TEST_WARM_LOG")
     if log:
         with open(log, "a") as file:
-            file.write(json.dumps([how, os.environ.get("PYTEST_CURRENT_TEST", ""), args[3:]]) + "\n")
+            command = [os.fsdecode(a) for a in args[3:]]
+            file.write(json.dumps([how, os.environ.get("PYTEST_CURRENT_TEST", ""), command]) + "\n")
 
 
 def _coverage_running() -> bool:
@@ -433,15 +439,23 @@ class WarmPopen(subprocess.Popen):
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
         plan = _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, (p2cread, c2pwrite, errwrite))
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            if plan is not None:
+                connection.connect(plan["warm"].address)
+        except OSError:  # the warm process has gone (killed): this and later commands start cold
+            plan["warm"].failed = True
+            plan = None
+            _why("cold: the warm process has gone", args)
         if plan is None:
+            connection.close()
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                                           startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
                                           c2pwrite, errread, errwrite, *rest)
         fds = [fd if fd != -1 else default for fd, default in zip((p2cread, c2pwrite, errwrite), (0, 1, 2))]
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            connection.connect(plan["warm"].address)
-            request = {k: v for k, v in plan.items() if k != "warm"}
+            _why("warm: " + plan["kind"], args)
+            request = {k: v for k, v in plan.items() if k not in ("warm", "kind")}
             socket.send_fds(connection, [json.dumps(request).encode()], fds)
             answer = connection.recv(64)
             if not answer:
