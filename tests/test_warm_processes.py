@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +87,7 @@ def test_a_command_whose_warm_process_has_gone_starts_cold(monkeypatch, tmp_path
     process = warm_processes._WARM["system"].process
     process.kill()
     process.wait()
+    shutil.rmtree(Path(warm_processes._WARM["system"].address).parent)  # its socket's folder
     cold = subprocess.run(version, capture_output=True, text=True)
     assert warm.returncode == cold.returncode == 0 and warm.stdout == cold.stdout != ""
     assert [json.loads(line)[0] for line in log.read_text().splitlines()] == ["warm: system",

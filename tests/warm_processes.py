@@ -87,6 +87,8 @@ def serve() -> None:
         for key, _ in selector.select():
             if key.data == "parent":
                 if not os.read(0, 4096):  # the test process has gone: so does this one (children stay)
+                    os.unlink(address)
+                    os.rmdir(os.path.dirname(address))
                     os._exit(0)
             elif key.data == "accept":
                 connection, _ = listener.accept()
