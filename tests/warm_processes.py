@@ -1,15 +1,15 @@
 """`tfm` processes for the tests, forked from a warm process instead of started cold.
 
-A test that runs `python -m transformer_cli[.cli] ...` or `python scripts/<script>.py` as a real
-process (signals, kill -9, pipes, resource limits, servers, benchmarks) pays for importing torch in
-it: 1.3 s of CPU on a Zen 4, 2.7 s on a Zen 3, and for `tfm train` torch's compiler too (torch.optim
-imports it: 1 s / 2.5 s), about a hundred times a run. So each test process keeps a warm process
-that has imported torch and every tfm module once, and forks it for each such command. The child is
-a real process: its own PID, the test's pipes, working directory, environment and session, the
-module or script run as `__main__` as `python` runs it, Python's own exit (threads joined, atexit,
-streams flushed, an uncaught KeyboardInterrupt dying of SIGINT), and the exit status the test reads
-through `subprocess.Popen`. `tfm train` on mimalloc (the default allocator, runtime/allocator.py)
-forks from a second warm process started on mimalloc, as `tfm train` starts itself again.
+A test that runs `python -m transformer_cli[.cli] ...` as a real process (signals, kill -9, pipes,
+resource limits, servers) pays for importing torch in it: 1.3 s of CPU on a Zen 4, 2.7 s on a Zen 3,
+and for `tfm train` torch's compiler too (torch.optim imports it: 1 s / 2.5 s), ~190 times a run.
+So each test process keeps a warm process that has imported torch and every tfm module once, and
+forks it for each such command. The child is a real process: its own PID, the test's pipes, working
+directory, environment and session, the signal dispositions of a new Python, `python -m`'s module
+run as `__main__`, Python's own exit (threads joined, atexit, streams flushed, an uncaught
+KeyboardInterrupt dying of SIGINT), and the exit status the test reads through `subprocess.Popen`.
+`tfm train` on mimalloc (the default allocator, runtime/allocator.py) forks from a second warm
+process started on mimalloc, as `tfm train` starts itself again.
 
 Signal dispositions are those an exec would leave (what the test process ignores stays ignored,
 Popen's restore_signals) and Python's start-up would set; a `preexec_fn` made by `preexec()` (signals
@@ -149,8 +149,7 @@ def _run_child(request: dict, fds: list[int], context: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        first = os.path.dirname(os.path.realpath(request["script"])) if request["script"] else os.getcwd()
-        sys.path[:] = [first, *context["launch_path"][1:]]
+        sys.path[:] = [os.getcwd(), *context["launch_path"][1:]]
         sys.orig_argv = request["orig_argv"]
         tempfile.tempdir = None
         _new_standard_streams()
@@ -172,7 +171,7 @@ def _run_child(request: dict, fds: list[int], context: dict) -> None:
 
         traceback.print_exc()
         os._exit(70)
-    _exit_as_python(request)
+    _exit_as_python(request["module"], request["argv"])
 
 
 def _signals_as_after_exec(request: dict) -> None:
@@ -244,17 +243,13 @@ def _new_standard_streams() -> None:
     sys.stderr = sys.__stderr__ = stream(2, "<stderr>", "backslashreplace")
 
 
-def _exit_as_python(request: dict) -> None:
+def _exit_as_python(module: str, argv: list[str]) -> None:
     import runpy
 
+    sys.argv = [module, *argv]
     code, interrupted = 0, False
     try:
-        if request["script"] is not None:
-            sys.argv = [request["script"], *request["argv"]]
-            runpy.run_path(request["script"], run_name="__main__")  # what `python script.py` runs
-        else:
-            sys.argv = [request["module"], *request["argv"]]
-            runpy._run_module_as_main(request["module"], alter_argv=True)  # what `python -m module` runs
+        runpy._run_module_as_main(module, alter_argv=True)  # what `python -m module` runs
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except KeyboardInterrupt:
@@ -381,10 +376,7 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
     if isinstance(args, (str, bytes, os.PathLike)):
         return None
     args = [os.fsdecode(a) for a in args]
-    cwd = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
-    is_module = len(args) >= 3 and args[1] == "-m" and args[2] in MODULES
-    is_script = len(args) >= 2 and Path(cwd, args[1]).resolve().parent == ROOT / "scripts" and args[1].endswith(".py")
-    if args[0] != sys.executable or not (is_module or is_script):
+    if len(args) < 3 or args[0] != sys.executable or args[1] != "-m" or args[2] not in MODULES:
         return None
     steps = getattr(preexec_fn, "warm", None) if preexec_fn is not None else {"default_signals": [], "limits": []}
     if (shell or executable is not None or steps is None or pass_fds or gid is not None
@@ -395,11 +387,12 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
         _why("cold: a terminal", args)
         return None
     env = {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
+    cwd = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
     if not os.path.isdir(cwd):
         return None  # Popen's own error, raised here
-    module, script, argv = (args[2], None, args[3:]) if is_module else (None, args[1], args[2:])
+    module, argv = args[2], args[3:]
     kind = "system"
-    if is_module and argv[:1] == ["train"] and _train_allocator(argv, cwd) in ("auto", "mimalloc"):
+    if argv[:1] == ["train"] and _train_allocator(argv, cwd) in ("auto", "mimalloc"):
         relaunched = _on_mimalloc(env)
         if relaunched is not None:
             kind, module, env = "mimalloc", "transformer_cli", relaunched
@@ -419,8 +412,7 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
         _why("cold: no warm process", args)
         return None
     return {"warm": warm, "kind": kind, "module": module, "argv": argv, "cwd": cwd, "env": env,
-            "script": script, "new_session": bool(start_new_session),
-            "orig_argv": [sys.executable, *(["-m", module] if module else [script]), *argv],
+            "new_session": bool(start_new_session), "orig_argv": [sys.executable, "-m", module, *argv],
             "restore_signals": bool(restore_signals), "ignored": _signal_set("SigIgn"),
             "blocked": _signal_set("SigBlk"), **steps}
 
@@ -431,7 +423,7 @@ def _why(how: str, args: list[str]) -> None:
     log = os.environ.get("TFM_TEST_WARM_LOG")
     if log:
         with open(log, "a") as file:
-            command = [os.fsdecode(a) for a in args[1:]]
+            command = [os.fsdecode(a) for a in args[3:]]
             file.write(json.dumps([how, os.environ.get("PYTEST_CURRENT_TEST", ""), command]) + "\n")
 
 
