@@ -263,9 +263,7 @@ def _exit_as_python(module: str, argv: list[str]) -> None:
         threading._shutdown()  # type: ignore[attr-defined]
     except BaseException:
         pass
-    import atexit as exit_hooks
-
-    exit_hooks._run_exitfuncs()
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
@@ -277,8 +275,6 @@ def _exit_as_python(module: str, argv: list[str]) -> None:
                 pass
             code = code or 120
     if interrupted:
-        import signal
-
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         code = 130
