@@ -335,13 +335,12 @@ _WARM_LOCK = threading.Lock()
 def _on_mimalloc(env: dict[str, str]) -> dict[str, str] | None:
     """`env` as `tfm train` changes it to start itself again on mimalloc (runtime/allocator.py), or
     None where it would not (no mimalloc here, or started again already)."""
-    from transformer_cli.runtime.allocator import MIMALLOC_DEFAULTS, RELAUNCHED, mimalloc_library
+    from transformer_cli.runtime.allocator import RELAUNCHED, mimalloc_library, relaunch_environment
 
     library = mimalloc_library()
     if library is None or env.get(RELAUNCHED):
         return None
-    return {**MIMALLOC_DEFAULTS, **env, RELAUNCHED: "1",
-            "LD_PRELOAD": " ".join(filter(None, [str(library), env.get("LD_PRELOAD")]))}
+    return relaunch_environment(library, env)
 
 
 def _train_allocator(arguments: list[str], cwd: str) -> str:
@@ -358,7 +357,7 @@ def _train_allocator(arguments: list[str], cwd: str) -> str:
         if config is None:
             return "system"
         return cli._load(Path(cwd, config), settings).train.allocator
-    except BaseException:
+    except Exception:  # a bad command or config: the child says so, and never starts itself again
         return "system"
 
 

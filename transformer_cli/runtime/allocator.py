@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
@@ -48,12 +49,13 @@ def loaded_allocator() -> str:
     return "mimalloc" if "libmimalloc" in maps else "system"
 
 
-def relaunch_environment(library: Path) -> dict[str, str]:
-    """The environment the user started tfm with (not what tfm set in it since, such as the oneDNN
-    kernel cache), with `library` preloaded and mimalloc's settings where the user gave none."""
+def relaunch_environment(library: Path, launched: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment the user started tfm with (`launched`, by default this process's: not what
+    tfm set in it since, such as the oneDNN kernel cache), with `library` preloaded and mimalloc's
+    settings where the user gave none."""
     from .. import LAUNCH_ENVIRONMENT
 
-    env = dict(LAUNCH_ENVIRONMENT)
+    env = dict(LAUNCH_ENVIRONMENT if launched is None else launched)
     env["LD_PRELOAD"] = " ".join(filter(None, [str(library), env.get("LD_PRELOAD")]))
     for key, value in MIMALLOC_DEFAULTS.items():
         env.setdefault(key, value)
