@@ -6,7 +6,8 @@ through `tfm prepare`'s filters, and the filters' throughput.
 
 For each variant (`default`: data.filters as a new config has them; `lexical`: the defaults plus the
 lexical filter for misaligned pairs; `model`: the defaults plus the model filter with the runs given
-as `--forward` (de→en) and/or `--backward` (en→de)) it runs `tfm prepare --dropped` on the noisy
+as `--forward` (de→en) and/or `--backward` (en→de), or without them the models `tfm prepare` trains
+itself on the noisy corpus, `data.filters.model.train_time` each) it runs `tfm prepare --dropped` on the noisy
 corpus and prints, for each kind of noise, the share of those pairs dropped (target: at least 95% of
 each kind; 80% of the misaligned pairs with the lexical filter on; with the model filter 95% of the
 misaligned and 80% of the partly aligned pairs, and at most 1% of clean pairs) and the share of clean
@@ -103,6 +104,12 @@ def run_variant(data: Path, noisy: Path, workdir: Path, variant: str, vocab_size
             *(models if variant == "model" else [])]
     config = load_config(ROOT / "configs" / "de-en.yaml", sets)
     dropped_file = workdir / f"dropped-{variant}.jsonl"
+    if variant == "model" and not models:  # the filter's own models, as `tfm prepare` trains them
+        from transformer_cli.training.filter_models import train_filter_models
+
+        started = time.perf_counter()
+        train_filter_models(config, progress=False)
+        print(f"the model filter's own models: {time.perf_counter() - started:.0f} s")
     started = time.perf_counter()
     prepare(config, force=True, progress=False, dropped=dropped_file)
     seconds = time.perf_counter() - started
@@ -133,9 +140,8 @@ def throughput(noisy: Path, data: Path, forward: str | None, backward: str | Non
         filters = DirectionFilters(settings, "de", "en", model)
         if settings["model"]["enabled"]:
             rule = FiltersConfig().model
-            filters.scorer, _ = learn_model_filter(rule, forward and checkpoint_of(forward),
-                                                   backward and checkpoint_of(backward),
-                                                   src[:rule.sample_pairs], tgt[:rule.sample_pairs], 1)
+            models = [(forward and checkpoint_of(forward), backward and checkpoint_of(backward))]
+            filters.scorer, _ = learn_model_filter(rule, models, src[:rule.sample_pairs], tgt[:rule.sample_pairs], 1)
         if language:
             filters.learn_common_words(src[:COMMON_WORDS_PAIRS], tgt[:COMMON_WORDS_PAIRS])
         started = time.perf_counter()
@@ -159,8 +165,6 @@ def main() -> None:
     args = parser.parse_args()
     models = [f"data.filters.model.{way}={path}" for way, path in (("forward", args.forward),
                                                                   ("backward", args.backward)) if path]
-    if "model" in args.variants and not models:
-        raise TfmError("--variants model: give --forward and/or --backward (the scoring models' runs)")
     from bench_common import machine_line
 
     print(machine_line())

@@ -144,6 +144,7 @@ BOUNDS = [
     ("data.filters.model.max_share", 1.0, 0.0), ("data.filters.model.clean_loss", 0.5, 1.0), ("data.filters.model.sample_pairs", 100, 99),
     ("data.filters.model.sample_pairs", 100_000, 100_001), ("data.filters.model.batch_tokens", 64, 63),
     ("data.filters.model.forward", "runs/de-en", ""), ("data.filters.model.backward", "runs/en-de", ""),
+    ("data.filters.model.train_time", "1s", 0), ("data.filters.model.train_time", 0.5, "5 minutes"),
     ("data.filters.warn_share", 1.0, 0.0), ("data.filters.language.min_words", 1, 0), ("data.filters.duplicates.by", "source", "sources"),
     ("vocab.size", 8, 7), ("vocab.character_coverage", 1.0, 0.0), ("vocab.input_sentence_size", 0, -1),
     ("prepare.workers", 1, 0), ("prepare.chunk_lines", 1, 0),

@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import SYNTHETIC_FILTERS, WORDS, reverse_task_config, tfm_in_process
 from transformer_cli.data.model_filter import REASON_MISALIGNED, REASON_PARTLY, continuation, dual_cross_entropy
 from transformer_cli.data.prepare import REPORT_FILE, _fingerprint, prepare
-from transformer_cli.experiment.config import config_from_dict, load_config
+from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.runtime.errors import TfmError
 
 MODEL_REASONS = (REASON_MISALIGNED, REASON_PARTLY)
@@ -167,7 +167,7 @@ def test_the_filter_pickles_without_its_models(reverse_model, noisy_reverse):
     from transformer_cli.data.model_filter import ModelFilter, checkpoint_of
 
     config, _ = reverse_model
-    found = ModelFilter(checkpoint_of(config.run_dir), None, 1000, misaligned_above=1.0, partly_above=0.5)
+    found = ModelFilter([(checkpoint_of(config.run_dir), None)], 1000, misaligned_above=1.0, partly_above=0.5)
     src, tgt = ["wa wb wc wd"], ["wd wc wb wa"]
     before = found.reasons(src, tgt)
     copy = pickle.loads(pickle.dumps(found))
@@ -197,8 +197,12 @@ def test_the_fingerprint_names_the_scoring_models_and_ignores_the_filter_when_of
 def test_bad_model_filter_settings_are_one_line_errors(reverse_model, noisy_reverse, tmp_path):
     config, _ = reverse_model
     data, _ = noisy_reverse
-    with pytest.raises(TfmError, match="key 'data.filters.model.forward'.*names no model"):
-        load_config(None, ["data.filters.model.enabled=true"])
+    # No model named: `tfm prepare` trains them (below); a program calling prepare() itself is told so.
+    no_models = filter_config(data, tmp_path / "none", "forward", config.run_dir)
+    del no_models["data"]["filters"]["model"]["forward"]
+    with pytest.raises(TfmError, match="data.filters.model: names no model, and the models tfm trains itself are "
+                                       "not in .*filter_models: `tfm prepare` trains them first"):
+        prepare(config_from_dict(no_models), progress=False)
     not_a_checkpoint = tmp_path / "notes.txt"
     not_a_checkpoint.write_text("hello\n")
     cases = [
@@ -259,3 +263,88 @@ def test_a_prepare_killed_while_scoring_leaves_nothing_and_runs_again_to_the_sam
         results.append([(r["line"], r["reason"]) for r in map(json.loads, dropped.read_text().splitlines())])
     differing = set(results[0]) ^ set(results[1])
     assert not differing and len(results[0]) >= 5 * (MISALIGNED + PARTLY) // 2, (len(results[0]), sorted(differing)[:10])
+
+
+# --------------------------------------------------------------------------- the filter's own models
+
+
+def self_trained_config(data: Path, run: Path, max_steps: int) -> dict:
+    """The noisy corpus's config with the model filter on and no model named; the filter's own
+    models train `max_steps` steps (a time budget would make them weaker on a slower CPU)."""
+    raw = reverse_task_config(data, run, max_steps=max_steps, eval_every=max_steps)
+    raw["prepare"] = {"workers": 1}
+    raw["data"]["filters"] = {**SYNTHETIC_FILTERS, "model": {"enabled": True, "train_time": "10m"}}
+    return raw
+
+
+@pytest.mark.slow
+def test_without_models_prepare_trains_its_own_on_each_half_and_scores_each_pair_with_the_others(
+        noisy_reverse, tmp_path):
+    """`tfm prepare` with the model filter on and no model named: a forward and a backward model
+    trained on each half of the corpus (split by a hash of each pair), each pair scored by the
+    models that never saw it: a model finds the misaligned pairs it learned from likely. Run again,
+    nothing is trained; with a larger budget, the models go on from where they stopped."""
+    import torch
+
+    from transformer_cli.data.model_filter import ModelFilter, checkpoint_of, fold_of, self_trained_runs
+    from transformer_cli.runtime.files import read_lines
+
+    data, labels = noisy_reverse
+    run = tmp_path / "run"
+    config_file, dropped = tmp_path / "config.json", tmp_path / "dropped.jsonl"
+    config_file.write_text(json.dumps(self_trained_config(data, run, max_steps=200)))
+    result = tfm_in_process("prepare", "--config", config_file, "--dropped", dropped)
+    assert result.exit_code == 0, result.stderr
+    assert "data.filters.model: forward model 1 of 2 (src→tgt" in result.stdout
+
+    pairs = list(zip(read_lines(data / "train.src.gz"), read_lines(data / "train.tgt.gz")))
+    runs = self_trained_runs(run, "src", "tgt")
+    halves = [list(zip(read_lines(forward.parent / "train.src.gz"), read_lines(forward.parent / "train.tgt.gz")))
+              for forward, _ in runs]
+    assert sorted(halves[0] + halves[1]) == sorted(pairs) and all(halves)  # each pair in one half...
+    assert all(fold_of(s, t) == k for k, half in enumerate(halves) for s, t in half)  # ...the one its hash says
+    by_label = drops_by_label(labels, dropped)
+    model_drops = {label: sum(n for reason, n in row.items() if reason in MODEL_REASONS)
+                   for label, row in by_label.items()}
+    assert model_drops["misaligned"] >= 0.8 * MISALIGNED, by_label
+    assert model_drops["partly"] >= 0.3 * PARTLY, by_label
+    assert sum(by_label["clean"].values()) <= 0.06 * CLEAN, by_label
+
+    # Why the halves: the misaligned pairs a half's models learned from score lower (more likely)
+    # under them than the other half's misaligned pairs, which they never saw.
+    misaligned = {pair for pair, label in zip(pairs, labels) if label == "misaligned"}
+    for k, (forward, backward) in enumerate(runs):
+        alone = ModelFilter([(checkpoint_of(forward), checkpoint_of(backward))], 1000)
+        seen, unseen = ([p for p in halves[h] if p in misaligned] for h in (k, 1 - k))
+        seen_scores = alone.scores([s for s, _ in seen], [t for _, t in seen]).cross_entropy
+        unseen_scores = alone.scores([s for s, _ in unseen], [t for _, t in unseen]).cross_entropy
+        assert seen_scores.mean() < unseen_scores.mean(), (k, seen_scores.mean(), unseen_scores.mean())
+
+    # Again: up to date, nothing trained. A larger budget: each model goes on from its last step.
+    checkpoints = [way / "checkpoints" / "checkpoint_last.pt" for ways in runs for way in ways]
+    stamps = [path.stat().st_mtime_ns for path in checkpoints]
+    again = tfm_in_process("prepare", "--config", config_file)
+    assert again.exit_code == 0 and "up to date" in again.stdout, again.stderr
+    assert [path.stat().st_mtime_ns for path in checkpoints] == stamps
+    config_file.write_text(json.dumps(self_trained_config(data, run, max_steps=220)))
+    longer = tfm_in_process("prepare", "--config", config_file)
+    assert longer.exit_code == 0, longer.stderr
+    assert (longer.stdout + longer.stderr).count("resuming from") == 4, longer.stdout + longer.stderr
+    for path in checkpoints:
+        assert torch.load(path, weights_only=False)["progress"]["step"] == 220
+
+
+def test_the_filters_own_models_need_one_direction_and_pairs_in_both_halves(noisy_reverse, tmp_path):
+    data, _ = noisy_reverse
+    one_pair = tmp_path / "one"
+    one_pair.mkdir()
+    for split in ("train", "valid", "test"):
+        for lang, line in (("src", "wa wb wc wd"), ("tgt", "wd wc wb wa")):
+            with gzip.open(one_pair / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write(line + "\n")
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(self_trained_config(one_pair, tmp_path / "run", max_steps=5)))
+    result = tfm_in_process("prepare", "--config", config_file)
+    assert result.exit_code == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(r"half [12] of the training pairs is empty", errors[0]), result.stderr

@@ -172,9 +172,14 @@ def prepare(
     dropping the training pairs that data.filters finds noisy (a report says which and why)."""
     cfg = _load(config, set_)  # before importing torch (seconds on a slow CPU): config errors come at once
     check_output(dropped, {"--config": [config]}, flag="--dropped")
-    from .data.prepare import REPORT_FILE
+    from .data.prepare import REPORT_FILE, check_corpus_files, check_dropped_file
     from .data.prepare import prepare as run_prepare
+    from .training.filter_models import train_filter_models
 
+    check_corpus_files(cfg)  # before the model filter's own models train on them
+    if dropped is not None:
+        check_dropped_file(cfg, dropped)
+    train_filter_models(cfg, progress=sys.stderr.isatty())  # the model filter on, naming no model
     result = run_prepare(cfg, force=force, progress=sys.stderr.isatty(), discard_checkpoints=discard_checkpoints,
                          dropped=dropped)
     if result.discarded is not None:

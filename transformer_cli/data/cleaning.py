@@ -32,7 +32,7 @@ from .corpus import (
 from .filters import REASONS, DirectionFilters, SeenHashes
 from .language_id import MODEL_NAME, identify, model_language
 from .lexical import learn_lexical_model
-from .model_filter import ModelFilter, check_model, learn_model_filter
+from .model_filter import ModelFilter, learn_model_filter, model_checkpoints, self_trained_runs
 
 COMMON_WORDS_PAIRS = 20_000  # the first pairs of a direction, whose in-language lines give its common words
 _CHECK = "check data.src_lang/tgt_lang and the files, or turn the filter off:"
@@ -263,11 +263,17 @@ def model_filter(config: ExperimentConfig, corpora: list[Corpus], filters: Direc
         raise TfmError("data.filters.model: scores the pairs of a run with one direction (data.src_lang → "
                        f"data.tgt_lang), not of {len(config.data.pairs)} directions")
     direction = config.data.pairs[0]
-    forward = check_model(rule.forward, "forward", direction.src, direction.tgt) if rule.forward else None
-    backward = check_model(rule.backward, "backward", direction.tgt, direction.src) if rule.backward else None
+    if rule.forward is not None or rule.backward is not None:
+        models = [model_checkpoints(rule.forward, rule.backward, direction.src, direction.tgt)]
+    else:  # the models tfm trained itself, a set on each half of the corpus
+        runs = self_trained_runs(config.run_path, direction.src, direction.tgt)
+        if not all(run.is_dir() for pair in runs for run in pair):
+            raise TfmError(f"data.filters.model: names no model, and the models tfm trains itself are not in "
+                           f"{runs[0][0].parent.parent}: `tfm prepare` trains them first (or give forward/backward)")
+        models = [model_checkpoints(str(fwd), str(bwd), direction.src, direction.tgt) for fwd, bwd in runs]
     src, tgt, _ = sample_pairs(corpora, rule.sample_pairs, seed, config.data.train_limit, skip_invalid=True)
     kept = [i for i, reason in enumerate(filters.reasons(src, tgt)) if reason is None]
-    found, learned = learn_model_filter(rule, forward, backward, [src[i] for i in kept], [tgt[i] for i in kept], seed)
+    found, learned = learn_model_filter(rule, models, [src[i] for i in kept], [tgt[i] for i in kept], seed)
     say(f"data.filters.model: thresholds from {learned['sample_pairs']:,} sample pairs: cross-entropy above "
         f"{learned['misaligned_above']} → model_misaligned, continuation above {learned['partly_above']} → "
         f"partly_aligned ({learned.get('sample_dropped', 0):.1%} of the sample)")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import multiprocessing
 import random
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,40 +121,80 @@ def _side_log_probs(trained: Any, sources: list[str], targets: list[str], batch_
     return cross, cont
 
 
+# Models tfm trains itself (training/filter_models.py) learn the corpus they score, noise included:
+# trained on it all, they find its misaligned pairs likely. So the corpus is split in two halves by a
+# hash of each pair's text (a pair and its duplicates fall in one), each half trains a set of models,
+# and each pair is scored by the set that never saw it.
+FOLDS = 2
+
+
+def fold_of(src: str, tgt: str) -> int:
+    """The half of the corpus a pair belongs to (a hash of its text, the same in every process)."""
+    return zlib.crc32(f"{src}\t{tgt}".encode("utf-8", "surrogatepass")) % FOLDS
+
+
+Models = tuple[Path | None, Path | None]  # (forward checkpoint, backward checkpoint)
+
+
+def fold_folder(run_dir: Path, fold: int) -> Path:
+    """Where the models tfm trains on fold `fold` live (run directories), with the fold's pairs."""
+    return Path(run_dir) / "filter_models" / f"half{fold + 1}"
+
+
+def self_trained_runs(run_dir: Path, src_lang: str, tgt_lang: str) -> list[tuple[Path, Path]]:
+    """(forward run, backward run) of each fold, as training/filter_models.py trains them."""
+    return [(fold_folder(run_dir, k) / f"{src_lang}-{tgt_lang}", fold_folder(run_dir, k) / f"{tgt_lang}-{src_lang}")
+            for k in range(FOLDS)]
+
+
 @dataclass
 class ModelFilter:
-    """The scoring models (paths) and the learned thresholds; `reasons` drops pairs above them."""
+    """The scoring models (paths) and the learned thresholds; `reasons` drops pairs above them.
+    `models`: one (forward, backward) set, which scores every pair, or one per fold: fold k's pairs
+    are scored by the set trained on the other fold."""
 
-    forward: Path | None
-    backward: Path | None
+    models: list[Models]
     batch_tokens: int
     misaligned_above: float = float("inf")
     partly_above: float = float("inf")
-    _loaded: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _loaded: dict[Path, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __getstate__(self) -> dict:  # to the encoding workers: paths and thresholds, not the models
         return {**self.__dict__, "_loaded": {}}
 
-    def _model(self, which: str) -> Any:
-        if which not in self._loaded:
+    def _model(self, path: Path) -> Any:
+        if path not in self._loaded:
             import torch
 
             from ..experiment.checkpoint import load_trained_model
 
             if multiprocessing.parent_process() is not None:  # an encoding worker: one of several
                 torch.set_num_threads(1)
-            self._loaded[which] = load_trained_model(getattr(self, which))
-        return self._loaded[which]
+            self._loaded[path] = load_trained_model(path)
+        return self._loaded[path]
+
+    def _scored_by(self, src: list[str], tgt: list[str]) -> list[int]:
+        """Each pair's set of models: the only one, or the other fold's."""
+        if len(self.models) == 1:
+            return [0] * len(src)
+        return [(fold_of(s, t) + 1) % len(self.models) for s, t in zip(src, tgt)]
 
     def scores(self, src: list[str], tgt: list[str]) -> PairScores:
-        forward = backward = None
-        cont = np.zeros(len(src))
-        if self.forward is not None:
-            forward, cont = _side_log_probs(self._model("forward"), src, tgt, self.batch_tokens)
-        if self.backward is not None:
-            backward, back_cont = _side_log_probs(self._model("backward"), tgt, src, self.batch_tokens)
-            cont = np.maximum(cont, back_cont)
-        return PairScores(dual_cross_entropy(forward, backward), cont)
+        cross, cont = np.zeros(len(src)), np.zeros(len(src))
+        by = np.array(self._scored_by(src, tgt), dtype=int)
+        for which, (forward_path, backward_path) in enumerate(self.models):
+            rows = np.flatnonzero(by == which)
+            if not len(rows):
+                continue
+            some_src, some_tgt = [src[i] for i in rows], [tgt[i] for i in rows]
+            forward = backward = None
+            if forward_path is not None:
+                forward, cont[rows] = _side_log_probs(self._model(forward_path), some_src, some_tgt, self.batch_tokens)
+            if backward_path is not None:
+                backward, back_cont = _side_log_probs(self._model(backward_path), some_tgt, some_src, self.batch_tokens)
+                cont[rows] = np.maximum(cont[rows], back_cont)
+            cross[rows] = dual_cross_entropy(forward, backward)
+        return PairScores(cross, cont)
 
     def reasons(self, src: list[str], tgt: list[str]) -> list[str | None]:
         """Each pair's reason to be dropped by the model scores, or None."""
@@ -181,6 +222,12 @@ def check_model(path: str, key: str, src_lang: str, tgt_lang: str) -> Path:
         raise TfmError(f"data.filters.model.{key}: {path} translates {', '.join(p.name for p in pairs)}, "
                        f"not {src_lang}-{tgt_lang}")
     return checkpoint
+
+
+def model_checkpoints(forward: str | None, backward: str | None, src_lang: str, tgt_lang: str) -> Models:
+    """The checkpoints of a forward (src→tgt) and a backward (tgt→src) run or file, each checked."""
+    return (check_model(forward, "forward", src_lang, tgt_lang) if forward else None,
+            check_model(backward, "backward", tgt_lang, src_lang) if backward else None)
 
 
 def model_identity(checkpoint: Path) -> str:
@@ -245,11 +292,12 @@ def learn_threshold(real: np.ndarray, made_up: np.ndarray, recall: float, clean_
     return Threshold(value, noise, found, max(good, 0.0))
 
 
-def learn_model_filter(rule: Any, forward: Path | None, backward: Path | None, src: list[str], tgt: list[str],
+def learn_model_filter(rule: Any, models: list[Models], src: list[str], tgt: list[str],
                        seed: int) -> tuple[ModelFilter, dict]:
     """The filter with thresholds learned from the sample pairs `src`/`tgt` (`rule`: the config's
     data.filters.model), and what was learned, for the report."""
-    found = ModelFilter(forward, backward, rule.batch_tokens)
+    found = ModelFilter(models, rule.batch_tokens)
+    forward, backward = models[0]
     n = len(src)
     if n < 2:
         return found, {"sample_pairs": n, "misaligned_above": None, "partly_above": None}

@@ -55,7 +55,7 @@ from .corpus import (
 )
 from .filters import DirectionFilters
 from .language_tags import known_languages
-from .model_filter import checkpoint_of, model_identity
+from .model_filter import checkpoint_of, model_identity, self_trained_runs
 
 
 def corpus_file(prefix: str, lang: str) -> Path:
@@ -188,8 +188,13 @@ def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
         inputs += [hashlib.sha256(path.read_bytes()).hexdigest() for path in parent.files.values()]
     data = config.data.model_dump()
     scoring = data["filters"].pop("model")  # off: runs prepared before the model filter stay prepared
-    if scoring["enabled"]:  # its models are inputs too
-        scoring["identities"] = [_model_identity(scoring[key]) for key in ("forward", "backward")]
+    if scoring["enabled"]:  # its models are inputs too (what trained them, if tfm did, is in their digests)
+        del scoring["train_time"]
+        named = [scoring[key] for key in ("forward", "backward")]
+        if named == [None, None] and len(config.data.pairs) == 1:  # those tfm trains itself, on each half
+            pair = config.data.pairs[0]
+            named = [str(run) for runs in self_trained_runs(config.run_path, pair.src, pair.tgt) for run in runs]
+        scoring["identities"] = [_model_identity(path) for path in named]
         data["filters"]["model"] = scoring
     if data["directions"] is None:  # a bilingual run: its fingerprint as before directions existed
         del data["directions"], data["temperature"]
@@ -422,7 +427,7 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
     """
     check_corpus_files(config)  # before anything is created or locked
     if dropped is not None:
-        _check_dropped_file(config, dropped)
+        check_dropped_file(config, dropped)
     parent = parent_vocab(config) if config.vocab.from_run else None
     with RunLock(config.run_path, "tfm prepare"):
         for directory in (config.run_path, config.run_path / "data"):
@@ -432,7 +437,7 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
     return result
 
 
-def _check_dropped_file(config: ExperimentConfig, dropped: Path) -> None:
+def check_dropped_file(config: ExperimentConfig, dropped: Path) -> None:
     """`--dropped` names a file to write that is none of the run's inputs and not in its directory."""
     check_output(dropped, {f"data.{split}": [path for corpus in split_corpora(config, split) for path in corpus]
                            for split in SPLITS}, flag="--dropped")

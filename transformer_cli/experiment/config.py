@@ -200,11 +200,15 @@ class LexicalFilter(_Filter):
 
 class ModelFilter(_Filter):
     """Pairs scored by translation models (data/model_filter.py): a forward (src→tgt) and/or a
-    backward (tgt→src) tfm run, e.g. one imported with `tfm import`."""
+    backward (tgt→src) tfm run, e.g. one imported with `tfm import`; with neither named, `tfm
+    prepare` trains both itself on the corpus (training/filter_models.py)."""
 
     enabled: bool = False  # costs a forward pass of each model per pair (docs/training.md)
     forward: str | None = Field(None, min_length=1)  # run directory or checkpoint, this direction's languages
     backward: str | None = Field(None, min_length=1)  # run directory or checkpoint, the other way
+    # With neither model named: each direction's model trains this long (training seconds, as
+    # train.max_time) in <run_dir>/filter_models/, on the pairs the other filters keep.
+    train_time: float | str = "5m"
     recall: float = Field(0.95, gt=0.0, lt=1.0)  # share of re-paired sample pairs to drop (misaligned), at most
     partial_recall: float = Field(0.9, gt=0.0, lt=1.0)  # share of sample pairs with a target run on (partly aligned)
     clean_loss: float = Field(0.005, gt=0.0, lt=1.0)  # estimated share of good pairs each score may drop
@@ -212,12 +216,12 @@ class ModelFilter(_Filter):
     sample_pairs: int = Field(2000, ge=100, le=100_000)  # training pairs the thresholds are learned from
     batch_tokens: int = Field(4000, ge=64)  # pieces per scoring batch (either side)
 
-    @model_validator(mode="after")
-    def _needs_a_model(self) -> ModelFilter:
-        if self.enabled and self.forward is None and self.backward is None:
-            raise _rule("forward", "the model filter is on but names no model: give forward (a run directory or "
-                                   "checkpoint, src→tgt) and/or backward (tgt→src)")
-        return self
+    @field_validator("train_time")
+    @classmethod
+    def _check_train_time(cls, value: float | str) -> float | str:
+        if not 0 < parse_duration(value) < math.inf:
+            raise ValueError("must be a positive duration, e.g. 300 (seconds), '5m' or '1h'")
+        return value
 
 
 class DuplicatesFilter(_Filter):

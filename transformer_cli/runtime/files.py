@@ -91,8 +91,9 @@ def read_lines(path: str | Path) -> list[str]:
 # --------------------------------------------------------------------------- who may write where
 
 MANIFEST_NAME, CONFIG_NAME = "prepare.json", "config.yaml"  # a directory holding prepare.json is a run directory
-# A run's own files: what `tfm prepare` and `tfm train` write there, and nothing else does.
-_RUN_OWN_DIRECTORIES = ("checkpoints", "data", "tensorboard")
+# A run's own files: what `tfm prepare` and `tfm train` write there, and nothing else does
+# (filter_models/: the model filter's own models and the halves of the corpus they learn from).
+_RUN_OWN_DIRECTORIES = ("checkpoints", "data", "tensorboard", "filter_models")
 _RUN_OWN_FILES = (MANIFEST_NAME, CONFIG_NAME, "metrics.jsonl", ".tfm.lock")
 
 # Directories this process is the writer of: the runs whose lock it holds (`RunLock`) and the
