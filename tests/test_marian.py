@@ -149,22 +149,27 @@ def tfm_decode(trained, lines: list[str], beams: int, max_new_tokens: int) -> li
 
 def test_the_model_filter_scores_pairs_with_an_imported_model_as_transformers_does(marian):
     """An imported OPUS-MT run is a source of the model filter (data.filters.model): accepted for its
-    languages, and each pair's cross-entropy is the mean of the per-token log-probabilities that
-    transformers gives the target (its </s> included)."""
+    languages, and each pair's source gain is the mean of the per-token log-probabilities that
+    transformers gives the target (its </s> included) given the source, less that given an empty
+    source (</s> alone)."""
     from transformer_cli.data.model_filter import _side_log_probs, check_model
 
     hf_model, tokenizer, trained, _, root, de, en = marian
     assert check_model(str(root / "run"), "forward", "de", "en").name == "checkpoint_best.pt"
-    batch = tokenizer(de[:8], text_target=en[:8], padding=True, return_tensors="pt")
-    labels, pad = batch["labels"], hf_model.config.pad_token_id
-    start = torch.full((labels.size(0), 1), hf_model.config.decoder_start_token_id)
-    with torch.no_grad():
-        logits = hf_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                          decoder_input_ids=torch.cat([start, labels[:, :-1]], dim=1)).logits
-        logits[..., pad] = float("-inf")
-        theirs = logits.log_softmax(-1).gather(2, labels[..., None]).squeeze(-1)  # (B, T)
-    real = labels != pad
-    expected = -torch.where(real, theirs, 0.0).sum(1) / real.sum(1)  # <pad>'s log-probability is -inf
+
+    def mean_log_probability(sources: list[str]) -> torch.Tensor:  # (pairs,) of en[:8] given the sources
+        batch = tokenizer(sources, text_target=en[:8], padding=True, return_tensors="pt")
+        labels, pad = batch["labels"], hf_model.config.pad_token_id
+        start = torch.full((labels.size(0), 1), hf_model.config.decoder_start_token_id)
+        with torch.no_grad():
+            logits = hf_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              decoder_input_ids=torch.cat([start, labels[:, :-1]], dim=1)).logits
+            logits[..., pad] = float("-inf")
+            theirs = logits.log_softmax(-1).gather(2, labels[..., None]).squeeze(-1)  # (B, T)
+        real = labels != pad
+        return torch.where(real, theirs, 0.0).sum(1) / real.sum(1)  # <pad>'s log-probability is -inf
+
+    expected = mean_log_probability(de[:8]) - mean_log_probability([""] * 8)
     cross, _ = _side_log_probs(trained, de[:8], en[:8], batch_tokens=64)  # several batches
     assert np.allclose(cross, expected.numpy(), atol=1e-4), cross - expected.numpy()
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import SYNTHETIC_FILTERS, WORDS, reverse_task_config, tfm_in_process
-from transformer_cli.data.model_filter import REASON_MISALIGNED, REASON_PARTLY, continuation, dual_cross_entropy
+from transformer_cli.data.model_filter import REASON_MISALIGNED, REASON_PARTLY, continuation, misalignment
 from transformer_cli.data.prepare import REPORT_FILE, _fingerprint, prepare
 from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.runtime.errors import TfmError
@@ -40,10 +40,11 @@ def test_continuation_is_how_much_better_the_best_prefix_ended_there_scores():
     assert continuation(short, early_eos) == 0.0
 
 
-def test_dual_cross_entropy_is_low_only_where_both_models_agree_it_is_low():
-    forward, backward = np.array([1.0, 3.0, 1.0]), np.array([1.0, 1.0, 3.0])
-    assert dual_cross_entropy(forward, backward).tolist() == [1.0, 4.0, 4.0]
-    assert dual_cross_entropy(forward, None) is forward and dual_cross_entropy(None, backward) is backward
+def test_misalignment_is_minus_the_mean_source_gain_of_the_models_there_are():
+    forward, backward = np.array([2.0, 0.0, 1.0]), np.array([4.0, 0.0, -1.0])
+    assert misalignment(forward, backward).tolist() == [-3.0, 0.0, 0.0]
+    assert misalignment(forward, None).tolist() == [-2.0, 0.0, -1.0]
+    assert misalignment(None, backward).tolist() == [-4.0, 0.0, 1.0]
 
 
 def test_a_threshold_learned_without_labels_estimates_the_bad_share_and_keeps_the_good_pairs():
@@ -145,7 +146,7 @@ def test_the_model_filter_drops_misaligned_and_partly_aligned_pairs_at_threshold
     assert set(MODEL_REASONS) <= set(examples) and all(examples[r] for r in MODEL_REASONS)
     learned = report["filters"]["model"]["learned"]
     assert learned["sample_pairs"] == CLEAN + MISALIGNED + PARTLY
-    assert 0 < learned["misaligned_above"] < float("inf") and 0 < learned["partly_above"] < float("inf")
+    assert np.isfinite(learned["misaligned_above"]) and 0 < learned["partly_above"] < float("inf")
     assert "dropped: partly_aligned" in result.cleaning.table()
 
 
@@ -316,8 +317,8 @@ def test_without_models_prepare_trains_its_own_on_each_half_and_scores_each_pair
     for k, (forward, backward) in enumerate(runs):
         alone = ModelFilter([(checkpoint_of(forward), checkpoint_of(backward))], 1000)
         seen, unseen = ([p for p in halves[h] if p in misaligned] for h in (k, 1 - k))
-        seen_scores = alone.scores([s for s, _ in seen], [t for _, t in seen]).cross_entropy
-        unseen_scores = alone.scores([s for s, _ in unseen], [t for _, t in unseen]).cross_entropy
+        seen_scores = alone.scores([s for s, _ in seen], [t for _, t in seen]).misalignment
+        unseen_scores = alone.scores([s for s, _ in unseen], [t for _, t in unseen]).misalignment
         assert seen_scores.mean() < unseen_scores.mean(), (k, seen_scores.mean(), unseen_scores.mean())
 
     # Again: up to date, nothing trained. A larger budget: each model goes on from its last step.
