@@ -88,8 +88,15 @@ def meets(label: str, share: float, variant: str = "default") -> bool:
 
 
 def make_corpus(data: Path, out: Path, noise: float, seed: int) -> None:
+    """The noisy corpus, written once per setting: written again (new file times), it would make the
+    model filter's own models train again."""
+    made = out / "made.json"
+    wanted = json.dumps({"data": str(data.resolve()), "noise": noise, "seed": seed})
+    if made.is_file() and made.read_text() == wanted:
+        return
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_noisy.py"), "--data", str(data), "--noise",
                     str(noise), "--seed", str(seed), "-o", str(out)], check=True, stdout=subprocess.DEVNULL)
+    made.write_text(wanted)
 
 
 def run_variant(data: Path, noisy: Path, workdir: Path, variant: str, vocab_size: int,
