@@ -170,8 +170,11 @@ def test_the_model_filter_scores_pairs_with_an_imported_model_as_transformers_do
         return torch.where(real, theirs, 0.0).sum(1) / real.sum(1)  # <pad>'s log-probability is -inf
 
     expected = mean_log_probability(de[:8]) - mean_log_probability([""] * 8)
-    cross, _ = _side_log_probs(trained, de[:8], en[:8], batch_tokens=64)  # several batches
+    cross, src_pieces, tgt_pieces = _side_log_probs(trained, de[:8], en[:8], batch_tokens=64)  # several batches
     assert np.allclose(cross, expected.numpy(), atol=1e-4), cross - expected.numpy()
+    pieces = [len(tokenizer(text)["input_ids"]) - 1 for text in de[:8]], [len(tokenizer(text_target=text)["input_ids"]) - 1
+                                                                         for text in en[:8]]  # less </s>
+    assert src_pieces.tolist() == pieces[0] and tgt_pieces.tolist() == pieces[1]
 
 
 def test_greedy_translations_are_token_for_token_transformers_generate(marian):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import SYNTHETIC_FILTERS, WORDS, reverse_task_config, tfm_in_process
-from transformer_cli.data.model_filter import REASON_MISALIGNED, REASON_PARTLY, continuation, misalignment
+from transformer_cli.data.model_filter import REASON_MISALIGNED, REASON_PARTLY, PairScores, median_ratio, misalignment
 from transformer_cli.data.prepare import REPORT_FILE, _fingerprint, prepare
 from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.runtime.errors import TfmError
@@ -26,18 +26,26 @@ from transformer_cli.runtime.errors import TfmError
 MODEL_REASONS = (REASON_MISALIGNED, REASON_PARTLY)
 
 
-def test_continuation_is_how_much_better_the_best_prefix_ended_there_scores():
-    # three likely pieces after which </s> was likely, then three unlikely ones and a late </s>
-    pieces = np.array([-0.1, -0.1, -0.1, -5.0, -5.0, -5.0, -4.0])
-    eos = np.array([-9.0, -9.0, -9.0, -0.1, -9.0, -9.0, -4.0])
-    best = (-0.3 - 0.1) / 4
-    assert continuation(pieces, eos) == pytest.approx(best - pieces.mean())
-    # a side as likely throughout as its end: no prefix is better than the whole
-    assert continuation(np.full(7, -1.0), np.full(7, -1.0)) == 0.0
-    # prefixes shorter than a quarter of the side are not candidates (a first word alone is no translation)
-    short = np.array([-0.1] + [-3.0] * 7 + [-3.0])
-    early_eos = np.array([-9.0, -0.1] + [-9.0] * 6 + [-3.0])
-    assert continuation(short, early_eos) == 0.0
+def test_the_overrun_counts_the_targets_extra_pieces_in_standard_deviations_of_a_count():
+    scores = PairScores(np.zeros(4), src_pieces=np.array([4.0, 4.0, 12.0, 10.0]), tgt_pieces=np.array([4.0, 12.0, 4.0, 20.0]))
+    assert scores.overrun(1.0) == pytest.approx([0.0, 8 / np.sqrt(17), -8 / np.sqrt(17), 10 / np.sqrt(31)])
+    assert scores.overrun(2.0)[3] == 0.0  # a corpus whose targets are twice as long: this one is as expected
+    assert median_ratio(scores) == pytest.approx(np.exp(np.median(np.log([5 / 5, 13 / 5, 5 / 13, 21 / 11]))))
+    assert median_ratio(PairScores(np.zeros(0), np.zeros(0), np.zeros(0))) == 1.0
+
+
+def test_a_side_run_on_is_partly_aligned_by_its_own_threshold_and_the_other_side_by_its_own(reverse_model):
+    """The target's overrun and the source's each have a threshold: a target far longer than its
+    source is partly aligned under the first, a source far longer under the second, and neither
+    threshold reads the other side's."""
+    from transformer_cli.data.model_filter import ModelFilter, checkpoint_of
+
+    config, _ = reverse_model
+    found = ModelFilter([(checkpoint_of(config.run_dir), None)], 1000, target_longer_above=1.0, source_longer_above=3.0)
+    same, longer = "wa wb wc wd", "wa wb wc wd we wf wa wb wc wd we wf"
+    assert found.reasons([same, same, longer], [same, longer, same]) == [None, REASON_PARTLY, None]
+    found.source_longer_above = 1.0
+    assert found.reasons([longer], [same]) == [REASON_PARTLY]
 
 
 def test_misalignment_is_minus_the_mean_source_gain_of_the_models_there_are():
@@ -127,10 +135,12 @@ def drops_by_label(labels: list[str], dropped_file: Path) -> dict[str, dict[str,
 def test_the_model_filter_drops_misaligned_and_partly_aligned_pairs_at_thresholds_learned_without_labels(
         reverse_model, noisy_reverse, tmp_path, way):
     """The thresholds come from the corpus's own pairs re-paired and run on; no label is read. The
-    backward model reads the corpus the other way round: its continuation is the source's."""
+    backward model reads the corpus the other way round (its pieces measure the length ratio)."""
     config, _ = reverse_model
     data, labels = noisy_reverse
-    raw = filter_config(data, tmp_path / "run", way, config.run_dir)
+    # every clean pair here has sides of one length: the overrun may drop 95% of the made-up pairs,
+    # and the (estimated) 4% of clean pairs a score may drop: 2% each side, the test allows 3%
+    raw = filter_config(data, tmp_path / "run", way, config.run_dir, partial_recall=0.95, clean_loss=0.04)
     dropped = tmp_path / "dropped.jsonl"
     result = prepare(config_from_dict(raw), progress=False, dropped=dropped)
     by_label = drops_by_label(labels, dropped)
@@ -138,7 +148,7 @@ def test_the_model_filter_drops_misaligned_and_partly_aligned_pairs_at_threshold
                    for label, row in by_label.items()}
     assert model_drops["misaligned"] >= 0.9 * MISALIGNED, by_label
     assert by_label["partly"].get(REASON_PARTLY, 0) + by_label["partly"].get(REASON_MISALIGNED, 0) >= 0.8 * PARTLY, by_label
-    assert by_label["partly"].get(REASON_PARTLY, 0) >= 0.5 * PARTLY, by_label  # the continuation, not chance
+    assert by_label["partly"].get(REASON_PARTLY, 0) >= 0.5 * PARTLY, by_label  # the overrun, not chance
     assert sum(by_label["clean"].values()) <= 0.03 * CLEAN, by_label
     # the report names the reasons with examples and says what was learned
     report = json.loads((Path(config_from_dict(raw).run_dir) / REPORT_FILE).read_text())
@@ -146,7 +156,8 @@ def test_the_model_filter_drops_misaligned_and_partly_aligned_pairs_at_threshold
     assert set(MODEL_REASONS) <= set(examples) and all(examples[r] for r in MODEL_REASONS)
     learned = report["filters"]["model"]["learned"]
     assert learned["sample_pairs"] == CLEAN + MISALIGNED + PARTLY
-    assert np.isfinite(learned["misaligned_above"]) and 0 < learned["partly_above"] < float("inf")
+    assert np.isfinite(learned["misaligned_above"]) and 0 < learned["target_longer_above"] < float("inf")
+    assert 0 < learned["source_longer_above"] < float("inf") and learned["length_ratio"] == pytest.approx(1.0, abs=0.1)
     assert "dropped: partly_aligned" in result.cleaning.table()
 
 
@@ -168,7 +179,7 @@ def test_the_filter_pickles_without_its_models(reverse_model, noisy_reverse):
     from transformer_cli.data.model_filter import ModelFilter, checkpoint_of
 
     config, _ = reverse_model
-    found = ModelFilter([(checkpoint_of(config.run_dir), None)], 1000, misaligned_above=1.0, partly_above=0.5)
+    found = ModelFilter([(checkpoint_of(config.run_dir), None)], 1000, misaligned_above=1.0, target_longer_above=1.0)
     src, tgt = ["wa wb wc wd"], ["wd wc wb wa"]
     before = found.reasons(src, tgt)
     copy = pickle.loads(pickle.dumps(found))
@@ -242,7 +253,7 @@ def test_a_prepare_killed_while_scoring_leaves_nothing_and_runs_again_to_the_sam
             f.write(lines * 5)
     results = []
     for name, kill in (("killed", True), ("whole", False)):
-        raw = filter_config(data, tmp_path / name, "forward", config.run_dir)
+        raw = filter_config(data, tmp_path / name, "forward", config.run_dir, partial_recall=0.95, clean_loss=0.04)
         raw["prepare"]["chunk_lines"] = 200
         config_file = tmp_path / f"{name}.json"
         config_file.write_text(json.dumps(raw))

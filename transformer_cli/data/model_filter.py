@@ -1,8 +1,8 @@
 """Misaligned and partly aligned pairs, scored by translation models (`data.filters.model`).
 
 Each pair is scored teacher-forced, two forward passes per model and pair: a forward model
-(src→tgt) gives each target piece's log-probability given the source, given an empty source and,
-at every position, that of </s>; a backward model (tgt→src) the same for the source. Two scores:
+(src→tgt) gives each target piece's log-probability given the source and given an empty source; a
+backward model (tgt→src) the same for the source. Two scores:
 
 - *misalignment*: how little the other side tells the model, the negative *source gain*
   H(t | empty) − H(t | s), cross-entropies per piece (the side's pieces and </s>); with both
@@ -12,20 +12,22 @@ at every position, that of </s>; a backward model (tgt→src) the same for the s
   uses it, mixes alignment with how rare a sentence is: on Multi30k with 50% noise and the models
   tfm trains itself, at the 99th percentile of clean pairs' scores it caught 25% of misaligned
   pairs, the source gain 97.5%.)
-- *continuation*: the best prefix of a side, ended by </s>, against the whole side:
-  max over k ≥ len/4 of (Σ_{i<k} log p(t_i) + log p(</s> | t_<k)) / (k + 1), minus the whole
-  side's mean log-probability (≥ 0; k = len is the whole). A target that translates the source
-  and then goes on (a failed sentence split, merged segments) has a likely prefix that the model
-  would have ended, then improbable pieces: the mean over the whole side hides it, the best
-  prefix shows it. (Measured on Multi30k with a 30-minute model: the cross-entropy alone caught
-  40% of such targets at 1% of clean pairs, the continuation 92%.)
+- *overrun*: how much longer the target is than its source, in the model's pieces, than this
+  corpus's translations are: (t − r·s) / √(t + r·s + 1), t and s the two sides' pieces and r the
+  sample's median ratio t/s; a translation's length scatters more the longer it is, as a count
+  does. Each way with a threshold of its own (the source's overrun is its negative). A target that
+  translates the source and then goes on (a failed sentence split, merged segments) is longer by
+  about the other sentence; the model barely sees it (the continuing pieces lower the source gain
+  little). (Measured on Multi30k + 50% noise with the models tfm trains itself, at 1% of clean
+  pairs: a model's best prefix ended by </s> against the whole side caught 13% of such targets, the
+  log length ratio 88%, the overrun 94%.)
 
 The thresholds are learned without labels, as the lexical filter's are: a sample of the training
 pairs (after the rule filters) is scored as it is, re-paired at random (misaligned pairs of this
-corpus) and with each target (and source, with a backward model) run on by another pair's
-target (partly aligned pairs). Each threshold drops at most an estimated `clean_loss` of the
-sample's good pairs (`learn_threshold`), stops where it drops `recall` of the made-up pairs, and
-never drops more than `max_share` of the sample itself.
+corpus) and with each target, and each source, run on by another pair's (partly aligned pairs).
+Each score drops at most an estimated `clean_loss` of the sample's good pairs (`learn_threshold`;
+the overrun's two thresholds half of it each), stops where it drops `recall` (`partial_recall`) of
+the made-up pairs, and never drops more than `max_share` of the sample itself.
 
 Models load lazily, once per process (`tfm prepare`'s encoding workers are spawned, one thread
 each); the filter object itself pickles without them.
@@ -47,6 +49,7 @@ from ..runtime.errors import TfmError
 from ..runtime.files import content_hash
 
 REASON_MISALIGNED, REASON_PARTLY = "model_misaligned", "partly_aligned"
+SCORES = "source gain, overrun"  # in the fingerprint: a run prepared with other scores is prepared again
 SAMPLING_ERRORS = 1.0  # the threshold's allowance for the estimate's sampling error, in standard errors
 
 
@@ -63,22 +66,24 @@ def misalignment(forward_gain: np.ndarray | None, backward_gain: np.ndarray | No
     return -sum(gains) / len(gains)
 
 
-def continuation(token_log_probs: np.ndarray, eos_log_probs: np.ndarray) -> float:
-    """How much better the side's best prefix ended by </s> scores than the whole side (mean
-    log-probability per position; ≥ 0). `token_log_probs`: (T+1,) each piece's log-probability and
-    the final </s>'s; `eos_log_probs`: (T+1,) log p(</s>) at each position."""
-    pieces = len(token_log_probs) - 1
-    first = max(1, pieces // 4)
-    prefix_sums = np.concatenate([[0.0], np.cumsum(token_log_probs[:-1])])  # (T+1,) Σ of the first k pieces
-    k = np.arange(first, pieces + 1)
-    best = ((prefix_sums[k] + eos_log_probs[k]) / (k + 1)).max()
-    return float(max(best - token_log_probs.mean(), 0.0))
-
-
 @dataclass
 class PairScores:
     misalignment: np.ndarray  # (pairs,) higher: the sides tell each other less (minus the source gain)
-    continuation: np.ndarray  # (pairs,) higher: a side goes on past the translation of the other
+    src_pieces: np.ndarray  # (pairs,) each side's length in the scoring model's pieces
+    tgt_pieces: np.ndarray
+
+    def overrun(self, ratio: float) -> np.ndarray:
+        """(pairs,) how much longer each target is than `ratio` times its source, in standard
+        deviations of a count (> 0: the target longer; the source's overrun is its negative)."""
+        expected = ratio * self.src_pieces
+        return (self.tgt_pieces - expected) / np.sqrt(self.tgt_pieces + expected + 1.0)
+
+
+def median_ratio(scores: PairScores) -> float:
+    """The sample's typical target/source length in pieces (1 without pairs)."""
+    if not len(scores.src_pieces):
+        return 1.0
+    return float(np.exp(np.median(np.log((scores.tgt_pieces + 1.0) / (scores.src_pieces + 1.0)))))
 
 
 def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -93,19 +98,16 @@ def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def _side_log_probs(trained: Any, sources: list[str], targets: list[str], batch_tokens: int
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """One model's (source gain, continuation) of each target given its source, (pairs,) each."""
+def _source_gain(trained: Any, src_ids: list[list[int]], tgt_ids: list[list[int]], batch_tokens: int
+                 ) -> np.ndarray:
+    """(pairs,) one model's source gain of each target (pieces, its vocabularies') given its source:
+    mean log-probability per piece (and </s>) given the source less that given an empty source."""
     import torch
 
-    from ..model.lengths import source_token_limit
     from ..model.special_tokens import BOS_ID, EOS_ID
     from .batches import pad_batch
 
-    limit = source_token_limit(trained.model.cfg.max_positions)
-    src_ids = [ids[:limit] for ids in trained.src_sp.encode(sources, out_type=int)]
-    tgt_ids = [ids[:limit] for ids in trained.tgt_sp.encode(targets, out_type=int)]
-    gain, cont = np.zeros(len(sources)), np.zeros(len(sources))
+    gain = np.zeros(len(src_ids))
     lengths = [max(len(s), len(t)) + 1 for s, t in zip(src_ids, tgt_ids)]
     with torch.inference_mode():
         for batch in _batches(lengths, batch_tokens):
@@ -116,13 +118,27 @@ def _side_log_probs(trained: Any, sources: list[str], targets: list[str], batch_
                               ("empty", torch.full((len(batch), 1), EOS_ID, dtype=torch.long))):  # (B, 1)
                 log_probs = torch.log_softmax(trained.model(src, tgt_in).float(), dim=-1)  # (B, T+1, V)
                 given[name] = log_probs.gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1).numpy()  # (B, T+1)
-                if name == "source":
-                    eos = log_probs[..., EOS_ID].numpy()  # (B, T+1)
             for row, i in enumerate(batch):
                 end = len(tgt_ids[i]) + 1
                 gain[i] = given["source"][row, :end].mean() - given["empty"][row, :end].mean()
-                cont[i] = continuation(given["source"][row, :end], eos[row, :end])
-    return gain, cont
+    return gain
+
+
+def _pieces(trained: Any, sources: list[str], targets: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """The model's pieces of each source and target, cut as its positions allow."""
+    from ..model.lengths import source_token_limit
+
+    limit = source_token_limit(trained.model.cfg.max_positions)
+    return ([ids[:limit] for ids in trained.src_sp.encode(sources, out_type=int)],
+            [ids[:limit] for ids in trained.tgt_sp.encode(targets, out_type=int)])
+
+
+def _side_log_probs(trained: Any, sources: list[str], targets: list[str], batch_tokens: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One model's source gain of each target given its source, and the two sides' pieces, (pairs,) each."""
+    src_ids, tgt_ids = _pieces(trained, sources, targets)
+    return (_source_gain(trained, src_ids, tgt_ids, batch_tokens), np.array([len(ids) for ids in src_ids], dtype=float),
+            np.array([len(ids) for ids in tgt_ids], dtype=float))
 
 
 # Models tfm trains itself (training/filter_models.py) learn the corpus they score, noise included:
@@ -160,7 +176,9 @@ class ModelFilter:
     models: list[Models]
     batch_tokens: int
     misaligned_above: float = float("inf")
-    partly_above: float = float("inf")
+    length_ratio: float = 1.0  # this corpus's target/source length in pieces (the overrun's r)
+    target_longer_above: float = float("inf")  # overrun above this: partly aligned
+    source_longer_above: float = float("inf")  # minus the overrun above this: partly aligned
     _loaded: dict[Path, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __getstate__(self) -> dict:  # to the encoding workers: paths and thresholds, not the models
@@ -184,7 +202,7 @@ class ModelFilter:
         return [(fold_of(s, t) + 1) % len(self.models) for s, t in zip(src, tgt)]
 
     def scores(self, src: list[str], tgt: list[str]) -> PairScores:
-        misaligned, cont = np.zeros(len(src)), np.zeros(len(src))
+        misaligned, src_pieces, tgt_pieces = np.zeros(len(src)), np.zeros(len(src)), np.zeros(len(src))
         by = np.array(self._scored_by(src, tgt), dtype=int)
         for which, (forward_path, backward_path) in enumerate(self.models):
             rows = np.flatnonzero(by == which)
@@ -192,21 +210,23 @@ class ModelFilter:
                 continue
             some_src, some_tgt = [src[i] for i in rows], [tgt[i] for i in rows]
             forward = backward = None
-            if forward_path is not None:
-                forward, cont[rows] = _side_log_probs(self._model(forward_path), some_src, some_tgt, self.batch_tokens)
             if backward_path is not None:
-                backward, back_cont = _side_log_probs(self._model(backward_path), some_tgt, some_src, self.batch_tokens)
-                cont[rows] = np.maximum(cont[rows], back_cont)
+                backward, tgt_pieces[rows], src_pieces[rows] = _side_log_probs(
+                    self._model(backward_path), some_tgt, some_src, self.batch_tokens)
+            if forward_path is not None:  # its pieces measure the lengths where there are both
+                forward, src_pieces[rows], tgt_pieces[rows] = _side_log_probs(
+                    self._model(forward_path), some_src, some_tgt, self.batch_tokens)
             misaligned[rows] = misalignment(forward, backward)
-        return PairScores(misaligned, cont)
+        return PairScores(misaligned, src_pieces, tgt_pieces)
 
     def reasons(self, src: list[str], tgt: list[str]) -> list[str | None]:
         """Each pair's reason to be dropped by the model scores, or None."""
         if not src:
             return []
         scores = self.scores(src, tgt)
-        return [REASON_MISALIGNED if ce > self.misaligned_above else REASON_PARTLY if c > self.partly_above else None
-                for ce, c in zip(scores.misalignment, scores.continuation)]
+        return [REASON_MISALIGNED if score > self.misaligned_above
+                else REASON_PARTLY if over > self.target_longer_above or -over > self.source_longer_above else None
+                for score, over in zip(scores.misalignment, scores.overrun(self.length_ratio))]
 
 
 def check_model(path: str, key: str, src_lang: str, tgt_lang: str) -> Path:
@@ -301,47 +321,58 @@ def learn_model_filter(rule: Any, models: list[Models], src: list[str], tgt: lis
     """The filter with thresholds learned from the sample pairs `src`/`tgt` (`rule`: the config's
     data.filters.model), and what was learned, for the report."""
     found = ModelFilter(models, rule.batch_tokens)
-    forward, backward = models[0]
     n = len(src)
     if n < 2:
-        return found, {"sample_pairs": n, "misaligned_above": None, "partly_above": None}
+        return found, {"sample_pairs": n, "misaligned_above": None, "target_longer_above": None,
+                       "source_longer_above": None}
     rng = random.Random(seed)
     other = np.array([(i + 1 + rng.randrange(n - 1)) % n for i in range(n)])  # another pair, never the same
     real = found.scores(src, tgt)
     repaired = found.scores(src, [tgt[j] for j in other])
-    run_on = []  # each side a model reads, run on by another pair's target
-    if forward is not None:
-        run_on.append(found.scores(src, [f"{t} {tgt[j]}" for t, j in zip(tgt, other)]))
-    if backward is not None:
-        run_on.append(found.scores([f"{s} {src[j]}" for s, j in zip(src, other)], tgt))
-    run_on_cross = np.concatenate([scores.misalignment for scores in run_on])
-    run_on_cont = np.concatenate([scores.continuation for scores in run_on])
-    # Each score's good pairs are the sample's pairs the other score keeps (a partly aligned pair has a
-    # high misalignment too, a misaligned one may have a high continuation, and neither is like the
-    # other score's made-up pairs); its made-up pairs are those the other score keeps too, made of
-    # two pairs both scores keep (a misaligned pair run on is no partly aligned pair). Three rounds,
-    # the continuation first.
-    cross_value, cont_value = float("inf"), float("inf")
-    keep = np.ones(n, dtype=bool)
+    target_on = found.scores(src, [f"{t} {tgt[j]}" for t, j in zip(tgt, other)])  # each target run on
+    source_on = found.scores([f"{s} {src[j]}" for s, j in zip(src, other)], tgt)  # each source run on
+    # Each score's good pairs are the sample's pairs the others keep (a partly aligned pair has a
+    # higher misalignment too, a misaligned one may be longer, and neither is like the other score's
+    # made-up pairs); its made-up pairs are those the others keep too, made of two pairs all keep
+    # (a misaligned pair run on is no partly aligned pair). Three rounds, the overrun first.
+    found.length_ratio = median_ratio(real)
+    longer = {"target": target_on, "source": source_on}
+    above = {"misalignment": float("inf"), "target": float("inf"), "source": float("inf")}
+
+    def by_name(scores: PairScores) -> dict[str, np.ndarray]:
+        over = scores.overrun(found.length_ratio)
+        return {"misalignment": scores.misalignment, "target": over, "source": -over}
+
+    def kept(scores: PairScores, but: str) -> np.ndarray:
+        keep = np.ones(len(scores.misalignment), dtype=bool)
+        for name, score in by_name(scores).items():
+            if name != but:
+                keep &= score <= above[name]
+        return keep
+
+    learned: dict[str, Threshold] = {}
     for _ in range(3):
-        made_of_good = np.tile(keep & keep[other], len(run_on))
-        cont = learn_threshold(real.continuation[real.misalignment <= cross_value],
-                               run_on_cont[made_of_good & (run_on_cross <= cross_value)],
-                               rule.partial_recall, rule.clean_loss, rule.max_share)
-        cont_value = cont.value
-        keep = (real.continuation <= cont_value) & (real.misalignment <= cross_value)
-        made_of_good = keep & keep[other]
-        cross = learn_threshold(real.misalignment[real.continuation <= cont_value],
-                                repaired.misalignment[made_of_good & (repaired.continuation <= cont_value)],
-                                rule.recall, rule.clean_loss, rule.max_share)
-        cross_value = cross.value
-        keep = (real.continuation <= cont_value) & (real.misalignment <= cross_value)
-    found.misaligned_above, found.partly_above = cross.value, cont.value
+        for side, made in longer.items():
+            good = kept(real, "")
+            learned[side] = learn_threshold(by_name(real)[side][kept(real, side)],
+                                            by_name(made)[side][good & good[other] & kept(made, side)],
+                                            rule.partial_recall, rule.clean_loss / 2, rule.max_share)
+            above[side] = learned[side].value
+        good = kept(real, "")
+        learned["misalignment"] = learn_threshold(real.misalignment[kept(real, "misalignment")],
+                                                  repaired.misalignment[good & good[other] & kept(repaired, "misalignment")],
+                                                  rule.recall, rule.clean_loss, rule.max_share)
+        above["misalignment"] = learned["misalignment"].value
+    found.misaligned_above = above["misalignment"]
+    found.target_longer_above, found.source_longer_above = above["target"], above["source"]
     return found, {
         "sample_pairs": n,
-        "misaligned_above": round(cross.value, 4),
-        "partly_above": round(cont.value, 4),
-        "sample_dropped": round(float(np.mean((real.misalignment > cross.value) | (real.continuation > cont.value))), 4),
-        "misalignment": cross.report(),
-        "continuation": cont.report(),
+        "misaligned_above": round(above["misalignment"], 4),
+        "length_ratio": round(found.length_ratio, 4),
+        "target_longer_above": round(above["target"], 4),
+        "source_longer_above": round(above["source"], 4),
+        "sample_dropped": round(float(np.mean(~kept(real, ""))), 4),
+        "misalignment": learned["misalignment"].report(),
+        "target_longer": learned["target"].report(),
+        "source_longer": learned["source"].report(),
     }

@@ -55,6 +55,7 @@ from .corpus import (
 )
 from .filters import DirectionFilters
 from .language_tags import known_languages
+from .model_filter import SCORES as MODEL_SCORES
 from .model_filter import checkpoint_of, model_identity, self_trained_runs
 
 
@@ -195,6 +196,7 @@ def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
             pair = config.data.pairs[0]
             named = [str(run) for runs in self_trained_runs(config.run_path, pair.src, pair.tgt) for run in runs]
         scoring["identities"] = [_model_identity(path) for path in named]
+        scoring["scores"] = MODEL_SCORES
         data["filters"]["model"] = scoring
     if data["directions"] is None:  # a bilingual run: its fingerprint as before directions existed
         del data["directions"], data["temperature"]

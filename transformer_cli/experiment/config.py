@@ -210,7 +210,7 @@ class ModelFilter(_Filter):
     # train.max_time) in <run_dir>/filter_models/, on the pairs the other filters keep.
     train_time: float | str = "5m"
     recall: float = Field(0.95, gt=0.0, lt=1.0)  # share of re-paired sample pairs to drop (misaligned), at most
-    partial_recall: float = Field(0.9, gt=0.0, lt=1.0)  # share of sample pairs with a target run on (partly aligned)
+    partial_recall: float = Field(0.85, gt=0.0, lt=1.0)  # share of sample pairs with a side run on (partly aligned)
     clean_loss: float = Field(0.005, gt=0.0, lt=1.0)  # estimated share of good pairs each score may drop
     max_share: float = Field(0.5, gt=0.0, le=1.0)  # never more of the sample dropped by either score
     sample_pairs: int = Field(2000, ge=100, le=100_000)  # training pairs the thresholds are learned from
