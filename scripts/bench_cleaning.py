@@ -94,6 +94,7 @@ def make_corpus(data: Path, out: Path, noise: float, seed: int) -> None:
     wanted = json.dumps({"data": str(data.resolve()), "noise": noise, "seed": seed})
     if made.is_file() and made.read_text() == wanted:
         return
+    made.unlink(missing_ok=True)  # a corpus half rewritten with other settings is no corpus of the old ones
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_noisy.py"), "--data", str(data), "--noise",
                     str(noise), "--seed", str(seed), "-o", str(out)], check=True, stdout=subprocess.DEVNULL)
     made.write_text(wanted)

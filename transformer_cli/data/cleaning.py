@@ -276,7 +276,8 @@ def model_filter(config: ExperimentConfig, corpora: list[Corpus], filters: Direc
     found, learned = learn_model_filter(rule, models, [src[i] for i in kept], [tgt[i] for i in kept], seed)
     say(f"data.filters.model: thresholds from {learned['sample_pairs']:,} sample pairs: misalignment above "
         f"{learned['misaligned_above']} → model_misaligned, overrun above {learned['target_longer_above']} "
-        f"(target longer) or below -{learned['source_longer_above']} (source longer) → partly_aligned ({learned.get('sample_dropped', 0):.1%} of the sample)")
+        f"(target longer) or below -{learned['source_longer_above']} (source longer) → partly_aligned "
+        f"({learned.get('sample_dropped', 0):.1%} of the sample)")
     filters.settings["model"]["learned"] = learned
     return found
 
