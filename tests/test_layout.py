@@ -20,7 +20,7 @@ from tests.conftest import ROOT
 
 PACKAGE = ROOT / "transformer_cli"
 # Lowest first: a wing imports its own modules and those of the wings before it, never after.
-WINGS = ["model", "runtime", "experiment", "data", "interop", "decoding", "documents", "training", "serve"]
+WINGS = ["model", "runtime", "experiment", "interop", "data", "decoding", "documents", "training", "serve"]
 # The modules at the top: the commands' front (cli, __main__) and the commands whose work spans the
 # stages (evaluate, plot, attention_maps). They may import any wing; no wing imports them.
 TOP = {"__init__", "__main__", "cli", "evaluate", "plot", "attention_maps"}

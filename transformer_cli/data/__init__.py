@@ -11,5 +11,6 @@ filters built from the config, duplicates, the report, `--dropped`). shortlist.p
 lexical shortlist (`tfm shortlist`).
 
 Entry points: `prepare.prepare`, `batches.ParallelData`, `batches.token_batches`.
-May import: the model, runtime and experiment wings.
+May import: the model, runtime, experiment and interop wings (the model filter scores with a
+CTranslate2 conversion).
 """

@@ -10,5 +10,5 @@ workers.py (decoding processes), hypothesis.py (what a search returns); distill.
 teacher's translation of a run's training source, resumable).
 
 Entry points: `engine.open_engine`, `translation.translate_stream`, `torch_engine.Translator`.
-May import: the model, runtime, experiment, data and interop wings.
+May import: the model, runtime, experiment, interop and data wings.
 """

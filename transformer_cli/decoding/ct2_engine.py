@@ -6,7 +6,6 @@ streaming, order, empty-line and long-line behaviour as tfm's own engine. The di
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +14,15 @@ from typing import Any
 from ..data.shortlist import check_shortlist
 from ..experiment.config import DecodeConfig
 from ..experiment.scoring import search_alpha, total_log_prob
-from ..interop.ct2 import VMAP_FILE, ExportedModel, exported_decode, import_ctranslate2, read_export
+from ..interop.ct2 import (
+    VMAP_FILE,
+    ExportedModel,
+    exported_decode,
+    first_line,
+    import_ctranslate2,
+    load_translator,
+    read_export,
+)
 from ..model.lengths import output_length_limit, source_token_limit
 from ..runtime.errors import TfmError
 from .hypothesis import Hypothesis
@@ -32,12 +39,6 @@ def resolve_compute_type(compute_type: str, device: str, supported: set[str]) ->
         return compute_type
     preferred = ("int8", "float32") if device == "cpu" else ("float16", "bfloat16", "float32")
     return next((c for c in preferred if c in supported), "default")
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception's message for a one-line error: its first line, or its type's name."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class CT2Translator(TranslationEngine):
@@ -155,25 +156,14 @@ class CT2Translator(TranslationEngine):
         if self._translator is not None:
             return
         workers = resolve_workers(self.decode.workers, self.device)
-        # CTranslate2 sets the calling thread's OpenMP thread count to intra_threads, which is
-        # torch's too: torch's own work in this process (training, tfm's engine) keeps its count.
-        loaded_torch = sys.modules.get("torch")
-        torch_threads = loaded_torch.get_num_threads() if loaded_torch is not None else None
         files = None
         if self.shortlist is not None and self.shortlist != self.model_dir / VMAP_FILE:
             # CTranslate2 reads the vocabulary map from the model's directory only: the conversion
             # tfm caches stays as it is, and the model is loaded from memory with the map beside it.
             files = {p.name: p.read_bytes() for p in self.model_dir.iterdir() if p.is_file()}
             files[VMAP_FILE] = self.shortlist.read_bytes()
-        try:
-            self._translator = import_ctranslate2().Translator(
-                str(self.model_dir), device=self.device, compute_type=self.compute_type,
-                inter_threads=workers, intra_threads=1 if workers > 1 else self.threads, files=files)
-        except (RuntimeError, ValueError, OSError) as exc:  # what read_export could not see
-            raise TfmError(f"{self.model_dir}: CTranslate2 cannot load this model ({first_line(exc)})") from None
-        finally:
-            if loaded_torch is not None:
-                loaded_torch.set_num_threads(torch_threads)
+        self._translator = load_translator(self.model_dir, self.device, self.compute_type, inter_threads=workers,
+                                           intra_threads=1 if workers > 1 else self.threads, files=files)
         self._workers = workers
         if self.device == "cuda":
             self._check_it_runs()

@@ -9,5 +9,5 @@ markdown.py, subtitles.py and word.py the other formats; formats.py picks a form
 document within its limit and translates it (docs/translation.md, "Documents").
 
 Entry points: `formats.translate_document`, `formats.plan_document`.
-May import: every wing before it (model, runtime, experiment, data, interop, decoding).
+May import: every wing before it (model, runtime, experiment, interop, data, decoding).
 """

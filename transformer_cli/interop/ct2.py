@@ -62,6 +62,31 @@ def import_ctranslate2() -> Any:
     return ctranslate2
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message for a one-line error: its first line, or its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_translator(model_dir: Path, device: str, compute_type: str, inter_threads: int, intra_threads: int,
+                    files: dict[str, bytes] | None = None) -> Any:
+    """A `ctranslate2.Translator` of `model_dir` (`files`: the directory's files from memory
+    instead). CTranslate2 sets the calling thread's OpenMP thread count to intra_threads, which is
+    torch's too: torch's own work in this process (training, tfm's engine) keeps its count. A
+    TfmError where CTranslate2 cannot load the model."""
+    ctranslate2 = import_ctranslate2()
+    loaded_torch = sys.modules.get("torch")
+    torch_threads = loaded_torch.get_num_threads() if loaded_torch is not None else None
+    try:
+        return ctranslate2.Translator(str(model_dir), device=device, compute_type=compute_type,
+                                      inter_threads=inter_threads, intra_threads=intra_threads, files=files)
+    except (RuntimeError, ValueError, OSError) as exc:  # what read_export could not see
+        raise TfmError(f"{model_dir}: CTranslate2 cannot load this model ({first_line(exc)})") from None
+    finally:
+        if loaded_torch is not None:
+            loaded_torch.set_num_threads(torch_threads)
+
+
 def convertible_problems(cfg: TransformerConfig, src_sp: spm.SentencePieceProcessor,
                          tgt_sp: spm.SentencePieceProcessor) -> list[str]:
     """What a CTranslate2 TransformerSpec cannot express of this model (empty: it converts)."""

@@ -8,6 +8,6 @@ identifies, admits and counts every request; metrics.py GET /metrics; documents.
 request ("format") and POST /translate/file; page.py the page at GET /.
 
 Entry points: `server.serve`, `server.create_app`.
-May import: every wing before it (model, runtime, experiment, data, interop, decoding, documents,
+May import: every wing before it (model, runtime, experiment, interop, data, decoding, documents,
 training).
 """

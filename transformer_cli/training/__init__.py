@@ -9,5 +9,5 @@ distributed.py (torchrun DDP), master_weights.py, tensorboard_log.py, filter_mod
 `tfm prepare`'s model filter trains on the corpus itself when none is named).
 
 Entry points: `train.train`, `filter_models.train_filter_models`.
-May import: the model, runtime, experiment, data and decoding wings (validation translates).
+May import: the model, runtime, experiment, interop, data and decoding wings (validation translates).
 """
