@@ -15,7 +15,8 @@ off: only empty, too-long and bad-ratio pairs dropped, as before cleaning existe
 (the defaults without language identification), `lexical` (the defaults plus the lexical filter),
 `model` (the defaults plus the model filter, scoring with a forward and a backward model of
 configs/tiny.yaml's shape trained on Multi30k for 100 steps, once, in the work directory: what
-is measured is the filter's streaming and cost per model pass, not a good model's drops).
+is measured is the filter's streaming and cost per model pass, not a good model's drops; it scores
+through CTranslate2 as `engine: auto` does), `model-torch` (the same scored by tfm's engine).
 Targets: the default filters take at most 2x the time of `off` on 10M pairs; memory is flat in the
 corpus: the process tree's peak grows by under 25% from the first size to the last
 (`--millions 0.1 1 --filters default`, the flat-memory check; `--filters model` for the model
@@ -86,6 +87,7 @@ FILTER_SETS = {
     "no-language": ["data.filters.language.enabled=false"],
     "lexical": ["data.filters.lexical.enabled=true"],
     "model": ["data.filters.model.enabled=true"],  # + the scoring models, filter_model_sets()
+    "model-torch": ["data.filters.model.enabled=true", "data.filters.model.engine=torch"],
 }
 
 
@@ -116,7 +118,7 @@ def run_prepare(prefix: Path, run_dir: Path, workers: int | None, multi30k: Path
                 extra: tuple[str, ...] = ()) -> dict:
     sets = [f"run_dir={run_dir}", f"data.train={prefix}", f"data.valid={multi30k}/val",
             f"data.test={multi30k}/test_2016_flickr", "vocab.size=8000", *FILTER_SETS[filters], *extra]
-    if filters == "model":
+    if filters.startswith("model"):
         sets += filter_model_sets(run_dir.parent, multi30k)
     if workers is not None:
         sets.append(f"prepare.workers={workers}")

@@ -354,6 +354,27 @@ def test_the_prepare_benchmark_streams_a_repeated_corpus_through_the_filters(tmp
     assert result["peak_tree_rss"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.sweep
+def test_the_model_filter_holds_no_more_memory_at_a_million_pairs_than_at_100k(tmp_path):
+    """The model filter's part of `tfm prepare`'s peak memory (the process tree's, above the default
+    filters' on the same corpus: its models in each encoding worker and their batches) is no larger
+    at 1M pairs than at 100k: it streams chunk by chunk. scripts/bench_prepare.py's corpus and tiny
+    scoring models; ~15 minutes on 2 cores, hence the sweep tier (each run: the chunks it scores,
+    test_model_filter.py)."""
+    bench = load_script("bench_prepare")
+    added = []
+    for pairs in (100_000, 1_000_000):
+        folder = tmp_path / f"corpus_{pairs}"
+        folder.mkdir()
+        prefix = bench.make_corpus(folder, pairs)
+        peaks = {filters: bench.run_prepare(prefix, tmp_path / "run", None, folder / "multi30k", filters)
+                 for filters in ("default", "model")}
+        assert peaks["model"]["pairs"] == pairs and peaks["model"]["kept"] < peaks["default"]["kept"], peaks
+        added.append(peaks["model"]["peak_tree_rss"] - peaks["default"]["peak_tree_rss"])
+    assert 0 < added[1] <= 1.25 * added[0], added  # bench_prepare.py's target: under +25%
+
+
 def test_the_filters_decide_as_opusfilters_counterparts_on_the_noisy_corpus(noisy):
     """tfm's own filters against OpusFilter's of the same meaning, pair by pair, on the labelled noisy
     corpus: they agree on nearly every pair (where they differ by design the share is small)."""

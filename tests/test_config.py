@@ -143,6 +143,7 @@ BOUNDS = [
     ("data.filters.model.recall", 0.99, 1.0), ("data.filters.model.partial_recall", 0.01, 0.0),
     ("data.filters.model.max_share", 1.0, 0.0), ("data.filters.model.clean_loss", 0.5, 1.0), ("data.filters.model.sample_pairs", 100, 99),
     ("data.filters.model.sample_pairs", 100_000, 100_001), ("data.filters.model.batch_tokens", 64, 63),
+    ("data.filters.model.engine", "ctranslate2", "ct2"),
     ("data.filters.model.forward", "runs/de-en", ""), ("data.filters.model.backward", "runs/en-de", ""),
     ("data.filters.model.train_time", "1s", 0), ("data.filters.model.train_time", 0.5, "5 minutes"),
     ("data.filters.warn_share", 1.0, 0.0), ("data.filters.language.min_words", 1, 0), ("data.filters.duplicates.by", "source", "sources"),

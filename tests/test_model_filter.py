@@ -161,17 +161,70 @@ def test_the_model_filter_drops_misaligned_and_partly_aligned_pairs_at_threshold
     assert "dropped: partly_aligned" in result.cleaning.table()
 
 
-def test_encoding_workers_score_as_one_process_does(reverse_model, noisy_reverse, tmp_path):
-    """The filter travels to spawned encoding workers without its models (each loads them once)."""
+def test_ctranslate2_scores_as_tfms_engine_does(reverse_model, noisy_reverse):
+    """CTranslate2's score_batch on the checkpoint's conversion gives tfm's log-probabilities: the
+    same at float32, within int8's rounding at int8 (what `engine: auto` scores with on a CPU)."""
+    from transformer_cli.data.model_filter import CT2Scorer, ModelFilter, checkpoint_of
+
+    config, _ = reverse_model
+    data, _ = noisy_reverse
+    src = gzip.decompress((data / "train.src.gz").read_bytes()).decode().splitlines()[:300]
+    tgt = gzip.decompress((data / "train.tgt.gz").read_bytes()).decode().splitlines()[:300]
+    checkpoint = checkpoint_of(config.run_dir)
+    by_torch = ModelFilter([(checkpoint, checkpoint)], 500)
+    assert by_torch.use_engine("torch") == "torch"
+    expected = by_torch.scores(src, tgt)
+    by_ct2 = ModelFilter([(checkpoint, checkpoint)], 500)
+    assert by_ct2.use_engine("auto").startswith("ctranslate2 ") and by_ct2.engine == "ctranslate2"
+    assert by_ct2.conversions[checkpoint].is_dir() and pickle.loads(pickle.dumps(by_ct2)).conversions == by_ct2.conversions
+    at_int8 = by_ct2.scores(src, tgt)
+    by_ct2._loaded[checkpoint] = CT2Scorer(by_ct2.conversions[checkpoint], "float32")
+    at_float32 = by_ct2.scores(src, tgt)
+    for scores in (at_int8, at_float32):
+        assert scores.src_pieces.tolist() == expected.src_pieces.tolist()
+        assert scores.tgt_pieces.tolist() == expected.tgt_pieces.tolist()
+    assert at_float32.misalignment == pytest.approx(expected.misalignment, abs=1e-4)
+    assert np.abs(at_int8.misalignment - expected.misalignment).max() < 0.05 * np.ptp(expected.misalignment)
+    assert np.corrcoef(at_int8.misalignment, expected.misalignment)[0, 1] > 0.99
+
+
+def test_without_ctranslate2_the_filter_scores_with_tfms_engine_unless_told_otherwise(reverse_model, monkeypatch):
+    import sys
+
+    from transformer_cli.data.model_filter import ModelFilter, checkpoint_of
+
+    config, _ = reverse_model
+    checkpoint = checkpoint_of(config.run_dir)
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # `import ctranslate2` raises ImportError
+    found = ModelFilter([(checkpoint, None)], 500)
+    assert found.use_engine("auto").startswith("torch (CTranslate2 cannot score here: ctranslate2 is not installed")
+    assert found.engine == "torch" and not found.conversions
+    assert found.reasons(["wa wb"], ["wb wa"]) == [None]
+    with pytest.raises(TfmError, match=r"^data\.filters\.model\.engine: ctranslate2: ctranslate2 is not installed"):
+        ModelFilter([(checkpoint, None)], 500).use_engine("ctranslate2")
+
+
+@pytest.mark.parametrize("engine", ["torch", "ctranslate2"])
+def test_encoding_workers_score_as_one_process_does(reverse_model, noisy_reverse, tmp_path, engine, monkeypatch):
+    """The filter travels to spawned encoding workers without its models (each loads them once), and
+    scores chunk by chunk: what it holds does not grow with the corpus (at 1M pairs:
+    `scripts/bench_prepare.py --filters default model`)."""
+    from transformer_cli.data.model_filter import ModelFilter
+
     config, _ = reverse_model
     data, labels = noisy_reverse
+    scored: list[int] = []  # the pairs of each call, in this process (one worker)
+    reasons = ModelFilter.reasons
+    monkeypatch.setattr(ModelFilter, "reasons", lambda self, src, tgt: scored.append(len(src)) or reasons(self, src, tgt))
     outcomes = []
     for workers in (1, 2):
-        raw = filter_config(data, tmp_path / f"run{workers}", "forward", config.run_dir, workers=workers)
+        raw = filter_config(data, tmp_path / f"run{workers}", "forward", config.run_dir, workers=workers, engine=engine)
         raw["prepare"]["chunk_lines"] = 100  # several chunks, so both workers score some
         dropped = tmp_path / f"dropped{workers}.jsonl"
         prepare(config_from_dict(raw), progress=False, dropped=dropped)
         outcomes.append([(r["line"], r["reason"]) for r in map(json.loads, dropped.read_text().splitlines())])
+        if workers == 1:
+            assert len(scored) >= len(labels) // 100 and max(scored) <= 100, scored
     assert outcomes[0] == outcomes[1] and outcomes[0]
 
 

@@ -29,8 +29,10 @@ Each score drops at most an estimated `clean_loss` of the sample's good pairs (`
 the overrun's two thresholds half of it each), stops where it drops `recall` (`partial_recall`) of
 the made-up pairs, and never drops more than `max_share` of the sample itself.
 
-Models load lazily, once per process (`tfm prepare`'s encoding workers are spawned, one thread
-each); the filter object itself pickles without them.
+What scores (`engine`, `ModelFilter.use_engine`): CTranslate2's `score_batch` on each checkpoint's
+conversion (`CT2Scorer`), or tfm's engine (`TorchScorer`). Models load lazily, once per process
+(`tfm prepare`'s encoding workers are spawned, one thread each); the filter object itself pickles
+without them.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from ..experiment.rundir import RunDirectory
+from ..runtime.cpu import usable_cores
 from ..runtime.errors import TfmError
 from ..runtime.files import content_hash
 
@@ -98,47 +101,109 @@ def _batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def _source_gain(trained: Any, src_ids: list[list[int]], tgt_ids: list[list[int]], batch_tokens: int
-                 ) -> np.ndarray:
-    """(pairs,) one model's source gain of each target (pieces, its vocabularies') given its source:
-    mean log-probability per piece (and </s>) given the source less that given an empty source."""
-    import torch
+class TorchScorer:
+    """tfm's engine: the checkpoint's model, teacher-forced (one thread in an encoding worker)."""
 
-    from ..model.special_tokens import BOS_ID, EOS_ID
-    from .batches import pad_batch
+    out_type = int  # its tokens: piece ids
 
-    gain = np.zeros(len(src_ids))
-    lengths = [max(len(s), len(t)) + 1 for s, t in zip(src_ids, tgt_ids)]
-    with torch.inference_mode():
-        for batch in _batches(lengths, batch_tokens):
-            tgt = [tgt_ids[i] for i in batch]
-            tgt_in, tgt_out = pad_batch(tgt, prefix=BOS_ID), pad_batch(tgt, suffix=EOS_ID)  # (B, T+1)
-            given = {}
-            for name, src in (("source", pad_batch([src_ids[i] for i in batch], suffix=EOS_ID)),  # (B, S)
-                              ("empty", torch.full((len(batch), 1), EOS_ID, dtype=torch.long))):  # (B, 1)
-                log_probs = torch.log_softmax(trained.model(src, tgt_in).float(), dim=-1)  # (B, T+1, V)
-                given[name] = log_probs.gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1).numpy()  # (B, T+1)
-            for row, i in enumerate(batch):
-                end = len(tgt_ids[i]) + 1
-                gain[i] = given["source"][row, :end].mean() - given["empty"][row, :end].mean()
+    def __init__(self, checkpoint: Path):
+        import torch
+
+        from ..experiment.checkpoint import load_trained_model
+
+        if multiprocessing.parent_process() is not None:  # an encoding worker: one of several
+            torch.set_num_threads(1)
+        trained = load_trained_model(checkpoint)
+        self.model, self.src_sp, self.tgt_sp = trained.model, trained.src_sp, trained.tgt_sp
+        self.max_positions = trained.model.cfg.max_positions
+
+    def mean_log_probs(self, batches: list[tuple[list[list], list[list]]]) -> list[np.ndarray]:
+        """Per batch of (sources, targets), (B,) each target's mean log-probability per piece (and
+        its </s>) given its source (which may be empty)."""
+        import torch
+
+        from ..model.special_tokens import BOS_ID, EOS_ID
+        from .batches import pad_batch
+
+        out = []
+        with torch.inference_mode():
+            for sources, targets in batches:
+                tgt_in, tgt_out = pad_batch(targets, prefix=BOS_ID), pad_batch(targets, suffix=EOS_ID)  # (B, T+1)
+                log_probs = torch.log_softmax(self.model(pad_batch(sources, suffix=EOS_ID), tgt_in).float(), dim=-1)
+                picked = log_probs.gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1)  # (B, T+1)
+                lengths = torch.tensor([len(target) + 1 for target in targets])  # (B,)
+                scored = torch.arange(picked.shape[1]) < lengths.unsqueeze(1)  # (B, T+1)
+                out.append(((picked * scored).sum(1) / lengths).numpy())
+        return out
+
+
+class CT2Scorer:
+    """CTranslate2's `score_batch` on the checkpoint's conversion (interop/ct2_cache.py), int8 on
+    the CPU: the same log-probabilities as tfm's engine up to int8's rounding, and faster
+    (docs/training.md, "Which engine scores")."""
+
+    out_type = str  # its tokens: pieces
+
+    def __init__(self, directory: Path, compute_type: str | None = None):
+        from ..interop.ct2 import import_ctranslate2, load_translator, read_export
+
+        exported = read_export(directory)
+        self.src_sp, self.tgt_sp, self.max_positions = exported.src_sp, exported.tgt_sp, exported.max_positions
+        supported = import_ctranslate2().get_supported_compute_types("cpu")
+        self.compute_type = compute_type or ("int8" if "int8" in supported else "default")
+        # one thread in an encoding worker (one of several); else a batch on each core (small
+        # batches score faster on one thread each than on several)
+        worker = multiprocessing.parent_process() is not None
+        self.translator = load_translator(directory, "cpu", self.compute_type, intra_threads=1,
+                                          inter_threads=1 if worker else usable_cores())
+
+    def mean_log_probs(self, batches: list[tuple[list[list], list[list]]]) -> list[np.ndarray]:
+        """As TorchScorer's; the batches submitted at once (run on the translator's threads)."""
+        from ..interop.ct2 import first_line
+
+        try:  # (the pieces are cut to the model's positions already)
+            pending = [self.translator.score_batch(sources, targets, max_input_length=0, asynchronous=True)
+                       for sources, targets in batches]
+            return [np.array([np.mean(result.result().log_probs) for result in results]) for results in pending]
+        except RuntimeError as exc:
+            raise TfmError(f"CTranslate2 could not score pairs: {first_line(exc)}") from None
+
+
+Scorer = TorchScorer | CT2Scorer
+
+
+def _source_gain(scorer: Scorer, src_tokens: list[list], tgt_tokens: list[list], batch_tokens: int) -> np.ndarray:
+    """(pairs,) one model's source gain of each target (its tokens) given its source: mean
+    log-probability per piece (and </s>) given the source less that given an empty source."""
+    gain = np.zeros(len(src_tokens))
+    lengths = [max(len(s), len(t)) + 1 for s, t in zip(src_tokens, tgt_tokens)]
+    batches = _batches(lengths, batch_tokens)
+    requests = []
+    for batch in batches:
+        targets = [tgt_tokens[i] for i in batch]
+        requests += [([src_tokens[i] for i in batch], targets), ([[] for _ in batch], targets)]
+    means = scorer.mean_log_probs(requests)
+    for k, batch in enumerate(batches):
+        gain[batch] = means[2 * k] - means[2 * k + 1]  # given the source, given an empty one
     return gain
 
 
-def _pieces(trained: Any, sources: list[str], targets: list[str]) -> tuple[list[list[int]], list[list[int]]]:
-    """The model's pieces of each source and target, cut as its positions allow."""
+def _pieces(scorer: Scorer, sources: list[str], targets: list[str]) -> tuple[list[list], list[list]]:
+    """The model's tokens of each source and target, cut as its positions allow."""
     from ..model.lengths import source_token_limit
 
-    limit = source_token_limit(trained.model.cfg.max_positions)
-    return ([ids[:limit] for ids in trained.src_sp.encode(sources, out_type=int)],
-            [ids[:limit] for ids in trained.tgt_sp.encode(targets, out_type=int)])
+    limit = source_token_limit(scorer.max_positions)
+    return ([tokens[:limit] for tokens in scorer.src_sp.encode(sources, out_type=scorer.out_type)],
+            [tokens[:limit] for tokens in scorer.tgt_sp.encode(targets, out_type=scorer.out_type)])
 
 
-def _side_log_probs(trained: Any, sources: list[str], targets: list[str], batch_tokens: int
+def _side_log_probs(scorer: Scorer, sources: list[str], targets: list[str], batch_tokens: int
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One model's source gain of each target given its source, and the two sides' pieces, (pairs,) each."""
-    src_ids, tgt_ids = _pieces(trained, sources, targets)
-    return (_source_gain(trained, src_ids, tgt_ids, batch_tokens), np.array([len(ids) for ids in src_ids], dtype=float),
-            np.array([len(ids) for ids in tgt_ids], dtype=float))
+    src_tokens, tgt_tokens = _pieces(scorer, sources, targets)
+    return (_source_gain(scorer, src_tokens, tgt_tokens, batch_tokens),
+            np.array([len(tokens) for tokens in src_tokens], dtype=float),
+            np.array([len(tokens) for tokens in tgt_tokens], dtype=float))
 
 
 # Models tfm trains itself (training/filter_models.py) learn the corpus they score, noise included:
@@ -175,25 +240,50 @@ class ModelFilter:
 
     models: list[Models]
     batch_tokens: int
+    engine: str = "torch"  # what scores: "torch" (tfm's engine) or "ctranslate2" (`conversions`)
+    conversions: dict[Path, Path] = field(default_factory=dict)  # checkpoint → its CTranslate2 conversion
     misaligned_above: float = float("inf")
     length_ratio: float = 1.0  # this corpus's target/source length in pieces (the overrun's r)
     target_longer_above: float = float("inf")  # overrun above this: partly aligned
     source_longer_above: float = float("inf")  # minus the overrun above this: partly aligned
-    _loaded: dict[Path, Any] = field(default_factory=dict, repr=False, compare=False)
+    _loaded: dict[Path, Scorer] = field(default_factory=dict, repr=False, compare=False)
 
     def __getstate__(self) -> dict:  # to the encoding workers: paths and thresholds, not the models
         return {**self.__dict__, "_loaded": {}}
 
-    def _model(self, path: Path) -> Any:
+    def _model(self, path: Path) -> Scorer:
         if path not in self._loaded:
-            import torch
-
-            from ..experiment.checkpoint import load_trained_model
-
-            if multiprocessing.parent_process() is not None:  # an encoding worker: one of several
-                torch.set_num_threads(1)
-            self._loaded[path] = load_trained_model(path)
+            self._loaded[path] = CT2Scorer(self.conversions[path]) if self.engine == "ctranslate2" else TorchScorer(path)
         return self._loaded[path]
+
+    def use_engine(self, choice: str) -> str:
+        """data.filters.model.engine → the engine that scores, described: ctranslate2 converts each
+        checkpoint (kept beside it, as `decode.engine: auto` does) and loads it; auto does the
+        same where it can, and scores with tfm's engine otherwise (saying why); torch: tfm's engine."""
+        if choice == "torch":
+            return "torch"
+        from ..interop.ct2 import import_ctranslate2
+        from ..interop.ct2_cache import cached_conversion
+
+        checkpoints = sorted({path for pair in self.models for path in pair if path is not None})
+        notes = []
+        try:
+            import_ctranslate2()
+            for checkpoint in checkpoints:
+                conversion = cached_conversion(checkpoint)
+                notes += [conversion.note] if conversion.note else []
+                self._loaded[checkpoint] = CT2Scorer(conversion.directory)
+                self.conversions[checkpoint] = conversion.directory
+        except TfmError as exc:
+            self._loaded.clear()
+            self.conversions.clear()
+            if choice == "ctranslate2":
+                raise TfmError(f"data.filters.model.engine: ctranslate2: {exc}") from None
+            return f"torch (CTranslate2 cannot score here: {exc})"
+        self.engine = "ctranslate2"
+        scorer = self._loaded[checkpoints[0]]
+        assert isinstance(scorer, CT2Scorer)
+        return "; ".join([f"ctranslate2 {scorer.compute_type}", *notes])
 
     def _scored_by(self, src: list[str], tgt: list[str]) -> list[int]:
         """Each pair's set of models: the only one, or the other fold's."""
@@ -321,9 +411,10 @@ def learn_model_filter(rule: Any, models: list[Models], src: list[str], tgt: lis
     """The filter with thresholds learned from the sample pairs `src`/`tgt` (`rule`: the config's
     data.filters.model), and what was learned, for the report."""
     found = ModelFilter(models, rule.batch_tokens)
+    engine = found.use_engine(rule.engine)
     n = len(src)
     if n < 2:
-        return found, {"sample_pairs": n, "misaligned_above": None, "target_longer_above": None,
+        return found, {"sample_pairs": n, "engine": engine, "misaligned_above": None, "target_longer_above": None,
                        "source_longer_above": None}
     rng = random.Random(seed)
     other = np.array([(i + 1 + rng.randrange(n - 1)) % n for i in range(n)])  # another pair, never the same
@@ -367,6 +458,7 @@ def learn_model_filter(rule: Any, models: list[Models], src: list[str], tgt: lis
     found.target_longer_above, found.source_longer_above = above["target"], above["source"]
     return found, {
         "sample_pairs": n,
+        "engine": engine,
         "misaligned_above": round(above["misalignment"], 4),
         "length_ratio": round(found.length_ratio, 4),
         "target_longer_above": round(above["target"], 4),

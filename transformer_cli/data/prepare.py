@@ -484,8 +484,9 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
     vocab_sizes = {side: load_sentencepiece(paths[side]).vocab_size() for side in SIDES}
     dtype = "uint16" if max(vocab_sizes.values()) <= np.iinfo(np.uint16).max else "int32"
     workers = config.prepare.workers
-    if workers is None:  # all cores, unless starting processes costs more than it saves
-        workers = usable_cores() if train_read >= 50_000 else 1
+    if workers is None:  # all cores, unless starting processes costs more than it saves (the model
+        # filter's scoring costs a thousand times the encoding: it pays on any corpus)
+        workers = usable_cores() if train_read >= 50_000 or config.data.filters.model.enabled else 1
 
     stats: dict = {}
     truncated: dict[str, dict] = {}

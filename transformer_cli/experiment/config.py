@@ -214,7 +214,9 @@ class ModelFilter(_Filter):
     clean_loss: float = Field(0.005, gt=0.0, lt=1.0)  # estimated share of good pairs each score may drop
     max_share: float = Field(0.5, gt=0.0, le=1.0)  # never more of the sample dropped by either score
     sample_pairs: int = Field(2000, ge=100, le=100_000)  # training pairs the thresholds are learned from
-    batch_tokens: int = Field(4000, ge=64)  # pieces per scoring batch (either side)
+    batch_tokens: int = Field(500, ge=64)  # pieces per scoring batch (either side; small batches score fastest on a CPU)
+    # what scores: CTranslate2 (the models converted beside their checkpoints, int8) where they convert, else tfm's engine
+    engine: Literal["auto", "torch", "ctranslate2"] = "auto"
 
     @field_validator("train_time")
     @classmethod
