@@ -152,10 +152,11 @@ def test_the_model_filter_scores_pairs_with_an_imported_model_as_transformers_do
     languages, and each pair's source gain is the mean of the per-token log-probabilities that
     transformers gives the target (its </s> included) given the source, less that given an empty
     source (</s> alone)."""
-    from transformer_cli.data.model_filter import _side_log_probs, check_model
+    from transformer_cli.data.model_filter import CT2Scorer, ModelFilter, TorchScorer, _side_log_probs, check_model
 
-    hf_model, tokenizer, trained, _, root, de, en = marian
-    assert check_model(str(root / "run"), "forward", "de", "en").name == "checkpoint_best.pt"
+    hf_model, tokenizer, _, _, root, de, en = marian
+    checkpoint = check_model(str(root / "run"), "forward", "de", "en")
+    assert checkpoint.name == "checkpoint_best.pt"
 
     def mean_log_probability(sources: list[str]) -> torch.Tensor:  # (pairs,) of en[:8] given the sources
         batch = tokenizer(sources, text_target=en[:8], padding=True, return_tensors="pt")
@@ -170,11 +171,14 @@ def test_the_model_filter_scores_pairs_with_an_imported_model_as_transformers_do
         return torch.where(real, theirs, 0.0).sum(1) / real.sum(1)  # <pad>'s log-probability is -inf
 
     expected = mean_log_probability(de[:8]) - mean_log_probability([""] * 8)
-    cross, src_pieces, tgt_pieces = _side_log_probs(trained, de[:8], en[:8], batch_tokens=64)  # several batches
-    assert np.allclose(cross, expected.numpy(), atol=1e-4), cross - expected.numpy()
     pieces = [len(tokenizer(text)["input_ids"]) - 1 for text in de[:8]], [len(tokenizer(text_target=text)["input_ids"]) - 1
                                                                          for text in en[:8]]  # less </s>
-    assert src_pieces.tolist() == pieces[0] and tgt_pieces.tolist() == pieces[1]
+    by_ct2 = ModelFilter([(checkpoint, None)], 64)
+    assert by_ct2.use_engine("ctranslate2").startswith("ctranslate2")  # an imported model converts too
+    for scorer in (TorchScorer(checkpoint), CT2Scorer(by_ct2.conversions[checkpoint], "float32")):
+        cross, src_pieces, tgt_pieces = _side_log_probs(scorer, de[:8], en[:8], batch_tokens=64)  # several batches
+        assert np.allclose(cross, expected.numpy(), atol=1e-4), (type(scorer), cross - expected.numpy())
+        assert src_pieces.tolist() == pieces[0] and tgt_pieces.tolist() == pieces[1]
 
 
 def test_greedy_translations_are_token_for_token_transformers_generate(marian):
