@@ -157,7 +157,7 @@ def test_the_model_filter_drops_misaligned_and_partly_aligned_pairs_at_threshold
     learned = report["filters"]["model"]["learned"]
     assert learned["sample_pairs"] == CLEAN + MISALIGNED + PARTLY
     assert np.isfinite(learned["misaligned_above"]) and 0 < learned["target_longer_above"] < float("inf")
-    assert 0 < learned["source_longer_above"] < float("inf") and learned["length_ratio"] == pytest.approx(1.0, abs=0.1)
+    assert 0 < learned["source_longer_above"] < float("inf") and learned["median_length_ratio"] == pytest.approx(1.0, abs=0.1)
     assert "dropped: partly_aligned" in result.cleaning.table()
 
 

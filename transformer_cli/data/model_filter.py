@@ -460,7 +460,7 @@ def learn_model_filter(rule: Any, models: list[Models], src: list[str], tgt: lis
         "sample_pairs": n,
         "engine": engine,
         "misaligned_above": round(above["misalignment"], 4),
-        "length_ratio": round(found.length_ratio, 4),
+        "median_length_ratio": round(found.length_ratio, 4),  # (not the rule reason length_ratio)
         "target_longer_above": round(above["target"], 4),
         "source_longer_above": round(above["source"], 4),
         "sample_dropped": round(float(np.mean(~kept(real, ""))), 4),
