@@ -174,8 +174,9 @@ def test_ctranslate2_scores_as_tfms_engine_does(reverse_model, noisy_reverse):
     by_torch = ModelFilter([(checkpoint, checkpoint)], 500)
     assert by_torch.use_engine("torch") == "torch"
     expected = by_torch.scores(src, tgt)
-    by_ct2 = ModelFilter([(checkpoint, checkpoint)], 500)
+    by_ct2 = ModelFilter([(checkpoint, checkpoint)], 500, threads=1)  # (prepare.workers: the cores it may use)
     assert by_ct2.use_engine("auto").startswith("ctranslate2 ") and by_ct2.engine == "ctranslate2"
+    assert by_ct2._loaded[checkpoint].translator.num_translators == 1
     assert by_ct2.conversions[checkpoint].is_dir() and pickle.loads(pickle.dumps(by_ct2)).conversions == by_ct2.conversions
     at_int8 = by_ct2.scores(src, tgt)
     by_ct2._loaded[checkpoint] = CT2Scorer(by_ct2.conversions[checkpoint], "float32")

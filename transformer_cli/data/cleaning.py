@@ -273,7 +273,8 @@ def model_filter(config: ExperimentConfig, corpora: list[Corpus], filters: Direc
         models = [model_checkpoints(str(fwd), str(bwd), direction.src, direction.tgt) for fwd, bwd in runs]
     src, tgt, _ = sample_pairs(corpora, rule.sample_pairs, seed, config.data.train_limit, skip_invalid=True)
     kept = [i for i, reason in enumerate(filters.reasons(src, tgt)) if reason is None]
-    found, learned = learn_model_filter(rule, models, [src[i] for i in kept], [tgt[i] for i in kept], seed)
+    found, learned = learn_model_filter(rule, models, [src[i] for i in kept], [tgt[i] for i in kept], seed,
+                                        threads=config.prepare.workers or 0)
     say(f"data.filters.model: scored by {learned['engine']}; thresholds from {learned['sample_pairs']:,} "
         f"sample pairs: misalignment above {learned['misaligned_above']} → model_misaligned, overrun above {learned['target_longer_above']} "
         f"(target longer) or below -{learned['source_longer_above']} (source longer) → partly_aligned "

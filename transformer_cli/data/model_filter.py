@@ -144,18 +144,18 @@ class CT2Scorer:
 
     out_type = str  # its tokens: pieces
 
-    def __init__(self, directory: Path, compute_type: str | None = None):
+    def __init__(self, directory: Path, compute_type: str | None = None, threads: int = 0):
         from ..interop.ct2 import import_ctranslate2, load_translator, read_export
 
         exported = read_export(directory)
         self.src_sp, self.tgt_sp, self.max_positions = exported.src_sp, exported.tgt_sp, exported.max_positions
         supported = import_ctranslate2().get_supported_compute_types("cpu")
         self.compute_type = compute_type or ("int8" if "int8" in supported else "default")
-        # one thread in an encoding worker (one of several); else a batch on each core (small
-        # batches score faster on one thread each than on several)
+        # one thread in an encoding worker (one of several); else a batch on each of `threads`
+        # cores (0: every usable one; small batches score faster on one thread each than on several)
         worker = multiprocessing.parent_process() is not None
         self.translator = load_translator(directory, "cpu", self.compute_type, intra_threads=1,
-                                          inter_threads=1 if worker else usable_cores())
+                                          inter_threads=1 if worker else threads or usable_cores())
 
     def mean_log_probs(self, batches: list[tuple[list[list], list[list]]]) -> list[np.ndarray]:
         """As TorchScorer's; the batches submitted at once (run on the translator's threads)."""
@@ -242,6 +242,7 @@ class ModelFilter:
     batch_tokens: int
     engine: str = "torch"  # what scores: "torch" (tfm's engine) or "ctranslate2" (`conversions`)
     conversions: dict[Path, Path] = field(default_factory=dict)  # checkpoint → its CTranslate2 conversion
+    threads: int = 0  # CTranslate2's threads outside the encoding workers (prepare.workers; 0: every core)
     misaligned_above: float = float("inf")
     length_ratio: float = 1.0  # this corpus's target/source length in pieces (the overrun's r)
     target_longer_above: float = float("inf")  # overrun above this: partly aligned
@@ -253,7 +254,8 @@ class ModelFilter:
 
     def _model(self, path: Path) -> Scorer:
         if path not in self._loaded:
-            self._loaded[path] = CT2Scorer(self.conversions[path]) if self.engine == "ctranslate2" else TorchScorer(path)
+            self._loaded[path] = (CT2Scorer(self.conversions[path], threads=self.threads) if self.engine == "ctranslate2"
+                                  else TorchScorer(path))
         return self._loaded[path]
 
     def use_engine(self, choice: str) -> str:
@@ -272,7 +274,7 @@ class ModelFilter:
             for checkpoint in checkpoints:
                 conversion = cached_conversion(checkpoint)
                 notes += [conversion.note] if conversion.note else []
-                self._loaded[checkpoint] = CT2Scorer(conversion.directory)
+                self._loaded[checkpoint] = CT2Scorer(conversion.directory, threads=self.threads)
                 self.conversions[checkpoint] = conversion.directory
         except TfmError as exc:
             self._loaded.clear()
@@ -407,10 +409,10 @@ def learn_threshold(real: np.ndarray, made_up: np.ndarray, recall: float, clean_
 
 
 def learn_model_filter(rule: Any, models: list[Models], src: list[str], tgt: list[str],
-                       seed: int) -> tuple[ModelFilter, dict]:
+                       seed: int, threads: int = 0) -> tuple[ModelFilter, dict]:
     """The filter with thresholds learned from the sample pairs `src`/`tgt` (`rule`: the config's
     data.filters.model), and what was learned, for the report."""
-    found = ModelFilter(models, rule.batch_tokens)
+    found = ModelFilter(models, rule.batch_tokens, threads=threads)
     engine = found.use_engine(rule.engine)
     n = len(src)
     if n < 2:
