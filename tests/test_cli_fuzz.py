@@ -390,7 +390,8 @@ DIRECTIONS = WORDS + ["-", "src-", "src-tgt-src", "src-src", "[src-tgt, src-tgt]
 # The filters' keys (data.filters.…) are bounded like the rest: three values each keep the tier quick.
 DATA_CASES = [(key, value) for key in numeric_keys("data", DataConfig)
               for value in (NUMBERS if not key.startswith("data.filters.") else ["-1", "nan", "1e308"])] + [
-    ("data.directions", value) for value in DIRECTIONS]
+    ("data.directions", value) for value in DIRECTIONS] + [
+    ("data.filters.model.engine", value) for value in ("", "CT2", "ctranslate2 ", "{torch: 1}")]
 
 
 @pytest.mark.parametrize("key, value", DATA_CASES, ids=[f"{k}={v}" for k, v in DATA_CASES])
