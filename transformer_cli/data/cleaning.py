@@ -32,7 +32,7 @@ from .corpus import (
 from .filters import REASONS, DirectionFilters, SeenHashes
 from .language_id import MODEL_NAME, identify, model_language
 from .lexical import learn_lexical_model
-from .model_filter import ModelFilter, learn_model_filter, model_checkpoints, self_trained_runs
+from .model_filter import ModelFilter, learn_model_filter, loose_thresholds, model_checkpoints, self_trained_runs
 
 COMMON_WORDS_PAIRS = 20_000  # the first pairs of a direction, whose in-language lines give its common words
 _CHECK = "check data.src_lang/tgt_lang and the files, or turn the filter off:"
@@ -279,6 +279,8 @@ def model_filter(config: ExperimentConfig, corpora: list[Corpus], filters: Direc
         f"sample pairs: misalignment above {learned['misaligned_above']} → model_misaligned, overrun above {learned['target_longer_above']} "
         f"(target longer) or below -{learned['source_longer_above']} (source longer) → partly_aligned "
         f"({learned.get('sample_dropped', 0):.1%} of the sample)")
+    for warning in loose_thresholds(learned, rule.clean_loss):
+        warn(f"warning: data.filters.model: {warning}")
     filters.settings["model"]["learned"] = learned
     return found
 

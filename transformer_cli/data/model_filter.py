@@ -470,3 +470,20 @@ def learn_model_filter(rule: Any, models: list[Models], src: list[str], tgt: lis
         "target_longer": learned["target"].report(),
         "source_longer": learned["source"].report(),
     }
+
+
+def loose_thresholds(learned: dict, clean_loss: float) -> list[str]:
+    """What to warn of in what `learn_model_filter` learned: a threshold whose estimated loss of good
+    pairs is over twice its budget (`clean_loss`, half of it each way for the overrun). The estimate
+    is loose where the models barely tell the corpus's pairs from the made-up bad ones (a weak model:
+    a 100-step one, forward only, dropped 29% of clean Multi30k at an estimated 4.9%)."""
+    out = []
+    for score, budget in (("misalignment", clean_loss), ("target_longer", clean_loss / 2),
+                          ("source_longer", clean_loss / 2)):
+        estimate = learned.get(score, {}).get("clean_loss", 0.0)
+        if estimate > 2 * budget:
+            out.append(f"the {score.replace('_', ' ')} threshold may drop good pairs: {estimate:.1%} of them by the "
+                       f"estimate (clean_loss {budget:.2%}), {learned.get('sample_dropped', 0):.1%} of the sample in "
+                       "all; the models barely tell this corpus's pairs from made-up bad ones: better models "
+                       "(forward and backward), or the filter off")
+    return out
