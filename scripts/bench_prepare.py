@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
+from transformer_cli.runtime.errors import TfmError  # noqa: E402
 from transformer_cli.runtime.files import scratch_directory  # noqa: E402
 
 
@@ -91,11 +92,17 @@ FILTER_SETS = {
 }
 
 
+def failed(command: str, stderr: str) -> TfmError:
+    """A failed `tfm` command as the benchmark's one-line error: its own error line."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")] or stderr.strip().splitlines()[-1:]
+    return TfmError(f"tfm {command} failed: {errors[-1].removeprefix('error: ') if errors else 'no message'}")
+
+
 def tfm(*args: str) -> None:
     """A `tfm` command in a subprocess; its failure ends the benchmark with its error."""
     proc = subprocess.run([sys.executable, "-m", "transformer_cli", *args], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"tfm {args[0]} failed:\n{proc.stderr}")
+        raise failed(args[0], proc.stderr)
 
 
 def filter_model_sets(workdir: Path, multi30k: Path) -> list[str]:
@@ -133,7 +140,7 @@ def run_prepare(prefix: Path, run_dir: Path, workers: int | None, multi30k: Path
     seconds = time.perf_counter() - started
     out, err = proc.communicate()
     if proc.returncode != 0:
-        raise SystemExit(f"tfm prepare failed:\n{err}")
+        raise failed("prepare", err)
     manifest = json.loads((run_dir / "prepare.json").read_text())
     return {"seconds": seconds, "peak_tree_rss": peak, "pairs": manifest["train_pairs_read"], "filters": filters,
             "kept": manifest["stats"]["train"]["src"]["lines"],

@@ -276,8 +276,8 @@ def model_filter(config: ExperimentConfig, corpora: list[Corpus], filters: Direc
     found, learned = learn_model_filter(rule, models, [src[i] for i in kept], [tgt[i] for i in kept], seed,
                                         threads=config.prepare.workers or 0)
     say(f"data.filters.model: scored by {learned['engine']}; thresholds from {learned['sample_pairs']:,} "
-        f"sample pairs: misalignment above {learned['misaligned_above']} → model_misaligned, overrun above {learned['target_longer_above']} "
-        f"(target longer) or below -{learned['source_longer_above']} (source longer) → partly_aligned "
+        f"sample pairs: misalignment above {learned['misaligned_above']} → model_misaligned, overrun above "
+        f"{learned['target_longer_above']} (target longer) or below -{learned['source_longer_above']} (source longer) → partly_aligned "
         f"({learned.get('sample_dropped', 0):.1%} of the sample)")
     for warning in loose_thresholds(learned, rule.clean_loss):
         warn(f"warning: data.filters.model: {warning}")

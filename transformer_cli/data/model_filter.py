@@ -145,12 +145,12 @@ class CT2Scorer:
     out_type = str  # its tokens: pieces
 
     def __init__(self, directory: Path, compute_type: str | None = None, threads: int = 0):
-        from ..interop.ct2 import import_ctranslate2, load_translator, read_export
+        from ..interop.ct2 import import_ctranslate2, load_translator, read_export, resolve_compute_type
 
         exported = read_export(directory)
         self.src_sp, self.tgt_sp, self.max_positions = exported.src_sp, exported.tgt_sp, exported.max_positions
         supported = import_ctranslate2().get_supported_compute_types("cpu")
-        self.compute_type = compute_type or ("int8" if "int8" in supported else "default")
+        self.compute_type = resolve_compute_type(compute_type or "auto", "cpu", supported)
         # one thread in an encoding worker (one of several); else a batch on each of `threads`
         # cores (0: every usable one; small batches score faster on one thread each than on several)
         worker = multiprocessing.parent_process() is not None

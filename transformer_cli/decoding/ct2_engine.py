@@ -22,6 +22,7 @@ from ..interop.ct2 import (
     import_ctranslate2,
     load_translator,
     read_export,
+    resolve_compute_type,
 )
 from ..model.lengths import output_length_limit, source_token_limit
 from ..runtime.errors import TfmError
@@ -29,16 +30,6 @@ from .hypothesis import Hypothesis
 from .terms import TermIds
 from .translation import TranslationEngine, balanced_batches, length_sorted_batches, trained_source_languages
 from .workers import resolve_workers
-
-
-def resolve_compute_type(compute_type: str, device: str, supported: set[str]) -> str:
-    """decode.compute_type → what CTranslate2 loads the weights as. auto: int8 on CPU (the fastest
-    there at tfm's BLEU: docs/translation.md), float16 on CUDA (bfloat16, then float32, where the
-    device has not got it); default: as converted (float32)."""
-    if compute_type != "auto":
-        return compute_type
-    preferred = ("int8", "float32") if device == "cpu" else ("float16", "bfloat16", "float32")
-    return next((c for c in preferred if c in supported), "default")
 
 
 class CT2Translator(TranslationEngine):

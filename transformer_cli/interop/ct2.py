@@ -62,6 +62,16 @@ def import_ctranslate2() -> Any:
     return ctranslate2
 
 
+def resolve_compute_type(compute_type: str, device: str, supported: set[str]) -> str:
+    """decode.compute_type → what CTranslate2 loads the weights as. auto: int8 on CPU (the fastest
+    there at tfm's BLEU: docs/translation.md), float16 on CUDA (bfloat16, then float32, where the
+    device has not got it); default: as converted (float32)."""
+    if compute_type != "auto":
+        return compute_type
+    preferred = ("int8", "float32") if device == "cpu" else ("float16", "bfloat16", "float32")
+    return next((c for c in preferred if c in supported), "default")
+
+
 def first_line(exc: BaseException) -> str:
     """An exception's message for a one-line error: its first line, or its type's name."""
     text = str(exc).strip()
