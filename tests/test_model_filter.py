@@ -370,7 +370,7 @@ def test_without_models_prepare_trains_its_own_on_each_half_and_scores_each_pair
     data, labels = noisy_reverse
     run = tmp_path / "run"
     config_file, dropped = tmp_path / "config.json", tmp_path / "dropped.jsonl"
-    config_file.write_text(json.dumps(self_trained_config(data, run, max_steps=200)))
+    config_file.write_text(json.dumps(self_trained_config(data, run, max_steps=120)))
     result = tfm_in_process("prepare", "--config", config_file, "--dropped", dropped)
     assert result.exit_code == 0, result.stderr
     assert "data.filters.model: forward model 1 of 2 (src→tgt" in result.stdout
@@ -404,12 +404,12 @@ def test_without_models_prepare_trains_its_own_on_each_half_and_scores_each_pair
     again = tfm_in_process("prepare", "--config", config_file)
     assert again.exit_code == 0 and "up to date" in again.stdout, again.stderr
     assert [path.stat().st_mtime_ns for path in checkpoints] == stamps
-    config_file.write_text(json.dumps(self_trained_config(data, run, max_steps=220)))
+    config_file.write_text(json.dumps(self_trained_config(data, run, max_steps=130)))
     longer = tfm_in_process("prepare", "--config", config_file)
     assert longer.exit_code == 0, longer.stderr
     assert (longer.stdout + longer.stderr).count("resuming from") == 4, longer.stdout + longer.stderr
     for path in checkpoints:
-        assert torch.load(path, weights_only=False)["progress"]["step"] == 220
+        assert torch.load(path, weights_only=False)["progress"]["step"] == 130
 
 
 def test_the_filters_own_models_need_one_direction_and_pairs_in_both_halves(noisy_reverse, tmp_path):
