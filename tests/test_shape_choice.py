@@ -4,11 +4,14 @@ measured speed (training/shape_choice.py)."""
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import tiny_reverse_config
+from transformer_cli.experiment.checkpoint import FORMAT
 from transformer_cli.experiment.config import config_from_dict, load_config
 from transformer_cli.experiment.shapes import (
     CURVE_DROPOUT,
@@ -215,14 +218,29 @@ def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_p
 
 
 @pytest.mark.parametrize("size", ["d128", "d256"])
-def test_a_named_shape_trains_at_its_curves_learning_rate_unless_train_lr_is_given(size, tmp_path):
-    def resolved(*overrides: str):
+def test_a_named_shape_trains_at_its_measured_learning_rate_unless_train_lr_is_given(size, tmp_path):
+    def resolved(*overrides: str, resume: bool = False, checkpoint: Path = tmp_path / "none.pt"):
         config = load_config(None, [f"model.size={size}", *overrides])
-        return shape_choice.resolve_size(config, False, tmp_path / "none.pt", lambda: None, print)[0]
+        return shape_choice.resolve_size(config, resume, checkpoint, lambda: None, print)[0]
 
-    assert resolved().train.lr == SHAPES[size].lr
+    shape = SHAPES[size]
+    for batch in (1000, 3000):
+        assert resolved(f"train.max_tokens={batch}").train.lr == shape.lr_for(batch)
+    assert resolved("train.max_tokens=1000").train.lr == shape.lr  # the smallest batch's
     assert resolved("train.lr=0.0002").train.lr == 0.0002
     assert resolved("model.size=null", "model.d_model=64").train.lr == load_config(None).train.lr  # no name: as given
+    # A resumed run goes on at the rate it started with, even where the shape's measured rate has changed since.
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    torch.save({"format": FORMAT, "config": {"train": {"lr": 0.00123}}}, checkpoint)
+    assert resolved("train.max_tokens=3000", resume=True, checkpoint=checkpoint).train.lr == 0.00123
+    assert resolved("train.lr=0.0002", resume=True, checkpoint=checkpoint).train.lr == 0.0002
+
+
+def test_a_batch_takes_the_learning_rate_of_the_largest_batch_measured_that_it_reaches():
+    shape = dataclasses.replace(SHAPES["d128"], lr=3e-3, larger_batch_lr=((3000, 5e-3), (6000, 7e-3)))
+    assert [shape.lr_for(b) for b in (None, 1000, 2999, 3000, 5999, 6000, 25000)] == [
+        3e-3, 3e-3, 3e-3, 5e-3, 5e-3, 7e-3, 7e-3]
+    assert SHAPES["d256"].lr_for(3000) == SHAPES["d256"].lr  # no larger batch measured: one rate
 
 
 @pytest.mark.slow

@@ -128,9 +128,10 @@ def with_shape(config: ExperimentConfig, shape: NamedShape, max_tokens: int | No
     return config.model_copy(update={"model": model, "train": train})
 
 
-def lr_of_choice(config: ExperimentConfig, shape: NamedShape) -> float | None:
-    """The peak learning rate `auto` trains `shape` with: its curve's, unless the config gives train.lr."""
-    return None if "lr" in config.train.model_fields_set else shape.lr
+def lr_of_choice(config: ExperimentConfig, shape: NamedShape, batch: int) -> float | None:
+    """The peak learning rate `auto` trains `shape` with at `batch`-token batches: the one measured for
+    it (`NamedShape.lr_for`), unless the config gives train.lr."""
+    return None if "lr" in config.train.model_fields_set else shape.lr_for(batch)
 
 
 def dropout_of_choice(config: ExperimentConfig, shape: NamedShape, chosen: Prediction) -> float | None:
@@ -263,7 +264,7 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
     for line in table(predictions, chosen):
         say(line)
     shape = SHAPES[chosen.timing.name]
-    lr = lr_of_choice(config, shape)
+    lr = lr_of_choice(config, shape, chosen.max_tokens)
     dropout = dropout_of_choice(config, shape, chosen)
     say(f"model.size auto: training {shape.name} ({shape.describe()}), {chosen.max_tokens:,}-token batches"
         + (f" (train.min_updates {train_cfg.min_updates:,}: smaller than train.max_tokens "
@@ -290,8 +291,10 @@ def resolve_size(config: ExperimentConfig, resume: bool, last_checkpoint: Path,
     """The config `tfm train` trains: as given, with a named shape's learning rate where train.lr is
     not given; under model.size auto, the resumed run's shape, or the one chosen now (`choose_now`).
     Returns it and the seconds a probe spent."""
-    if config.model.size in SHAPES:  # a named shape trains at its curve's learning rate, as under auto
-        lr = lr_of_choice(config, SHAPES[config.model.size])
+    if config.model.size in SHAPES:  # a named shape trains at its measured learning rate, as under auto...
+        lr = lr_of_choice(config, SHAPES[config.model.size], config.train.max_tokens)
+        if lr and resume and last_checkpoint.exists():  # ...and a resumed run at the one it started with
+            lr = load_checkpoint(last_checkpoint, map_location="cpu").get("config", {}).get("train", {}).get("lr", lr)
         return (config.model_copy(update={"train": config.train.model_copy(update={"lr": lr})}) if lr else config), 0.0
     if config.model.size != AUTO:
         return config, 0.0
