@@ -14,10 +14,12 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 # The keys a shape fixes; the rest of the model section (dropout, norm position, …) is the config's.
 SHAPE_KEYS = ("d_model", "n_heads", "enc_layers", "dec_layers", "d_ff")
 AUTO = "auto"
+T = TypeVar("T")
 # The dropout every curve was measured at, and the one a budget past a shape's overfitting point takes
 # (measured on d256 over 30 minutes of a Zen 5: 0.3 kept the valid loss falling to the end and scored
 # higher than 0.1; docs/training.md).
@@ -64,19 +66,11 @@ class NamedShape:
 
     def lr_for(self, batch: int | None) -> float:
         """The peak learning rate `batch`-token updates of this shape train at (None: the smallest batch's)."""
-        lr = self.lr
-        for tokens, larger in self.larger_batch_lr:
-            if batch is not None and batch >= tokens:
-                lr = larger
-        return lr
+        return _of_largest_batch_reached(self.lr, self.larger_batch_lr, batch)
 
     def curve_for(self, batch: int | None) -> tuple[tuple[float, float], ...]:
         """The curve that `batch`-token updates read (None: the smallest batch's)."""
-        curve = self.curve
-        for tokens, larger in self.larger_batches:
-            if batch is not None and batch >= tokens:
-                curve = larger
-        return curve
+        return _of_largest_batch_reached(self.curve, self.larger_batches, batch)
 
     def predicted_bleu(self, updates: float, batch: int | None = None) -> float:
         """BLEU reached after `updates` of `batch` tokens: linear in log(updates) between measured
@@ -94,9 +88,19 @@ class NamedShape:
         return y0 + (y1 - y0) * (math.log(updates) - math.log(x0)) / (math.log(x1) - math.log(x0))
 
 
+def _of_largest_batch_reached(smallest: T, larger: tuple[tuple[int, T], ...], batch: int | None) -> T:
+    """What was measured at the largest batch (of `larger`, ascending in tokens) that `batch` reaches,
+    else `smallest`."""
+    value = smallest
+    for tokens, measured in larger:
+        if batch is not None and batch >= tokens:
+            value = measured
+    return value
+
+
 # Each point: the valid greedy BLEU (whole Multi30k valid set) a run had after that many updates, each
-# at its shape's peak lr (d128 at 1,000-token batches 3e-3: 1e-3 and 2e-3 learned slower, 5e-3 no faster). `curve`: 1,000-token
-# batches (d192's 1,500), where a budget makes few updates (10- and 30-minute runs on a 2-core AVX2
+# at its shape's peak lr (d128 at 1,000-token batches 3e-3: 1e-3 and 2e-3 learned slower, 5e-3 no
+# faster). `curve`: 1,000-token batches (d192's 1,500), where a budget makes few updates (10- and 30-minute runs on a 2-core AVX2
 # CPU); d128 also at 3,000 tokens (a 30-minute run on that CPU), d256 too (its first point a 10-minute
 # run on that CPU, the others runs on a 2-core Zen 5). A curve keeps the evaluations that bettered
 # every earlier one. docs/training.md#choosing-the-shape-modelsize names each run. `overfits_after`:
