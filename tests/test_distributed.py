@@ -74,13 +74,25 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 
 def _rank_main(rank: int, world_size: int, port: int, raw: dict, log_dir: str) -> None:
-    """One rank, started by torch.multiprocessing: the environment torchrun would set, then train()."""
+    """One rank, forked by start_ranks: the environment torchrun would set, then train()."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     digests = []
     train(config_from_dict(raw), progress_bar=False, on_step=lambda step, model: digests.append(weights_digest(model)))
     Path(log_dir, f"rank{rank}.json").write_text(json.dumps(digests))
+
+
+def start_ranks(rank_main, *args) -> None:
+    """Two ranks running `rank_main(rank, 2, port, *args)`, joined; an exception in a rank is raised
+    here. They fork from multiprocessing's fork server, which imported this module (torch, tfm's
+    training) once per test process: a spawned rank spent ~2.5 s of CPU importing them. (Not forked
+    from the test process itself: objects of earlier tests there, a CTranslate2 translator whose
+    threads a fork does not copy, hung a rank that freed one.)"""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(rank_main, args=(2, free_port(), *args), nprocs=2, join=True, start_method="forkserver")
 
 
 def torchrun(args: list[str], config: dict, tmp_path: Path, name: str, extra: list[str] = (), **popen):
@@ -93,7 +105,7 @@ def torchrun(args: list[str], config: dict, tmp_path: Path, name: str, extra: li
 
 def test_two_ranks_stay_identical_and_equal_one_process_with_their_union(multi30k_2k, tmp_path):
     raw = ddp_config(multi30k_2k, tmp_path / "ddp", steps=6)
-    mp.spawn(_rank_main, args=(2, free_port(), raw, str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_rank_main, raw, str(tmp_path))
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
     assert len(rank0) == 6 and rank0 == rank1  # bit-identical weights after every step
@@ -150,7 +162,7 @@ def test_accumulation_all_reduces_once_per_update_and_overlaps_backward(multi30k
     being computed (communication overlaps backward) once DDP has built its buckets in the order
     gradients arrive (after the first update)."""
     raw = ddp_config(multi30k_2k, tmp_path / "ddp", steps=3, accum_steps=2)
-    mp.spawn(_rank_recording_communication, args=(2, free_port(), raw, str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_rank_recording_communication, raw, str(tmp_path))
     for rank in (0, 1):
         events = json.loads((tmp_path / f"events{rank}.json").read_text())
         grads = events.count("grad")
@@ -198,7 +210,7 @@ def test_several_processes_agree_on_stopping_without_a_step_reading_a_tensor(mul
     all-reduced device tensor read back would make every step wait for its own backward on a GPU.
     The reads at log points remain (the counter sees them)."""
     raw = ddp_config(multi30k_2k, tmp_path / "ddp", steps=6, log_every=3)
-    mp.spawn(_rank_counting_reads, args=(2, free_port(), raw, str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_rank_counting_reads, raw, str(tmp_path))
     for rank in (0, 1):
         record = json.loads((tmp_path / f"reads{rank}.json").read_text())
         assert record["steps"] == 6
@@ -210,7 +222,7 @@ def test_max_time_stops_every_rank_after_the_same_update(multi30k_2k, tmp_path):
     """Each rank's clock says when max_time has passed, at different steps; the vote (read a step
     later) makes both stop after the same update, with identical weights, and say why."""
     raw = ddp_config(multi30k_2k, tmp_path / "ddp", steps=100_000, max_time="4s")
-    mp.spawn(_rank_main, args=(2, free_port(), raw, str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_rank_main, raw, str(tmp_path))
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     rank1 = json.loads((tmp_path / "rank1.json").read_text())
     assert 1 < len(rank0) < 100_000 and rank0 == rank1
@@ -219,18 +231,18 @@ def test_max_time_stops_every_rank_after_the_same_update(multi30k_2k, tmp_path):
 
 
 def test_torchrun_resume_continues_exactly_even_with_another_process_count(multi30k_2k, tmp_path):
+    # 2 ranks straight through 6 steps, and 2 ranks through 3 resumed by torchrun to 6 (the reference
+    # and the first half forked here: torchrun's own part is the resume).
     straight = ddp_config(multi30k_2k, tmp_path / "straight", steps=6, eval_every=3)
-    proc = torchrun(["--standalone", "--nproc-per-node", "2"], straight, tmp_path, "straight")
-    assert proc.returncode == 0, proc.stderr
-    assert "effective batch: 2 process(es)" in proc.stderr
+    start_ranks(_rank_main, straight, str(tmp_path))
 
     split = ddp_config(multi30k_2k, tmp_path / "split", steps=3, eval_every=3)
-    proc = torchrun(["--standalone", "--nproc-per-node", "2"], split, tmp_path, "split_a")
-    assert proc.returncode == 0, proc.stderr
+    start_ranks(_rank_main, split, str(tmp_path))
     shutil.copytree(tmp_path / "split", tmp_path / "other")  # the 2-process run at step 3, resumed below
     split["train"]["max_steps"] = 6
     proc = torchrun(["--standalone", "--nproc-per-node", "2"], split, tmp_path, "split_b", ["--resume"])
     assert proc.returncode == 0, proc.stderr
+    assert "effective batch: 2 process(es)" in proc.stderr and "resuming from" in proc.stderr, proc.stderr
     assert_same_final_weights(tmp_path / "straight/checkpoints/checkpoint_last.pt",
                               tmp_path / "split/checkpoints/checkpoint_last.pt", 6)
 
