@@ -67,13 +67,17 @@ def _torch_threads():
 
 @pytest.fixture(autouse=True)
 def _torch_threads_kept(_torch_threads):
-    """A test that sets torch's thread count (to match a worker process's arithmetic, or to see that
-    CTranslate2 gives it back) leaves it as it found it: left at 2 beside the other test process's
-    threads, OpenMP's threads outnumber the cores and wait on each other (every later test in that
-    process ran ~2.5x slower on a 2-core Zen 3)."""
+    """Every test starts and ends at this process's share of the cores, whatever a test or a fixture
+    set torch's thread count to (to match a worker process's arithmetic, or to see that CTranslate2
+    gives it back): left at 2 beside the other test process's threads, OpenMP's threads outnumber the
+    cores and wait on each other (every later test in that process ran ~2.5x slower on a 2-core Zen
+    3). A module's fixture that set it once (the Marian directory's) left every later test of its
+    process at 2: the model filter's self-trained test took 117 CPU-s there, 23 at one thread."""
     import torch
 
-    threads = torch.get_num_threads()
+    threads = threads_per_test_process()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

@@ -138,8 +138,14 @@ def marian_dir(multi30k_2k, tmp_path_factory) -> tuple[Path, list[str], list[lis
 
 
 def marian_translations(run: Path, lines: list[str]) -> list[list[int]]:
+    """Greedy ids of an imported run, always on 2 threads (the good and the damaged runs' decoding
+    sum in the same order); the thread count is given back."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    return tfm_decode(load_trained_model(run / "checkpoints/checkpoint_best.pt"), lines, 1, MAX_LEN)
+    try:
+        return tfm_decode(load_trained_model(run / "checkpoints/checkpoint_best.pt"), lines, 1, MAX_LEN)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def sweep_marian(cases: list[tuple[str, Path]], lines: list[str], good: list[list[int]]) -> dict[str, str]:
