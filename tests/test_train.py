@@ -250,15 +250,15 @@ def output_loss_and_gradients(hidden: torch.Tensor, projection: torch.nn.Linear,
 @pytest.mark.slow
 def test_the_compiled_chunk_loss_equals_the_eager_one():
     """`train.compile`'s output loss: `fused_chunk_loss` through torch's own compiler (inductor, on
-    CPU), dynamic in the rows (chunks of 64 and a last one of 8). Its loss, NLL and gradients equal
-    the eager in-place version's within a relative 1e-7 in fp64 (inductor's CPU code is not
-    bit-exact there: 2e-8 measured), 1e-5 in fp32, and within bf16 rounding in bf16 autocast;
-    without gradients it computes none."""
+    CPU), dynamic in the rows (chunks of 64 and a last one of 8), in the two precisions training
+    runs in. Its loss, NLL and gradients equal the eager in-place version's within a relative 1e-5
+    in fp32 and within bf16 rounding in bf16 autocast; without gradients it computes none. (Its
+    formula, eager, equals autograd's to 1e-12 in fp64 above; each dtype compiles anew, a few
+    seconds of C++ each.)"""
     torch.manual_seed(0)
     compiled = compiled_chunk_loss()
     target = torch.randint(0, 300, (200,))
-    for dtype, autocast, tolerance in ((torch.float64, False, 1e-7), (torch.float32, False, 1e-5),
-                                       (torch.float32, True, 0.01)):
+    for dtype, autocast, tolerance in ((torch.float32, False, 1e-5), (torch.float32, True, 0.01)):
         projection = torch.nn.Linear(16, 300).to(dtype)
         hidden = torch.randn(200, 16, dtype=dtype)
         ours = output_loss_and_gradients(hidden, projection, target, compiled, autocast)
