@@ -1,5 +1,5 @@
 """The tests' `tfm` processes forked from a warm process (tests/warm_processes.py) are started as
-cold ones: what the kernel and the command show of them is the same either way."""
+cold ones: what the kernel and the command show of them is the same either way; so are scripts' runs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import warm_processes
-from tests.conftest import tfm_in_process, tiny_run
+from tests.conftest import ROOT, tfm_in_process, tiny_run
 from tests.warm_processes import preexec
 
 
@@ -95,3 +95,29 @@ def test_a_command_whose_warm_process_has_gone_starts_cold(monkeypatch, tmp_path
     assert warm_processes._WARM["system"].failed
     with pytest.raises(FileNotFoundError):
         subprocess.run(version, cwd=tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_a_script_of_scripts_runs_warm_as_python_runs_it_cold(monkeypatch, tmp_path):
+    """`python scripts/<name>.py` forked warm: the script runs as `__main__` with its own folder first
+    on sys.path (bench_train.py imports bench_common from there), its output, one-line errors and
+    exit status as a cold start's; a script from anywhere else starts cold."""
+    if warm_processes._coverage_running():
+        pytest.skip("coverage.py measures this run: every command starts cold")
+    log = tmp_path / "warm.jsonl"
+    monkeypatch.setenv("TFM_TEST_WARM_LOG", str(log))
+    runs = {}
+    for how in ("0", "1"):
+        monkeypatch.setenv("TFM_TEST_WARM", how)
+        runs[how] = [subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                     for args in (["scripts/bench_train.py", "--help"],
+                                  [str(ROOT / "scripts" / "quickstart_row.py"), "--isa-cap", "avx9"])]
+    (cold_help, cold_error), (warm_help, warm_error) = runs["0"], runs["1"]
+    assert cold_help.returncode == warm_help.returncode == 0 and "--synthetic" in warm_help.stdout
+    assert warm_help.stdout == cold_help.stdout and warm_help.stderr == cold_help.stderr
+    assert cold_error.returncode == warm_error.returncode == 2 and warm_error.stderr.startswith("error: ")
+    assert warm_error.stderr == cold_error.stderr and warm_error.stdout == cold_error.stdout
+    elsewhere = tmp_path / "bench_train.py"
+    elsewhere.write_text("import sys\nprint(sys.path[0])\n")
+    assert subprocess.run([sys.executable, str(elsewhere)], capture_output=True, text=True).stdout.strip() == str(tmp_path)
+    assert [json.loads(line)[0] for line in log.read_text().splitlines()] == ["warm: system"] * 2

@@ -1,25 +1,29 @@
 """`tfm` processes for the tests, forked from a warm process instead of started cold.
 
-A test that runs `python -m transformer_cli[.cli] ...` as a real process (signals, kill -9, pipes,
-resource limits, servers) pays for importing torch in it: 1.3 s of CPU on a Zen 4, 2.7 s on a Zen 3,
-and for `tfm train` torch's compiler too (torch.optim imports it: 1 s / 2.5 s), ~190 times a run.
-So each test process keeps a warm process that has imported torch and every tfm module once, and
-forks it for each such command. The child is a real process: its own PID, the test's pipes, working
-directory, environment and session, the signal dispositions of a new Python, `python -m`'s module
-run as `__main__`, Python's own exit (threads joined, atexit, streams flushed, an uncaught
+A test that runs `python -m transformer_cli[.cli] ...` or a script of scripts/ (most import torch
+and tfm) as a real process (signals, kill -9, pipes, resource limits, servers) pays for importing
+torch in it: 1.3 s of CPU on a Zen 4, 2.7 s on a Zen 3, and for `tfm train` torch's compiler too
+(torch.optim imports it: 1 s / 2.5 s), ~190 times a run. So each test process keeps a warm process
+that has imported torch and every tfm module once, and forks it for each such command. The child is
+a real process: its own PID, the test's pipes, working directory, environment and session, the
+signal dispositions of a new Python, `python -m`'s module (or the script, its folder first on
+sys.path) run as `__main__`, Python's own exit (threads joined, atexit, streams flushed, an uncaught
 KeyboardInterrupt dying of SIGINT), and the exit status the test reads through `subprocess.Popen`.
 `tfm train` on mimalloc (the default allocator, runtime/allocator.py) forks from a second warm
-process started on mimalloc, as `tfm train` starts itself again.
+process started on mimalloc, as `tfm train` starts itself again. A script's own `python -m
+transformer_cli` commands (bench_distill.py's exports and translations) fork from the same warm
+process as the script (`tfm train` on mimalloc among them starts cold).
 
 Signal dispositions are those an exec would leave (what the test process ignores stays ignored,
 Popen's restore_signals) and Python's start-up would set; a `preexec_fn` made by `preexec()` (signals
 to their default, resource limits) is applied in the child. Started cold as before: any other
 program; any other `preexec_fn`, `pass_fds`, another user, group, umask or process group; a terminal
 on a standard stream; an environment that differs from the warm process's in anything but what is
-read when used, not at import (`TFM_*`, inductor's cache folder); and every command while
-coverage.py measures the run or where `TFM_TEST_WARM=0`. What still differs: /proc/<pid>/cmdline and
-environ show the warm process's, and numpy's OpenBLAS starts its thread pool at first use, not at
-import. tests/test_warm_processes.py compares a warm and a cold `tfm translate`.
+read when used, not at import (`TFM_*`, inductor's cache folder, a distributed run's RANK,
+WORLD_SIZE, MASTER_ADDR...); and every command while coverage.py measures the run or where
+`TFM_TEST_WARM=0`. What still differs: /proc/<pid>/cmdline and environ show the warm process's,
+and numpy's OpenBLAS starts its thread pool at first use, not at import.
+tests/test_warm_processes.py compares a warm and a cold `tfm translate`, and a script's run.
 """
 
 from __future__ import annotations
@@ -40,9 +44,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ("transformer_cli", "transformer_cli.cli")
+SCRIPTS = ROOT / "scripts"  # `python scripts/<name>.py ...` is forked warm too: most import torch and tfm
 # Environment keys a command may set differently from its warm process: tfm reads them when used.
 RUNTIME_KEYS = ("TFM_",)
-RUNTIME_NAMES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+RUNTIME_NAMES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+                 # a distributed run's, read by tfm and torch.distributed when a process group starts
+                 "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 MESSAGE_LIMIT = 1 << 20
 
 
@@ -79,7 +86,7 @@ def serve() -> None:
     listener.listen(64)
     print(f"ready {address}", flush=True)
     os.dup2(2, 1)  # nobody reads that pipe any more
-    context = {"launch_path": launch_path, "own_fds": own_fds}
+    context = {"launch_path": launch_path, "own_fds": own_fds, "address": address, "env": dict(os.environ)}
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(0, selectors.EVENT_READ, "parent")
@@ -149,10 +156,16 @@ def _run_child(request: dict, fds: list[int], context: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.path[:] = [os.getcwd(), *context["launch_path"][1:]]
+        # sys.path[0]: the working directory for `python -m`, the script's folder for `python script.py`
+        first = os.path.dirname(request["script"]) if request["script"] else os.getcwd()
+        sys.path[:] = [first, *context["launch_path"][1:]]
         sys.orig_argv = request["orig_argv"]
         tempfile.tempdir = None
         _new_standard_streams()
+        if request["script"]:  # the script's own `python -m transformer_cli` commands fork from here too
+            _WARM["system"] = _Warm(context["env"], address=context["address"])
+            _WARM["mimalloc"] = _Warm(context["env"], failed=True)
+            install()
         if "numpy" in sys.modules:  # a new process seeds numpy's global generator anew
             sys.modules["numpy"].random.seed()
         import importlib
@@ -171,7 +184,7 @@ def _run_child(request: dict, fds: list[int], context: dict) -> None:
 
         traceback.print_exc()
         os._exit(70)
-    _exit_as_python(request["module"], request["argv"])
+    _exit_as_python(request["module"], request["script"], request["argv"])
 
 
 def _signals_as_after_exec(request: dict) -> None:
@@ -243,13 +256,16 @@ def _new_standard_streams() -> None:
     sys.stderr = sys.__stderr__ = stream(2, "<stderr>", "backslashreplace")
 
 
-def _exit_as_python(module: str, argv: list[str]) -> None:
+def _exit_as_python(module: str | None, script: str | None, argv: list[str]) -> None:
     import runpy
 
-    sys.argv = [module, *argv]
+    sys.argv = [script or module, *argv]
     code, interrupted = 0, False
     try:
-        runpy._run_module_as_main(module, alter_argv=True)  # what `python -m module` runs
+        if script:
+            runpy.run_path(script, run_name="__main__")  # what `python script.py` runs
+        else:
+            runpy._run_module_as_main(module, alter_argv=True)  # what `python -m module` runs
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except KeyboardInterrupt:
@@ -298,11 +314,11 @@ def _exit_code(code) -> int:
 class _Warm:
     """One warm process (started at first use) and its launch environment."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], address: str | None = None, failed: bool = False):
         self.env = env
         self.process: subprocess.Popen | None = None
-        self.address: str | None = None
-        self.failed = False
+        self.address = address  # given: a warm process that is already serving (a script's commands)
+        self.failed = failed
 
     def ready(self) -> bool:
         if self.address is not None or self.failed:
@@ -371,7 +387,8 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
     if isinstance(args, (str, bytes, os.PathLike)):
         return None
     args = [os.fsdecode(a) for a in args]
-    if len(args) < 3 or args[0] != sys.executable or args[1] != "-m" or args[2] not in MODULES:
+    script = _script_of(args, cwd)
+    if script is None and (len(args) < 3 or args[0] != sys.executable or args[1] != "-m" or args[2] not in MODULES):
         return None
     steps = getattr(preexec_fn, "warm", None) if preexec_fn is not None else {"default_signals": [], "limits": []}
     if (shell or executable is not None or steps is None or pass_fds or gid is not None
@@ -385,9 +402,9 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
     cwd = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
     if not os.path.isdir(cwd):
         return None  # Popen's own error, raised here
-    module, argv = args[2], args[3:]
+    module, argv = (None, args[2:]) if script else (args[2], args[3:])
     kind = "system"
-    if argv[:1] == ["train"] and _train_allocator(argv, cwd) in ("auto", "mimalloc"):
+    if module and argv[:1] == ["train"] and _train_allocator(argv, cwd) in ("auto", "mimalloc"):
         relaunched = _on_mimalloc(env)
         if relaunched is not None:
             kind, module, env = "mimalloc", "transformer_cli", relaunched
@@ -407,9 +424,18 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
         _why("cold: no warm process", args)
         return None
     return {"warm": warm, "kind": kind, "module": module, "argv": argv, "cwd": cwd, "env": env,
-            "new_session": bool(start_new_session), "orig_argv": [sys.executable, "-m", module, *argv],
+            "script": script, "new_session": bool(start_new_session),
+            "orig_argv": [sys.executable, *([script] if script else ["-m", module]), *argv],
             "restore_signals": bool(restore_signals), "ignored": _signal_set("SigIgn"),
             "blocked": _signal_set("SigBlk"), **steps}
+
+
+def _script_of(args: list[str], cwd) -> str | None:
+    """The absolute path of a script of scripts/ that `args` runs as `python <script> ...`, or None."""
+    if len(args) < 2 or args[0] != sys.executable or not args[1].endswith(".py"):
+        return None
+    path = Path(os.fsdecode(cwd) if cwd is not None else os.getcwd(), args[1]).resolve()
+    return str(path) if path.parent == SCRIPTS and path.is_file() else None
 
 
 def _why(how: str, args: list[str]) -> None:
@@ -418,7 +444,7 @@ def _why(how: str, args: list[str]) -> None:
     log = os.environ.get("TFM_TEST_WARM_LOG")
     if log:
         with open(log, "a") as file:
-            command = [os.fsdecode(a) for a in args[3:]]
+            command = [os.fsdecode(a) for a in (args[3:] if args[1:2] == ["-m"] else args[1:])]
             file.write(json.dumps([how, os.environ.get("PYTEST_CURRENT_TEST", ""), command]) + "\n")
 
 
