@@ -28,6 +28,7 @@ from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.training.train import train
 
 from .conftest import TFM, assert_same_final_weights, multi30k_config, wait_until_training
+from .warm_processes import preexec
 
 pytestmark = pytest.mark.slow
 
@@ -272,7 +273,7 @@ def test_a_signal_to_torchrun_stops_every_rank_after_the_same_step_and_saves(mul
     signum = getattr(signal, name)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "-m", "transformer_cli", "train", "--config", str(path)], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signum, signal.SIG_DFL))
+                            preexec_fn=preexec(default_signals=(signum,)))
     wait_until_training(tmp_path / "run")
     proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)

@@ -12,7 +12,8 @@ KeyboardInterrupt dying of SIGINT), and the exit status the test reads through `
 `tfm train` on mimalloc (the default allocator, runtime/allocator.py) forks from a second warm
 process started on mimalloc, as `tfm train` starts itself again. A script's own `python -m
 transformer_cli` commands (bench_distill.py's exports and translations) fork from the same warm
-process as the script (`tfm train` on mimalloc among them starts cold).
+process as the script (`tfm train` on mimalloc among them starts cold). So does torchrun's agent
+(`python -m torch.distributed.run`); the ranks it starts itself start cold.
 
 Signal dispositions are those an exec would leave (what the test process ignores stays ignored,
 Popen's restore_signals) and Python's start-up would set; a `preexec_fn` made by `preexec()` (signals
@@ -43,7 +44,7 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ("transformer_cli", "transformer_cli.cli")
+MODULES = ("transformer_cli", "transformer_cli.cli", "torch.distributed.run")  # torchrun's agent (its ranks start cold)
 SCRIPTS = ROOT / "scripts"  # `python scripts/<name>.py ...` is forked warm too: most import torch and tfm
 # Environment keys a command may set differently from its warm process: tfm reads them when used.
 RUNTIME_KEYS = ("TFM_",)
