@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 @pytest.mark.slow
 def test_quickstart_prepares_trains_translates_and_evaluates(tmp_path):
     run = tmp_path / "quickstart"
-    env = {**os.environ, "TIME": "6s", "RUN_DIR": str(run),
+    env = {**os.environ, "TIME": "15s", "RUN_DIR": str(run),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # this Python's tfm
     result = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env, capture_output=True,
                             text=True, timeout=900)
