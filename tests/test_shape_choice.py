@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import tiny_reverse_config
+from tests.conftest import tfm_in_process, tiny_reverse_config
 from transformer_cli.experiment.checkpoint import FORMAT
 from transformer_cli.experiment.config import config_from_dict, load_config
 from transformer_cli.experiment.shapes import (
@@ -297,3 +297,24 @@ def test_a_new_auto_run_over_a_trained_one_is_refused_before_the_probe(tiny_prep
     raw["model"] = {"size": "auto"}
     with pytest.raises(TfmError, match="already holds a training run"):
         train(config_from_dict(raw), progress_bar=False)
+
+
+@pytest.mark.slow
+def test_a_budget_the_probe_uses_up_is_a_one_line_error_that_leaves_no_checkpoint(tiny_prepared, tmp_path):
+    """train.max_time at or under the probe's own seconds: no step could be trained (the run once
+    ended at 0 steps, exit 0, and left an untrained checkpoint_last.pt for translate)."""
+    raw = auto_config(tiny_prepared, tmp_path, max_steps=4, eval_every=4, max_time=0.2)
+    config_file = tmp_path / "auto.json"
+    config_file.write_text(json.dumps(raw))
+    result = tfm_in_process("train", "--config", config_file)
+    assert result.exit_code == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "train.max_time=0.2" in errors[0] and "left no time to train" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not checkpoints.exists() or not list(checkpoints.glob("*.pt"))
+    raw["train"]["max_time"] = 600  # a budget that holds: the same run trains (it probes again)
+    config_file.write_text(json.dumps(raw))
+    trained = tfm_in_process("train", "--config", config_file)
+    assert trained.exit_code == 0 and "done (max_steps=4)" in trained.stderr, trained.stderr
+

@@ -534,6 +534,12 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
             say = TrainingConsole(world.rank == 0, False, lambda error: None).print
             config, probe_seconds = resolve_size(config, resume, RunDirectory(config.run_path).checkpoints / LAST,
                                                  lambda: probe_shapes(config, world, device, say), say)
+            budget = config.train.max_time
+            if probe_seconds and budget is not None and probe_seconds >= parse_duration(budget):
+                # without this, 0 steps, exit 0 and an untrained checkpoint that translate would use
+                raise TfmError(f"train.max_time={budget}: model.size auto's probe took {probe_seconds:.1f} s of it "
+                               "and left no time to train; give a longer train.max_time or name the shape "
+                               "(model.size: d128, …)")
             summary = Trainer(config, world, device, resume, progress_bar, on_step, probe_seconds).run()
         finished = True
         return summary
