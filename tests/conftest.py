@@ -115,8 +115,8 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
 # Fixtures that train a model for more than a few steps, or run a corpus through a script: seconds to
 # a minute each on a 2-core CPU. A test that needs one (directly or through another fixture) belongs
 # to the full suite, not to the fast tier's minute (`-m "not slow"`, docs/testing.md).
-TRAINED_FIXTURES = {"reverse_model", "shift_model", "two_weak_models", "multi30k_model", "marian", "marian_dir",
-                    "copy_model", "straight_30_steps", "hf_runs", "noisy", "multi30k_8k"}
+TRAINED_FIXTURES = {"reverse_model", "shift_model", "multi30k_model", "marian", "marian_dir", "copy_model",
+                    "straight_30_steps", "layout_runs", "noisy", "multi30k_8k"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -324,6 +324,58 @@ def tiny_prepared(tmp_path_factory) -> tuple[Path, Path]:
         return root / "data", root / "run"
 
     return built_once(tmp_path_factory, "tiny", build)
+
+
+# The tiny reverse task in each layout the exports map differently: name → (the model section's
+# changes, the vocab section's). Each is trained once per run (`layout_runs`) and shared: the Hugging
+# Face export and import tests take every one, the ensemble test two (one vocabulary, two networks).
+TINY_LAYOUTS = {
+    "pre-norm, joint": ({"norm_position": "pre"}, {}),
+    "post-norm, joint": ({"norm_position": "post"}, {}),
+    "post-norm, separate vocabularies, split sinusoids, output bias": (
+        {"norm_position": "post", "share_embeddings": False, "positional": "sinusoidal_split", "output_bias": True,
+         "tie_output": False}, {"joint": False}),
+}
+
+
+def trained_layout(root: Path, model: dict, vocab: dict) -> Path:
+    """A tiny reverse-task model (d_model 32, 2+2 layers) trained for 300 steps and scored on its test
+    set (the score goes into an export's model card); its config file."""
+    from transformer_cli.data.prepare import prepare
+    from transformer_cli.experiment.config import config_from_dict
+    from transformer_cli.training.train import train
+
+    write_reverse_task(root / "data", n_train=2000, n_test=40)
+    if vocab.get("joint") is False:  # target words in capitals: two vocabularies that differ
+        for split in ("train", "valid", "test"):
+            target = root / "data" / f"{split}.tgt.gz"
+            target.write_bytes(gzip.compress(gzip.decompress(target.read_bytes()).upper()))
+    raw = tiny_reverse_config(root / "data", root / "run", max_steps=300, eval_every=300, lr_schedule="budget")
+    raw["model"].update(d_model=32, d_ff=64, n_heads=2, enc_layers=2, dec_layers=2, **model)
+    raw["vocab"].update(vocab)
+    raw["decode"].update(precision="fp32", engine="torch")
+    (root / "c.yaml").write_text(json.dumps(raw))
+    config = config_from_dict(raw)
+    prepare(config, progress=False)
+    train(config, progress_bar=False)
+    scored = tfm_in_process("evaluate", "--config", root / "c.yaml", "--split", "test")
+    assert scored.exit_code == 0, scored.stderr
+    return root / "c.yaml"
+
+
+@pytest.fixture(scope="session")
+def layout_runs(tmp_path_factory) -> Callable[[str], Path]:
+    """The config file of a layout's trained run (TINY_LAYOUTS), built when a test first asks for
+    it, by whichever test process asks first (the layouts train side by side in a parallel run)."""
+    import functools
+
+    @functools.cache
+    def run_of(layout: str) -> Path:
+        model, vocab = TINY_LAYOUTS[layout]
+        name = f"layout-{list(TINY_LAYOUTS).index(layout)}"
+        return built_once(tmp_path_factory, name, lambda root: trained_layout(root, model, vocab))
+
+    return run_of
 
 
 def tiny_run(tiny_prepared, dest: Path, **train_overrides) -> Path:

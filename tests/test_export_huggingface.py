@@ -5,21 +5,17 @@ YAML parses; bad inputs are one-line errors that leave nothing behind."""
 
 from __future__ import annotations
 
-import functools
 import gzip
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.conftest import built_once, fp32_translator, tfm_in_process, tiny_reverse_config, write_reverse_task
-from transformer_cli.data.prepare import prepare
+from tests.conftest import TINY_LAYOUTS, fp32_translator, tfm_in_process
 from transformer_cli.decoding.translation import translate_texts
-from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.interop.huggingface import (
     architecture_problems,
     build_transformers_model,
@@ -27,53 +23,11 @@ from transformer_cli.interop.huggingface import (
     transformers_state,
 )
 from transformer_cli.model.transformer import Transformer, TransformerConfig
-from transformer_cli.training.train import train
 
 
 def transformers():
     """transformers, imported by the first test that needs it (its import takes seconds: not at collection)."""
     return pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e '.[test]')")
-
-KINDS = {  # name → (the model section's changes, the vocab section's)
-    "pre-norm, joint": ({"norm_position": "pre"}, {}),
-    "post-norm, joint": ({"norm_position": "post"}, {}),
-    "post-norm, separate vocabularies": ({"norm_position": "post", "share_embeddings": False}, {"joint": False}),
-    "post-norm, split sinusoids, output bias": ({"norm_position": "post", "positional": "sinusoidal_split",
-                                                 "output_bias": True, "tie_output": False}, {}),
-}
-
-
-def trained_run(root: Path, model: dict, vocab: dict) -> Path:
-    """A tiny reverse-task model trained for 300 steps, scored on its test set; its config file."""
-    write_reverse_task(root / "data", n_train=2000, n_test=40)
-    if vocab.get("joint") is False:  # target words in capitals: two vocabularies that differ
-        for split in ("train", "valid", "test"):
-            target = root / "data" / f"{split}.tgt.gz"
-            target.write_bytes(gzip.compress(gzip.decompress(target.read_bytes()).upper()))
-    raw = tiny_reverse_config(root / "data", root / "run", max_steps=300, eval_every=300, lr_schedule="budget")
-    raw["model"].update(d_model=32, d_ff=64, n_heads=2, enc_layers=2, dec_layers=2, **model)
-    raw["vocab"].update(vocab)
-    raw["decode"].update(precision="fp32", engine="torch")
-    (root / "c.yaml").write_text(json.dumps(raw))
-    config = config_from_dict(raw)
-    prepare(config, progress=False)
-    train(config, progress_bar=False)
-    scored = tfm_in_process("evaluate", "--config", root / "c.yaml", "--split", "test")
-    assert scored.exit_code == 0, scored.stderr
-    return root / "c.yaml"
-
-
-@pytest.fixture(scope="session")
-def hf_runs(tmp_path_factory) -> Callable[[str], Path]:
-    """The trained run of a kind, built when a test first asks for it (by whichever test process
-    asks first: the kinds train side by side in a parallel run)."""
-    @functools.cache
-    def run_of(kind: str) -> Path:
-        model, vocab = KINDS[kind]
-        return built_once(tmp_path_factory, f"hf-{list(KINDS).index(kind)}", lambda root: trained_run(root, model, vocab))
-
-    return run_of
-
 
 def checkpoint_of(config: Path) -> Path:
     from transformer_cli.experiment.config import load_config
@@ -137,14 +91,14 @@ def test_models_no_shipped_architecture_computes_are_named_with_the_reason():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_an_export_generates_exactly_tfms_greedy_output(kind, hf_runs, tmp_path):
-    config = hf_runs(kind)
+@pytest.mark.parametrize("layout", sorted(TINY_LAYOUTS))
+def test_an_export_generates_exactly_tfms_greedy_output(layout, layout_runs, tmp_path):
+    config = layout_runs(layout)
     checkpoint = checkpoint_of(config)
     out = tmp_path / "hf"
     done = tfm_in_process("export", "--config", config, "--format", "huggingface", "-o", out)
     assert done.exit_code == 0, done.stderr
-    architecture = "MarianMTModel" if "post" in kind else "PegasusForConditionalGeneration"
+    architecture = "MarianMTModel" if "post" in layout else "PegasusForConditionalGeneration"
     assert architecture in done.stdout
     saved = json.loads((out / "config.json").read_text())
     assert saved["architectures"] == [architecture] and "auto_map" not in saved  # no custom code
@@ -155,8 +109,8 @@ def test_an_export_generates_exactly_tfms_greedy_output(kind, hf_runs, tmp_path)
 
 
 @pytest.mark.slow
-def test_the_model_card_parses_and_names_the_test_scores(hf_runs, tmp_path):
-    config = hf_runs("pre-norm, joint")
+def test_the_model_card_parses_and_names_the_test_scores(layout_runs, tmp_path):
+    config = layout_runs("pre-norm, joint")
     out = tmp_path / "card"
     assert tfm_in_process("export", "--config", config, "--format", "huggingface", "-o", out).exit_code == 0
     text = (out / "README.md").read_text()
@@ -172,8 +126,8 @@ def test_the_model_card_parses_and_names_the_test_scores(hf_runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_bad_exports_are_one_line_and_leave_nothing(hf_runs, tmp_path):
-    config = hf_runs("post-norm, joint")
+def test_bad_exports_are_one_line_and_leave_nothing(layout_runs, tmp_path):
+    config = layout_runs("post-norm, joint")
     checkpoint = checkpoint_of(config)
     taken = tmp_path / "taken"
     taken.mkdir()
@@ -235,11 +189,11 @@ def test_a_multilingual_export_takes_the_target_language_tag_as_tfm_does(shift_m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_tfm_import_gives_back_the_exported_model_weight_for_weight(kind, hf_runs, tmp_path):
+@pytest.mark.parametrize("layout", sorted(TINY_LAYOUTS))
+def test_tfm_import_gives_back_the_exported_model_weight_for_weight(layout, layout_runs, tmp_path):
     from transformer_cli.experiment.checkpoint import load_trained_model
 
-    config = hf_runs(kind)
+    config = layout_runs(layout)
     checkpoint = checkpoint_of(config)
     assert tfm_in_process("export", "--checkpoint", checkpoint, "--format", "huggingface",
                           "-o", tmp_path / "hf").exit_code == 0
