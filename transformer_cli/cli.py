@@ -456,6 +456,9 @@ def serve(
                                           "decoding stops, so that the requests behind it are served."),
     header_timeout: float = typer.Option(10.0, "--header-timeout", min=0.1, max=3_600.0,
                                          help="Seconds a connection may take to send a request's headers."),
+    shutdown_grace: float = typer.Option(5.0, "--shutdown-grace", min=0.0, max=3_600.0, help="Seconds the requests "
+                                         "in flight may take after SIGTERM, SIGINT or SIGHUP; then their decoding "
+                                         "stops (503)."),
     debug: bool = typer.Option(False, "--debug", help="Log a traceback with each failed request (5xx)."),
     tgt_lang: Optional[str] = TgtLangOpt,
     api_keys: Optional[Path] = typer.Option(None, "--api-keys", help="A file of hashed API keys (tfm api-key): every "
@@ -475,13 +478,7 @@ def serve(
     pip install -e '.\\[serve]'.
     """
     cfg = _load_for_inference(config, set_, checkpoint) if config is not None else None
-    try:
-        import prometheus_client  # noqa: F401 (GET /metrics)
-
-        from .serve.server import serve as run_server
-        from .serve.transport import listening_address
-    except ImportError as exc:
-        raise TfmError(f"tfm serve needs FastAPI, uvicorn and prometheus-client: pip install -e '.[serve]' ({exc})") from None
+    run_server, listening_address = _server_functions()
     from .serve.access import AccessLog, ApiKeys, Quotas, trusted_proxy_addresses
 
     keys = ApiKeys.load(api_keys) if api_keys is not None else None
@@ -514,12 +511,25 @@ def serve(
     try:
         run_server(translator, host, port, max_lines=max_lines, max_chars=max_chars, max_wait=max_wait_ms / 1000,
                    max_body_bytes=max_body_bytes, debug=debug, ready=lambda: warn(banner), lexical_engine=lexical,
-                   request_timeout=request_timeout, header_timeout=header_timeout, keys=keys, quotas=quotas,
-                   access_log=AccessLog(log_stream) if log_stream is not None else None, model_name=model_name,
+                   request_timeout=request_timeout, header_timeout=header_timeout, shutdown_grace=shutdown_grace,
+                   keys=keys, quotas=quotas, access_log=AccessLog(log_stream) if log_stream is not None else None,
+                   model_name=model_name,
                    reload=load, forwarded_allow_ips=trusted_proxies)
     finally:
         _close_access_log(log_stream)
     warn("tfm serve: stopped")
+
+
+def _server_functions():
+    """(serve.server.serve, serve.transport.listening_address), or a one-line error naming the extra."""
+    try:
+        import prometheus_client  # noqa: F401 (GET /metrics)
+
+        from .serve.server import serve as run_server
+        from .serve.transport import listening_address
+    except ImportError as exc:
+        raise TfmError(f"tfm serve needs FastAPI, uvicorn and prometheus-client: pip install -e '.[serve]' ({exc})") from None
+    return run_server, listening_address
 
 
 def _serve_banner(url: str, engine: str, host: str, loopback: bool, keys, api_keys: Optional[Path]) -> str:

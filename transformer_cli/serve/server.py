@@ -27,14 +27,15 @@ stops its search between two steps, so that the requests queued behind it are se
 does not count against them); a connection that
 does not send its headers within `--header-timeout` is closed.
 SIGTERM, SIGINT (Ctrl-C) and SIGHUP (the terminal went away) stop accepting, let the requests in
-flight finish for up to SHUTDOWN_GRACE seconds (then, or at a second signal, their decoding is cut),
-and exit 0.
+flight finish for up to `--shutdown-grace` seconds (5 by default; then, or at a second signal, their
+decoding is cut), and exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import socket
 import threading
@@ -78,7 +79,7 @@ from .transport import BodyLimit, header_timeout_protocol
 FILE_BODY = {"requestBody": {"required": True, "content": {"application/octet-stream": {
     "schema": {"type": "string", "format": "binary"}}}}}  # POST /translate/file: the document's bytes
 DEADLINE_SLACK = 1.0  # seconds an answer from CTranslate2 (which cannot stop a batch) is waited for past the timeout
-SHUTDOWN_GRACE = 5.0  # seconds requests in flight may take after SIGTERM/SIGINT/SIGHUP before they are cut
+SHUTDOWN_GRACE = 5.0  # seconds requests in flight may take after SIGTERM/SIGINT/SIGHUP before they are cut (default)
 # Lines of a /detect request identified in one turn on the decoding thread (~1 ms a 10,000-character
 # line): a turn waits at most a few ms for the next client's, or a translation batch.
 DETECT_CHUNK = 16
@@ -481,11 +482,11 @@ def check_address(host: str, port: int) -> None:
 
 class Shutdown:
     """`tfm serve`'s signal handler: the first SIGTERM, SIGINT or SIGHUP stops accepting and lets
-    the requests in flight finish for SHUTDOWN_GRACE seconds, then cuts their decoding (they get
-    503); a second signal cuts at once (`Terminated`, raised on the main thread between two steps)."""
+    the requests in flight finish for `grace` seconds, then cuts their decoding (they get 503); a
+    second signal cuts at once (`Terminated`, raised on the main thread between two steps)."""
 
-    def __init__(self, server: Any, endpoints: Endpoints):
-        self.server, self.endpoints = server, endpoints
+    def __init__(self, server: Any, endpoints: Endpoints, grace: float = SHUTDOWN_GRACE):
+        self.server, self.endpoints, self.seconds = server, endpoints, grace
         self.hangup = getattr(signal, "SIGHUP", None)
         self.terminal_outputs = outputs_a_hangup_takes()
         self.grace: list[threading.Timer] = []
@@ -498,7 +499,7 @@ class Shutdown:
             raise Terminated(signum)
         self.server.should_exit = True
         if not self.grace:  # a decoding that outlasts the grace is stopped: its requests get 503
-            self.grace.append(threading.Timer(SHUTDOWN_GRACE, self.cut_decoding))
+            self.grace.append(threading.Timer(self.seconds, self.cut_decoding))
             self.grace[0].daemon = True
             self.grace[0].start()
 
@@ -519,8 +520,8 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
           lexical_engine: LexicalFactory | None = None, header_timeout: float = HEADER_TIMEOUT,
           keys: ApiKeys | None = None, quotas: Quotas | None = None, access_log: AccessLog | None = None,
           model_name: str = "", reload: Loader | None = None, forwarded_allow_ips: str | None = None,
-          **limits) -> None:
-    """Serve until SIGTERM, SIGINT or SIGHUP; requests in flight get SHUTDOWN_GRACE seconds to
+          shutdown_grace: float = SHUTDOWN_GRACE, **limits) -> None:
+    """Serve until SIGTERM, SIGINT or SIGHUP; requests in flight get `shutdown_grace` seconds to
     finish, then the decoding is cut (a second signal cuts it at once). Returns normally (exit 0).
     `ready()` is called once the address is known to be free (before that, a bad one is an error).
     `lexical_engine`: see `create_app`. `keys`: the API keys every endpoint but /health needs;
@@ -549,7 +550,7 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
                                            http=header_timeout_protocol(header_timeout),
                                            proxy_headers=forwarded_allow_ips is not None,
                                            forwarded_allow_ips=forwarded_allow_ips or "",
-                                           timeout_graceful_shutdown=int(SHUTDOWN_GRACE) + 2,
+                                           timeout_graceful_shutdown=math.ceil(shutdown_grace) + 2,
                                            log_level="debug" if debug else "critical", access_log=False))
     failure: list[BaseException] = []
 
@@ -559,7 +560,7 @@ def serve(engine: TranslationEngine, host: str, port: int, ready: Callable[[], N
         except BaseException as exc:  # noqa: BLE001 (reported on the main thread)
             failure.append(exc)
 
-    shutdown = Shutdown(server, endpoints)
+    shutdown = Shutdown(server, endpoints, shutdown_grace)
 
     def reload_model(signum: int, frame: Any) -> None:  # on the main thread, maybe mid-batch: only asks
         if not endpoints.request_reload():
