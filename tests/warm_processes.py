@@ -22,8 +22,9 @@ program; any other `preexec_fn`, `pass_fds`, another user, group, umask or proce
 on a standard stream; an environment that differs from the warm process's in anything but what is
 read when used, not at import (`TFM_*`, inductor's cache folder, a distributed run's RANK,
 WORLD_SIZE, MASTER_ADDR...); and every command while coverage.py measures the run or where
-`TFM_TEST_WARM=0`. What still differs: /proc/<pid>/cmdline and environ show the warm process's,
-and numpy's OpenBLAS starts its thread pool at first use, not at import.
+`TFM_TEST_WARM=0`. What still differs: /proc/<pid>/cmdline and environ show the warm process's, so
+does sys.flags (PYTHONUNBUFFERED makes the standard streams, as at start-up, but not
+sys.flags.unbuffered), and numpy's OpenBLAS starts its thread pool at first use, not at import.
 tests/test_warm_processes.py compares a warm and a cold `tfm translate`, and a script's run.
 """
 
@@ -49,6 +50,7 @@ SCRIPTS = ROOT / "scripts"  # `python scripts/<name>.py ...` is forked warm too:
 # Environment keys a command may set differently from its warm process: tfm reads them when used.
 RUNTIME_KEYS = ("TFM_",)
 RUNTIME_NAMES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+                 "PYTHONUNBUFFERED",  # the child makes its standard streams anew by it (sys.flags stay the warm one's)
                  # a distributed run's, read by tfm and torch.distributed when a process group starts
                  "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 MESSAGE_LIMIT = 1 << 20
@@ -237,7 +239,7 @@ def _new_standard_streams() -> None:
     """sys.stdin/stdout/stderr over the new file descriptors 0–2, made as Python's start-up makes
     them (its create_stdio: names, buffering, line buffering, errors)."""
     encoding, errors = sys.stdout.encoding, sys.stdout.errors
-    buffered = not os.environ.get("PYTHONUNBUFFERED")  # the warm process started without -u
+    buffered = not os.environ.get("PYTHONUNBUFFERED")  # the command's own (the warm process started without -u)
 
     def stream(fd: int, name: str, errors: str):
         if not _is_open(fd):
