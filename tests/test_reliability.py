@@ -6,7 +6,6 @@ user would see: the exit status, a one-line message without a traceback, and wha
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import random
@@ -361,19 +360,9 @@ def test_failed_prepare_write_is_one_line_and_leaves_nothing_half_written(multi3
 
 
 def without_permission_override():
-    """Root ignores file permissions; drop that privilege in the child so a read-only dir is one.
-
-    (CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH leave the bounding set: the exec'ed tfm lacks them.)
-    """
-    if os.geteuid() != 0:
-        return None
-
-    def drop() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
-            if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-    return drop
+    """Root ignores file permissions; drop that privilege in the child so a read-only dir is one
+    (CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH, for good: warm_processes.preexec)."""
+    return preexec(drop_capabilities=(1, 2)) if os.geteuid() == 0 else None
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ process as the script (`tfm train` on mimalloc among them starts cold). So does 
 
 Signal dispositions are those an exec would leave (what the test process ignores stays ignored,
 Popen's restore_signals) and Python's start-up would set; a `preexec_fn` made by `preexec()` (signals
-to their default, resource limits) is applied in the child. Started cold as before: any other
+to their default, resource limits, capabilities dropped) is applied in the child. Started cold as before: any other
 program; any other `preexec_fn`, `pass_fds`, another user, group, umask or process group; a terminal
 on a standard stream; an environment that differs from the warm process's in anything but what is
 read when used, not at import (`TFM_*`, inductor's cache folder, a distributed run's RANK,
@@ -148,6 +148,7 @@ def _run_child(request: dict, fds: list[int], context: dict) -> None:
         _signals_as_after_exec(request)
         for resource_id, value in request["limits"]:
             resource.setrlimit(resource_id, (value, value))
+        _drop_capabilities(request["capabilities"])
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         for fd in map(int, os.listdir("/proc/self/fd")):
@@ -221,18 +222,50 @@ def _signal_set(field: str) -> list[int]:
     return []
 
 
-def preexec(*, default_signals: tuple[int, ...] = (), limits: tuple[tuple[int, int], ...] = ()):
-    """A preexec_fn that a warm start applies too: `default_signals` set to SIG_DFL, and each
-    (resource.RLIMIT_*, value) of `limits` set as both its soft and hard limit."""
+def preexec(*, default_signals: tuple[int, ...] = (), limits: tuple[tuple[int, int], ...] = (),
+            drop_capabilities: tuple[int, ...] = ()):
+    """A preexec_fn that a warm start applies too: `default_signals` set to SIG_DFL, each
+    (resource.RLIMIT_*, value) of `limits` set as both its soft and hard limit, and the
+    capabilities `drop_capabilities` (numbers from linux/capability.h, under 32) dropped for good."""
     def apply() -> None:
         for signum in default_signals:
             signal.signal(signum, signal.SIG_DFL)
         for resource_id, value in limits:
             resource.setrlimit(resource_id, (value, value))
+        _drop_capabilities(drop_capabilities)
 
     apply.warm = {"default_signals": [int(s) for s in default_signals],  # type: ignore[attr-defined]
-                  "limits": [[int(r), int(v)] for r, v in limits]}
+                  "limits": [[int(r), int(v)] for r, v in limits], "capabilities": [int(c) for c in drop_capabilities]}
     return apply
+
+
+def _drop_capabilities(capabilities: tuple[int, ...] | list[int]) -> None:
+    """Drop `capabilities` from this process's bounding set (what an exec keeps) and from its
+    effective, permitted and inheritable sets (what it holds now, without an exec): both a command
+    started cold and one forked warm run without them."""
+    if not capabilities:
+        return
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Sets(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in capabilities:
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+    header, sets = Header(0x20080522, 0), (Sets * 2)()  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
+    if libc.capget(ctypes.byref(header), sets) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    keep = ~sum(1 << c for c in capabilities) & 0xFFFFFFFF
+    sets[0].effective &= keep
+    sets[0].permitted &= keep
+    sets[0].inheritable &= keep
+    if libc.capset(ctypes.byref(header), sets) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
 
 
 def _new_standard_streams() -> None:
@@ -393,7 +426,8 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
     script = _script_of(args, cwd)
     if script is None and (len(args) < 3 or args[0] != sys.executable or args[1] != "-m" or args[2] not in MODULES):
         return None
-    steps = getattr(preexec_fn, "warm", None) if preexec_fn is not None else {"default_signals": [], "limits": []}
+    steps = (getattr(preexec_fn, "warm", None) if preexec_fn is not None
+             else {"default_signals": [], "limits": [], "capabilities": []})
     if (shell or executable is not None or steps is None or pass_fds or gid is not None
             or gids is not None or uid is not None or umask != -1 or process_group not in (None, -1)):
         _why("cold: a Popen argument", args)
