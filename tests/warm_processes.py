@@ -11,20 +11,25 @@ sys.path) run as `__main__`, Python's own exit (threads joined, atexit, streams 
 KeyboardInterrupt dying of SIGINT), and the exit status the test reads through `subprocess.Popen`.
 `tfm train` on mimalloc (the default allocator, runtime/allocator.py) forks from a second warm
 process started on mimalloc, as `tfm train` starts itself again. A script's own `python -m
-transformer_cli` commands (bench_distill.py's exports and translations) fork from the same warm
-process as the script (`tfm train` on mimalloc among them starts cold). So does torchrun's agent
-(`python -m torch.distributed.run`); the ranks it starts itself start cold.
+transformer_cli` commands (bench_distill.py's exports and translations) and torchrun's agent
+(`python -m torch.distributed.run`) fork warm too, and so do the commands they start: the agent's
+ranks (`python -u -m transformer_cli train`, each on mimalloc) fork from the test process's warm
+processes, with torch's thread count set from the OMP_NUM_THREADS torchrun gives them.
 
 Signal dispositions are those an exec would leave (what the test process ignores stays ignored,
-Popen's restore_signals) and Python's start-up would set; a `preexec_fn` made by `preexec()` (signals
-to their default, resource limits, capabilities dropped) is applied in the child. Started cold as before: any other
-program; any other `preexec_fn`, `pass_fds`, another user, group, umask or process group; a terminal
-on a standard stream; an environment that differs from the warm process's in anything but what is
-read when used, not at import (`TFM_*`, inductor's cache folder, a distributed run's RANK,
-WORLD_SIZE, MASTER_ADDR...); and every command while coverage.py measures the run or where
-`TFM_TEST_WARM=0`. What still differs: /proc/<pid>/cmdline and environ show the warm process's, so
-does sys.flags (PYTHONUNBUFFERED makes the standard streams, as at start-up, but not
-sys.flags.unbuffered), and numpy's OpenBLAS starts its thread pool at first use, not at import.
+Popen's restore_signals) and Python's start-up would set; a `preexec_fn` made by `preexec()`
+(signals to their default, resource limits, capabilities dropped) is applied in the child. Started
+cold as before: any other program; any other `preexec_fn`, `pass_fds`, another user, group, umask or
+process group; a terminal on a standard stream; an environment that differs from the warm
+process's in anything but what is read when used, not at import (`TFM_*`, inductor's cache folder,
+a distributed run's RANK, WORLD_SIZE, MASTER_ADDR..., what torchrun tells its ranks) or remade in
+the child (PYTHONUNBUFFERED, a positive OMP_NUM_THREADS); and every command while coverage.py
+measures the run or where `TFM_TEST_WARM=0`. What still differs: /proc/<pid>/cmdline and environ
+show the warm process's, so does sys.flags (`-u` and PYTHONUNBUFFERED make the standard streams, as
+at start-up, but not sys.flags.unbuffered), OMP_NUM_THREADS sets torch's thread count but not
+OpenBLAS's (numpy's), which starts its thread pool at first use, not at import; a rank of torchrun
+is the child of the test process's warm process, not of the agent (which signals and waits for it
+by its PID, as it does a child).
 tests/test_warm_processes.py compares a warm and a cold `tfm translate`, and a script's run.
 """
 
@@ -45,14 +50,20 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ("transformer_cli", "transformer_cli.cli", "torch.distributed.run")  # torchrun's agent (its ranks start cold)
+TORCHRUN = "torch.distributed.run"  # torchrun's agent; it starts its ranks as `python -u -m transformer_cli ...`
+MODULES = ("transformer_cli", "transformer_cli.cli", TORCHRUN)
 SCRIPTS = ROOT / "scripts"  # `python scripts/<name>.py ...` is forked warm too: most import torch and tfm
 # Environment keys a command may set differently from its warm process: tfm reads them when used.
 RUNTIME_KEYS = ("TFM_",)
 RUNTIME_NAMES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
                  "PYTHONUNBUFFERED",  # the child makes its standard streams anew by it (sys.flags stay the warm one's)
-                 # a distributed run's, read by tfm and torch.distributed when a process group starts
-                 "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+                 # a distributed run's, read by tfm and torch.distributed when a process group starts, and
+                 # what torchrun tells its ranks (read by torch elastic when used)
+                 "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "LOCAL_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE",
+                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ENABLE_FILE_TIMER",
+                 "TORCHELASTIC_TIMER_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
 MESSAGE_LIMIT = 1 << 20
 
 
@@ -165,11 +176,20 @@ def _run_child(request: dict, fds: list[int], context: dict) -> None:
         sys.path[:] = [first, *context["launch_path"][1:]]
         sys.orig_argv = request["orig_argv"]
         tempfile.tempdir = None
-        _new_standard_streams()
-        if request["script"]:  # the script's own `python -m transformer_cli` commands fork from here too
-            _WARM["system"] = _Warm(context["env"], address=context["address"])
-            _WARM["mimalloc"] = _Warm(context["env"], failed=True)
+        _new_standard_streams(request["unbuffered"])
+        if request["warm_processes"] is not None:  # a script's or torchrun's own `python -m transformer_cli`
+            for kind in ("system", "mimalloc"):  # commands fork from the test process's warm processes too
+                given = request["warm_processes"].get(kind)
+                _WARM[kind] = _Warm(given[1], address=given[0]) if given else _Warm(context["env"], failed=True)
             install()
+        if request["threads"]:  # OMP_NUM_THREADS, read when torch was imported in the warm process
+            import torch
+
+            torch.set_num_threads(request["threads"])
+        if request["module"] == TORCHRUN:  # torch elastic starts its ranks with the Popen it imported by name
+            from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+            subprocess_handler.Popen = WarmPopen  # type: ignore[misc]
         if "numpy" in sys.modules:  # a new process seeds numpy's global generator anew
             sys.modules["numpy"].random.seed()
         import importlib
@@ -268,11 +288,11 @@ def _drop_capabilities(capabilities: tuple[int, ...] | list[int]) -> None:
         raise OSError(ctypes.get_errno(), "capset")
 
 
-def _new_standard_streams() -> None:
+def _new_standard_streams(unbuffered: bool) -> None:
     """sys.stdin/stdout/stderr over the new file descriptors 0–2, made as Python's start-up makes
-    them (its create_stdio: names, buffering, line buffering, errors)."""
+    them (its create_stdio: names, buffering, line buffering, errors); `unbuffered`: `python -u`."""
     encoding, errors = sys.stdout.encoding, sys.stdout.errors
-    buffered = not os.environ.get("PYTHONUNBUFFERED")  # the command's own (the warm process started without -u)
+    buffered = not (unbuffered or os.environ.get("PYTHONUNBUFFERED"))  # the command's (the warm process: no -u)
 
     def stream(fd: int, name: str, errors: str):
         if not _is_open(fd):
@@ -423,6 +443,9 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
     if isinstance(args, (str, bytes, os.PathLike)):
         return None
     args = [os.fsdecode(a) for a in args]
+    unbuffered = args[1:2] == ["-u"]  # (as torch elastic starts a rank)
+    if unbuffered:
+        args = [args[0], *args[2:]]
     script = _script_of(args, cwd)
     if script is None and (len(args) < 3 or args[0] != sys.executable or args[1] != "-m" or args[2] not in MODULES):
         return None
@@ -451,6 +474,10 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
             _WARM[kind] = _Warm(launch_env if kind == "system" else _on_mimalloc(launch_env) or launch_env)
         warm = _WARM[kind]
     changed = {k for k in set(env) | set(warm.env) if env.get(k) != warm.env.get(k)}
+    threads = env.get("OMP_NUM_THREADS", "")
+    threads_set = "OMP_NUM_THREADS" in changed and threads.isdigit() and int(threads) > 0
+    if threads_set:
+        changed.discard("OMP_NUM_THREADS")  # torch's thread count, set in the child (as torchrun sets it for ranks)
     read_at_import = sorted(k for k in changed if not k.startswith(RUNTIME_KEYS) and k not in RUNTIME_NAMES)
     if read_at_import:
         _why("cold: environment " + ",".join(read_at_import), args)
@@ -460,11 +487,24 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
     if not ready:
         _why("cold: no warm process", args)
         return None
+    siblings = _warm_processes(env) if script or module == TORCHRUN else None
     return {"warm": warm, "kind": kind, "module": module, "argv": argv, "cwd": cwd, "env": env,
+            "warm_processes": siblings, "threads": int(threads) if threads_set else None,
             "script": script, "new_session": bool(start_new_session),
-            "orig_argv": [sys.executable, *([script] if script else ["-m", module]), *argv],
+            "orig_argv": [sys.executable, *(["-u"] if unbuffered else []), *([script] if script else ["-m", module]),
+                          *argv], "unbuffered": unbuffered,
             "restore_signals": bool(restore_signals), "ignored": _signal_set("SigIgn"),
             "blocked": _signal_set("SigBlk"), **steps}
+
+
+def _warm_processes(env: dict[str, str]) -> dict[str, list]:
+    """kind → [address, launch environment] of this process's warm processes, the mimalloc one
+    started if it is not yet: what a script or torchrun's agent forks its own commands from."""
+    with _WARM_LOCK:
+        mimalloc = _on_mimalloc(dict(os.environ))
+        if "mimalloc" not in _WARM and mimalloc is not None:
+            _WARM["mimalloc"] = _Warm(mimalloc)
+        return {kind: [warm.address, warm.env] for kind, warm in _WARM.items() if warm.ready()}
 
 
 def _script_of(args: list[str], cwd) -> str | None:
