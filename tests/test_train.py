@@ -425,20 +425,14 @@ def test_hangup_saves_at_a_step_boundary_and_resume_is_exact(multi30k_2k, straig
     hangs the terminal up and sends SIGHUP. From then on every write to the terminal fails (EIO), and
     so does every write into a pipe whose reader went with it (`tfm train 2>&1 | tee log`: EPIPE),
     the progress bar's included. tfm must still save at a step boundary, exit 129, resume exactly."""
-    import fcntl
     import select
-    import termios
 
     tfm = [sys.executable, "-m", "transformer_cli.cli", "train", "--config"]
     stopped = signal_test_config(multi30k_2k, tmp_path / "stopped")
     master, terminal = os.openpty()
     reader, writer = os.pipe()
 
-    def own_the_terminal() -> None:  # as a login shell's job: a session whose controlling terminal it is
-        os.setsid()
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
-
+    own_the_terminal = preexec(default_signals=(signal.SIGHUP,), own_terminal=True)  # as a login shell's job
     proc = subprocess.Popen([*tfm, str(stopped)], stdin=terminal, stdout=terminal,
                             stderr=terminal if output == "terminal" else writer, preexec_fn=own_the_terminal)
     os.close(terminal)

@@ -162,6 +162,7 @@ def _run_child(request: dict, fds: list[int], context: dict) -> None:
         _drop_capabilities(request["capabilities"])
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
+        _own_terminal(request["own_terminal"])
         for fd in map(int, os.listdir("/proc/self/fd")):
             if fd > 2 and fd not in context["own_fds"]:
                 try:
@@ -243,20 +244,34 @@ def _signal_set(field: str) -> list[int]:
 
 
 def preexec(*, default_signals: tuple[int, ...] = (), limits: tuple[tuple[int, int], ...] = (),
-            drop_capabilities: tuple[int, ...] = ()):
+            drop_capabilities: tuple[int, ...] = (), own_terminal: bool = False):
     """A preexec_fn that a warm start applies too: `default_signals` set to SIG_DFL, each
-    (resource.RLIMIT_*, value) of `limits` set as both its soft and hard limit, and the
-    capabilities `drop_capabilities` (numbers from linux/capability.h, under 32) dropped for good."""
+    (resource.RLIMIT_*, value) of `limits` set as both its soft and hard limit, the capabilities
+    `drop_capabilities` (numbers from linux/capability.h, under 32) dropped for good, and with
+    `own_terminal` a new session whose controlling terminal is the one on standard input (a login
+    shell's job: the process the kernel sends SIGHUP when that terminal goes away)."""
     def apply() -> None:
         for signum in default_signals:
             signal.signal(signum, signal.SIG_DFL)
         for resource_id, value in limits:
             resource.setrlimit(resource_id, (value, value))
         _drop_capabilities(drop_capabilities)
+        _own_terminal(own_terminal)
 
     apply.warm = {"default_signals": [int(s) for s in default_signals],  # type: ignore[attr-defined]
-                  "limits": [[int(r), int(v)] for r, v in limits], "capabilities": [int(c) for c in drop_capabilities]}
+                  "limits": [[int(r), int(v)] for r, v in limits], "capabilities": [int(c) for c in drop_capabilities],
+                  "own_terminal": own_terminal}
     return apply
+
+
+def _own_terminal(own: bool) -> None:
+    if own:
+        import fcntl
+        import termios
+
+        if os.getsid(0) != os.getpid():
+            os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
 def _drop_capabilities(capabilities: tuple[int, ...] | list[int]) -> None:
@@ -450,12 +465,12 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
     if script is None and (len(args) < 3 or args[0] != sys.executable or args[1] != "-m" or args[2] not in MODULES):
         return None
     steps = (getattr(preexec_fn, "warm", None) if preexec_fn is not None
-             else {"default_signals": [], "limits": [], "capabilities": []})
+             else {"default_signals": [], "limits": [], "capabilities": [], "own_terminal": False})
     if (shell or executable is not None or steps is None or pass_fds or gid is not None
             or gids is not None or uid is not None or umask != -1 or process_group not in (None, -1)):
         _why("cold: a Popen argument", args)
         return None
-    if any(fd != -1 and os.isatty(fd) for fd in child_fds):
+    if not steps["own_terminal"] and any(fd != -1 and os.isatty(fd) for fd in child_fds):
         _why("cold: a terminal", args)
         return None
     env = {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
