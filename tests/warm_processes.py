@@ -20,7 +20,8 @@ Signal dispositions are those an exec would leave (what the test process ignores
 Popen's restore_signals) and Python's start-up would set; a `preexec_fn` made by `preexec()`
 (signals to their default, resource limits, capabilities dropped) is applied in the child. Started
 cold as before: any other program; any other `preexec_fn`, `pass_fds`, another user, group, umask or
-process group; a terminal on a standard stream; an environment that differs from the warm
+process group; a terminal on a standard stream (unless `preexec(own_terminal=True)` makes it the
+controlling one); an environment that differs from the warm
 process's in anything but what is read when used, not at import (`TFM_*`, inductor's cache folder,
 a distributed run's RANK, WORLD_SIZE, MASTER_ADDR..., what torchrun tells its ranks) or remade in
 the child (PYTHONUNBUFFERED, a positive OMP_NUM_THREADS); and every command while coverage.py
