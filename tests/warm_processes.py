@@ -266,6 +266,7 @@ def preexec(*, default_signals: tuple[int, ...] = (), limits: tuple[tuple[int, i
 
 
 def _own_terminal(own: bool) -> None:
+    """With `own`: a new session (unless this process leads one) whose controlling terminal is fd 0."""
     if own:
         import fcntl
         import termios
@@ -503,7 +504,7 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
     if not ready:
         _why("cold: no warm process", args)
         return None
-    siblings = _warm_processes(env) if script or module == TORCHRUN else None
+    siblings = _warm_processes() if script or module == TORCHRUN else None
     return {"warm": warm, "kind": kind, "module": module, "argv": argv, "cwd": cwd, "env": env,
             "warm_processes": siblings, "threads": int(threads) if threads_set else None,
             "script": script, "new_session": bool(start_new_session),
@@ -513,7 +514,7 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
             "blocked": _signal_set("SigBlk"), **steps}
 
 
-def _warm_processes(env: dict[str, str]) -> dict[str, list]:
+def _warm_processes() -> dict[str, list]:
     """kind → [address, launch environment] of this process's warm processes, the mimalloc one
     started if it is not yet: what a script or torchrun's agent forks its own commands from."""
     with _WARM_LOCK:
