@@ -121,3 +121,32 @@ def test_a_script_of_scripts_runs_warm_as_python_runs_it_cold(monkeypatch, tmp_p
     elsewhere.write_text("import sys\nprint(sys.path[0])\n")
     assert subprocess.run([sys.executable, str(elsewhere)], capture_output=True, text=True).stdout.strip() == str(tmp_path)
     assert [json.loads(line)[0] for line in log.read_text().splitlines()] == ["warm: system"] * 2
+
+
+def test_the_cpu_report_adds_each_forked_command_to_the_test_that_started_it(tmp_path, monkeypatch):
+    """tests/cpu_per_test.py: a test's seconds are its own plus those of the commands a warm process
+    forked for it (recorded there, as no child of the test); files and tests ranked by their sum."""
+    from tests import cpu_per_test
+
+    monkeypatch.setenv(cpu_per_test.FOLDER, str(tmp_path))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    forked = usage.ru_utime + usage.ru_stime
+    warm_processes._record_cpu(["tests/test_b.py::test_two (call)", "transformer_cli", "train", "--config", "c.yaml"],
+                               usage)
+    rows = [["tests/test_a.py::test_one", 2.0, 2.5], ["tests/test_b.py::test_two", 0.5, 1.0]]
+    (tmp_path / "tests-gw0.json").write_text(json.dumps(rows))
+
+    lines: list[str] = []
+
+    class Terminal:  # what the plugin writes with: pytest's terminal reporter's write_line
+        def write_line(self, line: str) -> None:
+            lines.append(line)
+
+    class Config:
+        _tfm_cpu_report = True
+
+    cpu_per_test.pytest_terminal_summary(Terminal(), Config())
+    shown = {line.split()[-1]: float(line.split()[0]) for line in lines[1:] if "::" in line or ".py" in line}
+    assert shown["tests/test_b.py::test_two"] == pytest.approx(0.5 + forked, abs=0.05)  # (shown to 0.1 s)
+    assert shown["tests/test_a.py"] == 2.0 and shown["tests/test_b.py"] == pytest.approx(0.5 + forked, abs=0.05)
+    assert lines[0].startswith(f"CPU seconds in tests: {2.5 + forked:.0f} ({forked:.0f} of them in forked")

@@ -116,15 +116,25 @@ def serve() -> None:
                 connection, _ = listener.accept()
                 _start_child(connection, selector, context)
             else:
-                pid, connection = key.data
+                pid, connection, command = key.data
                 selector.unregister(key.fd)
                 os.close(key.fd)
-                _, status = os.waitpid(pid, 0)
+                _, status, usage = os.wait4(pid, 0)
+                _record_cpu(command, usage)
                 try:
                     connection.send(str(status).encode())
                 except OSError:
                     pass  # the test no longer waits
                 connection.close()
+
+
+def _record_cpu(command: list[str], usage) -> None:
+    """With TFM_TEST_CPU_DIR (tests/cpu_per_test.py): a JSON line per command forked here, its test,
+    module or script, arguments and CPU seconds (its own and its waited-for children's)."""
+    folder = os.environ.get("TFM_TEST_CPU_DIR")
+    if folder:
+        with open(os.path.join(folder, f"warm-{os.getpid()}.jsonl"), "a") as log:
+            log.write(json.dumps([*command[:2], command[2:5], usage.ru_utime + usage.ru_stime]) + "\n")
 
 
 def _is_open(fd: int) -> bool:
@@ -148,7 +158,8 @@ def _start_child(connection: socket.socket, selector: selectors.BaseSelector, co
     for fd in fds:
         os.close(fd)
     pidfd = os.pidfd_open(pid)
-    selector.register(pidfd, selectors.EVENT_READ, (pid, connection))
+    command = [request["env"].get("PYTEST_CURRENT_TEST", ""), request["module"] or request["script"], *request["argv"]]
+    selector.register(pidfd, selectors.EVENT_READ, (pid, connection, command))
     connection.send(str(pid).encode())
 
 
