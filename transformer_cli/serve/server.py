@@ -486,7 +486,7 @@ class Shutdown:
     second signal cuts at once (`Terminated`, raised on the main thread between two steps)."""
 
     def __init__(self, server: Any, endpoints: Endpoints, grace: float = SHUTDOWN_GRACE):
-        self.server, self.endpoints, self.seconds = server, endpoints, grace
+        self.server, self.endpoints, self.grace_seconds = server, endpoints, grace
         self.hangup = getattr(signal, "SIGHUP", None)
         self.terminal_outputs = outputs_a_hangup_takes()
         self.grace: list[threading.Timer] = []
@@ -499,7 +499,7 @@ class Shutdown:
             raise Terminated(signum)
         self.server.should_exit = True
         if not self.grace:  # a decoding that outlasts the grace is stopped: its requests get 503
-            self.grace.append(threading.Timer(self.seconds, self.cut_decoding))
+            self.grace.append(threading.Timer(self.grace_seconds, self.cut_decoding))
             self.grace[0].daemon = True
             self.grace[0].start()
 
