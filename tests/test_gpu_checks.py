@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tfm_in_process, threads_per_test_process, tiny_run
+from tests.warm_processes import tfm_in_scripts
 from transformer_cli.experiment.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,10 +160,11 @@ def test_the_table_reads_what_tfm_train_and_evaluate_print(tiny_prepared, tmp_pa
     config = tiny_run(tiny_prepared, tmp_path, max_steps=20, log_every=5)
     trained = tfm_in_process("train", "--config", config)  # what `tfm train` prints, without a process's start-up
     assert trained.exit_code == 0, trained.stderr
-    shell = f"tfm() {{ {shlex.quote(sys.executable)} -m transformer_cli \"$@\"; }}\n{script_function('evaluate_at')}\n"
+    shell = f"{script_function('evaluate_at')}\n"
+    env = tfm_in_scripts(tmp_path / "bin")  # this Python's `tfm`, its commands forked from the warm processes
     evaluated = subprocess.run(["bash", "-c", shell + f"evaluate_at {config} {tmp_path / 'run'} test && "
                                 f"evaluate_at {config} {tmp_path / 'run'} test 0.0"],
-                               capture_output=True, text=True, cwd=ROOT, timeout=300)
+                               capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert evaluated.returncode == 0, evaluated.stderr
     bleus = [float(b) for b in re.findall(r"^BLEU = ([0-9.]+)", evaluated.stdout, flags=re.MULTILINE)]
     assert len(bleus) == 2
@@ -188,7 +190,7 @@ def test_the_table_reads_what_tfm_train_and_evaluate_print(tiny_prepared, tmp_pa
     assert variant[1].startswith(f"{bleus[0]:.2f} (") and "20 steps" in variant[1] and variant[2:] == ("", "")
     # the penalty reaches the config: one it refuses fails the call, naming the key
     refused = subprocess.run(["bash", "-c", shell + f"evaluate_at {config} {tmp_path / 'run'} test 11"],
-                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+                             capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     assert refused.returncode == 2 and "decode.length_penalty" in refused.stderr, refused.stderr
 
 

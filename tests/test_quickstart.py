@@ -3,22 +3,21 @@ every step's options must be accepted by the command they go to."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.warm_processes import tfm_in_scripts
 
 
 @pytest.mark.slow
 def test_quickstart_prepares_trains_translates_and_evaluates(tmp_path):
     run = tmp_path / "quickstart"
-    env = {**os.environ, "TIME": "15s", "RUN_DIR": str(run),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # this Python's tfm
+    # the script's `tfm` is this Python's, its commands forked from the test process's warm processes
+    env = {**tfm_in_scripts(tmp_path / "bin"), "TIME": "15s", "RUN_DIR": str(run)}
     result = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env, capture_output=True,
                             text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -12,7 +12,7 @@ import sacrebleu
 import torch
 
 from tests.conftest import tfm_in_process
-from tests.warm_processes import preexec
+from tests.warm_processes import preexec, tfm_in_scripts
 from transformer_cli.decoding.search import beam_search, beam_top_k, greedy_search, log_probs, logits_buffer, top_k
 from transformer_cli.decoding.torch_engine import Translator
 from transformer_cli.decoding.translation import balanced_batches, format_nbest, length_sorted_batches
@@ -314,9 +314,9 @@ def test_closed_pipe_downstream_exits_quietly(reverse_model, translator, tmp_pat
     _, summary = reverse_model
     big = tmp_path / "big.txt"
     big.write_text(f"{IN_DOMAIN[0]}\n" * 3000)
-    cmd = (f"{sys.executable} -m transformer_cli.cli translate --checkpoint {summary.best_checkpoint} "
-           f"--beam 1 --set decode.precision=fp32 < {big} | head -n 1")
-    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
+    cmd = f"tfm translate --checkpoint {summary.best_checkpoint} --beam 1 --set decode.precision=fp32 < {big} | head -n 1"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120,
+                          env=tfm_in_scripts(tmp_path / "bin"))
     assert proc.stdout == own_translation(translator, IN_DOMAIN[0], 1) + "\n"
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr

@@ -64,7 +64,10 @@ RUNTIME_NAMES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCT
                  "LOCAL_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_ERROR_FILE",
                  "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
                  "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ENABLE_FILE_TIMER",
-                 "TORCHELASTIC_TIMER_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+                 "TORCHELASTIC_TIMER_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE",
+                 # a shell's own (a script's `tfm`, tfm_in_scripts): the command search path and the
+                 # shell's bookkeeping, read when a program is started; scripts/quickstart.sh's settings
+                 "PATH", "PWD", "OLDPWD", "SHLVL", "_", "TIME", "RUN_DIR", "SIZE"}
 MESSAGE_LIMIT = 1 << 20
 
 
@@ -191,10 +194,7 @@ def _run_child(request: dict, fds: list[int], context: dict) -> None:
         tempfile.tempdir = None
         _new_standard_streams(request["unbuffered"])
         if request["warm_processes"] is not None:  # a script's or torchrun's own `python -m transformer_cli`
-            for kind in ("system", "mimalloc"):  # commands fork from the test process's warm processes too
-                given = request["warm_processes"].get(kind)
-                _WARM[kind] = _Warm(given[1], address=given[0]) if given else _Warm(context["env"], failed=True)
-            install()
+            _adopt(request["warm_processes"], context["env"])  # commands fork from the test process's warm processes too
         if request["threads"]:  # OMP_NUM_THREADS, read when torch was imported in the warm process
             import torch
 
@@ -526,13 +526,67 @@ def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_f
 
 
 def _warm_processes() -> dict[str, list]:
-    """kind → [address, launch environment] of this process's warm processes, the mimalloc one
-    started if it is not yet: what a script or torchrun's agent forks its own commands from."""
+    """kind → [address, launch environment] of this process's warm processes, each started if it is
+    not yet: what a script, torchrun's agent or a shell script's `tfm` forks its own commands from."""
     with _WARM_LOCK:
+        if "system" not in _WARM:
+            _WARM["system"] = _Warm(dict(os.environ))
         mimalloc = _on_mimalloc(dict(os.environ))
         if "mimalloc" not in _WARM and mimalloc is not None:
             _WARM["mimalloc"] = _Warm(mimalloc)
         return {kind: [warm.address, warm.env] for kind, warm in _WARM.items() if warm.ready()}
+
+
+def _adopt(siblings: dict[str, list], env: dict[str, str]) -> None:
+    """Fork this process's `python -m transformer_cli` commands from the warm processes `siblings`
+    (`_warm_processes()` of a test process); a kind it lacks starts cold."""
+    for kind in ("system", "mimalloc"):
+        given = siblings.get(kind)
+        _WARM[kind] = _Warm(given[1], address=given[0]) if given else _Warm(env, failed=True)
+    install()
+
+
+# --------------------------------------------------------------------------- `tfm` in a shell script
+
+SHELL_KEY = "TFM_TEST_WARM_PROCESSES"  # the shim's warm processes, as JSON; the command never sees it
+SHIM = """#!{python}
+# `tfm` for a test's shell script (tests/warm_processes.py, tfm_in_scripts): the command forked warm.
+import sys
+sys.path.insert(0, {root!r})
+from tests.warm_processes import run_as_tfm
+sys.exit(run_as_tfm(sys.argv[1:]))
+"""
+
+
+def tfm_in_scripts(bin_dir: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (this process's by default) for a shell script whose `tfm` commands fork from this test
+    process's warm processes: a `tfm` in `bin_dir`, first on PATH, runs `python -m transformer_cli`
+    through WarmPopen and ends as its command ends (exit status, or the signal that ended it). Where
+    commands start cold (TFM_TEST_WARM=0, coverage), PATH leads to this Python's own `tfm` script."""
+    env = dict(os.environ if env is None else env)
+    python_bin = str(Path(sys.executable).parent)
+    if os.environ.get("TFM_TEST_WARM", "1") == "0" or _coverage_running():
+        return {**env, "PATH": f"{python_bin}{os.pathsep}{env.get('PATH', '')}"}
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    shim = bin_dir / "tfm"
+    shim.write_text(SHIM.format(python=sys.executable, root=str(ROOT)))
+    shim.chmod(0o755)
+    return {**env, SHELL_KEY: json.dumps(_warm_processes()),
+            "PATH": f"{bin_dir}{os.pathsep}{python_bin}{os.pathsep}{env.get('PATH', '')}"}
+
+
+def run_as_tfm(argv: list[str]) -> int:
+    """The shim's body: `tfm argv` forked warm (or started cold where it cannot be), the signals a
+    shell sends the shim passed on to it; returns its exit status, or dies of the signal it died of."""
+    _adopt(json.loads(os.environ.pop(SHELL_KEY, "{}")), dict(os.environ))
+    child = subprocess.Popen([sys.executable, "-m", "transformer_cli", *argv])
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, lambda number, _frame: child.send_signal(number))
+    code = child.wait()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
 
 
 def _script_of(args: list[str], cwd) -> str | None:
