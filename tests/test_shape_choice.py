@@ -302,7 +302,8 @@ def test_a_new_auto_run_over_a_trained_one_is_refused_before_the_probe(tiny_prep
 
 
 @pytest.mark.slow
-def test_a_budget_the_probe_uses_up_is_a_one_line_error_that_leaves_no_checkpoint(tiny_prepared, tmp_path):
+def test_a_budget_the_probe_uses_up_is_a_one_line_error_that_leaves_no_checkpoint(tiny_prepared, tmp_path,
+                                                                                     monkeypatch):
     """train.max_time at or under the probe's own seconds: no step could be trained (the run once
     ended at 0 steps, exit 0, and left an untrained checkpoint_last.pt for translate)."""
     raw = auto_config(tiny_prepared, tmp_path, max_steps=4, eval_every=4, max_time=0.2)
@@ -315,7 +316,8 @@ def test_a_budget_the_probe_uses_up_is_a_one_line_error_that_leaves_no_checkpoin
     assert "Traceback" not in result.stderr
     checkpoints = tmp_path / "run" / "checkpoints"
     assert not checkpoints.exists() or not list(checkpoints.glob("*.pt"))
-    raw["train"]["max_time"] = 600  # a budget that holds: the same run trains (it probes again)
+    raw["train"]["max_time"] = 600  # a budget that holds: the same run trains (it probes again,
+    monkeypatch.setattr(shape_choice, "PROBE_SHARE", 0.0005)  # the first shape only: 0.3 s of the 600)
     config_file.write_text(json.dumps(raw))
     trained = tfm_in_process("train", "--config", config_file)
     assert trained.exit_code == 0 and "done (max_steps=4)" in trained.stderr, trained.stderr
