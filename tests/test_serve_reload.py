@@ -103,10 +103,10 @@ def test_a_reload_under_load_loses_no_request_and_a_bad_checkpoint_keeps_the_mod
     try:
         for thread in clients:
             thread.start()
-        time.sleep(1.0)
+        time.sleep(0.5)  # requests answered by the first model (dozens)
         replace(served, other)
         swapped = signal_reload(server, "ok", {"ok": 0.0, "failed": 0.0})
-        time.sleep(1.0)
+        time.sleep(0.5)  # ... and by the second
     finally:
         stop.set()
         for thread in clients:
