@@ -14,7 +14,9 @@ process started on mimalloc, as `tfm train` starts itself again. A script's own 
 transformer_cli` commands (bench_distill.py's exports and translations) and torchrun's agent
 (`python -m torch.distributed.run`) fork warm too, and so do the commands they start: the agent's
 ranks (`python -u -m transformer_cli train`, each on mimalloc) fork from the test process's warm
-processes, with torch's thread count set from the OMP_NUM_THREADS torchrun gives them.
+processes, with torch's thread count set from the OMP_NUM_THREADS torchrun gives them. A shell
+script's `tfm` (`tfm_in_scripts`: scripts/quickstart.sh, `tfm translate ... | head`) is a small
+program first on PATH that forks `python -m transformer_cli` the same way.
 
 Signal dispositions are those an exec would leave (what the test process ignores stays ignored,
 Popen's restore_signals) and Python's start-up would set; a `preexec_fn` made by `preexec()`
