@@ -32,7 +32,7 @@ from ..experiment.runlock import RunLock
 from ..model.kernels import compile_for_training
 from ..model.transformer import Transformer
 from ..runtime.allocator import loaded_allocator
-from ..runtime.console import TrainingConsole
+from ..runtime.console import TrainingConsole, warn
 from ..runtime.cpu import keep_freed_memory, release_freed_memory
 from ..runtime.devices import describe_machine, is_out_of_memory, resolve_device
 from ..runtime.errors import Interrupted, TfmError
@@ -574,15 +574,19 @@ def probe_shapes(config: ExperimentConfig, world: World, device: torch.device,
 @contextlib.contextmanager
 def run_lock(world: World, device: torch.device, run_dir: Path) -> Iterator[None]:
     """The run directory's lock, held by rank 0 (the only writer). Every process learns at once
-    whether rank 0 got it: rank 0 reports a busy directory, the others stop quietly with it."""
+    whether rank 0 got it: rank 0 reports a busy directory, the others stop quietly with it. Of
+    several processes, rank 0 says so before the others learn it: once one has stopped, torchrun
+    ends the rest, and the line would be lost if rank 0 were ended before it had written it."""
     lock, refused = RunLock(run_dir, "tfm train") if world.rank == 0 else None, None
     if lock is not None:
         try:
             lock.__enter__()
         except TfmError as exc:
             lock, refused = None, exc
+            if world.enabled:
+                warn(f"error: {exc}")
     if all_max(int(refused is not None), world, device):
-        raise refused if refused is not None else Interrupted("", 2)
+        raise refused if refused is not None and not world.enabled else Interrupted("", 2)
     try:
         yield
     finally:
