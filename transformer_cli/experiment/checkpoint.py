@@ -43,12 +43,14 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
     atomic_write_bytes(path, buffer.getbuffer())
 
 
-def model_payload(model: Transformer, config: ExperimentConfig, spm_files: dict[str, bytes], progress: dict,
-                  **extra: Any) -> dict[str, Any]:
+def model_payload(model: Transformer, config: ExperimentConfig | dict[str, Any], spm_files: dict[str, bytes],
+                  progress: dict, **extra: Any) -> dict[str, Any]:
     """What every checkpoint holds — the one place it is written: weights, the model's and the
-    run's configs, progress, both sentencepiece models (`spm_files`: side → the model file's bytes),
-    and `extra` keys (`data_digest`: the prepared data it learnt from; `imported_from`, `averaged`…)."""
-    return {"model": model.state_dict(), "model_config": asdict(model.cfg), "config": config.model_dump(mode="json"),
+    run's configs (`config`, or its `model_dump(mode="json")` made already), progress, both
+    sentencepiece models (`spm_files`: side → the model file's bytes), and `extra` keys
+    (`data_digest`: the prepared data it learnt from; `imported_from`, `averaged`…)."""
+    written = config if isinstance(config, dict) else config.model_dump(mode="json")
+    return {"model": model.state_dict(), "model_config": asdict(model.cfg), "config": written,
             "progress": progress, "spm_src": bytes_to_tensor(spm_files["src"]),
             "spm_tgt": bytes_to_tensor(spm_files["tgt"]), **extra}
 

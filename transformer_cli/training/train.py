@@ -216,6 +216,9 @@ class Trainer:
         self.console = TrainingConsole(self.writer, progress_bar, self._console_lost)
         self.manifest = self.run_dir.load_manifest()
         self.spm_files = {side: self.run_dir.vocab_file(self.manifest, side).read_bytes() for side in ("src", "tgt")}
+        # What each checkpoint holds of the config, made once: a second signal while saving raises
+        # KeyboardInterrupt wherever it lands, and inside pydantic's serializer it became another error.
+        self.config_json = config.model_dump(mode="json")
         check_run_directory(self.run_dir, config, self.manifest, resume)
         torch.manual_seed(self.train_cfg.seed)
         if self.train_cfg.threads:
@@ -477,7 +480,7 @@ class Trainer:
         """A checkpoint to translate with; it names the prepared data it learnt from (--resume
         refuses a run prepared again since)."""
         digest = {"data_digest": self.manifest["data_digest"]} if "data_digest" in self.manifest else {}
-        return model_payload(model, self.config, self.spm_files, asdict(self.progress), **digest)
+        return model_payload(model, self.config_json, self.spm_files, asdict(self.progress), **digest)
 
     def training_state(self, rng_states: list[torch.Tensor]) -> dict:
         return training_payload(self.weights_payload(self.model), self.optimizer, rng_states,
