@@ -170,7 +170,7 @@ def test_end_to_end_cli_tiny_config_valid_loss_falls(multi30k_2k, tmp_path):
     main job runs them as real processes in test_quickstart.py)."""
     sets = [f"--set=run_dir={tmp_path / 'run'}", f"--set=data.train={multi30k_2k / 'train'}",
             f"--set=data.valid={multi30k_2k / 'val'}", f"--set=data.test={multi30k_2k / 'test_2016_flickr'}",
-            "--set=train.max_steps=150", "--set=train.eval_every=50", "--set=train.eval_bleu_sentences=20"]
+            "--set=train.max_steps=100", "--set=train.eval_every=25", "--set=train.eval_bleu_sentences=20"]
     config = str(ROOT / "configs" / "tiny.yaml")
     prep = tfm_in_process("prepare", "--config", config, *sets)
     assert prep.exit_code == 0, prep.stderr
@@ -179,10 +179,10 @@ def test_end_to_end_cli_tiny_config_valid_loss_falls(multi30k_2k, tmp_path):
     assert "reused" in again.stdout
     run = tfm_in_process("train", "--config", config, *sets)
     assert run.exit_code == 0, run.stderr
-    assert "done (max_steps=150)" in run.stderr
+    assert "done (max_steps=100)" in run.stderr
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     valid = [r["loss"] for r in records if r["kind"] == "valid"]
-    assert len(valid) == 3 and valid[-1] < valid[0] - 0.5
+    assert len(valid) == 4 and valid[-1] < valid[0] - 0.5  # 6.04 → 5.16 (fp32, bf16, AVX2)
     assert (tmp_path / "run" / "checkpoints" / "checkpoint_best.pt").is_file()
     assert (tmp_path / "run" / "config.yaml").is_file()
     train_records = [r for r in records if r["kind"] == "train"]
