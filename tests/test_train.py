@@ -274,7 +274,7 @@ def test_the_compiled_chunk_loss_equals_the_eager_one():
     projection, hidden, loss_with_gradients = fp32_case
     with torch.no_grad():  # another compiled graph: the loss of a compiled fp32 run's validation
         loss, _ = output_layer_loss(hidden, projection, target, 0.1, chunk_rows=64, chunk_loss=compiled)
-    assert loss.grad_fn is None and loss.item() == pytest.approx(loss_with_gradients.item(), rel=1e-6)
+    assert loss.grad_fn is None and loss.item() == pytest.approx(loss_with_gradients.item(), rel=1e-5)
 
 
 def test_loss_without_gradients_computes_none():
