@@ -140,6 +140,11 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())))
 
 
+def pytest_collection_finish(session):
+    if not any(item.get_closest_marker("slow") for item in session.items):
+        warm_processes.cold_for_a_fast_run()  # the fast tier's few commands are cheaper cold
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_measurement_cache(tmp_path_factory):
     """The bf16 speed measurement (precision.measure_bf16_speedup) is cached here, not in ~/.cache:

@@ -27,7 +27,8 @@ controlling one); an environment that differs from the warm
 process's in anything but what is read when used, not at import (`TFM_*`, inductor's cache folder,
 a distributed run's RANK, WORLD_SIZE, MASTER_ADDR..., what torchrun tells its ranks) or remade in
 the child (PYTHONUNBUFFERED, a positive OMP_NUM_THREADS); and every command while coverage.py
-measures the run or where `TFM_TEST_WARM=0`. What still differs: /proc/<pid>/cmdline and environ
+measures the run, where `TFM_TEST_WARM=0`, and in a run of fast tests only (a warm process's
+start costs more than their few commands save). What still differs: /proc/<pid>/cmdline and environ
 show the warm process's, so does sys.flags (`-u` and PYTHONUNBUFFERED make the standard streams, as
 at start-up, but not sys.flags.unbuffered), OMP_NUM_THREADS sets torch's thread count but not
 OpenBLAS's (numpy's), which starts its thread pool at first use, not at import; a rank of torchrun
@@ -432,6 +433,7 @@ class _Warm:
 _COLD_POPEN = subprocess.Popen
 _WARM: dict[str, _Warm] = {}
 _WARM_LOCK = threading.Lock()
+_FAST_RUN = False
 
 
 def _on_mimalloc(env: dict[str, str]) -> dict[str, str] | None:
@@ -465,7 +467,7 @@ def _train_allocator(arguments: list[str], cwd: str) -> str:
 
 def _plan(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest, child_fds) -> dict | None:
     """The request to fork this command warm, or None where it must start cold."""
-    if os.environ.get("TFM_TEST_WARM", "1") == "0" or _coverage_running() or len(rest) != 7:
+    if _cold_only() or len(rest) != 7:
         return None
     import transformer_cli  # noqa: F401  (sets its oneDNN setting in this process's environment first)
 
@@ -567,7 +569,7 @@ def tfm_in_scripts(bin_dir: Path, env: dict[str, str] | None = None) -> dict[str
     commands start cold (TFM_TEST_WARM=0, coverage), PATH leads to this Python's own `tfm` script."""
     env = dict(os.environ if env is None else env)
     python_bin = str(Path(sys.executable).parent)
-    if os.environ.get("TFM_TEST_WARM", "1") == "0" or _coverage_running():
+    if _cold_only():
         return {**env, "PATH": f"{python_bin}{os.pathsep}{env.get('PATH', '')}"}
     bin_dir.mkdir(parents=True, exist_ok=True)
     shim = bin_dir / "tfm"
@@ -607,6 +609,18 @@ def _why(how: str, args: list[str]) -> None:
         with open(log, "a") as file:
             command = [os.fsdecode(a) for a in (args[3:] if args[1:2] == ["-m"] else args[1:])]
             file.write(json.dumps([how, os.environ.get("PYTEST_CURRENT_TEST", ""), command]) + "\n")
+
+
+def _cold_only() -> bool:
+    """Every command starts cold: TFM_TEST_WARM=0, coverage.py measuring, or a run of fast tests only."""
+    return os.environ.get("TFM_TEST_WARM", "1") == "0" or _coverage_running() or _FAST_RUN
+
+
+def cold_for_a_fast_run() -> None:
+    """A run of fast tests only (`-m "not slow"`) starts a few cheap commands: a warm process's start
+    (~5 s of CPU: torch and every tfm module) costs more than they would cold (~0.1 s each)."""
+    global _FAST_RUN
+    _FAST_RUN = True
 
 
 def _coverage_running() -> bool:
