@@ -7,6 +7,7 @@ Corpus data is never read from a hard-coded path: the same script users run find
 from __future__ import annotations
 
 import fcntl
+import gc
 import gzip
 import json
 import os
@@ -141,6 +142,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
+    # The test modules and what they imported (torch, tfm, hypothesis) live for the whole run: in the
+    # permanent generation, the run's garbage collections skip them.
+    gc.freeze()
     if not any(item.get_closest_marker("slow") for item in session.items):
         warm_processes.cold_for_a_fast_run()  # the fast tier's few commands are cheaper cold
 

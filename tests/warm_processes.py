@@ -40,6 +40,7 @@ tests/test_warm_processes.py compares a warm and a cold `tfm translate`, and a s
 from __future__ import annotations
 
 import atexit
+import gc
 import io
 import json
 import os
@@ -101,6 +102,9 @@ def serve() -> None:
         return
     own_fds = {int(fd) for fd in os.listdir("/proc/self/fd")} - {0, 1, 2}
     own_fds = {fd for fd in own_fds if _is_open(fd)}
+    # What the imports made lives as long as the process: in the permanent generation, the children's
+    # garbage collections skip it (and so leave its pages shared with this process instead of copying them).
+    gc.freeze()
     address = os.path.join(tempfile.mkdtemp(prefix="tfm-warm-"), "socket")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(address)
