@@ -87,12 +87,13 @@ def _rank_main(rank: int, world_size: int, port: int, raw: dict, log_dir: str) -
 def start_ranks(rank_main, *args) -> None:
     """Two ranks running `rank_main(rank, 2, port, *args)`, joined; an exception in a rank is raised
     here. They fork from multiprocessing's fork server, which imported this module (torch, tfm's
-    training) once per test process: a spawned rank spent ~2.5 s of CPU importing them. (Not forked
+    training) and torch's compiler (which the optimizer and torch.distributed's calls import at first
+    use) once per test process: a spawned rank spent ~2.5 s of CPU importing them. (Not forked
     from the test process itself: objects of earlier tests there, a CTranslate2 translator whose
     threads a fork does not copy, hung a rank that freed one.)"""
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload([__name__])
+    multiprocessing.set_forkserver_preload([__name__, "torch._dynamo"])
     mp.start_processes(rank_main, args=(2, free_port(), *args), nprocs=2, join=True, start_method="forkserver")
 
 
