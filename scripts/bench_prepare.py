@@ -114,7 +114,9 @@ def filter_model_sets(workdir: Path, multi30k: Path) -> list[str]:
         config = ["--config", str(ROOT / "configs" / "tiny.yaml"), f"--set=run_dir={run}",
                   f"--set=data.src_lang={src}", f"--set=data.tgt_lang={tgt}", f"--set=data.train={multi30k}/train",
                   f"--set=data.valid={multi30k}/val", f"--set=data.test={multi30k}/test_2016_flickr"]
-        if not (run / "checkpoints" / "checkpoint_best.pt").is_file():
+        if (run / "checkpoints" / "checkpoint_last.pt").is_file():
+            tfm("train", *config, "--resume")  # a run killed part-way finishes; a finished one does nothing
+        else:
             tfm("prepare", *config, "--force")
             tfm("train", *config)
         sets.append(f"data.filters.model.{key}={run}")
