@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import pickle
 import random
 import re
@@ -173,9 +174,21 @@ def test_the_model_filter_drops_misaligned_and_partly_aligned_pairs_at_threshold
     assert "dropped: partly_aligned" in result.cleaning.table()
 
 
+def int8_products_saturate() -> bool:
+    """CTranslate2's int8 products on this CPU go through oneDNN's u8·s8 kernels without VNNI, whose
+    16-bit partial sums saturate (an AVX2-only CPU, an AVX-512 one before Cascade Lake, or a cap)."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in {"SSE41", "AVX", "AVX2", "AVX512_CORE"}:
+        return True
+    flags = {flag for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+             for flag in line.split(":", 1)[1].split()}
+    return not flags & {"avx512_vnni", "avx_vnni"}
+
+
 def test_ctranslate2_scores_as_tfms_engine_does(reverse_model, noisy_reverse):
     """CTranslate2's score_batch on the checkpoint's conversion gives tfm's log-probabilities: the
-    same at float32, within int8's rounding at int8 (what `engine: auto` scores with on a CPU)."""
+    same at float32, within int8's rounding at int8 (what `engine: auto` scores with on a CPU).
+    Without VNNI that rounding is coarser (saturated sums): on the reverse model ~2% of the scores'
+    range on average and ~7% at most under ONEDNN_MAX_CPU_ISA=AVX2, ~0.1% / 0.4% with VNNI."""
     from transformer_cli.data.model_filter import CT2Scorer, ModelFilter, checkpoint_of
 
     config, _ = reverse_model
@@ -197,7 +210,11 @@ def test_ctranslate2_scores_as_tfms_engine_does(reverse_model, noisy_reverse):
         assert scores.src_pieces.tolist() == expected.src_pieces.tolist()
         assert scores.tgt_pieces.tolist() == expected.tgt_pieces.tolist()
     assert at_float32.misalignment == pytest.approx(expected.misalignment, abs=1e-4)
-    assert np.abs(at_int8.misalignment - expected.misalignment).max() < 0.05 * np.ptp(expected.misalignment)
+    error, scale = np.abs(at_int8.misalignment - expected.misalignment), np.ptp(expected.misalignment)
+    if int8_products_saturate():
+        assert error.mean() < 0.03 * scale and error.max() < 0.10 * scale, (error.mean() / scale, error.max() / scale)
+    else:
+        assert error.max() < 0.05 * scale, error.max() / scale
     assert np.corrcoef(at_int8.misalignment, expected.misalignment)[0, 1] > 0.99
 
 
