@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from transformer_cli.runtime.cpu import cpu_flags, cpu_model_name  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
 from transformer_cli.runtime.files import check_output  # noqa: E402
@@ -50,18 +50,9 @@ ISA_FLAG = {"avx512": "avx512f", "avx2": "avx2"}  # the /proc/cpuinfo flag a CPU
 
 def cpu() -> tuple[str, str]:
     """The CPU's model name and its bf16-relevant instruction sets ("avx2" … "amx_bf16")."""
-    name, flags = platform.processor() or "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
+    flags = cpu_flags()
     shown = [f for f in ("avx2", "avx512f", *BF16_FLAGS) if f in flags]
-    return name, " ".join(shown) or "no AVX2"
+    return cpu_model_name(), " ".join(shown) or "no AVX2"
 
 
 def read_row(run: Path, command: str, isa_cap: str | None = None) -> str:

@@ -179,9 +179,9 @@ def int8_products_saturate() -> bool:
     16-bit partial sums saturate (an AVX2-only CPU, an AVX-512 one before Cascade Lake, or a cap)."""
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in {"SSE41", "AVX", "AVX2", "AVX512_CORE"}:
         return True
-    flags = {flag for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-             for flag in line.split(":", 1)[1].split()}
-    return not flags & {"avx512_vnni", "avx_vnni"}
+    from transformer_cli.runtime.cpu import cpu_flags
+
+    return not cpu_flags() & {"avx512_vnni", "avx_vnni"}
 
 
 def test_ctranslate2_scores_as_tfms_engine_does(reverse_model, noisy_reverse):

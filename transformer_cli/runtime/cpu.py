@@ -36,6 +36,19 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory for reuse instead of returning it to the OS.
 
