@@ -570,7 +570,7 @@ def tfm_in_scripts(bin_dir: Path, env: dict[str, str] | None = None) -> dict[str
     """`env` (this process's by default) for a shell script whose `tfm` commands fork from this test
     process's warm processes: a `tfm` in `bin_dir`, first on PATH, runs `python -m transformer_cli`
     through WarmPopen and ends as its command ends (exit status, or the signal that ended it). Where
-    commands start cold (TFM_TEST_WARM=0, coverage), PATH leads to this Python's own `tfm` script."""
+    commands start cold (TFM_TEST_WARM=0, coverage, a fast run), PATH leads to this Python's own `tfm` script."""
     env = dict(os.environ if env is None else env)
     python_bin = str(Path(sys.executable).parent)
     if _cold_only():
@@ -622,7 +622,7 @@ def _cold_only() -> bool:
 
 def cold_for_a_fast_run() -> None:
     """A run of fast tests only (`-m "not slow"`) starts a few cheap commands: a warm process's start
-    (~5 s of CPU: torch and every tfm module) costs more than they would cold (~0.1 s each)."""
+    (3–5 s of CPU: torch and every tfm module) costs more than they would cold (~0.1 s each)."""
     global _FAST_RUN
     _FAST_RUN = True
 
