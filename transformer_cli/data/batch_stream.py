@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..experiment.config import TrainConfig
+from .augmented_data import AugmentedData
 from .batches import Batch, ParallelData
 
 
@@ -33,7 +34,7 @@ class BatchStream:
     """Each epoch's batches are shuffled by seed + epoch; `next_update(count)` takes the next
     `count`, rolling over into the next epoch."""
 
-    def __init__(self, data: ParallelData, train_cfg: TrainConfig, epoch: int, batch_in_epoch: int):
+    def __init__(self, data: ParallelData | AugmentedData, train_cfg: TrainConfig, epoch: int, batch_in_epoch: int):
         self.data, self.train_cfg = data, train_cfg
         self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
         self.batches = data.batches(train_cfg.max_tokens, seed=train_cfg.seed + epoch)

@@ -188,6 +188,13 @@ class ParallelData:
     def __len__(self) -> int:
         return len(self.src)
 
+    def epoch_pairs(self, seed: int) -> np.ndarray:
+        """(M,) the pairs of the epoch `seed` draws: every pair once, or a multilingual split's
+        directions at their temperature rates (repeats allowed)."""
+        if self.temperature is None:
+            return np.arange(len(self), dtype=np.int64)
+        return epoch_sample(self.directions, self.temperature, seed)
+
     def batches(self, max_tokens: int, seed: int) -> list[np.ndarray]:
         if self.temperature is None:
             return token_batches(self.src.lengths, self.tgt.lengths, max_tokens, seed)
@@ -196,6 +203,10 @@ class ParallelData:
 
     def collate(self, indices: np.ndarray) -> Batch:
         return collate_flat(self.src.gather(indices), self.tgt.gather(indices))
+
+    def target_tokens(self, indices: np.ndarray) -> int:
+        """The target tokens of a batch's pairs, each with its <eos> (the loss's normaliser)."""
+        return int(self.tgt.lengths[indices].sum()) + len(indices)
 
     def iterate(self, max_tokens: int, seed: int) -> Iterator[Batch]:
         for indices in self.batches(max_tokens, seed):

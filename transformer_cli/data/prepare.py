@@ -39,6 +39,7 @@ from ..runtime.files import (
     iter_raw_lines,
     remove_stale_temps,
 )
+from .augment import CASES, cased_like_training
 from .batches import array_path
 from .cleaning import Cleaning, CleaningReport, build_filters, clean_result, filter_sample, make_cleaning
 from .corpus import (
@@ -188,6 +189,9 @@ def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
     if parent is not None:  # a parent whose vocabulary changed is a new input
         inputs += [hashlib.sha256(path.read_bytes()).hexdigest() for path in parent.files.values()]
     data = config.data.model_dump()
+    augment = data.pop("augment")  # drawn in training, each epoch; the vocabulary's sample sees its casings
+    if config.data.augment.enabled:
+        data["augment"] = {key: augment[key] for key in CASES}
     scoring = data["filters"].pop("model")  # off: runs prepared before the model filter stay prepared
     if scoring["enabled"]:  # its models are inputs too (what trained them, if tfm did, is in their digests)
         del scoring["train_time"]
@@ -256,6 +260,9 @@ def _train_vocab(config: ExperimentConfig, paths: dict[str, Path], seed: int, fi
     before, distinct = len(src), len(set(zip(src, tgt)))
     src, tgt = filter_sample(filters[0], src, tgt, workers or usable_cores(), config.data.pairs[0].name,
                              [path for pair in split_corpora(config, "train") for path in pair])
+    if config.data.augment.enabled:  # the vocabulary sees the casings training will draw
+        src = cased_like_training(src, config.data.augment, seed)
+        tgt = cased_like_training(tgt, config.data.augment, seed + 1, source=False)
     try:
         if vocab.joint:
             train_sentencepiece(src + tgt, paths["src"], config, sampled)
@@ -286,6 +293,8 @@ def _train_multilingual_vocab(config: ExperimentConfig, target: Path, seed: int)
     for (language, paths), rate in zip(files.items(), rates):
         wanted = min(sizes[language], max(1, round(budget * rate)))
         sentences += sample_lines(paths, wanted, seed, limit)
+    if config.data.augment.enabled:  # each language is a source of some direction
+        sentences = cased_like_training(sentences, config.data.augment, seed)
     tags = [tag_piece(language) for language in sorted({d.tgt for d in config.data.pairs})]
     train_sentencepiece(sentences, target, config, len(sentences) < sum(sizes.values()), tags)
     read = sum(lines[src] for d in config.data.pairs for src, _ in direction_corpora(config, "train", d))

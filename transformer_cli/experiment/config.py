@@ -246,6 +246,30 @@ class FiltersConfig(_Section):
     warn_share: float = Field(0.5, gt=0.0, le=1.0)  # a filter dropping more of a direction than this warns
 
 
+class AugmentConfig(_Section):
+    """Training pairs as people type them (data/augment.py), drawn afresh each epoch: each rate is
+    the share of an epoch's pairs changed so. At most one casing per pair."""
+
+    # ALL CAPS as tfm's engines read it (decode.casing lowers such a line: ß comes as ss), the target as written
+    upper: float = Field(0.0, ge=0.0, le=1.0)
+    title: float = Field(0.0, ge=0.0, le=1.0)  # Title Case, both sides
+    lower: float = Field(0.0, ge=0.0, le=1.0)  # lower case source; the target keeps its casing
+    typos: float = Field(0.0, ge=0.0, le=1.0)  # pairs whose source gets typos
+    typo_words: float = Field(0.125, gt=0.0, le=1.0)  # ... each of its words mistyped at this rate (one at least)
+    end_punctuation: float = Field(0.0, ge=0.0, le=1.0)  # the source's final punctuation removed (decode.end_punctuation)
+
+    @model_validator(mode="after")
+    def _one_casing(self) -> AugmentConfig:
+        if self.upper + self.title + self.lower > 1.0 + 1e-9:
+            raise _rule("upper", f"upper + title + lower is {self.upper + self.title + self.lower:g}: a pair gets at "
+                        "most one casing, so their rates add up to 1 at most")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return any((self.upper, self.title, self.lower, self.typos, self.end_punctuation))
+
+
 class DataConfig(_Section):
     src_lang: str = Field("de", min_length=1)
     tgt_lang: str = Field("en", min_length=1)
@@ -257,6 +281,7 @@ class DataConfig(_Section):
     max_len: int = Field(128, ge=1)  # training pairs longer than this (in tokens, either side) are dropped
     max_len_ratio: float = Field(3.0, ge=1.0)  # ... and pairs whose length ratio exceeds this
     filters: FiltersConfig = Field(default_factory=FiltersConfig)  # training-pair cleaning (data/filters.py)
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)  # case and noise, drawn each epoch (data/augment.py)
     train_limit: int | None = Field(None, ge=1)  # use only the first N training pairs (smoke runs; per direction)
     # A multilingual run: its directions, e.g. [en-de, de-en, en-fr, fr-en] (experiment/directions.py). Each reads
     # `<prefix>.<src>` and `<prefix>.<tgt>` of the train/valid/test prefixes above; every source gets
@@ -570,6 +595,14 @@ class DecodeConfig(_Section):
     # lexical shortlist (`tfm shortlist`, <run_dir>/shortlist.txt) lists for its source pieces, plus
     # the most frequent ones. Faster where the output layer is a large share of the decoder's work.
     shortlist: bool = False
+    # follow: a line in ALL CAPS or in Title Case (three words or more; data/augment.py: shouted,
+    # titled) is translated in lower case and its translation written as it came, in capitals or Title
+    # Case (an 8k vocabulary learned on sentence case spells capitals letter by letter: 4x the pieces).
+    # model: as the model writes it. A line with terms (prefix, constraints, avoided) is the model's.
+    casing: Literal["follow", "model"] = "follow"
+    # follow: a translation of a line without final punctuation (. ! ? and the like) ends without it
+    # too, as the line came; model: as the model writes it. A line with terms is the model's.
+    end_punctuation: Literal["follow", "model"] = "follow"
 
     @field_validator("max_memory")
     @classmethod

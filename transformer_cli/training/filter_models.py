@@ -37,7 +37,7 @@ from .train import train
 def filter_model_config(config: ExperimentConfig, fold: int, backward: bool) -> ExperimentConfig:
     """The config of the run that trains one filter model on one half: the run's own settings (those
     it gives; the others default as they do for it), the languages swapped for the backward model,
-    the model filter off, the budget `train_time` (or the run's max_steps, whichever ends first) under
+    the model filter and augmentation off, the budget `train_time` (or the run's max_steps, whichever ends first) under
 the budget schedule."""
     raw = config.model_dump(mode="json", exclude_unset=True)
     data, train_cfg = raw.setdefault("data", {}), raw.setdefault("train", {})
@@ -46,6 +46,7 @@ the budget schedule."""
         src, tgt = tgt, src
     data.update({"src_lang": src, "tgt_lang": tgt, "train": str(fold_folder(config.run_path, fold) / "train")})
     data.pop("train_limit", None)  # applied when the halves were written
+    data.pop("augment", None)  # they score pairs as the corpus writes them: trained on them as written
     data.setdefault("filters", {})["model"] = {"enabled": False}
     raw["run_dir"] = str(fold_folder(config.run_path, fold) / f"{src}-{tgt}")
     if config.model.size is not None:  # auto, or a name: its keys were filled in, not given

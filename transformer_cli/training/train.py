@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..data.augmented_data import AugmentedData, training_split
+from ..data.augmented_data import describe as describe_augmentation
 from ..data.batch_stream import BatchStream, CollatedUpdates, Update
 from ..data.batches import ParallelData, padding_ratio
 from ..experiment.checkpoint import TrainingState, load_initial_weights, model_payload, training_payload
@@ -179,7 +181,7 @@ def initialise_from(model: Transformer, path: Path, spm_files: dict[str, bytes],
     say(f"initialised from {path} (step {step} of its run); optimizer and schedule start afresh")
 
 
-def training_updates(data: ParallelData, train_cfg: TrainConfig, progress: TrainProgress, world: World,
+def training_updates(data: ParallelData | AugmentedData, train_cfg: TrainConfig, progress: TrainProgress, world: World,
                      device: torch.device) -> CollatedUpdates:
     """The updates from where `progress` stands, collated ahead on a thread where train.prefetch
     says (default: on CUDA, into pinned memory)."""
@@ -226,7 +228,7 @@ class Trainer:
         self.precision = choose_precision(self.train_cfg.precision, device, (config.model.d_model, config.model.d_ff))
         if device.type == "cpu":
             keep_freed_memory()
-        self.train_data = ParallelData(self.run_dir.root, "train", config.data.temperature)
+        self.train_data = training_split(self.run_dir.root, config, self.spm_files)
         if len(self.train_data) == 0:
             raise TfmError(f"{self.run_dir.root}: the training split is empty after filtering")
         self.validation = Validation(self.run_dir, self.manifest, config, device)
@@ -307,6 +309,8 @@ class Trainer:
         self.setup()
         announce(self.console.print, self.model, self.device, self.precision.describe(), len(self.train_data),
                  self.world.size, self.train_cfg)
+        if self.config.data.augment.enabled:
+            self.console.print(describe_augmentation(self.config.data.augment))
         self.console.start_bar(self.train_cfg.max_steps, self.progress.step)
         self.model.train()
         self.started = time.perf_counter() - self.progress.elapsed
@@ -346,9 +350,8 @@ class Trainer:
     def loss_step(self, update: Update) -> StepResult:
         """Forward and backward over this process's share of the update's batches (collated);
         gradients accumulate, normalised by the target tokens of the whole update."""
-        lengths = self.train_data.tgt.lengths
         zero = torch.zeros((), device=self.device)
-        result = StepResult(zero, zero, tokens=sum(int(lengths[idx].sum()) + len(idx) for idx in update.indices or []))
+        result = StepResult(zero, zero, tokens=sum(self.train_data.target_tokens(idx) for idx in update.indices or []))
         my_batches = update.collated or []
         amp_dtype = autocast_dtype(self.precision)
         for i, host_batch in enumerate(my_batches):
