@@ -11,6 +11,8 @@ chunked streaming. Nothing here imports torch: a CTranslate2 translation starts 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import functools
 import math
 import sys
 import time
@@ -18,7 +20,8 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from ..data.language_tags import TargetLanguages, known_languages
+from ..data.augment import as_read, ends_with_punctuation, shouted, title, titled, upper, without_end_punctuation
+from ..data.language_tags import LINE_TAG, TargetLanguages, known_languages
 from ..experiment.config import DecodeConfig
 from ..experiment.scoring import total_log_prob
 from ..runtime.console import warn, write_fully
@@ -303,6 +306,7 @@ class TranslationEngine:
         word alignments (the forced pass costs time); the others come back with none (None: all)."""
         decode = self.decode if decode is None else decode
         lines = self.target_languages().tag_lines(lines, decode.tgt_lang, first_line)
+        lines, endings = follow_input(lines, decode, terms)
         nonempty = [i for i, line in enumerate(lines) if line.strip()]
         sources = self.tokenize([lines[i] for i in nonempty]) if nonempty else []
         if warn_long:
@@ -330,7 +334,7 @@ class TranslationEngine:
             out: list[list[Translation]] = [[Translation("", 0.0, 0, "" if linked(i) else None)
                                              for _ in range(decode.nbest)] for i in range(len(lines))]
             for i, h, a in zip(nonempty, hyps, alignments):
-                out[i] = [Translation(self.detokenize(x.tokens), x.score, len(x.tokens), pairs)
+                out[i] = [finished(Translation(self.detokenize(x.tokens), x.score, len(x.tokens), pairs), endings.get(i))
                           for x, pairs in zip(h, a)]
             if terms is not None:
                 for i, line_terms in enumerate(terms):
@@ -339,6 +343,44 @@ class TranslationEngine:
             return out
 
         return finish
+
+
+def follow_input(lines: list[str], decode: DecodeConfig, terms: list[LineTerms] | None
+                 ) -> tuple[list[str], dict[int, Callable[[str], str]]]:
+    """What decode.casing and decode.end_punctuation (`follow`) change: the lines in ALL CAPS or
+    Title Case (after any target-language tag) in lower case, and for each line so read or without
+    final punctuation (0-based) how its translation is finished: cased back, its final punctuation
+    off. A line with terms is translated and finished as the model writes it."""
+    finish: dict[int, Callable[[str], str]] = {}
+    out = list(lines)
+    for i, line in enumerate(lines):
+        if (terms is not None and not terms[i].empty) or not line.strip():
+            continue
+        tag = LINE_TAG.match(line)
+        start = tag.end() if tag else 0
+        text = line[start:]
+        steps = []
+        if decode.casing == "follow" and (shouted(text) or titled(text)):
+            steps.append(upper if shouted(text) else title)
+            out[i] = line[:start] + as_read(text)
+        if decode.end_punctuation == "follow" and not ends_with_punctuation(text):
+            steps.append(without_end_punctuation)
+        if steps:
+            finish[i] = functools.reduce(lambda f, g: lambda t: g(f(t)), steps)
+    return out, finish
+
+
+def finished(translation: Translation, finish: Callable[[str], str] | None) -> Translation:
+    """The translation with its text finished as its line came (`follow_input`); a word alignment
+    keeps the pairs of the words left (a final punctuation mark taken off may have been a word)."""
+    if finish is None:
+        return translation
+    text = finish(translation.text)
+    alignment = translation.alignment
+    if alignment and len(text.split()) < len(translation.text.split()):
+        words = len(text.split())
+        alignment = " ".join(p for p in alignment.split() if int(p.split("-")[1]) < words)
+    return dataclasses.replace(translation, text=text, alignment=alignment)
 
 
 def term_room(terms: list[TermIds] | None) -> tuple[int, tuple[int, int]]:
