@@ -607,6 +607,9 @@ def evaluate(
     directions: Optional[str] = typer.Option(None, "--directions", help="With --config, a multilingual run: the "
                                              "directions to score, e.g. de-fr,fr-de (untrained ones: zero-shot), "
                                              "or all (every pair of its languages); default: the run's."),
+    augment: Optional[str] = typer.Option(None, "--augment", help="With --config: also score the split as people "
+                                          "type it: upper,title,lower,typos,nopunct,mix (or all), a row each with "
+                                          "its share of the clean score; --min-bleu upper=30 gates one."),
 ) -> None:
     """Score translations with sacreBLEU: files (--hyp/--ref) or a model on a split (--config); a
     multilingual run: a table of every direction and their average."""
@@ -620,6 +623,10 @@ def evaluate(
     if gate_direction is not None and (config is None or hyp):
         raise TfmError(f"--min-bleu {min_bleu}: a direction's gate goes with --config on a multilingual run")
     chosen = _chosen_directions(directions) if directions is not None else None
+    variants = _augmented_variants(augment, config is not None and not hyp, constraints, directions)
+    if variants and gate_direction is not None and gate_direction not in variants:
+        raise TfmError(f"--min-bleu {min_bleu}: {gate_direction} is not a variant --augment scores "
+                       f"({', '.join(variants)})")
     names = parse_metrics(metrics)
     if gate is not None and "bleu" not in names:
         names.insert(0, "bleu")
@@ -639,7 +646,14 @@ def evaluate(
 
         cfg = _load_for_inference(config, set_, checkpoint)
         cfg.decode = with_options(cfg.decode, {"beam": beam})  # the settings travel in the config from here
-        if cfg.data.multilingual or directions is not None:
+        if variants:
+            if cfg.data.multilingual and tgt_lang is None:
+                raise TfmError("--augment scores one direction: give --tgt-lang for a multilingual run")
+            from .evaluate import evaluate_augmented
+
+            result = evaluate_augmented(cfg, checkpoint or model_files(cfg), split, names, variants, engine=engine,
+                                        compute_type=compute_type, tgt_lang=tgt_lang)
+        elif cfg.data.multilingual or directions is not None:
             result = _evaluate_directions(cfg, checkpoint, split, names, confidence, engine, compute_type,
                                           chosen, constraints, tgt_lang)
         else:
@@ -655,6 +669,21 @@ def evaluate(
         warn(verdict)
         if not passed:
             raise typer.Exit(1)
+
+
+def _augmented_variants(spec: str | None, with_config: bool, constraints: Path | None,
+                        directions: str | None) -> list[str]:
+    """`--augment`'s variants (none without it), checked before anything is translated."""
+    if spec is None:
+        return []
+    from .data.augment import parse_variants
+
+    if not with_config:
+        raise TfmError("--augment goes with --config (a model translates the split's variants)")
+    if constraints is not None or directions is not None:
+        raise TfmError(f"--augment goes with neither {'--constraints' if constraints else '--directions'}: "
+                       "it scores the split's own sources as people type them")
+    return parse_variants(spec)
 
 
 def _evaluate_paired(hyp: list[Path], ref: Path, names: list[str], confidence: bool, as_json: bool,
@@ -689,6 +718,10 @@ def _print_evaluation(result, as_json: bool) -> None:
         from .evaluate import directions_table
 
         say(directions_table(result))
+    elif "variants" in result.extra:
+        from .evaluate import variants_table
+
+        say(variants_table(result))
     else:
         for s in result.scores.values():
             ci = f" (95% CI ± {s.ci:.2f})" if s.ci is not None else ""

@@ -64,11 +64,14 @@ def check_same_sources(given: list[str], split: list[str], given_name: str, spli
                            f"({a[:40]!r} ≠ {b[:40]!r}): --constraints takes this split's sources with their terms")
 
 
-def score(hyps: list[str], refs: list[str], metrics: list[str] = ("bleu",), confidence: bool = False) -> EvalResult:
-    """Corpus scores of `hyps` against one reference set, exactly as sacrebleu computes them."""
+def score(hyps: list[str], refs: list[str], metrics: list[str] = ("bleu",), confidence: bool = False,
+          caseless: bool = False) -> EvalResult:
+    """Corpus scores of `hyps` against one reference set, exactly as sacrebleu computes them
+    (`caseless`: each metric's own case-insensitive setting, named in its signature)."""
     results = {}
     for name in metrics:
-        metric = METRICS[name]()
+        metric = METRICS[name](**({"case_sensitive": False} if name == "ter" else {"lowercase": True})
+                               if caseless else {})
         result = metric.corpus_score(hyps, [refs], n_bootstrap=1000 if confidence else 1)
         ci = getattr(result, "_ci", None) if confidence else None
         results[name] = MetricScore(name, float(result.score), str(metric.get_signature()),
@@ -178,8 +181,83 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
     return result
 
 
+def evaluate_augmented(config, checkpoint: Path | list[Path], split: str, metrics: list[str], variants: list[str],
+                       engine: str | None = None, compute_type: str | None = None,
+                       tgt_lang: str | None = None) -> EvalResult:
+    """The split as written and as people type it (`variants` of data/augment.py: ALL CAPS, Title
+    Case, lower case, typos, no final punctuation, a mix), each translated as `tfm translate` would
+    and scored against the references; case variants without case, each beside the clean score
+    scored the same way (its share). The result's scores are the clean split's; `extra["variants"]`
+    holds each variant's scores, share and (ALL CAPS) the share of translations in capitals."""
+    from .data.augment import CASELESS, VARIANT_SEED, shouted, split_variant
+    from .data.prepare import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
+    from .decoding.engine import open_engine
+    from .decoding.translation import translate_texts
+    from .experiment.rundir import RunDirectory
+
+    checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
+    src_path, ref_path = split_files(config, split)
+    src, refs = read_lines(src_path), read_lines(ref_path)
+    check_aligned(src, refs, str(src_path), str(ref_path))
+    translator = open_engine(config, None, checkpoints, device=config.train.device, engine=engine,
+                             compute_type=compute_type, tgt_lang=tgt_lang)
+    translator.target_languages().check(translator.decode.tgt_lang)
+    out_dir = RunDirectory(config.run_path).eval_dir
+    started, rows = time.perf_counter(), {}
+    try:
+        decode = translator.settings(nbest=1)
+        stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{decode.beam}"
+        clean = translate_texts(translator, src, decode)
+        atomic_write_text(out_dir / f"{stem}.hyp", "\n".join(clean) + "\n")
+        baseline = {False: score(clean, refs, metrics), True: score(clean, refs, metrics, caseless=True)}
+        for name in variants:
+            v_src, v_refs = split_variant(name, src, refs)
+            hyps = translate_texts(translator, v_src, decode)
+            atomic_write_text(out_dir / f"{stem}.{name}.hyp", "\n".join(hyps) + "\n")
+            caseless = name in CASELESS
+            result = score(hyps, v_refs, metrics, caseless=caseless)
+            base = baseline[caseless]  # nopunct: against references without it, beside the clean split's score
+            rows[name] = {"caseless": caseless, "scores": {k: asdict(v) for k, v in result.scores.items()},
+                          "clean": {k: v.score for k, v in base.scores.items()},
+                          "share": {k: round(v.score / base.scores[k].score, 4) if base.scores[k].score else None
+                                    for k, v in result.scores.items()}}
+            if name == "upper":
+                answered = [h for h, s in zip(hyps, v_src) if s.strip() and h.strip()]
+                rows[name]["in_capitals"] = round(sum(map(shouted, answered)) / max(len(answered), 1), 4)
+    finally:
+        translator.close()
+    seconds = time.perf_counter() - started
+    result = baseline[False]
+    result.extra = {"split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": decode.beam,
+                    "engine": translator.describe(), "source": str(src_path), "reference": str(ref_path),
+                    "decode_seconds": round(seconds, 2), "variant_seed": VARIANT_SEED,
+                    "sentences_per_s": round(len(src) * (1 + len(variants)) / seconds, 2),
+                    "clean_caseless": {k: v.score for k, v in baseline[True].scores.items()}, "variants": rows,
+                    "hyp_file": str(out_dir / f"{stem}.<variant>.hyp")}
+    atomic_write_text(out_dir / f"{stem}.augmented.json", json.dumps(result.to_json(), indent=2))
+    return result
+
+
+def variants_table(result: EvalResult) -> str:
+    """One row per variant: its scores, its share of the clean score (scored as it is) and, for
+    ALL CAPS input, the share answered in capitals."""
+    metrics = list(result.scores)
+    header = f"{'input':<10}" + "".join(f"{m.upper():>8}" for m in metrics) + f"{'of clean':>10}  note"
+    rows = [header, "-" * len(header)]
+    rows.append(f"{'clean':<10}" + "".join(f"{s.score:>8.2f}" for s in result.scores.values()) + f"{'100.0%':>10}")
+    for name, r in result.extra["variants"].items():
+        share = r["share"][metrics[0]]
+        note = "case-insensitive" if r["caseless"] else ""
+        if "in_capitals" in r:
+            note += f"; {100 * r['in_capitals']:.1f}% answered in capitals"
+        rows.append(f"{name:<10}" + "".join(f"{r['scores'][m]['score']:>8.2f}" for m in metrics)
+                    + (f"{100 * share:>9.1f}%" if share is not None else f"{'-':>10}") + f"  {note}".rstrip())
+    return "\n".join(rows)
+
+
 def parse_gate(spec: str) -> tuple[str | None, float]:
-    """`--min-bleu`: '30' gates the (average) BLEU, 'en-de=30' one direction's."""
+    """`--min-bleu`: '30' gates the (average) BLEU, 'en-de=30' one direction's, 'upper=30' one
+    `--augment` variant's."""
     name, equals, number = spec.rpartition("=")
     try:
         value = float(number)
@@ -194,12 +272,22 @@ def gate_verdict(result: EvalResult, gate: float, direction: str | None, spec: s
     """Whether `--min-bleu spec` passes (BLEU, a multilingual run's average, or one direction's), and
     the line that says so; a direction that was not scored is an error."""
     bleu, what = result.scores["bleu"].score, "average BLEU" if "directions" in result.extra else "BLEU"
+    if direction is not None and "variants" in result.extra:
+        scored = result.extra["variants"]
+        if direction not in scored:
+            raise TfmError(f"--min-bleu {spec}: variant {direction} was not scored "
+                           f"(scored: {', '.join(scored) or 'none'}; --augment names them)")
+        return _verdict(scored[direction]["scores"]["bleu"]["score"], gate, f"{direction} BLEU")
     if direction is not None:
         scored = result.extra.get("directions", {})
         if direction not in scored:
             raise TfmError(f"--min-bleu {spec}: direction {direction} was not scored "
                            f"(scored: {', '.join(scored) or 'none'})")
         bleu, what = scored[direction]["scores"]["bleu"]["score"], f"{direction} BLEU"
+    return _verdict(bleu, gate, what)
+
+
+def _verdict(bleu: float, gate: float, what: str) -> tuple[bool, str]:
     if bleu < gate:
         return False, f"FAIL: {what} {bleu:.2f} is below --min-bleu {gate}"
     return True, f"PASS: {what} {bleu:.2f} >= {gate}"
