@@ -387,9 +387,12 @@ def test_model_size_with_a_hostile_value(ws, tmp_path, value):
 
 DIRECTIONS = WORDS + ["-", "src-", "src-tgt-src", "src-src", "[src-tgt, src-tgt]", "{direction: 3}", "[{train: x}]",
                       "src-tgt,tgt-src"]
-# The filters' keys (data.filters.…) are bounded like the rest: three values each keep the tier quick.
+# The filters' and augmentation's keys (data.filters.…, data.augment.…) are bounded like the rest: three
+# values each keep the tier quick.
 DATA_CASES = [(key, value) for key in numeric_keys("data", DataConfig)
-              for value in (NUMBERS if not key.startswith("data.filters.") else ["-1", "nan", "1e308"])] + [
+              for value in (NUMBERS if not key.startswith(("data.filters.", "data.augment."))
+                            else ["-1", "nan", "1e308"])] + [
+    ("data.augment", value) for value in ("{lower: 0.7, title: 0.4}", "{upper: 1.1}", "[0.1]", "{typo: 0.1}")] + [
     ("data.directions", value) for value in DIRECTIONS] + [
     ("data.filters.model.engine", value) for value in ("", "CT2", "ctranslate2 ", "{torch: 1}")]
 

@@ -146,6 +146,8 @@ BOUNDS = [
     ("data.filters.model.engine", "ctranslate2", "ct2"),
     ("data.filters.model.forward", "runs/de-en", ""), ("data.filters.model.backward", "runs/en-de", ""),
     ("data.filters.model.train_time", "1s", 0), ("data.filters.model.train_time", 0.5, "5 minutes"),
+    ("data.augment.upper", 1.0, 1.01), ("data.augment.title", 0.0, -0.01), ("data.augment.lower", 1.0, 1.5),
+    ("data.augment.typos", 1.0, 1.01), ("data.augment.end_punctuation", 0.0, -1), ("data.augment.typo_words", 1.0, 0.0),
     ("data.filters.warn_share", 1.0, 0.0), ("data.filters.language.min_words", 1, 0), ("data.filters.duplicates.by", "source", "sources"),
     ("vocab.size", 8, 7), ("vocab.character_coverage", 1.0, 0.0), ("vocab.input_sentence_size", 0, -1),
     ("prepare.workers", 1, 0), ("prepare.chunk_lines", 1, 0),
@@ -182,6 +184,7 @@ def test_every_bounded_key_is_checked_when_the_config_is_read(key, accepted, ref
     (["decode.max_len_a=0", "decode.max_len_b=0"], "decode.max_len_b"),
     (["decode.beam=2", "decode.nbest=3"], "decode.nbest"),
     (["train.lr=.inf"], "train.lr"), (["decode.length_penalty=.nan"], "decode.length_penalty"),
+    (["data.augment.lower=0.7", "data.augment.title=0.4"], "data.augment.upper"),
 ])
 def test_rules_across_keys_and_non_finite_values_name_the_key(settings, key):
     with pytest.raises(TfmError, match=f"key '{key}'"):

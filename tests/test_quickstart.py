@@ -22,6 +22,9 @@ def test_quickstart_prepares_trains_translates_and_evaluates(tmp_path):
                             text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "BLEU = " in result.stdout and "chrF2 = " in result.stdout
+    # ...and the same sentences as people type them: a row per variant, ALL CAPS answered in capitals.
+    assert [line.split()[0] for line in result.stdout.splitlines() if re.match(r"(clean|upper|mix) ", line)] == \
+        ["clean", "upper", "mix"] and "answered in capitals" in result.stdout
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "checkpoint_best.pt").is_file()
     hypotheses = (run / "test_2016_flickr.hyp.en").read_text(encoding="utf-8").splitlines()
     assert len(hypotheses) == 1000  # one line out per test2016 line in

@@ -262,3 +262,17 @@ def test_a_prefix_per_line_stays_with_its_line(server, reverse_model, sentences)
     status, body = post(server.port, {"text": lines[:3], "prefix": prefixes[:3], "beam": 3, "nbest": 2})
     assert status == 200 and all(h["text"].startswith(prefixes[0]) for h in body["nbest"][0])
     assert body["translations"][1:] == plain[1:3]
+
+
+def test_an_all_caps_or_title_case_line_is_answered_in_its_casing(server, reverse_model, sentences):
+    """decode.casing through the server: the lines read in lower case, their translations cased back."""
+    lines = sentences[:6]
+    translator = Translator.from_checkpoint(reverse_model[1].best_checkpoint, device="cpu",
+                                            overrides=["decode.precision=fp32"])
+    expected = [t[0].text for t in translator.translate(lines)]
+    shouting = [line.upper() for line in lines[:3]]
+    titled = [" ".join(word.capitalize() for word in line.split()) for line in lines[3:]]
+    status, body = post(server.port, {"text": shouting + titled})
+    assert status == 200
+    assert body["translations"][:3] == [e.upper() for e in expected[:3]]
+    assert body["translations"][3:] == [" ".join(w[:1].upper() + w[1:] for w in e.split()) for e in expected[3:]]

@@ -647,12 +647,13 @@ def evaluate(
         cfg = _load_for_inference(config, set_, checkpoint)
         cfg.decode = with_options(cfg.decode, {"beam": beam})  # the settings travel in the config from here
         if variants:
-            if cfg.data.multilingual and tgt_lang is None:
-                raise TfmError("--augment scores one direction: give --tgt-lang for a multilingual run")
+            if cfg.data.multilingual and chosen is None:
+                raise TfmError("--augment scores one direction of a multilingual run: give --directions (e.g. de-en)")
             from .evaluate import evaluate_augmented
 
             result = evaluate_augmented(cfg, checkpoint or model_files(cfg), split, names, variants, engine=engine,
-                                        compute_type=compute_type, tgt_lang=tgt_lang)
+                                        compute_type=compute_type, tgt_lang=tgt_lang,
+                                        direction=chosen[0] if chosen else None)
         elif cfg.data.multilingual or directions is not None:
             result = _evaluate_directions(cfg, checkpoint, split, names, confidence, engine, compute_type,
                                           chosen, constraints, tgt_lang)
@@ -680,9 +681,11 @@ def _augmented_variants(spec: str | None, with_config: bool, constraints: Path |
 
     if not with_config:
         raise TfmError("--augment goes with --config (a model translates the split's variants)")
-    if constraints is not None or directions is not None:
-        raise TfmError(f"--augment goes with neither {'--constraints' if constraints else '--directions'}: "
-                       "it scores the split's own sources as people type them")
+    if constraints is not None:
+        raise TfmError("--augment goes without --constraints: it scores the split's own sources as people type them")
+    if directions is not None and (directions.strip() == "all" or len(_chosen_directions(directions)) != 1):
+        raise TfmError(f"--augment --directions {directions}: give one direction (e.g. de-en): a multilingual "
+                       "run's variants are scored one direction at a time")
     return parse_variants(spec)
 
 

@@ -183,12 +183,13 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
 
 def evaluate_augmented(config, checkpoint: Path | list[Path], split: str, metrics: list[str], variants: list[str],
                        engine: str | None = None, compute_type: str | None = None,
-                       tgt_lang: str | None = None) -> EvalResult:
+                       tgt_lang: str | None = None, direction: Direction | None = None) -> EvalResult:
     """The split as written and as people type it (`variants` of data/augment.py: ALL CAPS, Title
     Case, lower case, typos, no final punctuation, a mix), each translated as `tfm translate` would
     and scored against the references; case variants without case, each beside the clean score
     scored the same way (its share). The result's scores are the clean split's; `extra["variants"]`
-    holds each variant's scores, share and (ALL CAPS) the share of translations in capitals."""
+    holds each variant's scores, share and (ALL CAPS) the share of translations in capitals.
+    `direction`: one direction of a multilingual run, its sources tagged with its target."""
     from .data.augment import CASELESS, VARIANT_SEED, shouted, split_variant
     from .data.prepare import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .decoding.engine import open_engine
@@ -196,17 +197,17 @@ def evaluate_augmented(config, checkpoint: Path | list[Path], split: str, metric
     from .experiment.rundir import RunDirectory
 
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
-    src_path, ref_path = split_files(config, split)
+    src_path, ref_path = split_files(config, split, direction)
     src, refs = read_lines(src_path), read_lines(ref_path)
     check_aligned(src, refs, str(src_path), str(ref_path))
     translator = open_engine(config, None, checkpoints, device=config.train.device, engine=engine,
-                             compute_type=compute_type, tgt_lang=tgt_lang)
+                             compute_type=compute_type, tgt_lang=direction.tgt if direction else tgt_lang)
     translator.target_languages().check(translator.decode.tgt_lang)
     out_dir = RunDirectory(config.run_path).eval_dir
     started, rows = time.perf_counter(), {}
     try:
         decode = translator.settings(nbest=1)
-        stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{decode.beam}"
+        stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{decode.beam}{f'.{direction.name}' if direction else ''}"
         clean = translate_texts(translator, src, decode)
         atomic_write_text(out_dir / f"{stem}.hyp", "\n".join(clean) + "\n")
         baseline = {False: score(clean, refs, metrics), True: score(clean, refs, metrics, caseless=True)}
@@ -228,7 +229,8 @@ def evaluate_augmented(config, checkpoint: Path | list[Path], split: str, metric
         translator.close()
     seconds = time.perf_counter() - started
     result = baseline[False]
-    result.extra = {"split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": decode.beam,
+    result.extra = {"split": split, **({"direction": direction.name} if direction else {}),
+                    "checkpoint": " + ".join(map(str, checkpoints)), "beam": decode.beam,
                     "engine": translator.describe(), "source": str(src_path), "reference": str(ref_path),
                     "decode_seconds": round(seconds, 2), "variant_seed": VARIANT_SEED,
                     "sentences_per_s": round(len(src) * (1 + len(variants)) / seconds, 2),

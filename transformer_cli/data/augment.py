@@ -141,17 +141,17 @@ def with_typos(text: str, rng: random.Random, word_rate: float, at_least_one: bo
     return "".join(out)
 
 
+def as_written(text: str) -> str:
+    return text
+
+
 CASES: dict[str, Callable[[str], str]] = {"upper": upper, "title": title, "lower": lower}
 CASE_ORDER = ("upper", "title", "lower")
 # Training's casings, source and target: ALL CAPS as the engines read it (lowered, decode.casing) with
 # the target as written, Title Case on both sides (a short line, or an exported model, sees it as
 # typed), lower case on the source alone.
-def _as_written(text: str) -> str:
-    return text
-
-
 TRAINING_CASES: dict[str, tuple[Callable[[str], str], Callable[[str], str]]] = {
-    "upper": (shouted_as_read, _as_written), "title": (title, title), "lower": (lower, _as_written)}
+    "upper": (shouted_as_read, as_written), "title": (title, title), "lower": (lower, as_written)}
 
 
 @dataclass(frozen=True)

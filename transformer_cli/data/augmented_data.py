@@ -32,9 +32,10 @@ class EpochStore:
 
 
 class AugmentedData:
-    """The training split with each epoch's pairs drawn through the modifiers: the same `batches(max_tokens, seed)` and `collate(indices)` as
-    `ParallelData`. A changed pair's batch index lies past the split's pairs, in its epoch's
-    store; the two latest epochs' stores are kept (an update may span an epoch's end)."""
+    """The training split with each epoch's pairs drawn through the modifiers, read as `ParallelData`
+    is (`batches(max_tokens, seed)`, `collate(indices)`, `target_tokens(indices)`). A changed pair's
+    batch index lies past the split's pairs, in its epoch's store; the two latest epochs' stores are
+    kept (an update may span an epoch's end)."""
 
     def __init__(self, data: ParallelData, cfg: AugmentConfig, src_sp, tgt_sp, max_len: int):
         self.data, self.cfg, self.src_sp, self.tgt_sp, self.max_len = data, cfg, src_sp, tgt_sp, max_len
