@@ -307,3 +307,19 @@ def test_an_ensemble_and_attention_maps_take_tags(shift_model, tmp_path):
     picture = tmp_path / "attention.png"
     drawn = tfm_in_process("attention", "--checkpoint", best, "--src", f">>up<< {source}", "-o", picture)
     assert drawn.exit_code == 0 and picture.stat().st_size > 0, drawn.stderr
+
+
+@pytest.mark.slow
+def test_evaluate_augment_scores_one_direction_of_a_multilingual_run(shift_model):
+    """--augment --directions src-dn: that direction's sources tagged with its target, as written
+    and as typed (lower case and no punctuation are the clean split here); without one direction, a line."""
+    data, config_path = shift_model
+    result = tfm_in_process("evaluate", "--config", config_path, "--engine", "torch", "--json", "--augment",
+                            "upper,lower,typos", "--directions", "src-dn")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["direction"] == "src-dn" and report["scores"]["bleu"]["score"] > 80
+    rows = report["variants"]
+    assert rows["lower"]["share"]["bleu"] == 1.0 and rows["upper"]["in_capitals"] == 1.0
+    missing = tfm_in_process("evaluate", "--config", config_path, "--augment", "upper")
+    assert missing.exit_code == 2 and "give --directions" in missing.stderr
