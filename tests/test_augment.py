@@ -298,6 +298,8 @@ def test_the_casing_key_is_checked(reverse_model, tmp_path):
     config, summary = reverse_model
     with pytest.raises(TfmError, match="decode.casing"):
         load_config(None, ["decode.casing=shout"])
+    with pytest.raises(TfmError, match="decode.end_punctuation"):
+        load_config(None, ["decode.end_punctuation=strip"])
     result = tfm_in_process("translate", "--checkpoint", summary.best_checkpoint, "--set", "decode.casing=upper",
                             input="wa wb\n")
     assert result.exit_code == 2 and result.stderr.count("error:") == 1 and "decode.casing" in result.stderr
