@@ -26,7 +26,8 @@ import numpy as np
 from ..experiment.config import AugmentConfig
 from ..runtime.errors import TfmError
 
-END_PUNCTUATION = re.compile(r"[\s.!?;:,…。！？]+$")
+PUNCTUATION = ".!?;:,…。！？"  # what may end a sentence
+END_PUNCTUATION = re.compile(rf"[\s{re.escape(PUNCTUATION)}]+$")
 WORD = re.compile(r"\S+")
 # Keys beside each other on a QWERTY/QWERTZ keyboard (rows, and the keys above and below).
 _ROWS = ("qwertyuiop", "asdfghjkl", "zxcvbnm")
@@ -62,12 +63,6 @@ def titled(text: str) -> bool:
     return len(words) >= 3 and all(word[0].isupper() for word in words) and not shouted(text)
 
 
-def as_read(text: str) -> str:
-    """A line as tfm's engines read it when it came in ALL CAPS or Title Case (decode.casing
-    follow): in lower case."""
-    return text.lower()
-
-
 def shouted_as_read(text: str) -> str:
     """A sentence as it reaches the model when it was typed in ALL CAPS: upper case lowered again,
     which spells ß as ss ("WEISS" → "weiss"), as a German writer in capitals does."""
@@ -82,6 +77,10 @@ def lower(text: str) -> str:
     return text.lower()
 
 
+# A line as tfm's engines read it when it came in ALL CAPS or Title Case (decode.casing follow).
+as_read = lower
+
+
 def title(text: str) -> str:
     """Every word's first letter a capital, the rest as written ("a man's hat" → "A Man's Hat")."""
     return WORD.sub(lambda m: m.group(0)[:1].upper() + m.group(0)[1:], text)
@@ -93,7 +92,7 @@ def without_end_punctuation(text: str) -> str:
 
 
 def ends_with_punctuation(text: str) -> bool:
-    return bool(END_PUNCTUATION.search(text)) and bool(text.strip(" .!?;:,…。！？"))
+    return bool(END_PUNCTUATION.search(text)) and bool(text.strip(" " + PUNCTUATION))
 
 
 def typo(word: str, rng: random.Random) -> str:
@@ -183,7 +182,7 @@ def apply_modifiers(src: str, tgt: str, draw: Draw, word_rate: float, rng: rando
     sides, lower case on the source), typos in the source, the source's final punctuation off. The
     target keeps its own: a model that learns to end without it ends early (trained on both sides
     off, 15% of the pairs, the quickstart's test2016 output was 4–10% short: brevity penalty 0.89–0.92
-    against 0.97); decode.end_punctuation takes it off where the input has none.""" 
+    against 0.97); decode.end_punctuation takes it off where the input has none."""
     if draw.case is not None:
         on_source, on_target = TRAINING_CASES[draw.case]
         src, tgt = on_source(src), on_target(tgt)

@@ -103,9 +103,12 @@ class AugmentedData:
         return collate_flat(flatten(src), flatten(tgt))
 
     def target_tokens(self, indices: np.ndarray) -> int:
-        """The target tokens of a batch's pairs, each with its <eos> (the loss's normaliser)."""
+        """The target tokens of a batch's pairs, each with its <eos> (the loss's normaliser): the
+        prepared lengths, and the changed pairs' own."""
         indices = np.asarray(indices, dtype=np.int64)
-        return sum(len(t) for t in self._pairs(indices)[1]) + len(indices)
+        prepared = indices[indices < len(self.data)]
+        changed = indices[indices >= len(self.data)]
+        return self.data.target_tokens(prepared) + (sum(len(t) for t in self._pairs(changed)[1]) + len(changed))
 
 
 def training_split(run_dir: Path, config: ExperimentConfig, spm_files: dict[str, bytes]) -> ParallelData | AugmentedData:

@@ -360,8 +360,9 @@ def follow_input(lines: list[str], decode: DecodeConfig, terms: list[LineTerms] 
         start = tag.end() if tag else 0
         text = line[start:]
         steps = []
-        if decode.casing == "follow" and (shouted(text) or titled(text)):
-            steps.append(upper if shouted(text) else title)
+        casing = (upper if shouted(text) else title if titled(text) else None) if decode.casing == "follow" else None
+        if casing is not None:
+            steps.append(casing)
             out[i] = line[:start] + as_read(text)
         if decode.end_punctuation == "follow" and not ends_with_punctuation(text):
             steps.append(without_end_punctuation)
