@@ -8,12 +8,17 @@ to choose it), the steps made, the best valid BLEU and test2016 beam-5 BLEU / ch
     python scripts/quickstart_row.py --size d256              # a pinned shape, for comparison
     python scripts/quickstart_row.py --read runs/quickstart   # the row of a finished run, no training
     python scripts/quickstart_row.py --isa-cap avx512         # as on a CPU of a lower class (below)
+    python scripts/quickstart_row.py --busy 90                # other work on every core for its first 90 s
 
 `--isa-cap` stands in for a CPU class that is not at hand: every library's kernels are capped to an
 instruction set (torch's ATen, oneDNN, MKL, FBGEMM, CTranslate2), so training and decoding run as on
 a CPU with AVX-512 but no bf16 (`avx512`: Intel Skylake / Cascade Lake) or with AVX2 only (`avx2`:
 Zen 3, Haswell…), and `precision: auto` measures bf16 as such a CPU runs it. The row names the cap.
 The caches, clocks and cores stay this CPU's: a capped Zen 4 is not a Skylake Xeon.
+
+`--busy SECONDS` is a machine that is not idle when the run starts: one process per usable core
+spins for the first SECONDS of the quickstart (its data copy, prepare, the shape probe and the first
+minute of training), then stops. The row names it.
 
 No figure is typed by hand: each is read from the run (shape_choice.json, metrics.jsonl, the
 translations the quickstart wrote) or from the machine (/proc/cpuinfo).
@@ -31,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from transformer_cli.runtime.cpu import cpu_flags, cpu_model_name  # noqa: E402
+from transformer_cli.runtime.cpu import cpu_flags, cpu_model_name, usable_cores  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
 from transformer_cli.runtime.files import check_output  # noqa: E402
@@ -80,7 +85,16 @@ def read_row(run: Path, command: str, isa_cap: str | None = None) -> str:
     choice_file = run / "shape_choice.json"
     if choice_file.is_file():
         choice = json.loads(choice_file.read_text(encoding="utf-8"))
-        shape += f"; auto: {len(choice['shapes'])} shapes timed in {choice['probe_seconds']:.0f} s"
+        first = choice.get("replanned", {}).get("first", choice)
+        shape += f"; auto: {len(first['shapes'])} shapes timed in {first['probe_seconds']:.0f} s"
+        if first.get("busy", 0) >= 0.2:
+            shape += f" on a busy machine (other work {first['busy']:.0%})"
+        shape += f", predicted {next(s['updates'] for s in choice['shapes'] if s['name'] == choice['chosen']):,} updates"
+        if "replanned" in choice:
+            shape += (f"; re-planned after {choice['replanned']['after_seconds']:.0f} s "
+                      f"(first {first['chosen']}: {choice['replanned']['why']})")
+        elif "check" in choice:
+            shape += f"; plan checked after {choice['check']['after_seconds']:.0f} s: held"
     name, flags = cpu()
     if isa_cap:
         flags += f"; capped to {isa_cap}: " + " ".join(f"{k}={v}" for k, v in ISA_CAPS[isa_cap].items())
@@ -102,20 +116,27 @@ def main() -> None:
     parser.add_argument("--read", type=Path, default=None, help="print the row of this finished run; train nothing")
     parser.add_argument("--isa-cap", choices=sorted(ISA_CAPS), default=None,
                         help="run as on a CPU of a lower class: every library capped to AVX-512 without bf16 or to AVX2")
+    parser.add_argument("--busy", type=float, default=0.0, metavar="SECONDS",
+                        help="other work on every usable core for the first SECONDS of the run (default none)")
     args = parser.parse_args()
+    if not 0 <= args.busy <= 3600:
+        raise TfmError(f"--busy {args.busy:g}: expected 0 to 3600 seconds")
     size = f" --size {args.size}" if args.size else ""
+    busy = f" --busy {args.busy:g}" if args.busy else ""
     if args.isa_cap:  # the command that made the row: the caps live in this script
-        command = f"python scripts/quickstart_row.py --isa-cap {args.isa_cap} --time {args.time}{size}"
+        command = f"python scripts/quickstart_row.py --isa-cap {args.isa_cap} --time {args.time}{size}{busy}"
         flags = cpu()[1]
         if ISA_FLAG[args.isa_cap] not in flags.split():
             raise TfmError(f"--isa-cap {args.isa_cap}: this CPU does not have it ({flags}): a cap only lowers what a CPU has")
     else:
         command = f"TIME={args.time} " + (f"SIZE={args.size} " if args.size else "") + "scripts/quickstart.sh"
+        if args.busy:
+            command = f"python scripts/quickstart_row.py --time {args.time}{size}{busy}"
     if args.read is not None:
         print(HEADER)
         print(read_row(args.read, command, args.isa_cap))
         return
-    cap = f"-{args.isa_cap}" if args.isa_cap else ""
+    cap = (f"-{args.isa_cap}" if args.isa_cap else "") + (f"-busy{args.busy:g}" if args.busy else "")
     run = args.run_dir or ROOT / "runs" / f"quickstart-{args.time}-{args.size or 'auto'}{cap}"
     if run.exists():
         raise TfmError(f"{run} exists: the row is of a fresh run (give another --run-dir, or --read {run})")
@@ -127,11 +148,24 @@ def main() -> None:
     if args.size:
         env["SIZE"] = args.size
     run.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w", encoding="utf-8") as out:
-        done = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env, stdout=out,
-                              stderr=subprocess.STDOUT, cwd=ROOT)
-    if done.returncode != 0:
-        raise TfmError(f"scripts/quickstart.sh exited {done.returncode}: see {log}")
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(usable_cores())
+               if args.busy]
+    try:
+        with open(log, "w", encoding="utf-8") as out:
+            quickstart = subprocess.Popen(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env, stdout=out,
+                                          stderr=subprocess.STDOUT, cwd=ROOT)
+            try:
+                quickstart.wait(timeout=args.busy or None)
+            except subprocess.TimeoutExpired:
+                pass
+            for burner in burners:
+                burner.kill()
+            done = quickstart.wait()
+    finally:
+        for burner in burners:
+            burner.kill()
+    if done != 0:
+        raise TfmError(f"scripts/quickstart.sh exited {done}: see {log}")
     print(HEADER)
     print(read_row(run, command, args.isa_cap))
 

@@ -4,6 +4,7 @@ measured speed (training/shape_choice.py)."""
 import dataclasses
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,17 @@ def test_the_budget_becomes_updates_per_shape():
         assert p.max_tokens == 1000 and p.updates == 900  # a third of the batch, a third of the time an update
 
 
+def test_a_run_re_planning_credits_the_shape_it_trains_with_its_updates():
+    slow = timings({name: 2.0 for name in SHAPES})
+    so_far = shape_choice.TrainedSoFar("d128", 3000, 200)
+    fresh = {p.timing.name: p for p in predict(slow, 600.0, 100_000, 3000)}
+    going_on = {p.timing.name: p for p in predict(slow, 600.0, 100_000, 3000, so_far=so_far)}
+    assert going_on["d128"].updates == fresh["d128"].updates + 200 and going_on["d128"].bleu > fresh["d128"].bleu
+    assert going_on["d256"] == fresh["d256"]  # a shape started afresh has made nothing
+    smaller = {p.timing.name: p for p in predict(slow, 600.0, 100_000, 3000, 600, so_far)}
+    assert smaller["d128"].max_tokens == 1000 and smaller["d128"].updates == 900 + 600  # in tokens: 3x the updates
+
+
 def test_the_choice_is_the_highest_prediction_and_is_deterministic():
     measured = timings({"d128": 0.6, "d192": 0.95, "d256": 1.4})
     for seconds in (60.0, 600.0, 1800.0, 10_000.0, 1e7):
@@ -157,6 +169,120 @@ def test_ties_go_to_the_fastest_shape():
     tied = [p for p in predictions if p.bleu >= max(q.bleu for q in predictions) - shape_choice.TIE_BLEU]
     assert choose(predictions).timing.name == min(tied, key=lambda p: (p.timing.seconds_per_update,
                                                                       p.timing.name)).timing.name
+
+
+# --------------------------------------------------------------------------- a probe a moment's load cannot fool
+
+# seconds an update of each shape takes on an idle machine, per target token x 1,000 (d128 fastest)
+IDLE = {"d128": 0.10, "d192": 0.16, "d256": 0.24}
+
+
+class FakeMachine:
+    """A clock and a trainer: each update of shape `name` takes its idle seconds, times `slowdown`
+    while the clock is inside `busy` (start, end)."""
+
+    def __init__(self, busy: tuple[float, float] = (0.0, 0.0), slowdown: float = 10.0, only: str | None = None):
+        self.now, self.busy, self.slowdown, self.only = 0.0, busy, slowdown, only
+
+    def clock(self) -> float:
+        return self.now
+
+    def train_one(self, name: str, k: int) -> float:
+        seconds = IDLE[name] * (3.0 if k == 0 else 2.9 if k == 1 else 3.1)  # updates of unequal tokens
+        if self.busy[0] <= self.now < self.busy[1] and self.only in (None, name):
+            seconds *= self.slowdown
+        self.now += seconds
+        return seconds
+
+
+def fake_probe(machine: FakeMachine, lines: list[str] | None = None) -> list[ShapeTiming]:
+    names = sorted(IDLE, key=lambda name: IDLE[name])
+    return shape_choice.probe_timings(names, [3000.0, 2900.0, 3100.0], machine.train_one, lambda name: "bf16",
+                                      30.0, machine.clock, (lines if lines is not None else []).append)
+
+
+@pytest.mark.parametrize("busy, only", [((0.0, 2.0), None), ((0.0, 10.0), None), ((0.0, 1.0), "d128"),
+                                        ((1.5, 3.0), None), ((3.0, 5.0), "d256")])
+def test_a_transient_slowdown_leaves_the_probes_choice_as_it_was(busy, only):
+    """Ten times slower for a moment (every shape, or one): each (shape, update)'s fastest pass counts,
+    so the figures, and the shape chosen for each budget, are those of the idle machine."""
+    idle = fake_probe(FakeMachine())
+    disturbed = fake_probe(FakeMachine(busy, only=only))
+    for calm, moved in zip(idle, disturbed):
+        assert moved.name == calm.name and moved.seconds_per_update == pytest.approx(calm.seconds_per_update)
+    for seconds in (300.0, 600.0, 1800.0):
+        assert choose(predict(disturbed, seconds, 10**9, 3000)).timing.name == \
+            choose(predict(idle, seconds, 10**9, 3000)).timing.name
+
+
+def test_timed_one_after_another_the_same_slowdown_would_have_moved_the_figures():
+    """The control: timed shape after shape (as the probe once did), the moment falls on d128 alone,
+    which reads ten times slower than it is and slower than d192; interleaved, it does not."""
+    machine, sequential = FakeMachine((0.0, 10.0)), {}
+    for name in sorted(IDLE, key=IDLE.get):
+        machine.train_one(name, 0)
+        sequential[name] = statistics.median(machine.train_one(name, k) for k in (1, 2, 0))
+    assert sequential["d128"] > sequential["d192"]
+    interleaved = {t.name: t.seconds_per_update for t in fake_probe(FakeMachine((0.0, 10.0)))}
+    assert interleaved["d128"] < interleaved["d192"] and interleaved["d128"] == pytest.approx(IDLE["d128"] * 3.0)
+
+
+def test_figures_that_cannot_be_true_are_timed_again():
+    """d128 alone slowed for the whole probe (a load on its core, say): measured slower than d256, which
+    cannot be; it and the shape it contradicts get two more passes, and the figures come out true."""
+    lines: list[str] = []
+    machine = FakeMachine((0.0, 19.0), slowdown=4.0, only="d128")
+    timings = {t.name: t for t in fake_probe(machine, lines)}
+    assert any("timed again" in line for line in lines), lines
+    assert timings["d128"].tokens_per_second > timings["d192"].tokens_per_second > timings["d256"].tokens_per_second
+    assert timings["d128"].seconds_per_update == pytest.approx(IDLE["d128"] * 3.0, rel=0.05)
+    assert shape_choice.implausible([ShapeTiming("d128", 1.0, 1000, "bf16"), ShapeTiming("d256", 0.5, 1000, "bf16")]) \
+        == ["d128", "d256"]
+    assert shape_choice.implausible([ShapeTiming("d128", 1.0, 1000, "fp32"), ShapeTiming("d256", 0.5, 1000, "bf16")]) \
+        == []  # another precision may well be faster
+
+
+def test_the_plan_check_replans_on_a_real_slowdown_and_not_on_noise():
+    check = shape_choice.PlanCheck("d128", 10_000.0, probe_busy=0.0, after_seconds=60.0, deadline_seconds=180.0)
+    for speed in (8_500.0, 9_300.0, 10_000.0, 11_000.0, 12_400.0):  # noise, and the loop's own cost
+        assert check.gap(speed) == ""
+    assert "0.50x" in check.gap(5_000.0)  # half the speed: the plan was made for another machine
+    assert "1.60x" in check.gap(16_000.0)
+
+
+def test_the_plan_check_reads_the_speed_after_its_seconds_and_after_a_busy_probe_a_quiet_window(monkeypatch):
+    """Fed updates of a fake clock: a quiet probe's check decides at 60 s of training, over them; a
+    busy probe's waits for a quiet window (20 s), and a machine busy until the deadline is taken as it is."""
+    clock = {"now": 0.0, "busy_until": 0.0}
+    monkeypatch.setattr(shape_choice, "cpu_reading", lambda: clock["now"])
+
+    def others_share(start, end, threads):  # 90% of the CPUs taken until busy_until
+        return 0.9 * max(0.0, min(end, clock["busy_until"]) - start) / (end - start)
+
+    monkeypatch.setattr(shape_choice, "others_share", others_share)
+
+    def feed(check, speed, until, busy_until=0.0, start=12.0):
+        seconds, tokens, clock["busy_until"] = start, 0, busy_until
+        while seconds < until:
+            clock["now"] = seconds
+            verdict = check.observe(seconds, tokens)
+            if verdict is not None:
+                return seconds, verdict
+            seconds, tokens = seconds + 0.5, tokens + int(speed(seconds) * 0.5)
+        return seconds, None
+
+    quiet = shape_choice.PlanCheck("d128", 10_000.0, 0.0, after_seconds=60.0, deadline_seconds=180.0)
+    at, verdict = feed(quiet, lambda t: 10_400.0, 600)
+    assert at == pytest.approx(72.0) and verdict.gap == "" and verdict.tokens_per_second == pytest.approx(10_400, rel=0.01)
+    slowed = shape_choice.PlanCheck("d128", 10_000.0, 0.0, after_seconds=60.0, deadline_seconds=180.0)
+    assert "0.40x" in feed(slowed, lambda t: 4_000.0, 600)[1].gap  # another program since the probe
+    # Timed under load at half the speed; the load ends 90 s in: the first quiet 20 s after it decide.
+    busy_probe = shape_choice.PlanCheck("d128", 5_000.0, 0.8, after_seconds=60.0, deadline_seconds=180.0)
+    at, verdict = feed(busy_probe, lambda t: 5_000.0 if t < 90 else 10_000.0, 600, busy_until=90.0)
+    assert 110 <= at <= 135 and "2.00x" in verdict.gap and "busy machine" in verdict.gap
+    stays_busy = shape_choice.PlanCheck("d128", 5_000.0, 0.8, after_seconds=60.0, deadline_seconds=180.0)
+    at, verdict = feed(stays_busy, lambda t: 5_100.0, 600, busy_until=600.0)
+    assert 180 <= at <= 201 and verdict.gap == ""  # as busy as when timed: what it trains at
 
 
 # --------------------------------------------------------------------------- a real probe, and resume
@@ -215,6 +341,45 @@ def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_p
     assert resumed["config"]["train"]["max_tokens"] == shape_choice.BATCH_FLOOR  # the run's batches, not 1,500
     assert resumed["config"]["train"]["lr"] == chosen.lr  # and its learning rate
     assert resumed["config"]["model"]["dropout"] == LONG_BUDGET_DROPOUT  # and its dropout, not the default
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second", ["d128", "d192"])
+def test_a_plan_check_that_fails_times_the_shapes_again_and_goes_on_or_starts_afresh(
+        tiny_prepared, tmp_path, monkeypatch, capsys, second):
+    """The check after the first update (its band squeezed to nothing, so any speed is news): the
+    shapes are timed again for the budget left; the same choice goes on from the run's checkpoint,
+    another starts the run afresh as that shape. Either way the run makes its steps, once."""
+    raw = auto_config(tiny_prepared, tmp_path, max_steps=6, eval_every=3, eval_bleu_sentences=2, max_time=600)
+    monkeypatch.setattr(shape_choice, "CHECK_AFTER", 0.0)
+    monkeypatch.setattr(shape_choice, "PLAN_HOLDS", 1.0)
+    monkeypatch.setattr(shape_choice, "CHECK_DEADLINE", 0.0)  # a busy test machine: no waiting for a quiet window
+    choices = iter(["d128", second])
+
+    def choose_in_turn(predictions):
+        name = next(choices)
+        return next(p for p in predictions if p.timing.name == name)
+
+    monkeypatch.setattr(shape_choice, "choose", choose_in_turn)
+    summary = train(config_from_dict(raw), progress_bar=False)
+    assert summary.steps == 6 and not summary.plan_gap
+    run = tmp_path / "run"
+    out = capsys.readouterr().err
+    assert "plan check over" in out and "so the shapes are timed again" in out
+    record = json.loads((run / CHOICE_FILE).read_text())
+    assert record["chosen"] == second and record["replanned"]["first"]["chosen"] == "d128"
+    assert record["replanned"]["first"]["check"]["replan"] and "why" in record["replanned"]
+    from transformer_cli.experiment.checkpoint import load_checkpoint
+    trained = load_checkpoint(run / "checkpoints" / "checkpoint_last.pt")
+    assert {k: trained["model_config"][k] for k in SHAPE_KEYS} == SHAPES[second].keys()
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "valid"]
+    assert steps == [3, 6]  # the dropped start leaves no record behind
+    if second == "d128":
+        assert "d128 goes on from step" in out and "resuming from" in out
+    else:
+        assert "the run starts afresh as d192" in out
+    assert trained["progress"]["elapsed"] >= record["replanned"]["after_seconds"]  # the first minute counts
 
 
 @pytest.mark.parametrize("size", ["d128", "d256"])

@@ -17,6 +17,7 @@ holding the run's lock (`tfm prepare`, `tfm train`) writes the run's own files (
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -120,6 +121,13 @@ class RunDirectory:
             if (self.root / name).exists():
                 (self.root / name).rename(aside / name)
         return aside
+
+    def remove_training(self) -> None:
+        """Delete what training wrote (checkpoints/, metrics.jsonl, tensorboard/): a run that starts
+        afresh under its own plan check, within its first minute."""
+        for name in (self.checkpoints.name, "tensorboard"):
+            shutil.rmtree(self.root / name, ignore_errors=True)
+        self.metrics.unlink(missing_ok=True)
 
     def default_checkpoint(self) -> Path:
         """The model `--config` means: of checkpoint_avg.pt, checkpoint_ema.pt and checkpoint_best.pt

@@ -1,6 +1,6 @@
-"""The CPU this process runs on: how many cores it may use, its name, and two process settings
-that make training and decoding on it faster (freed memory kept for reuse, denormals flushed).
-Measurements behind them: docs/performance.md."""
+"""The CPU this process runs on: how many cores it may use, its name, how much of it other work
+takes (`CpuReading`), and two process settings that make training and decoding on it faster (freed
+memory kept for reuse, denormals flushed). Measurements behind them: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+# Other work taking this share of the CPUs or more makes a speed measured meanwhile one of the
+# moment: it is said, and not kept as the machine's (others_share).
+BUSY_SHARE = 0.2
 _configured = False
 
 
@@ -47,6 +53,65 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """What this process and the machine had run at one moment. Two readings tell how much of the
+    CPUs other work took between them (`others_share`): a measurement of speed taken meanwhile is
+    a measurement of the moment, not of the machine."""
+
+    wall: float  # time.monotonic()
+    own: float  # this process's CPU seconds, every thread
+    waited: float | None  # seconds this process's threads were runnable but waiting for a CPU (schedstat)
+    busy: float | None  # CPU seconds every process used (/proc/stat), where it counts just the CPUs we may use
+
+
+def _seconds_waited() -> float | None:
+    """The run-queue wait of every thread of this process (/proc/self/task/*/schedstat, 2nd field, ns)."""
+    total, found = 0, False
+    for stat in Path("/proc/self/task").glob("*/schedstat"):
+        try:
+            total += int(stat.read_text().split()[1])
+            found = True
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9 if found else None
+
+
+def _seconds_busy() -> float | None:
+    """CPU seconds all processes used (user, nice, system, irq, softirq, steal) where /proc/stat
+    counts the CPUs this process may use; None elsewhere (a container shown the host's CPUs)."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+        cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+        fields = [int(x) for x in lines[0].split()[1:9]]
+        if cpus != usable_cores():
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_reading() -> CpuReading:
+    return CpuReading(time.monotonic(), time.process_time(), _seconds_waited(), _seconds_busy())
+
+
+def others_share(start: CpuReading, end: CpuReading, threads: int) -> float:
+    """The share of this process's CPUs that other work took between two readings (0 to 1): the
+    larger of the time its `threads` waited for a CPU over the time they could have run, and other
+    processes' CPU time over the CPUs' (steal of a virtual machine included); 0 where neither is
+    readable (not Linux)."""
+    wall = end.wall - start.wall
+    if wall <= 0:
+        return 0.0
+    shares = [0.0]
+    if start.waited is not None and end.waited is not None:
+        shares.append((end.waited - start.waited) / (wall * max(threads, 1)))
+    if start.busy is not None and end.busy is not None:
+        shares.append((end.busy - start.busy - (end.own - start.own)) / (wall * usable_cores()))
+    return min(max(shares), 1.0)
 
 
 def keep_freed_memory() -> bool:

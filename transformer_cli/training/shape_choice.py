@@ -1,11 +1,15 @@
-"""`model.size: auto`: given the budget and the machine, choose what to train.
+"""`model.size: auto`: given the budget and the machine, choose what to train, and check the choice.
 
-Before the first step, every named shape (experiment/shapes.py) trains a few updates on the run's
-own batches, on this device, in the precision `tfm train` would use for it; its speed (target
-tokens a second) turns the budget left into the updates it would make, and its measured curve
-into the valid BLEU those updates reached. The shape with the highest prediction is trained; within
-`TIE_BLEU` of it, the fastest (it also translates fastest). Nothing here reads a CPU's name: a slow
-machine buys fewer tokens, and the curves say which shape learns most from those.
+Before the first step, every named shape (experiment/shapes.py) trains the run's first updates, on
+this device, in the precision `tfm train` would use for it: interleaved, each shape in turn on each
+update over several passes, each (shape, update)'s fastest pass counting, so that a moment's load
+falls on every shape alike and on one pass, not on a shape's figure; a larger shape measured faster
+than a smaller (which cannot be) is timed again, and the share of the CPUs other work took meanwhile
+is measured and said. A shape's speed (target tokens a second) turns the budget left into the updates
+it would make, and its measured curve into the valid BLEU those updates reached. The shape with the
+highest prediction is trained; within `TIE_BLEU` of it, the fastest (it also translates fastest).
+Nothing here reads a CPU's name: a slow machine buys fewer tokens, and the curves say which shape
+learns most from those.
 
 A budget that buys few updates learns more from more, smaller batches: with `train.min_updates`
 a shape that would make fewer updates than that trains on 1,000-token batches (`batch_for_budget`).
@@ -15,8 +19,13 @@ the config gives `train.lr`, and at the dropout its curve was measured with, or 
 the budget runs past the point that shape was seen to overfit (`NamedShape.dropout_for`), unless the
 config gives `model.dropout`.
 
-A resumed run never probes again: its checkpoint's shape, batch, learning rate and dropout are the
-run's (`shape_of_run`).
+The plan is checked as the run trains on a CPU (`PlanCheck`): after a minute, or after a busy
+probe the first quiet window, the speed trained at against the probe's; off by more than
+`PLAN_HOLDS`, the shapes are timed again for the budget left (train.py `train_replanned`), the
+shape being trained credited with its updates.
+
+A resumed run never probes or re-plans: its checkpoint's shape, batch, learning rate and dropout
+are the run's (`shape_of_run`).
 """
 
 from __future__ import annotations
@@ -36,17 +45,25 @@ from ..experiment.checkpoint import load_checkpoint
 from ..experiment.config import ExperimentConfig, TrainConfig, parse_duration
 from ..experiment.rundir import RunDirectory
 from ..experiment.shapes import AUTO, SHAPE_KEYS, SHAPES, NamedShape
+from ..runtime.cpu import BUSY_SHARE, CpuReading, cpu_reading, others_share
 from ..runtime.errors import TfmError
 from ..runtime.files import atomic_write_text
-from ..runtime.precision import autocast_dtype, choose_precision
+from ..runtime.precision import autocast_dtype, choose_precision, forget_busy_measurements
 from .builders import adam, build_model
 from .loss import batch_loss
 from .step_health import gradient_norm
 
 BATCH_FLOOR = 1000  # tokens: the smallest batch train.min_updates shrinks to (docs/training.md)
-PROBE_UPDATES = 4  # per shape: the first builds kernels and is not counted, the median of the others is
+PROBE_UPDATES = 3  # the run's first updates, which every shape trains
+PROBE_PASSES = 2  # over them after the warm-up, the shapes in turn: each (shape, update)'s fastest pass counts
+EXTRA_PASSES = 2  # for shapes whose figures cannot be true
 PROBE_SHARE = 0.05  # of a max_time budget, at most, before the shapes not yet timed are left out
 TIE_BLEU = 0.25  # predictions this close are a tie, and the fastest shape wins it
+CHECK_AFTER = 60.0  # seconds of training after which the run checks the plan (restarting is cheap so early)...
+CHECK_SHARE = 0.1  # ... or this share of the budget, whichever comes first
+PLAN_HOLDS = 1.25  # a speed trained at within this factor of the probe's (either way) keeps the plan
+CHECK_WINDOW = 20.0  # seconds: after a busy probe, the run's speed is read in windows this long until one is quiet...
+CHECK_DEADLINE = 0.3  # ... until this share of the budget (a machine busy so long is the machine)
 CHOICE_FILE = "shape_choice.json"
 
 
@@ -70,17 +87,29 @@ class Prediction:
     bleu: float  # predicted valid greedy BLEU after those updates
 
 
+@dataclass(frozen=True)
+class TrainedSoFar:
+    """What a run re-planning has trained: `updates` of `shape` at `batch`-token batches."""
+
+    shape: str
+    batch: int
+    updates: int
+
+
 def predict(timings: Sequence[ShapeTiming], seconds_left: float | None, updates_left: int, max_tokens: int,
-            min_updates: int | None = None) -> list[Prediction]:
+            min_updates: int | None = None, so_far: TrainedSoFar | None = None) -> list[Prediction]:
     """What each timed shape (timed at `max_tokens`) reaches in the budget left: `seconds_left` of
     training (None: no time limit) and at most `updates_left` updates, at the batch
-    `batch_for_budget` gives it (a smaller batch takes proportionally less time: its tokens a second hold)."""
+    `batch_for_budget` gives it (a smaller batch takes proportionally less time: its tokens a second
+    hold). A run re-planning (`so_far`) goes on with the shape it trains: its updates made count,
+    in tokens, towards that shape's."""
     predictions = []
     for timing in timings:
         batch = batch_for_budget(max_tokens, min_updates, timing, seconds_left)
         seconds_per_update = timing.seconds_per_update * batch / max_tokens
         by_time = math.inf if seconds_left is None else max(seconds_left, 0.0) / seconds_per_update
-        updates = int(min(by_time, updates_left))
+        made = so_far.updates * so_far.batch / batch if so_far is not None and so_far.shape == timing.name else 0
+        updates = int(min(by_time, updates_left) + made)
         predictions.append(Prediction(timing, batch, updates, SHAPES[timing.name].predicted_bleu(updates, batch)))
     return predictions
 
@@ -164,60 +193,143 @@ def _train_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     optimizer.zero_grad(set_to_none=True)
 
 
-def time_shape(config: ExperimentConfig, shape: NamedShape, updates: list[list[Batch]], vocab: tuple[int, int],
-               shared_ids: bool, device: torch.device) -> ShapeTiming:
-    """Train `updates` from random weights of `shape`; seconds per update after the first (on a GPU,
-    the mean of a second pass)."""
-    shaped = with_shape(config, shape)
+@dataclass
+class ShapeRun:
+    """One named shape built to be timed: its model and optimizer, in the precision `tfm train`
+    would train it with."""
+
+    shape: NamedShape
+    precision: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    amp_dtype: torch.dtype | None
+
+
+def build_shape_run(config: ExperimentConfig, shape: NamedShape, vocab: tuple[int, int], shared_ids: bool,
+                    device: torch.device) -> ShapeRun:
     precision = choose_precision(config.train.precision, device, (shape.d_model, shape.d_ff))
-    amp_dtype = autocast_dtype(precision)
-    model = build_model(shaped, *vocab, shared_ids).to(device)
+    model = build_model(with_shape(config, shape), *vocab, shared_ids).to(device)
     optimizer = adam(model, config.train)
     for group in optimizer.param_groups:
         group["lr"] = 1e-4
     model.train()
-    tokens = [sum(batch.n_tgt_tokens for batch in batches) for batches in updates]
+    return ShapeRun(shape, precision.name, model, optimizer, autocast_dtype(precision))
+
+
+def train_timed(run: ShapeRun, updates: list[list[Batch]], device: torch.device, train_cfg: TrainConfig) -> float:
+    """Seconds to train `updates` (on a GPU queued as in training, and waited for once at the end)."""
     if device.type == "cuda":
-        # A GPU's first pass over new batch shapes picks its kernels and grows its memory pool, and
-        # waiting for each update idles it where training queues the next: timed so, an H200 looked
-        # 2.4x slower than it trains (3,183 updates predicted for 150 s, 6,058 made). The batches
-        # pass once untimed, then once timed as a whole, queued as in training. (Then a 300-s run made
-        # half the updates predicted: its evaluations and the loop's host work are not timed here.)
-        for batches in updates:
-            _train_update(model, optimizer, batches, device, amp_dtype, config.train)
         torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for batches in updates:
-            _train_update(model, optimizer, batches, device, amp_dtype, config.train)
-        torch.cuda.synchronize(device)
-        return ShapeTiming(shape.name, (time.perf_counter() - start) / len(updates), statistics.mean(tokens),
-                           precision.name)
-    seconds = []
+    start = time.perf_counter()
     for batches in updates:
-        start = time.perf_counter()
-        _train_update(model, optimizer, batches, device, amp_dtype, config.train)
-        seconds.append(time.perf_counter() - start)
-    counted = slice(1, None) if len(seconds) > 1 else slice(None)  # the first builds kernels
-    return ShapeTiming(shape.name, statistics.median(seconds[counted]), statistics.mean(tokens[counted]),
-                       precision.name)
+        _train_update(run.model, run.optimizer, batches, device, run.amp_dtype, train_cfg)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+Seconds = dict[str, dict[int, list[float]]]  # shape → probe update → the seconds of each counted pass over it
+
+
+def interleaved_seconds(names: Sequence[str], updates: int, train_one: Callable[[str, int], float],
+                        limit_seconds: float | None, clock: Callable[[], float],
+                        say: Callable[[str], None], passes: int = PROBE_PASSES) -> Seconds:
+    """Each shape warms up on the first two updates (the first builds its kernels and is not counted),
+    smallest first; a shape not begun once `limit_seconds` are spent is left out (said). Then `passes`
+    over every update, the shapes in turn for each (their order rotating), while the limit allows: a
+    moment's load falls on every shape alike, and on one pass of each (shape, update), not on all."""
+    started, seconds = clock(), {}
+    for name in names:
+        if limit_seconds is not None and seconds and clock() - started > limit_seconds:
+            say(f"model.size auto: {name} not timed (the probe's {limit_seconds:.3g} s are spent)")
+            continue
+        train_one(name, 0)
+        seconds[name] = {min(1, updates - 1): [train_one(name, min(1, updates - 1))]}
+    timed = list(seconds)
+    for turn in range(passes * updates):
+        if limit_seconds is not None and clock() - started > limit_seconds:
+            break
+        k = turn % updates
+        for name in timed[turn % len(timed):] + timed[:turn % len(timed)]:
+            seconds[name].setdefault(k, []).append(train_one(name, k))
+    return seconds
+
+
+def fastest(seconds_by_update: dict[int, list[float]], tokens: Sequence[float]) -> tuple[float, float]:
+    """(seconds, target tokens) of an update: each update's fastest pass, averaged over the updates timed."""
+    timed = sorted(seconds_by_update)
+    return (statistics.mean(min(seconds_by_update[k]) for k in timed), statistics.mean(tokens[k] for k in timed))
+
+
+def implausible(timings: Sequence[ShapeTiming]) -> list[str]:
+    """Shapes whose figures cannot both be true: of two in the same precision, the one with more
+    weights a layer faster per token than the other (by more than a tenth)."""
+    suspects: set[str] = set()
+    for small in timings:
+        for large in timings:
+            if (small.precision == large.precision and layer_weights(SHAPES[large.name]) > layer_weights(
+                    SHAPES[small.name]) and large.tokens_per_second > 1.1 * small.tokens_per_second):
+                suspects |= {small.name, large.name}
+    return sorted(suspects, key=lambda name: layer_weights(SHAPES[name]))
+
+
+def layer_weights(shape: NamedShape) -> int:
+    """Weights of the encoder and decoder layers (attention and FFN): what a token's step costs."""
+    attention, ffn = 4 * shape.d_model ** 2, 2 * shape.d_model * shape.d_ff
+    return shape.enc_layers * (attention + ffn) + shape.dec_layers * (2 * attention + ffn)
 
 
 def time_shapes(config: ExperimentConfig, data: ParallelData, vocab: tuple[int, int], shared_ids: bool,
                 device: torch.device, limit_seconds: float | None,
-                say: Callable[[str], None]) -> tuple[list[ShapeTiming], float]:
-    """Every named shape timed, smallest first; once `limit_seconds` are spent the larger ones are
-    left out (said). Returns the timings and the seconds spent."""
+                say: Callable[[str], None]) -> tuple[list[ShapeTiming], float, float]:
+    """Every named shape timed on the run's first updates, interleaved (`interleaved_seconds`), smallest
+    first; figures that cannot be true timed again. Returns the timings, the seconds spent and the
+    share of the CPUs other work took meanwhile."""
     updates = probe_batches(data, config, PROBE_UPDATES)
     if not updates:
         raise TfmError("model.size auto: the training split has no batch to time the shapes on")
-    started = time.perf_counter()
-    timings = []
-    for shape in sorted(SHAPES.values(), key=lambda s: s.d_model * (s.enc_layers + s.dec_layers)):
-        if limit_seconds is not None and timings and time.perf_counter() - started > limit_seconds:
-            say(f"model.size auto: {shape.name} not timed (the probe's {limit_seconds:.3g} s are spent)")
-            continue
-        timings.append(time_shape(config, shape, updates, vocab, shared_ids, device))
-    return timings, time.perf_counter() - started
+    forget_busy_measurements()  # a bf16 screen of a busy moment is measured again
+    before, started = cpu_reading(), time.perf_counter()
+    names = sorted(SHAPES, key=lambda name: layer_weights(SHAPES[name]))
+    runs: dict[str, ShapeRun] = {}
+
+    # A GPU's first pass over new batch shapes picks its kernels and grows its memory pool, and
+    # waiting for each update idles it where training queues the next: timed so, an H200 looked
+    # 2.4x slower than it trains (3,183 updates predicted for 150 s, 6,058 made). There the unit
+    # timed is a pass over all the probe's updates, queued as in training.
+    units = [[update] for update in updates] if device.type != "cuda" else [updates]
+
+    def train_one(name: str, k: int) -> float:
+        if name not in runs:
+            runs[name] = build_shape_run(config, SHAPES[name], vocab, shared_ids, device)
+        return train_timed(runs[name], units[k], device, config.train) / len(units[k])
+
+    tokens = [statistics.mean(float(sum(batch.n_tgt_tokens for batch in update)) for update in unit) for unit in units]
+    timings = probe_timings(names, tokens, train_one, lambda name: runs[name].precision, limit_seconds,
+                            time.perf_counter, say)
+    busy = others_share(before, cpu_reading(), torch.get_num_threads()) if device.type == "cpu" else 0.0
+    return timings, time.perf_counter() - started, busy
+
+
+def probe_timings(names: Sequence[str], tokens: Sequence[float], train_one: Callable[[str, int], float],
+                  precision: Callable[[str], str], limit_seconds: float | None, clock: Callable[[], float],
+                  say: Callable[[str], None]) -> list[ShapeTiming]:
+    """The shapes' timings (`interleaved_seconds`), and those that cannot be true timed again with
+    `EXTRA_PASSES` more, within half the probe's limit again."""
+    seconds = interleaved_seconds(names, len(tokens), train_one, limit_seconds, clock, say)
+
+    def timings() -> list[ShapeTiming]:
+        return [ShapeTiming(name, *fastest(seconds[name], tokens), precision(name)) for name in seconds]
+
+    suspects = implausible(timings())
+    if suspects:
+        say(f"model.size auto: {' and '.join(suspects)} timed again (a larger shape measured faster than a smaller)")
+        extra = interleaved_seconds(suspects, len(tokens), train_one, None if limit_seconds is None else
+                                    limit_seconds / 2, clock, lambda line: None, passes=EXTRA_PASSES)
+        for name in suspects:
+            for k, more in extra.get(name, {}).items():
+                seconds[name].setdefault(k, []).extend(more)
+    return timings()
 
 
 # --------------------------------------------------------------------------- the run's shape
@@ -247,22 +359,83 @@ def shape_of_run(config: ExperimentConfig, last_checkpoint: Path, keep_batch: bo
     return config.model_copy(update={"model": model, "train": train})
 
 
+@dataclass(frozen=True)
+class PlanVerdict:
+    seconds: float  # of training measured (evaluations not counted)
+    tokens_per_second: float
+    busy: float  # the share of the CPUs other work took meanwhile
+    gap: str  # why the shapes are timed again; "" where the plan holds
+
+
+@dataclass
+class PlanCheck:
+    """What a run on a CPU checks the probe's plan against while it trains: the chosen shape's
+    target tokens a second as the probe timed them. After `after_seconds` of training the speed
+    trained at is compared with them; where the probe was timed on a busy machine, the first quiet
+    `CHECK_WINDOW` of training is (until `deadline_seconds` of the budget: a machine busy that long
+    is the machine)."""
+
+    shape: str
+    tokens_per_second: float
+    probe_busy: float
+    after_seconds: float
+    deadline_seconds: float
+    window: tuple[float, int, CpuReading] | None = None  # (seconds, tokens, reading) where the window began
+    started: float = 0.0  # the seconds of the first update observed
+
+    def observe(self, seconds: float, tokens: int) -> PlanVerdict | None:
+        """After an update, `seconds` of training and `tokens` target tokens so far: None until the
+        verdict, then the verdict (once)."""
+        if self.window is None:
+            self.window, self.started = (seconds, tokens, cpu_reading()), seconds
+            return None
+        began, tokens_then, reading = self.window
+        length = seconds - began
+        waiting = self.probe_busy >= BUSY_SHARE and seconds < self.deadline_seconds
+        if seconds - self.started < self.after_seconds or length <= 0 or (waiting and length < CHECK_WINDOW):
+            return None
+        now = cpu_reading()
+        busy, speed = others_share(reading, now, torch.get_num_threads()), (tokens - tokens_then) / length
+        if waiting and busy >= BUSY_SHARE:  # still busy: the next window
+            self.window = (seconds, tokens, now)
+            return None
+        return PlanVerdict(length, speed, busy, self.gap(speed))
+
+    def gap(self, tokens_per_second: float) -> str:
+        """Why the shapes are timed again ("" where the plan holds): the run trains at a speed more
+        than PLAN_HOLDS from the probe's, either way. Within it, a measurement is noise, not news."""
+        ratio = tokens_per_second / self.tokens_per_second
+        if ratio > PLAN_HOLDS or ratio < 1 / PLAN_HOLDS:
+            return (f"it trains at {ratio:.2f}x the {self.tokens_per_second:,.0f} target tokens/s the probe timed"
+                    + (f" on a busy machine (other work {self.probe_busy:.0%})" if self.probe_busy >= BUSY_SHARE else ""))
+        return ""
+
+
 def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int, int], shared_ids: bool,
-                 device: torch.device, run_root: Path, say: Callable[[str], None]) -> tuple[ExperimentConfig, float]:
-    """The config with the shape `auto` chooses for this budget on this device, and the probe's
-    seconds (the trainer counts them as spent). Prints the table and writes it to the run."""
+                 device: torch.device, run_root: Path, say: Callable[[str], None], spent_before: float = 0.0,
+                 replanned: str = "", so_far: TrainedSoFar | None = None) -> tuple[ExperimentConfig, float,
+                                                                                PlanCheck | None]:
+    """The config with the shape `auto` chooses for the budget left (`spent_before` seconds of it
+    gone) on this device, the probe's seconds (the trainer counts them as spent) and what the run
+    checks the plan against. Prints the table and writes it to the run (a re-plan, `replanned`
+    saying why, keeps the first plan's record inside its own, and credits the shape it trains with
+    its updates `so_far`)."""
     train_cfg = config.train
     budget = parse_duration(train_cfg.max_time) if train_cfg.max_time is not None else None
     limit = None if budget is None else PROBE_SHARE * budget
-    timings, spent = time_shapes(config, data, vocab, shared_ids, device, limit, say)
-    seconds_left = None if budget is None else budget - spent
-    predictions = predict(timings, seconds_left, train_cfg.max_steps, train_cfg.max_tokens, train_cfg.min_updates)
+    timings, spent, busy = time_shapes(config, data, vocab, shared_ids, device, limit, say)
+    seconds_left = None if budget is None else budget - spent_before - spent
+    predictions = predict(timings, seconds_left, train_cfg.max_steps, train_cfg.max_tokens, train_cfg.min_updates,
+                          so_far)
     chosen = choose(predictions)
     limit_text = f"{budget:.0f} s budget" if budget is not None else f"{train_cfg.max_steps:,} updates"
     say(f"model.size auto: timed {len(timings)} shapes on {device} in {spent:.1f} s of the {limit_text}; "
         "valid BLEU (greedy) predicted by the curves measured on Multi30k (docs/training.md):")
     for line in table(predictions, chosen):
         say(line)
+    if busy >= BUSY_SHARE:
+        say(f"model.size auto: the machine was busy: other work took {busy:.0%} of its CPUs while the shapes "
+            "were timed (each shape's fastest passes count); the run checks its speed again once it trains")
     shape = SHAPES[chosen.timing.name]
     lr = lr_of_choice(config, shape, chosen.max_tokens)
     dropout = dropout_of_choice(config, shape, chosen)
@@ -275,40 +448,64 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
            if dropout is not None else f", dropout {config.model.dropout:g} (model.dropout)"))
     record = {"chosen": shape.name, "max_tokens": chosen.max_tokens, "lr": lr or train_cfg.lr,
               "dropout": config.model.dropout if dropout is None else dropout,
-              "probe_seconds": round(spent, 2),
+              "probe_seconds": round(spent, 2), "busy": round(busy, 3),
               "budget_seconds": budget, "max_steps": train_cfg.max_steps, "device": str(device),
               "shapes": [{**asdict(p.timing), "tokens_per_second": round(p.timing.tokens_per_second, 1),
                           "max_tokens": p.max_tokens, "updates": p.updates, "predicted_bleu": round(p.bleu, 2)}
                          for p in predictions]}
+    if replanned:
+        record["replanned"] = {"why": replanned, "after_seconds": round(spent_before, 1),
+                               "first": read_choice(run_root)}
     run_root.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_root / CHOICE_FILE, json.dumps(record, indent=1) + "\n")
-    return with_shape(config, shape, chosen.max_tokens, lr, dropout), spent
+    check = None if budget is None or replanned or device.type != "cpu" else PlanCheck(
+        shape.name, chosen.timing.tokens_per_second, busy, min(CHECK_AFTER, CHECK_SHARE * budget),
+        CHECK_DEADLINE * budget)
+    return with_shape(config, shape, chosen.max_tokens, lr, dropout), spent, check
+
+
+def read_choice(run_root: Path) -> dict:
+    """The run's shape_choice.json ({} where there is none or it is torn)."""
+    try:
+        record = json.loads((run_root / CHOICE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def record_check(run_root: Path, check: dict) -> None:
+    """The in-run check of the plan, added to the run's shape_choice.json."""
+    record = read_choice(run_root)
+    if record:
+        atomic_write_text(run_root / CHOICE_FILE, json.dumps({**record, "check": check}, indent=1) + "\n")
 
 
 def resolve_size(config: ExperimentConfig, resume: bool, last_checkpoint: Path,
-                 choose_now: Callable[[], tuple[ExperimentConfig, float]],
-                 say: Callable[[str], None]) -> tuple[ExperimentConfig, float]:
+                 choose_now: Callable[[], tuple[ExperimentConfig, float, PlanCheck | None]],
+                 say: Callable[[str], None]) -> tuple[ExperimentConfig, float, PlanCheck | None]:
     """The config `tfm train` trains: as given, with a named shape's learning rate where train.lr is
     not given; under model.size auto, the resumed run's shape, or the one chosen now (`choose_now`).
-    Returns it and the seconds a probe spent."""
+    Returns it, the seconds a probe spent and what the run checks the probe's plan against (a new
+    `auto` run only: a resumed run never re-plans into another shape)."""
     if config.model.size in SHAPES:  # a named shape trains at its measured learning rate, as under auto...
         lr = lr_of_choice(config, SHAPES[config.model.size], config.train.max_tokens)
         if lr and resume and last_checkpoint.exists():  # ...and a resumed run at the one it started with
             lr = load_checkpoint(last_checkpoint, map_location="cpu").get("config", {}).get("train", {}).get("lr", lr)
-        return (config.model_copy(update={"train": config.train.model_copy(update={"lr": lr})}) if lr else config), 0.0
+        return (config.model_copy(update={"train": config.train.model_copy(update={"lr": lr})}) if lr else config), \
+            0.0, None
     if config.model.size != AUTO:
-        return config, 0.0
+        return config, 0.0, None
     if resume and last_checkpoint.exists():
         resumed = shape_of_run(config, last_checkpoint)
         name = resumed.model.size or "its own shape"
         say(f"model.size auto: resuming the shape this run chose, {name} (d_model {resumed.model.d_model}, "
             f"{resumed.model.enc_layers}+{resumed.model.dec_layers} layers, FFN {resumed.model.d_ff})")
-        return resumed, 0.0
+        return resumed, 0.0, None
     if config.train.init_from:
         parent = Path(config.train.init_from)
         parent = RunDirectory(parent).default_checkpoint() if parent.is_dir() else parent
         started = shape_of_run(config, parent, keep_batch=False)
         say(f"model.size auto: fine-tuning keeps the shape of {parent} (d_model {started.model.d_model}, "
             f"{started.model.enc_layers}+{started.model.dec_layers} layers, FFN {started.model.d_ff})")
-        return started, 0.0
+        return started, 0.0, None
     return choose_now()

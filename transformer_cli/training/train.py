@@ -47,7 +47,7 @@ from .ema import WeightAverage
 from .final_models import FinalModels
 from .loss import batch_loss
 from .schedule import next_learning_rate
-from .shape_choice import choose_shape, resolve_size
+from .shape_choice import PlanCheck, TrainedSoFar, choose_shape, record_check, resolve_size
 from .step_health import StepLedger, gradient_norm
 from .tensorboard_log import TensorBoardLog
 from .validation import Validation
@@ -93,6 +93,7 @@ class TrainSummary:
     best_checkpoint: Path | None
     last_checkpoint: Path | None
     stop_reason: str
+    plan_gap: str = ""  # why the run stopped to time the shapes again (model.size auto's plan check)
 
 
 @dataclass
@@ -208,8 +209,10 @@ class Trainer:
     resume; writes nothing), `setup()` writes the run's files, `run()` trains."""
 
     def __init__(self, config: ExperimentConfig, world: World, device: torch.device, resume: bool,
-                 progress_bar: bool, on_step: Callable[[int, Transformer], None] | None, spent: float = 0.0):
+                 progress_bar: bool, on_step: Callable[[int, Transformer], None] | None, spent: float = 0.0,
+                 plan_check: PlanCheck | None = None):
         self.config, self.train_cfg, self.world, self.device = config, config.train, world, device
+        self.plan_check, self.plan_gap = plan_check, ""
         self.on_step, self.progress_bar = on_step, progress_bar
         self.run_dir = RunDirectory(config.run_path)
         self.writer = world.rank == 0  # prints, logs and writes checkpoints
@@ -235,8 +238,11 @@ class Trainer:
         self.model = build_model(config, self.manifest["vocab_size"]["src"], self.manifest["vocab_size"]["tgt"],
                                  self.manifest.get("shared_ids", False)).to(device)
         self.optimizer = adam(self.model, self.train_cfg)
-        self.progress = TrainProgress(elapsed=spent)  # `spent`: the shape probe's seconds, out of max_time
+        # `spent`: seconds of max_time gone outside training (the shape probe's); the pace is measured from after them
+        self.progress = TrainProgress(elapsed=spent, pace_marks=[[0, spent]] if spent else [])
         saved_ema = self._restore() if resume else None
+        if resume:
+            self.progress.elapsed += spent
         if not resume and self.train_cfg.init_from:
             initialise_from(self.model, Path(self.train_cfg.init_from), self.spm_files, self.console.print)
         # A run that ended and whose limits still hold is complete: --resume changes nothing.
@@ -315,6 +321,7 @@ class Trainer:
         self.model.train()
         self.started = time.perf_counter() - self.progress.elapsed
         self.ledger.started = time.perf_counter()
+        self.evaluating_seconds = 0.0
         stop_reason = budget_spent(self.train_cfg, self.progress)  # a run stopped at its very last step
         with StopRequest(announce=self.writer) as stop:
             try:
@@ -328,6 +335,8 @@ class Trainer:
                     self.update(self.loss_step(update))
                     self.log(lr)
                     stop_reason = self.stop_decision(stop)
+                    if not stop_reason and self.check_plan():
+                        break
                     evaluating = self.progress.step % self.train_cfg.eval_every == 0 or bool(stop_reason)
                     if evaluating:
                         stop_reason = self.evaluate_and_save(stop_reason)
@@ -337,7 +346,29 @@ class Trainer:
             finally:
                 self.updates.close()
                 self.console.close_bar()
+        if self.plan_gap:  # the shapes are timed again (train()): from here, or afresh
+            self.save_checkpoints(None)
+            return self.summary("plan check")
         return self.finish(stop_reason)
+
+    def check_plan(self) -> str:
+        """model.size auto's plan checked against the speed trained at (`PlanCheck`; evaluations not
+        counted): once decided, said, recorded and returned ("" where it holds)."""
+        seconds = self.progress.elapsed - self.evaluating_seconds
+        verdict = self.plan_check.observe(seconds, self.progress.target_tokens) if self.plan_check else None
+        if verdict is None or self.plan_check is None:
+            return ""
+        self.console.print(f"plan check over {verdict.seconds:.0f} s of training: {self.plan_check.shape} trains at "
+                           f"{verdict.tokens_per_second:,.0f} target tokens/s (the probe timed "
+                           f"{self.plan_check.tokens_per_second:,.0f}; other work took {verdict.busy:.0%} of the "
+                           "CPUs meanwhile)" + (f": {verdict.gap}, so the shapes are timed again" if verdict.gap
+                                                else ": the plan holds"))
+        self.plan_check, self.plan_gap = None, verdict.gap
+        if self.writer:
+            record_check(self.run_dir.root, {"after_seconds": round(seconds, 1), "step": self.progress.step,
+                                             "tokens_per_second": round(verdict.tokens_per_second, 1),
+                                             "busy": round(verdict.busy, 3), "replan": verdict.gap})
+        return self.plan_gap
 
     def set_learning_rate(self) -> float:
         progress = self.progress
@@ -436,6 +467,7 @@ class Trainer:
         """Validate (rank 0; the others wait in the checkpoint's collective), log, save the step,
         last and (if best) best checkpoints; returns why training stops ("" to go on), patience included."""
         progress, train_cfg = self.progress, self.train_cfg
+        evaluation_started = time.perf_counter()
         metrics = self.validate(self.model) if self.writer else {}
         if self.writer:
             score = self.validation.score(metrics)
@@ -455,6 +487,7 @@ class Trainer:
         self.save_checkpoints(metrics)
         release_freed_memory()  # what decoding and saving allocated, training will not reuse
         self.ledger.started = time.perf_counter()  # validation time is not training throughput
+        self.evaluating_seconds += self.ledger.started - evaluation_started
         return stop_reason
 
     def validate(self, model: Transformer) -> dict[str, float]:
@@ -520,7 +553,7 @@ class Trainer:
         best = self.run_dir.checkpoints / BEST
         return TrainSummary(self.progress.step, self.progress.elapsed, self.progress.best_score,
                             self.train_cfg.best_metric, best if best.exists() else None,
-                            self.run_dir.checkpoints / LAST, stop_reason)
+                            self.run_dir.checkpoints / LAST, stop_reason, self.plan_gap)
 
 # --------------------------------------------------------------------------- entry point
 
@@ -538,15 +571,18 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
         device = join(world, resolve_device(config.train.device))
         with run_lock(world, device, config.run_path):
             say = TrainingConsole(world.rank == 0, False, lambda error: None).print
-            config, probe_seconds = resolve_size(config, resume, RunDirectory(config.run_path).checkpoints / LAST,
-                                                 lambda: probe_shapes(config, world, device, say), say)
+            asked = config
+            config, probe_seconds, plan_check = resolve_size(config, resume, RunDirectory(config.run_path).checkpoints
+                                                             / LAST, lambda: probe_shapes(config, world, device, say), say)
             budget = config.train.max_time
             if probe_seconds and budget is not None and probe_seconds >= parse_duration(budget):
                 # without this, 0 steps, exit 0 and an untrained checkpoint that translate would use
                 raise TfmError(f"train.max_time={budget}: model.size auto's probe took {probe_seconds:.1f} s of it "
                                "and left no time to train; give a longer train.max_time or name the shape "
                                "(model.size: d128, …)")
-            summary = Trainer(config, world, device, resume, progress_bar, on_step, probe_seconds).run()
+            summary = Trainer(config, world, device, resume, progress_bar, on_step, probe_seconds, plan_check).run()
+            if summary.plan_gap:
+                summary = train_replanned(asked, config, world, device, progress_bar, on_step, summary, say)
         finished = True
         return summary
     except Exception as exc:
@@ -559,22 +595,49 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
         leave(world, finished)
 
 
-def probe_shapes(config: ExperimentConfig, world: World, device: torch.device,
-                 say: Callable[[str], None]) -> tuple[ExperimentConfig, float]:
-    """model.size auto on a new run: time the named shapes here and take the best for the budget."""
+def train_replanned(asked: ExperimentConfig, trained: ExperimentConfig, world: World, device: torch.device,
+                    progress_bar: bool, on_step: Callable[[int, Transformer], None] | None, first: TrainSummary,
+                    say: Callable[[str], None]) -> TrainSummary:
+    """After a plan check that failed: the shapes timed again for the budget left, the shape being
+    trained credited with its updates. That shape goes on from the run's last checkpoint (at the batch
+    and learning rate chosen now: its epoch's place read in the new batches); another starts the run
+    afresh, what was trained dropped."""
+    so_far = TrainedSoFar(trained.model.size or "", trained.train.max_tokens, first.steps)
+    chosen, seconds, _ = probe_shapes(asked, world, device, say, first.seconds, first.plan_gap, so_far)
+    if chosen.model.size == trained.model.size:
+        say(f"plan check: timed again, {trained.model.size} goes on from step {first.steps:,}"
+            + (f" at {chosen.train.max_tokens:,}-token batches" if chosen.train.max_tokens != trained.train.max_tokens
+               else ""))
+        going_on = trained.model_copy(update={"train": trained.train.model_copy(
+            update={"max_tokens": chosen.train.max_tokens, "lr": chosen.train.lr})})
+        return Trainer(going_on, world, device, True, progress_bar, on_step, seconds).run()
+    RunDirectory(asked.run_path).remove_training()
+    say(f"plan check: timed again, the run starts afresh as {chosen.model.size} at {chosen.train.max_tokens:,}-token "
+        f"batches ({first.steps:,} updates of {trained.model.size} dropped; {first.seconds + seconds:.0f} s of the "
+        "budget spent)")
+    return Trainer(chosen, world, device, False, progress_bar, on_step, first.seconds + seconds).run()
+
+
+def probe_shapes(config: ExperimentConfig, world: World, device: torch.device, say: Callable[[str], None],
+                 spent_before: float = 0.0, replanned: str = "",
+                 so_far: TrainedSoFar | None = None) -> tuple[ExperimentConfig, float, PlanCheck | None]:
+    """model.size auto on a new run: time the named shapes here and take the best for the budget
+    (`replanned`: again, after the plan check, `spent_before` seconds into the budget)."""
     if world.enabled:
         raise TfmError("model.size auto times the shapes in one process; under torchrun name the shape "
                        "(model.size: d192, … or the shape keys): docs/training.md")
     run_dir = RunDirectory(config.run_path)
     manifest = run_dir.load_manifest()
-    check_run_directory(run_dir, config, manifest, resume=False)  # a run already trained: refused before the probe
+    if not replanned:  # a run already trained: refused before the probe
+        check_run_directory(run_dir, config, manifest, resume=False)
     data = ParallelData(run_dir.root, "train", config.data.temperature)
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     if device.type == "cpu":
         keep_freed_memory()
     vocab = (manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"])
-    return choose_shape(config, data, vocab, manifest.get("shared_ids", False), device, run_dir.root, say)
+    return choose_shape(config, data, vocab, manifest.get("shared_ids", False), device, run_dir.root, say,
+                        spent_before, replanned, so_far)
 
 
 @contextlib.contextmanager
