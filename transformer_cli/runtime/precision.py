@@ -87,6 +87,9 @@ def measure_bf16_speedup(d_model: int, d_ff: int, tokens: int = 2048) -> float:
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(tokens, d_model, generator=generator), torch.randn(d_model, d_ff, generator=generator)
     before = cpu_reading()
+    # Cores that were idle wake slowly (a virtual machine's halted vCPUs): timed at once, fp32 read
+    # 16 GFLOP/s for 77 and the bf16 screen 1 for 200 (8 ms a call), which said "emulated" on a Zen 4.
+    _matmul_flops(a, b, seconds=0.1)
     fp32 = _matmul_flops(a, b, seconds=0.03)
     # A CPU without bf16 instructions emulates them ~100x slower than fp32: timing the full shape
     # there took up to 46 s on a Zen 3 (d512, 1 thread), once per shape model.size auto times. A 32nd of

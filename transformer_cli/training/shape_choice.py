@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..data.batches import Batch, ParallelData
@@ -54,9 +55,9 @@ from .loss import batch_loss
 from .step_health import gradient_norm
 
 BATCH_FLOOR = 1000  # tokens: the smallest batch train.min_updates shrinks to (docs/training.md)
-PROBE_UPDATES = 3  # the run's first updates, which every shape trains
-PROBE_PASSES = 2  # over them after the warm-up, the shapes in turn: each (shape, update)'s fastest pass counts
-EXTRA_PASSES = 2  # for shapes whose figures cannot be true
+PROBE_ROUNDS = 5  # after a warm-up update, rounds of one update each, every shape in turn: a shape's median counts
+EXTRA_ROUNDS = 3  # for shapes whose figures cannot be true
+PROBE_UPDATES = 2 + PROBE_ROUNDS + EXTRA_ROUNDS  # the run's first updates: each trained in one round only
 PROBE_SHARE = 0.05  # of a max_time budget, at most, before the shapes not yet timed are left out
 TIE_BLEU = 0.25  # predictions this close are a tie, and the fastest shape wins it
 CHECK_AFTER = 60.0  # seconds of training after which the run checks the plan (restarting is cheap so early)...
@@ -171,12 +172,12 @@ def dropout_of_choice(config: ExperimentConfig, shape: NamedShape, chosen: Predi
     return shape.dropout_for(chosen.updates * chosen.max_tokens)
 
 
-def probe_batches(data: ParallelData, config: ExperimentConfig, count: int) -> list[list[Batch]]:
-    """The run's first `count` updates (each `accum_steps` batches), collated: every shape times the same."""
+def probe_batches(data: ParallelData, config: ExperimentConfig, count: int) -> list[list[np.ndarray]]:
+    """The run's first `count` updates (each `accum_steps` batches of pair indices): every shape times the same."""
     order = data.batches(config.train.max_tokens, seed=config.train.seed)
     per_update = config.train.accum_steps
     updates = [order[i * per_update:(i + 1) * per_update] for i in range(min(count, len(order) // per_update))]
-    return [[data.collate(indices) for indices in update] for update in updates if update]
+    return [update for update in updates if update]
 
 
 def _train_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch],
@@ -216,49 +217,57 @@ def build_shape_run(config: ExperimentConfig, shape: NamedShape, vocab: tuple[in
     return ShapeRun(shape, precision.name, model, optimizer, autocast_dtype(precision))
 
 
-def train_timed(run: ShapeRun, updates: list[list[Batch]], device: torch.device, train_cfg: TrainConfig) -> float:
-    """Seconds to train `updates` (on a GPU queued as in training, and waited for once at the end)."""
+def train_timed(run: ShapeRun, updates: list[list[np.ndarray]], collate: Callable[[np.ndarray], Batch],
+                device: torch.device, train_cfg: TrainConfig) -> float:
+    """Seconds to train `updates` (on a GPU queued as in training, and waited for once at the end).
+    On a CPU collating the batches is timed too, as the training loop does it there; a GPU run
+    collates ahead, on a thread."""
     if device.type == "cuda":
+        updates_collated = [[collate(indices) for indices in update] for update in updates]
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    for batches in updates:
+    if device.type != "cuda":
+        updates_collated = [[collate(indices) for indices in update] for update in updates]
+    for batches in updates_collated:
         _train_update(run.model, run.optimizer, batches, device, run.amp_dtype, train_cfg)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
-Seconds = dict[str, dict[int, list[float]]]  # shape → probe update → the seconds of each counted pass over it
+Rounds = dict[str, list[tuple[int, float]]]  # shape → (probe update, seconds) of each counted round
 
 
 def interleaved_seconds(names: Sequence[str], updates: int, train_one: Callable[[str, int], float],
-                        limit_seconds: float | None, clock: Callable[[], float],
-                        say: Callable[[str], None], passes: int = PROBE_PASSES) -> Seconds:
-    """Each shape warms up on the first two updates (the first builds its kernels and is not counted),
-    smallest first; a shape not begun once `limit_seconds` are spent is left out (said). Then `passes`
-    over every update, the shapes in turn for each (their order rotating), while the limit allows: a
-    moment's load falls on every shape alike, and on one pass of each (shape, update), not on all."""
+                        limit_seconds: float | None, clock: Callable[[], float], say: Callable[[str], None],
+                        rounds: int = PROBE_ROUNDS, first: int = 0) -> Rounds:
+    """Each shape, smallest first, warms up on probe update `first` (it builds kernels: not counted)
+    and trains the next; a shape not begun once `limit_seconds` are spent is left out (said). Then
+    more rounds while the limit allows, each on an update none has trained (as every update of
+    training is), every shape in turn, the order rotating: a moment's load falls on every shape
+    alike, and on a round or two of each, which its median leaves out. (Of `updates` fewer than
+    needed, they are taken again in turn.)"""
     started, seconds = clock(), {}
     for name in names:
         if limit_seconds is not None and seconds and clock() - started > limit_seconds:
             say(f"model.size auto: {name} not timed (the probe's {limit_seconds:.3g} s are spent)")
             continue
-        train_one(name, 0)
-        seconds[name] = {min(1, updates - 1): [train_one(name, min(1, updates - 1))]}
+        train_one(name, first % updates)
+        seconds[name] = [((first + 1) % updates, train_one(name, (first + 1) % updates))]
     timed = list(seconds)
-    for turn in range(passes * updates):
+    for r in range(2, rounds + 1):
         if limit_seconds is not None and clock() - started > limit_seconds:
             break
-        k = turn % updates
-        for name in timed[turn % len(timed):] + timed[:turn % len(timed)]:
-            seconds[name].setdefault(k, []).append(train_one(name, k))
+        k = (first + r) % updates
+        for name in timed[r % len(timed):] + timed[:r % len(timed)]:
+            seconds[name].append((k, train_one(name, k)))
     return seconds
 
 
-def fastest(seconds_by_update: dict[int, list[float]], tokens: Sequence[float]) -> tuple[float, float]:
-    """(seconds, target tokens) of an update: each update's fastest pass, averaged over the updates timed."""
-    timed = sorted(seconds_by_update)
-    return (statistics.mean(min(seconds_by_update[k]) for k in timed), statistics.mean(tokens[k] for k in timed))
+def typical(rounds: list[tuple[int, float]], tokens: Sequence[float]) -> tuple[float, float]:
+    """(seconds, target tokens) of an update: the median round's seconds a token, at the rounds' mean tokens."""
+    mean_tokens = statistics.mean(tokens[k] for k, _ in rounds)
+    return statistics.median(seconds / tokens[k] for k, seconds in rounds) * mean_tokens, mean_tokens
 
 
 def implausible(timings: Sequence[ShapeTiming]) -> list[str]:
@@ -296,15 +305,16 @@ def time_shapes(config: ExperimentConfig, data: ParallelData, vocab: tuple[int, 
     # A GPU's first pass over new batch shapes picks its kernels and grows its memory pool, and
     # waiting for each update idles it where training queues the next: timed so, an H200 looked
     # 2.4x slower than it trains (3,183 updates predicted for 150 s, 6,058 made). There the unit
-    # timed is a pass over all the probe's updates, queued as in training.
-    units = [[update] for update in updates] if device.type != "cuda" else [updates]
+    # timed is a pass over four of the probe's updates, queued as in training, in every round.
+    units = [[update] for update in updates] if device.type != "cuda" else [updates[:4]]
 
     def train_one(name: str, k: int) -> float:
         if name not in runs:
             runs[name] = build_shape_run(config, SHAPES[name], vocab, shared_ids, device)
-        return train_timed(runs[name], units[k], device, config.train) / len(units[k])
+        return train_timed(runs[name], units[k], data.collate, device, config.train) / len(units[k])
 
-    tokens = [statistics.mean(float(sum(batch.n_tgt_tokens for batch in update)) for update in unit) for unit in units]
+    tokens = [statistics.mean(float(sum(data.target_tokens(indices) for indices in update)) for update in unit)
+              for unit in units]
     timings = probe_timings(names, tokens, train_one, lambda name: runs[name].precision, limit_seconds,
                             time.perf_counter, say)
     busy = others_share(before, cpu_reading(), torch.get_num_threads()) if device.type == "cpu" else 0.0
@@ -314,22 +324,20 @@ def time_shapes(config: ExperimentConfig, data: ParallelData, vocab: tuple[int, 
 def probe_timings(names: Sequence[str], tokens: Sequence[float], train_one: Callable[[str, int], float],
                   precision: Callable[[str], str], limit_seconds: float | None, clock: Callable[[], float],
                   say: Callable[[str], None]) -> list[ShapeTiming]:
-    """The shapes' timings (`interleaved_seconds`), and those that cannot be true timed again with
-    `EXTRA_PASSES` more, within half the probe's limit again."""
-    seconds = interleaved_seconds(names, len(tokens), train_one, limit_seconds, clock, say)
-
-    def timings() -> list[ShapeTiming]:
-        return [ShapeTiming(name, *fastest(seconds[name], tokens), precision(name)) for name in seconds]
-
-    suspects = implausible(timings())
+    """The shapes' timings (`interleaved_seconds`, `PROBE_ROUNDS` on the first updates); those that
+    cannot be true timed again on the next updates (`EXTRA_ROUNDS`, within half the probe's limit
+    again), and the faster of their two figures taken (what made them contradict is a slowdown)."""
+    timed = interleaved_seconds(names, len(tokens), train_one, limit_seconds, clock, say)
+    timings = {name: ShapeTiming(name, *typical(timed[name], tokens), precision(name)) for name in timed}
+    suspects = implausible(list(timings.values()))
     if suspects:
         say(f"model.size auto: {' and '.join(suspects)} timed again (a larger shape measured faster than a smaller)")
-        extra = interleaved_seconds(suspects, len(tokens), train_one, None if limit_seconds is None else
-                                    limit_seconds / 2, clock, lambda line: None, passes=EXTRA_PASSES)
-        for name in suspects:
-            for k, more in extra.get(name, {}).items():
-                seconds[name].setdefault(k, []).extend(more)
-    return timings()
+        again = interleaved_seconds(suspects, len(tokens), train_one, None if limit_seconds is None else
+                                    limit_seconds / 2, clock, lambda line: None, EXTRA_ROUNDS, PROBE_ROUNDS + 1)
+        for name, rounds in again.items():
+            second = ShapeTiming(name, *typical(rounds, tokens), precision(name))
+            timings[name] = min(timings[name], second, key=lambda t: t.seconds_per_update / t.tokens_per_update)
+    return list(timings.values())
 
 
 # --------------------------------------------------------------------------- the run's shape
