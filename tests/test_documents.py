@@ -576,3 +576,85 @@ def test_bad_documents_are_one_line_errors_and_write_nothing(reverse_model, tmp_
         assert done.exit_code == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
         assert f"error: {tmp_path / name}: " in done.stderr  # the message names the file
         assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- linear time on hostile input
+
+
+def seconds_of(work, repeats: int = 3) -> float:
+    import time
+
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def grows_linearly(make, work, size: int) -> tuple[float, float]:
+    """Seconds of `work` on `make(size)` and on `make(2 * size)`: doubled input, ~double the time."""
+    small, large = make(size), make(2 * size)
+    return seconds_of(lambda: work(small)), seconds_of(lambda: work(large))
+
+
+@pytest.mark.parametrize("unit", ["<!--", "<script>", "<style a=1>", "<a", "<!--<script>"])
+def test_what_a_reader_sees_of_markup_is_read_in_linear_time(unit):
+    """Unclosed comments, code elements and tags (the lazy regex rescanned to the end for each:
+    160 kB of `<!--` froze the server for 78 s): twice the input, at most ~2.5x the time."""
+    from transformer_cli.documents.formats import without_markup
+
+    small, large = grows_linearly(lambda n: unit * n + " text", without_markup, 20_000)
+    assert large <= 2.5 * small + 0.002, (small, large)
+    assert large < 0.5
+
+
+def test_what_a_reader_sees_of_markup_is_what_the_old_scan_saw():
+    """The scan the linear one replaced, on closed and unclosed constructs alike."""
+    from transformer_cli.documents.formats import without_markup
+
+    old = re.compile(r"<(script|style)\b.*?</\1\s*>|<!--.*?-->|<[^>]*>", re.S | re.I)
+    for document in ("a <b>c</b> d", "<script>x<y></script>z", "<!-- c -->t", "<!-- open t > u", "a < b",
+                     "<STYLE a>q</style >r<p>", "x<script>never", "<!--<!---->y", "a<b<c>d", "<script>a</script>"
+                     "<script>b", "<!-- a --> b <!-- c", "Ein <i>Hund</i> läuft.<!---->"):
+        assert without_markup(document).split() == old.sub(" ", document).split(), document
+
+
+@pytest.mark.parametrize("fmt, unit", [("html", "<!--"), ("markdown", "<!--"), ("xml", "<!--")])
+def test_a_document_of_unclosed_comments_is_refused_in_linear_time(fmt, unit):
+    """The whole path a request takes (`read_document`'s plan): the CLI took 18.6 s for 80 kB."""
+    from transformer_cli.documents.formats import plan_document
+
+    def refused(document: str) -> None:
+        with pytest.raises(TfmError):
+            plan_document(document, fmt, "de")
+
+    small, large = grows_linearly(lambda n: unit * n + " Ein Hund", refused, 10_000)
+    assert large <= 2.5 * small + 0.005, (small, large)
+
+
+def test_a_cue_of_stray_closing_tags_is_read_in_linear_time():
+    """20,000 `<b>` then 20,000 stray `</x>` in a 140 kB cue took 68 s (the open tags searched for every
+    closing tag), then a RecursionError."""
+    from transformer_cli.documents.subtitles import cue_markup
+
+    small, large = grows_linearly(lambda n: "<b>" * n + "Hallo" + "</x>" * n, cue_markup, 4_000)
+    assert large <= 2.5 * small + 0.005, (small, large)
+
+
+def test_a_cue_nested_deeper_than_anything_walks_is_translated_with_all_its_tags():
+    """3,000 nested `<i>` (12 kB): a RecursionError in the CLI, 500 from the server. Spans nest to
+    MAX_NESTING; the tags deeper stay where they stood, every one of them kept."""
+    from transformer_cli.documents.subtitles import MAX_NESTING, cue_markup
+
+    depth = 3_000
+    cue = "<i>" * depth + "Ein Hund läuft." + "</i>" * depth
+    plain, spans = cue_markup(cue)
+    assert plain == "Ein Hund läuft."
+    nesting, level = 0, spans
+    while level:
+        nesting, level = nesting + 1, level[0].children
+    assert nesting == MAX_NESTING + 1  # the spans, and the points inside the deepest
+    plan = plan_subtitles(f"1\n00:00:01,000 --> 00:00:02,000\n{cue}\n", "de")
+    out = plan.rebuild(same(plan.sentences))
+    assert out.count("<i>") == depth and out.count("</i>") == depth and "Ein Hund läuft." in out

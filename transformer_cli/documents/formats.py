@@ -83,16 +83,48 @@ def plan_document(document: str | bytes, fmt: str, lang: str | None) -> Plan:
         return plan_subtitles(document, lang, vtt=fmt == "vtt")  # (checks its blocks itself)
     else:
         raise TfmError(f"--format {fmt}: not a document format ({', '.join(FORMATS[1:])})")
-    if not plan.sentences and LETTER.search(MARKUP.sub(" ", document) if fmt != "text" else document):
+    if not plan.sentences and LETTER.search(without_markup(document) if fmt != "text" else document):
         raise TfmError(f"--format {fmt}: nothing to translate found in a document that has text: is it {fmt}? "
                        "(name its format with --format, or the request's \"format\")")
     return plan
 
 
-# What a reader does not see in markup: elements of code and style, comments, tags. A document
-# with letters outside them in which the format found no sentence is in another format.
-MARKUP = re.compile(r"<(script|style)\b.*?</\1\s*>|<!--.*?-->|<[^>]*>", re.S | re.I)
 LETTER = re.compile(r"[^\W\d_]")
+CODE_ELEMENT = re.compile(r"<(script|style)\b", re.I)
+CODE_END = {name: re.compile(rf"</{name}\s*>", re.I) for name in ("script", "style")}
+
+
+def without_markup(document: str) -> str:
+    """What a reader sees of markup: the text outside script and style elements, comments and tags
+    (a document with letters there in which its format found no sentence is in another format).
+    One pass, each search starting where the last construct ended and a search that found no end
+    never made again: linear in the document (a regex of lazy scans rescanned to the end for every
+    unclosed comment: 78 s for 160 kB of `<!--`)."""
+    out, at, unclosed = [], 0, set()
+    while (start := document.find("<", at)) >= 0:
+        out.append(document[at:start])
+        end = -1
+        code = CODE_ELEMENT.match(document, start)
+        if code and code.group(1).lower() not in unclosed:
+            found = CODE_END[code.group(1).lower()].search(document, start)
+            end = found.end() if found else -1
+            if not found:
+                unclosed.add(code.group(1).lower())
+        elif document.startswith("<!--", start) and "-->" not in unclosed:
+            end = document.find("-->", start + 4)
+            end = end + 3 if end >= 0 else -1
+            if end < 0:
+                unclosed.add("-->")
+        if end < 0:  # a tag, to its ">"; without one anywhere after, the rest is text
+            end = document.find(">", start)
+            if end < 0:
+                out.append(document[start:])
+                return "".join(out)
+            end += 1
+        out.append(" ")
+        at = end
+    out.append(document[at:])
+    return "".join(out)
 
 
 def translate_document(engine: TranslationEngine, document: str | bytes, fmt: str,

@@ -8,6 +8,7 @@ timing (the WEBVTT header, NOTE, STYLE and REGION blocks) are kept verbatim."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from ..decoding.translation import Translation
@@ -20,6 +21,7 @@ BLOCKS = re.compile(r"(\r?\n[ \t]*\r?\n\s*)")  # what separates two cues (kept a
 DIALOGUE = re.compile(r"^\s*[-–—]\s")  # a line spoken by another speaker
 # Cue markup: SRT's <i> <b> <u> <font …>, WebVTT's <v Name> <c.class> <i> <b> <u> <lang xx> <ruby> <rt>
 # and timestamps <00:01.500>, and ASS override codes {\an8} that many SRT files carry.
+MAX_NESTING = 32  # cue tags open at once, at most, as spans; deeper ones are kept as points where they stand
 CUE_TAG = re.compile(r"</?[A-Za-z][^<>\n]*>|<\d[\d:.]*>|\{\\[^{}\n]*\}")
 
 
@@ -33,26 +35,33 @@ class CueTag:
 
 def cue_markup(text: str) -> tuple[str, list[Span]]:
     """A cue's text without its markup, and the markup as nested spans over that text (a tag left
-    open runs to the end; a point is an empty span where it stood)."""
-    plain, top, stack, at = "", [], [], 0
+    open runs to the end; a point is an empty span where it stood). Linear in the cue: the names
+    left open are counted, not searched for at every closing tag (20,000 stray closings over
+    20,000 open tags took 68 s); tags nested deeper than MAX_NESTING are points, so that nothing
+    that walks the spans recurses as deep as a hostile cue nests."""
+    pieces, length, top, stack, at = [], 0, [], [], 0
+    open_names: Counter[str] = Counter()
     for match in CUE_TAG.finditer(text):
-        plain += text[at:match.start()]
+        pieces.append(text[at:match.start()])
+        length += match.start() - at
         at, tag = match.end(), match.group(0)
         name = (re.match(r"</?([A-Za-z]+)", tag) or [None, ""])[1].lower()
-        if tag.startswith("</") and any(span.element.name == name for span in stack):
+        if tag.startswith("</") and open_names[name]:
             while stack:
                 span = stack.pop()
-                span.end = len(plain)
+                open_names[span.element.name] -= 1
+                span.end = length
                 if span.element.name == name:
                     span.element.closing = tag
                     break
             continue
-        point = tag.startswith(("</", "{")) or tag[1].isdigit()  # a stray closing tag, a code, a timestamp
-        span = Span(CueTag(tag, "" if point else name, order=match.start()), len(plain), len(plain), False)
+        point = tag.startswith(("</", "{")) or tag[1].isdigit() or len(stack) >= MAX_NESTING
+        span = Span(CueTag(tag, "" if point else name, order=match.start()), length, length, False)
         (stack[-1].children if stack else top).append(span)
         if span.element.name:
             stack.append(span)
-    plain += text[at:]
+            open_names[name] += 1
+    plain = "".join(pieces) + text[at:]
     for span in stack:
         span.end = len(plain)
     return plain, top

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import io
 import zipfile
-from typing import Any
+import zlib
+from typing import IO, Any
+
+import lxml.etree
 
 from ..decoding.translation import Translation
 from ..runtime.errors import TfmError
@@ -22,6 +25,13 @@ from .plan import Plan
 # tree of it). A 500-page report's document.xml is ~5-10 MB; its images stay far below the total.
 MAX_MEMBER_BYTES = 32 << 20  # one member, unpacked
 MAX_UNPACKED_BYTES = 128 << 20  # all members together, unpacked
+# ... and the text's parts (body, headers, footers, notes) are counted as they stream, before
+# python-docx builds its tree: 700,000 one-word paragraphs (28 MB unpacked, within the sizes) cost
+# the server 155 s and 1.2 GB before the line limit refused them. A 500-page report has ~10,000.
+MAX_PARAGRAPHS = 100_000
+MAX_RUNS = 500_000
+WORD_NS = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+ARCHIVE_ERRORS = (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError, zlib.error)
 
 
 class DocumentTooLarge(TfmError):
@@ -35,7 +45,7 @@ def check_unpacked_size(data: bytes) -> None:
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         members = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+    except ARCHIVE_ERRORS as exc:
         raise TfmError(f"not a Word (.docx) document ({type(exc).__name__}: {str(exc)[:200]})") from None
     total = 0
     for info in members:
@@ -51,11 +61,29 @@ def check_unpacked_size(data: bytes) -> None:
                     if total > MAX_UNPACKED_BYTES:
                         raise DocumentTooLarge(f"the Word document unpacks to more than {MAX_UNPACKED_BYTES >> 20} "
                                                "MB, the limit for a document")
+            if info.filename.startswith("word/") and info.filename.endswith(".xml"):
+                with archive.open(info) as member:
+                    count_paragraphs(member, info.filename)
         except DocumentTooLarge:
             raise
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError) as exc:
+        except (*ARCHIVE_ERRORS, lxml.etree.XMLSyntaxError) as exc:
             raise TfmError(f"not a Word (.docx) document ({info.filename[:100]}: {type(exc).__name__}: "
                            f"{str(exc)[:200]})") from None
+
+
+def count_paragraphs(member: IO[bytes], name: str) -> None:
+    """Stream a part's XML, counting its paragraphs and runs and keeping nothing (each element is
+    cleared once read): DocumentTooLarge past MAX_PARAGRAPHS or MAX_RUNS."""
+    paragraphs = runs = 0
+    for _, element in lxml.etree.iterparse(member, events=("end",), tag=(f"{WORD_NS}p", f"{WORD_NS}r"),
+                                           resolve_entities=False, no_network=True, huge_tree=False):
+        paragraphs, runs = (paragraphs + 1, runs) if element.tag == f"{WORD_NS}p" else (paragraphs, runs + 1)
+        element.clear(keep_tail=True)
+        while element.getprevious() is not None:  # what was read before it: gone
+            del element.getparent()[0]
+        if paragraphs > MAX_PARAGRAPHS or runs > MAX_RUNS:
+            what = f"{MAX_PARAGRAPHS:,} paragraphs" if paragraphs > MAX_PARAGRAPHS else f"{MAX_RUNS:,} runs"
+            raise DocumentTooLarge(f"{name[:100]} in the Word document has more than {what}, the limit for a document")
 
 
 def paragraphs_of(document: Any) -> list[Any]:

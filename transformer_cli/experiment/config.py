@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -35,6 +36,7 @@ from .shapes import AUTO, SHAPES, fill_shape, shape_names
 # --------------------------------------------------------------------------- reading YAML strictly
 
 MAX_YAML_DEPTH = 32  # sections nest 3 deep; a document nested 50,000 deep overflowed the parser's stack
+MAX_YAML_VALUES = 100_000  # values a config may expand to, aliases counted where used (a config has ~200)
 
 
 class StrictYamlLoader(yaml.SafeLoader):
@@ -56,6 +58,32 @@ class StrictYamlLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def get_single_node(self) -> Any:
+        """The document's node, refused where its aliases expand to more than MAX_YAML_VALUES values
+        (946 bytes of nested aliases were 10^8 references: 51 s and 3 GB, then a message that
+        printed them): bounded as XML's entity expansion is."""
+        node = super().get_single_node()
+        sizes: dict[int, int] = {}
+
+        def expanded(n: Any) -> int:  # each alias counted every time it is used; shared nodes measured once
+            if id(n) not in sizes:
+                children = [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else (
+                    n.value if isinstance(n, yaml.SequenceNode) else [])
+                sizes[id(n)] = min(1 + sum(expanded(c) for c in children), MAX_YAML_VALUES + 1)
+            return sizes[id(n)]
+
+        if node is not None and expanded(node) > MAX_YAML_VALUES:
+            raise yaml.composer.ComposerError(None, None, f"its aliases expand to more than {MAX_YAML_VALUES:,} "
+                                              "values (an alias used within an alias, over and over)", node.start_mark)
+        return node
+
+    def construct_yaml_int(self, node: Any) -> Any:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # Python's limit on the digits of an integer read from text
+            raise yaml.constructor.ConstructorError(None, None, f"an integer of more than {sys.get_int_max_str_digits():,} "
+                                                    "digits", node.start_mark) from None
+
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         seen: dict[Any, Any] = {}
         for key_node, _ in node.value:
@@ -68,6 +96,9 @@ class StrictYamlLoader(yaml.SafeLoader):
                         None, None, f"key '{key}' given twice (first on line {seen[key].line + 1})", key_node.start_mark)
                 seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep)
+
+
+StrictYamlLoader.add_constructor("tag:yaml.org,2002:int", StrictYamlLoader.construct_yaml_int)
 
 
 def read_yaml(text: str) -> Any:
@@ -783,9 +814,14 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             messages.append(f"key '{'.'.join([*map(str, loc), field])}': {text}")
         else:
             got = e.get("input")
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"  # a whole section says nothing
+            shown = "" if isinstance(got, dict) else f" (got {shortened(repr(got))})"  # a whole section says nothing
             messages.append(f"key '{key}': {e['msg'].removeprefix('Value error, ')}{shown}")
     return f"{source}: " + "; ".join(messages)
+
+
+def shortened(text: str, limit: int = 80) -> str:
+    """`text` as a message shows it: at most `limit` characters, and how many there were."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 
 def apply_override(raw: dict[str, Any], assignment: str) -> None:

@@ -443,7 +443,7 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
         say(line)
     if busy >= BUSY_SHARE:
         say(f"model.size auto: the machine was busy: other work took {busy:.0%} of its CPUs while the shapes "
-            "were timed (each shape's fastest passes count); the run checks its speed again once it trains")
+            "were timed (each shape's median round counts); the run checks its speed again once it trains")
     shape = SHAPES[chosen.timing.name]
     lr = lr_of_choice(config, shape, chosen.max_tokens)
     dropout = dropout_of_choice(config, shape, chosen)
