@@ -9,8 +9,8 @@ from transformer_cli.runtime.errors import TfmError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "exp.yaml"
+def write(tmp_path: Path, text: str, name: str = "exp.yaml") -> Path:
+    path = tmp_path / name
     path.write_text(text)
     return path
 
@@ -229,3 +229,29 @@ def test_booleans_are_not_numbers_nor_numbers_booleans(assignment, says):
         load_config(None, [assignment])
     assert says in str(err.value)
     assert load_config(None, ["decode.beam=3", "decode.alignment=true"]).decode.beam == 3
+
+
+def test_yaml_aliases_that_fan_out_are_one_line_errors_before_they_expand(tmp_path):
+    """946 bytes of aliases within aliases were 10^8 references: 51 s and 3 GB, then a message that
+    printed them. Bounded (as XML's entity expansion is), and said in one line naming it."""
+    import time
+
+    levels = ["a: &a [" + ", ".join(['"x"'] * 10) + "]"]
+    for name, inner in zip("bcdefg", "abcdef"):
+        levels.append(f"{name}: &{name} [" + ", ".join([f"*{inner}"] * 10) + "]")
+    path = write(tmp_path, "\n".join(levels) + "\ndata:\n  train: [" + ", ".join(["*g"] * 10) + "]\n")
+    started = time.perf_counter()
+    with pytest.raises(TfmError, match="aliases expand to more than 100,000 values") as caught:
+        load_config(path)
+    assert time.perf_counter() - started < 5 and "\n" not in str(caught.value) and len(str(caught.value)) < 300
+    shared = write(tmp_path, "data:\n  valid: &v data/multi30k/val\n  test: *v\n", name="shared.yaml")
+    assert load_config(shared).data.test == "data/multi30k/val"  # aliases that do not fan out still work
+
+
+def test_integers_past_pythons_digit_limit_are_one_line_errors(tmp_path):
+    path = write(tmp_path, "model:\n  d_model: " + "9" * 5000 + "\n")
+    with pytest.raises(TfmError, match=r"line 2 invalid YAML: an integer of more than 4,300 digits"):
+        load_config(path)
+    with pytest.raises(TfmError, match=r"key 'model.d_model'") as caught:
+        load_config(None, ["model.d_model=" + "9" * 5000])
+    assert len(str(caught.value)) < 400 and "(5,002 characters)" in str(caught.value)

@@ -658,3 +658,53 @@ def test_a_cue_nested_deeper_than_anything_walks_is_translated_with_all_its_tags
     plan = plan_subtitles(f"1\n00:00:01,000 --> 00:00:02,000\n{cue}\n", "de")
     out = plan.rebuild(same(plan.sentences))
     assert out.count("<i>") == depth and out.count("</i>") == depth and "Ein Hund läuft." in out
+
+
+def word_xml_document(body: str) -> bytes:
+    """A minimal .docx whose document.xml holds `body` (raw WordprocessingML)."""
+    import zipfile
+
+    namespace = 'xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"'
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        for info in zipfile.ZipFile(io.BytesIO(word_document())).infolist():
+            if info.filename != "word/document.xml":
+                archive.writestr(info, zipfile.ZipFile(io.BytesIO(word_document())).read(info))
+        archive.writestr("word/document.xml", f'<?xml version="1.0"?><w:document {namespace}><w:body>{body}'
+                                              "</w:body></w:document>")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("body, says", [
+    ("<w:p><w:r><w:t>x</w:t></w:r></w:p>" * 100_001, "more than 100,000 paragraphs"),
+    ("<w:p>" + "<w:r><w:t>x</w:t></w:r>" * 500_001 + "</w:p>", "more than 500,000 runs"),
+])
+def test_a_word_document_of_too_many_paragraphs_is_refused_before_it_is_built(body, says):
+    """700,000 one-word paragraphs (28 MB unpacked, within the size limits) cost the server 155 s and
+    1.2 GB before its line limit refused them: counted while the XML streams, nothing kept."""
+    import resource
+    import time
+
+    from transformer_cli.documents.word import DocumentTooLarge, plan_word
+
+    document = word_xml_document(body)
+    started, peak = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(DocumentTooLarge, match=says):
+        plan_word(document, "de")
+    assert time.perf_counter() - started < 5
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200_000  # kB: no tree of it was built
+
+
+def test_a_word_document_with_a_damaged_byte_is_one_line():
+    """A flipped byte in the archive: zlib.error (or a bad CRC) from the unpacking check, now a TfmError."""
+    from transformer_cli.documents.word import plan_word
+
+    document = word_xml_document("<w:p><w:r><w:t>Ein Hund läuft.</w:t></w:r></w:p>" * 200)
+    assert plan_word(document, "de").sentences[0] == "Ein Hund läuft."
+    for at in range(100, len(document) - 30, max(1, len(document) // 40)):
+        damaged = bytearray(document)
+        damaged[at] ^= 0xFF
+        try:
+            plan_word(bytes(damaged), "de")
+        except TfmError as exc:
+            assert "\n" not in str(exc)

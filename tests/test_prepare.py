@@ -270,3 +270,24 @@ def test_several_training_corpora_prepare_as_their_concatenation(multi30k_2k, tm
 def test_an_empty_list_of_training_corpora_is_a_config_error(multi30k_2k, tmp_path):
     with pytest.raises(TfmError, match=r"data\.train.*at least 1 item"):
         config_from_dict(multi30k_config(multi30k_2k, tmp_path / "run", data={"train": []}))
+
+
+def test_run_dir_over_a_users_folder_or_the_working_directory_is_refused_before_a_file_is_written(
+        multi30k_2k, tmp_path, monkeypatch):
+    """`tfm prepare --set run_dir=DIR` over a folder of the user's own replaced their config.yaml
+    with tfm's (exit 0): run_dir is under the output rule, as every other writer's output."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("my own: notes\n")
+    with pytest.raises(TfmError, match=r"run_dir .*mine is not empty and holds files tfm did not write there"):
+        prepare(config_from_dict(multi30k_config(multi30k_2k, folder)), progress=False)
+    assert (folder / "config.yaml").read_text() == "my own: notes\n" and sorted(folder.iterdir()) == [
+        folder / "config.yaml"]  # not even the lock
+    monkeypatch.chdir(folder)
+    with pytest.raises(TfmError, match="run_dir . is the working directory"):
+        prepare(config_from_dict(multi30k_config(multi30k_2k, Path("."))), progress=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    config = config_from_dict(multi30k_config(multi30k_2k, empty, vocab={"size": 300}))
+    prepare(config, progress=False)  # new or empty: prepared; and a run tfm made is prepared again
+    assert prepare(config, progress=False).reused

@@ -449,3 +449,42 @@ def test_translation_batches_that_run_out_of_memory_are_halved():
         split_on_out_of_memory(hopeless, [1, 2])
     with pytest.raises(ValueError):  # other errors are not retried
         split_on_out_of_memory(lambda b: (_ for _ in ()).throw(ValueError("bug")), [1, 2])
+
+
+# --------------------------------------------------------------------------- writers keep modes and links
+
+
+def test_a_file_written_through_a_link_replaces_the_links_target_and_the_link_stays(tmp_path):
+    """`tfm api-key --api-keys LINK` replaced the link by a regular file: the server's real key file
+    never got the key (exit 0)."""
+    from transformer_cli.runtime.files import atomic_write_text
+
+    real = tmp_path / "real" / "keys.txt"
+    real.parent.mkdir()
+    real.write_text("old\n")
+    link = tmp_path / "keys-link.txt"
+    link.symlink_to(real)
+    atomic_write_text(link, "new\n")
+    assert link.is_symlink() and real.read_text() == "new\n"
+    assert sorted(p.name for p in real.parent.iterdir()) == ["keys.txt"]  # no temporary left
+
+
+def test_a_directory_built_onto_a_link_fills_its_target_and_follows_the_umask(tmp_path):
+    """`tfm export -o LINK_TO_EMPTY_FOLDER` replaced the link, left `.…staging.old` and said "Cannot
+    call rmtree on a symbolic link" after succeeding; every directory export and import made was 0700."""
+    from transformer_cli.runtime.files import replace_with_staged, staging_directory
+
+    previous = os.umask(0o022)
+    try:
+        folder = tmp_path / "exports" / "model"
+        folder.mkdir(parents=True)
+        link = tmp_path / "model-link"
+        link.symlink_to(folder, target_is_directory=True)
+        staging = staging_directory(link)
+        (staging / "model.bin").write_bytes(b"weights")
+        replace_with_staged(staging, link)
+        assert link.is_symlink() and (folder / "model.bin").read_bytes() == b"weights"
+        assert sorted(p.name for p in folder.parent.iterdir()) == ["model"]  # no staging left beside it
+        assert folder.stat().st_mode & 0o777 == 0o755  # another account may read an export
+    finally:
+        os.umask(previous)

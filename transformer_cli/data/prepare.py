@@ -26,12 +26,13 @@ from tqdm import tqdm
 from ..experiment.config import ExperimentConfig, config_to_yaml
 from ..experiment.directions import Direction, sampling_rates, tag, tag_piece
 from ..experiment.rundir import SIDES, SPLITS, RunDirectory
-from ..experiment.runlock import RunLock
+from ..experiment.runlock import LOCK_NAME, RunLock
 from ..model.lengths import source_token_limit
 from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from ..runtime.cpu import usable_cores
 from ..runtime.errors import TfmError
 from ..runtime.files import (
+    MANIFEST_NAME,
     atomic_path,
     atomic_write_bytes,
     atomic_write_text,
@@ -437,6 +438,7 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
     other pieces): refused, unless `discard_checkpoints`, which moves its training aside first.
     """
     check_corpus_files(config)  # before anything is created or locked
+    check_run_dir(config.run_path)
     if dropped is not None:
         check_dropped_file(config, dropped)
     parent = parent_vocab(config) if config.vocab.from_run else None
@@ -446,6 +448,15 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
         result = _prepare(config, force, progress, parent, discard_checkpoints, dropped)
         atomic_write_text(RunDirectory(config.run_path).config_file, config_to_yaml(config))
     return result
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """run_dir under the output rule, as every other writer's output: a new or empty directory, or
+    a run tfm made there (its lock or manifest); a folder of the user's (their own config.yaml,
+    which prepare's resolved config replaced) or the working directory is refused before anything
+    is written."""
+    check_output(run_dir, flag="run_dir", directory=True,
+                 ours=lambda folder: (folder / LOCK_NAME).exists() or (folder / MANIFEST_NAME).is_file())
 
 
 def check_dropped_file(config: ExperimentConfig, dropped: Path) -> None:

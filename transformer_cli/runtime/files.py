@@ -352,9 +352,10 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     every write into a directory first removes the temporaries of dead writers there. A run's own
     files are refused unless this process is its writer (`refuse_run_files`). Where `target` is a
     FIFO or a device, the path yielded is `target` itself: it is written into, not replaced. The new
-    file gets the usual umask permissions.
+    file gets the usual umask permissions. A symbolic link is written through: its target is
+    replaced, the link stays (a server's key file behind a link got the key).
     """
-    target = Path(target)
+    target = through_link(Path(target))
     refuse_run_files(target)
     if _written_into(target):
         try:
@@ -384,19 +385,26 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+def through_link(target: Path) -> Path:
+    """Where writing `target` lands: the file or directory a symbolic link points to, else `target`."""
+    return Path(os.path.realpath(target)) if target.is_symlink() else target
+
+
 def staging_directory(target: str | Path, run_cache: bool = False) -> Path:
     """A new, empty hidden directory beside `target` to build the directory `target` in (an
     export, an import), named after this process like `atomic_path`'s temporaries; dead writers'
     leftovers there are removed first. The caller renames it into place, or removes it.
     `run_cache`: `target` is a cache that any command may keep inside a run (interop/ct2_cache.py), not one
-    of the files only the run's writer writes."""
-    target = Path(target)
+    of the files only the run's writer writes. A symbolic link's target is the directory built (the
+    link stays); the new directory has the umask's permissions (mkdtemp makes it private)."""
+    target = through_link(Path(target))
     if not run_cache:
         refuse_run_files(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_writers_temps(target.parent)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{writer_tag()}.", suffix=STAGING_SUFFIX,
                                     dir=target.parent))
+    os.chmod(staging, 0o777 & ~_UMASK)
     claim_directory(staging)  # a run built in it may write its own files there
     return staging
 
@@ -404,7 +412,9 @@ def staging_directory(target: str | Path, run_cache: bool = False) -> Path:
 def replace_with_staged(staging: Path, target: Path) -> None:
     """Move the complete directory `staging` (from `staging_directory`) to `target`, an empty
     directory or an earlier output it replaces (checked by the caller), which goes only once the
-    new one is in place; a failed move puts it back. An OSError names `target`, not the staging one."""
+    new one is in place; a failed move puts it back. An OSError names `target`, not the staging one.
+    A symbolic link to a directory: its target is replaced, the link stays."""
+    target = through_link(target)
     replaced = staging.with_name(staging.name + ".old")
     try:
         if target.exists():

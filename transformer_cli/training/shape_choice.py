@@ -380,8 +380,8 @@ class PlanCheck:
     """What a run on a CPU checks the probe's plan against while it trains: the chosen shape's
     target tokens a second as the probe timed them. After `after_seconds` of training the speed
     trained at is compared with them; where the probe was timed on a busy machine, the first quiet
-    `CHECK_WINDOW` of training is (until `deadline_seconds` of the budget: a machine busy that long
-    is the machine)."""
+    `CHECK_WINDOW` of training is, from the start (until `deadline_seconds` of the budget: a machine
+    busy that long is the machine)."""
 
     shape: str
     tokens_per_second: float
@@ -399,8 +399,10 @@ class PlanCheck:
             return None
         began, tokens_then, reading = self.window
         length = seconds - began
-        waiting = self.probe_busy >= BUSY_SHARE and seconds < self.deadline_seconds
-        if seconds - self.started < self.after_seconds or length <= 0 or (waiting and length < CHECK_WINDOW):
+        busy_probe = self.probe_busy >= BUSY_SHARE
+        waiting = busy_probe and seconds < self.deadline_seconds
+        if (not busy_probe and seconds - self.started < self.after_seconds) or length <= 0 or (
+                waiting and length < CHECK_WINDOW):
             return None
         now = cpu_reading()
         busy, speed = others_share(reading, now, torch.get_num_threads()), (tokens - tokens_then) / length
