@@ -68,7 +68,13 @@ def read_row(run: Path, command: str, isa_cap: str | None = None) -> str:
     for needed in (metrics_file, hyp, ref, run / "config.yaml"):
         if not needed.is_file():
             raise TfmError(f"{needed} not found: {run} is not a finished quickstart run")
-    records = [json.loads(line) for line in metrics_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for line in metrics_file.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a torn line (a kill during an append), or a blank one: readers skip it
+    records = [r for r in records if isinstance(r, dict)]
     valid = [r for r in records if r.get("kind") == "valid" and "bleu" in r]
     steps = max((r.get("step", 0) for r in records), default=0)
     best = max(valid, key=lambda r: r["bleu"]) if valid else None
@@ -78,14 +84,22 @@ def read_row(run: Path, command: str, isa_cap: str | None = None) -> str:
     bleu, chrf = BLEU().corpus_score(hyps, [refs]).score, CHRF().corpus_score(hyps, [refs]).score
     import yaml
 
-    trained = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+    try:
+        trained = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+        trained["model"], trained["train"]["max_tokens"]  # noqa: B018 (what the row reads)
+    except (yaml.YAMLError, TypeError, KeyError):
+        raise TfmError(f"{run / 'config.yaml'}: torn or not a run's config") from None
     model, batch, lr = trained.get("model", {}), trained.get("train", {}).get("max_tokens"), trained.get("train", {}).get("lr")
     shape = f"{model.get('size') or 'pinned'} (d_model {model.get('d_model')}, {model.get('enc_layers')}+" \
             f"{model.get('dec_layers')}, FFN {model.get('d_ff')}), {batch:,}-token batches, peak lr {lr:g}"
     choice_file = run / "shape_choice.json"
     if choice_file.is_file():
-        choice = json.loads(choice_file.read_text(encoding="utf-8"))
-        first = choice.get("replanned", {}).get("first", choice)
+        try:
+            choice = json.loads(choice_file.read_text(encoding="utf-8"))
+            first = choice.get("replanned", {}).get("first", choice)
+            first["shapes"], first["probe_seconds"], choice["chosen"]  # noqa: B018 (what the row reads)
+        except (ValueError, AttributeError, KeyError, TypeError):
+            raise TfmError(f"{choice_file}: torn or not written by tfm train (no shape table in it)") from None
         shape += f"; auto: {len(first['shapes'])} shapes timed in {first['probe_seconds']:.0f} s"
         if first.get("busy", 0) >= 0.2:
             shape += f" on a busy machine (other work {first['busy']:.0%})"
@@ -137,7 +151,8 @@ def main() -> None:
         print(read_row(args.read, command, args.isa_cap))
         return
     cap = (f"-{args.isa_cap}" if args.isa_cap else "") + (f"-busy{args.busy:g}" if args.busy else "")
-    run = args.run_dir or ROOT / "runs" / f"quickstart-{args.time}-{args.size or 'auto'}{cap}"
+    # quickstart.sh runs from the project root: a relative --run-dir means this working directory's
+    run = (args.run_dir or ROOT / "runs" / f"quickstart-{args.time}-{args.size or 'auto'}{cap}").absolute()
     if run.exists():
         raise TfmError(f"{run} exists: the row is of a fresh run (give another --run-dir, or --read {run})")
     check_output(run, flag="--run-dir", directory=True)  # never the working directory, a run's own folder, …

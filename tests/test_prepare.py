@@ -291,3 +291,13 @@ def test_run_dir_over_a_users_folder_or_the_working_directory_is_refused_before_
     config = config_from_dict(multi30k_config(multi30k_2k, empty, vocab={"size": 300}))
     prepare(config, progress=False)  # new or empty: prepared; and a run tfm made is prepared again
     assert prepare(config, progress=False).reused
+
+
+def test_a_dropped_file_that_would_shadow_a_corpus_is_refused_before_prepare_runs(multi30k_2k, tmp_path):
+    """`--dropped train.de` beside the corpus `train.de.gz`: the whole prepare ran, then "both exist"."""
+    config = config_from_dict(multi30k_config(multi30k_2k, tmp_path / "run"))
+    for dropped in (multi30k_2k / "train.de", multi30k_2k / "val.en"):
+        with pytest.raises(TfmError, match=r"--dropped .*: the plain/.gz twin of"):
+            prepare(config, progress=False, dropped=dropped)
+        assert not dropped.exists()
+    assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -50,3 +50,20 @@ def test_quickstart_prepares_trains_translates_and_evaluates(tmp_path):
     again = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--run-dir", str(run)],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and again.stderr.startswith("error: ") and "exists" in again.stderr
+    # A torn run is one line (a kill mid-write: shape_choice.json half written), a torn metrics line skipped.
+    import shutil
+
+    torn = tmp_path / "torn"
+    shutil.copytree(run, torn)
+    with open(torn / "metrics.jsonl", "a", encoding="utf-8") as metrics:
+        metrics.write('{"kind": "tra')
+    assert subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--read", str(torn)],
+                          capture_output=True, text=True, timeout=300).returncode == 0
+    (torn / "shape_choice.json").write_text('{"chosen": "d1')
+    half = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--read", str(torn)],
+                          capture_output=True, text=True, timeout=300)
+    assert half.returncode == 2 and "shape_choice.json: torn" in half.stderr and len(half.stderr.splitlines()) == 1
+    for busy in ("-1", "nan", "9999"):
+        bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--busy", busy],
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and "--busy" in bad.stderr and len(bad.stderr.splitlines()) == 1, bad.stderr

@@ -488,3 +488,27 @@ def test_a_directory_built_onto_a_link_fills_its_target_and_follows_the_umask(tm
         assert folder.stat().st_mode & 0o777 == 0o755  # another account may read an export
     finally:
         os.umask(previous)
+
+
+def test_a_key_file_saved_with_a_byte_order_mark_reads_as_without_one(tmp_path):
+    """A BOM an editor put at the start: "line 1: not 'sha256:…'" for a good key."""
+    from transformer_cli.runtime.errors import TfmError
+    from transformer_cli.serve.access import ApiKeys
+
+    line = "sha256:" + "ab" * 32 + " ops"
+    keys = ApiKeys.parse("\ufeff" + line + "\n", tmp_path / "keys.txt")
+    assert keys.hashes == ApiKeys.parse(line + "\n", tmp_path / "keys.txt").hashes
+    with pytest.raises(TfmError, match="line 2: not 'sha256"):
+        ApiKeys.parse("\ufeff" + line + "\nsha256:zz\n", tmp_path / "keys.txt")
+
+
+@pytest.mark.parametrize("kind", ["directory", "dev-null", "fifo"])
+def test_a_config_that_is_not_a_regular_file_says_what_it_is(tmp_path, kind):
+    """A directory, /dev/null or a FIFO as --config: "config file not found" (a FIFO: read forever)."""
+    from transformer_cli.runtime.errors import TfmError
+
+    path = {"directory": tmp_path, "dev-null": Path("/dev/null"), "fifo": tmp_path / "fifo"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    with pytest.raises(TfmError, match="a directory" if kind == "directory" else "not a regular file"):
+        load_config(path)

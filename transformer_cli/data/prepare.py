@@ -461,8 +461,14 @@ def check_run_dir(run_dir: Path) -> None:
 
 def check_dropped_file(config: ExperimentConfig, dropped: Path) -> None:
     """`--dropped` names a file to write that is none of the run's inputs and not in its directory."""
-    check_output(dropped, {f"data.{split}": [path for corpus in split_corpora(config, split) for path in corpus]
-                           for split in SPLITS}, flag="--dropped")
+    reads = {f"data.{split}": [path for corpus in split_corpora(config, split) for path in corpus] for split in SPLITS}
+    check_output(dropped, reads, flag="--dropped")
+    twin = dropped.with_name(dropped.name[:-3] if dropped.name.endswith(".gz") else f"{dropped.name}.gz")
+    for option, paths in reads.items():  # `train.de.gz` beside the corpus `train.de` would shadow it, or be shadowed
+        for path in paths:
+            if twin.resolve() in (Path(path).resolve(), Path(f"{path}.gz").resolve()):
+                raise TfmError(f"--dropped {dropped}: the plain/.gz twin of {path} ({option}): a corpus reader could "
+                               "not tell which is the corpus; name another file")
     if config.run_path.resolve() in dropped.resolve().parents:
         raise TfmError(f"--dropped {dropped}: is inside the run directory {config.run_path}, which prepare "
                        "rebuilds; name a file outside it")

@@ -890,8 +890,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if path is not None:
         path = Path(path)
         source = str(path)
-        if not path.is_file():
+        if not path.exists():
             raise TfmError(f"config file not found: {path}")
+        if not path.is_file():  # a directory, /dev/null, a FIFO: nothing a config is read from (a FIFO would block)
+            what = "a directory" if path.is_dir() else "not a regular file"
+            raise TfmError(f"config {path}: {what}; give a YAML file (e.g. --config configs/de-en.yaml)")
         try:
             loaded = read_yaml(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:

@@ -69,6 +69,7 @@ class ApiKeys:
     @classmethod
     def parse(cls, text: str, path: Path) -> ApiKeys:
         hashes, names = [], []
+        text = text.removeprefix("\ufeff")  # a byte-order mark an editor saved at its start
         for number, line in enumerate(text.splitlines(), start=1):
             line = line.strip()
             if not line or line.startswith("#"):

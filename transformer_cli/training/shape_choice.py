@@ -296,7 +296,10 @@ def time_shapes(config: ExperimentConfig, data: ParallelData, vocab: tuple[int, 
     share of the CPUs other work took meanwhile."""
     updates = probe_batches(data, config, PROBE_UPDATES)
     if not updates:
-        raise TfmError("model.size auto: the training split has no batch to time the shapes on")
+        batches = len(data.batches(config.train.max_tokens, seed=config.train.seed))
+        raise TfmError(f"model.size auto: the training split makes {batches:,} batches of train.max_tokens "
+                       f"{config.train.max_tokens:,}, fewer than one update of train.accum_steps "
+                       f"{config.train.accum_steps:,}: lower train.accum_steps, or name the shape (model.size: d128, …)")
     forget_busy_measurements()  # a bf16 screen of a busy moment is measured again
     before, started = cpu_reading(), time.perf_counter()
     names = sorted(SHAPES, key=lambda name: layer_weights(SHAPES[name]))
