@@ -581,7 +581,7 @@ def test_bad_documents_are_one_line_errors_and_write_nothing(reverse_model, tmp_
 # --------------------------------------------------------------------------- linear time on hostile input
 
 
-def seconds_of(work, repeats: int = 3) -> float:
+def seconds_of(work, repeats: int = 5) -> float:
     import time
 
     best = float("inf")
@@ -604,8 +604,8 @@ def test_what_a_reader_sees_of_markup_is_read_in_linear_time(unit):
     160 kB of `<!--` froze the server for 78 s): twice the input, at most ~2.5x the time."""
     from transformer_cli.documents.formats import without_markup
 
-    small, large = grows_linearly(lambda n: unit * n + " text", without_markup, 20_000)
-    assert large <= 2.5 * small + 0.002, (small, large)
+    small, large = grows_linearly(lambda n: unit * n + " text", without_markup, 40_000)
+    assert large <= 2.5 * small + 0.01, (small, large)  # (+10 ms: a busy test machine's noise)
     assert large < 0.5
 
 
@@ -708,3 +708,16 @@ def test_a_word_document_with_a_damaged_byte_is_one_line():
             plan_word(bytes(damaged), "de")
         except TfmError as exc:
             assert "\n" not in str(exc)
+
+
+def test_two_cues_without_a_blank_line_between_them_are_two_cues():
+    """The second cue's number and timing were translated as words, and the cue was gone."""
+    srt = ("1\n00:00:01,000 --> 00:00:02,000\nEin Hund läuft.\n2\n00:00:03,000 --> 00:00:04,000\nEine Katze.\n\n"
+           "3\n00:00:05,000 --> 00:00:06,000\nDrei Wörter hier.\n00:00:07,000 --> 00:00:08,000\nVier.\n")
+    plan = plan_subtitles(srt, "de")
+    assert plan.sentences == ["Ein Hund läuft.", "Eine Katze.", "Drei Wörter hier.", "Vier."]
+    assert plan.rebuild(same(plan.sentences)) == srt
+    out = plan.rebuild(reversed_words(plan.sentences))
+    assert [line for line in out.splitlines() if "-->" in line or line.isdigit()] == [
+        line for line in srt.splitlines() if "-->" in line or line.isdigit()]
+    assert "LÄUFT. HUND EIN" in out and "KATZE. EINE" in out

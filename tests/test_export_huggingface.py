@@ -207,3 +207,75 @@ def test_tfm_import_gives_back_the_exported_model_weight_for_weight(layout, layo
     lines = gzip.decompress((config.parent / "data" / "test.src.gz").read_bytes()).decode().splitlines()[:20]
     assert translate_texts(fp32_translator(checkpoint, beam=1), lines) == \
         translate_texts(fp32_translator(tmp_path / "back" / "checkpoints" / "checkpoint_best.pt", beam=1), lines)
+
+
+@pytest.mark.slow
+def test_the_model_card_uses_only_scores_of_the_exported_weights_and_names_the_set_they_were_measured_on(
+        layout_runs, tmp_path):
+    """A card reported the test score of an earlier checkpoint_best.pt after training went on (score
+    files matched by name only), and named the config's test set after `evaluate --set data.test=…`."""
+    import shutil
+
+    source = layout_runs("pre-norm, joint")
+    root = tmp_path / "copy"
+    shutil.copytree(source.parent, root)
+    config = root / source.name
+    config.write_text(config.read_text().replace(str(source.parent), str(root)))
+    checkpoint = checkpoint_of(config)
+    payload = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    payload["model"] = {k: v + 0.01 if v.is_floating_point() else v for k, v in payload["model"].items()}
+    torch.save(payload, checkpoint)  # "training went on": the same name, other weights
+    refused = tfm_in_process("export", "--config", config, "--format", "huggingface", "-o", tmp_path / "a")
+    assert refused.exit_code == 2 and "no test score of these weights" in refused.stderr and "other weights" in \
+        refused.stderr and len(refused.stderr.splitlines()) == 1, refused.stderr
+    other = root / "data" / "other"
+    for side in ("src", "tgt"):
+        shutil.copy(root / "data" / f"test.{side}.gz", other.with_name(f"other.{side}.gz"))
+    scored = tfm_in_process("evaluate", "--config", config, "--split", "test", "--checkpoint", checkpoint,
+                            "--set", f"data.test={other}")
+    assert scored.exit_code == 0, scored.stderr
+    assert tfm_in_process("export", "--config", config, "--format", "huggingface", "-o", tmp_path / "b").exit_code == 0
+    card = (tmp_path / "b" / "README.md").read_text()
+    assert "## Test scores (other, sacreBLEU)" in card and "name: other" in card
+
+
+def test_the_model_card_reads_a_torn_record_as_one_line_and_a_budget_of_steps_as_such(tmp_path):
+    """An `auto` run trained without train.max_time: a TypeError in the card; a torn prepare_report.json
+    or shape_choice.json: JSONDecodeError / AttributeError."""
+    from transformer_cli.interop import model_card
+    from transformer_cli.runtime.errors import TfmError
+
+    (tmp_path / "shape_choice.json").write_text(json.dumps({"chosen": "d128", "budget_seconds": None,
+                                                             "max_steps": 4000}))
+    assert "for 4,000 updates on that machine: d128." in " ".join(model_card._training({"step": 10}, tmp_path))
+    for name, text in (("shape_choice.json", '{"chosen": "d1'), ("prepare_report.json", "[1, 2]"),
+                       ("prepare_report.json", "")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(TfmError, match=name) as caught:
+            model_card._training({}, tmp_path) if name == "shape_choice.json" else model_card._cleaning(tmp_path)
+        assert "\n" not in str(caught.value)
+    (tmp_path / "prepare_report.json").write_text(json.dumps({"pairs_read": 10, "pairs_kept": 9, "dropped": {"x": 1}}))
+    assert model_card._cleaning(tmp_path) == ["`tfm prepare` read 10 training pairs and kept 9; dropped: x 1."]
+
+
+@pytest.mark.slow
+def test_the_export_on_a_full_disk_is_one_line_and_leaves_the_previous_export_whole(layout_runs, tmp_path):
+    """safetensors' traceback on a full disk (a file-size limit here), where the CTranslate2 export
+    and `average` say it in one line."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.warm_processes import preexec
+
+    config = layout_runs("pre-norm, joint")
+    out = tmp_path / "hf"
+    assert tfm_in_process("export", "--config", config, "--format", "huggingface", "-o", out).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    full = subprocess.run([sys.executable, "-m", "transformer_cli", "export", "--config", str(config), "--format",
+                           "huggingface", "-o", str(out), "--force"], capture_output=True, text=True,
+                          preexec_fn=preexec(limits=((resource.RLIMIT_FSIZE, 50_000),)))
+    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-2000:]
+    assert len(full.stderr.strip().splitlines()) == 1 and str(out) in full.stderr, full.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -66,3 +66,19 @@ def test_cli_plots_and_reports_a_run_without_metrics(tmp_path):
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     with pytest.raises(TfmError, match="no train or valid metrics"):
         read_metrics(tmp_path / "empty")
+
+
+def test_a_picture_written_to_a_fifo_reaches_its_reader(tmp_path):
+    """`tfm plot -o FIFO`: "[Errno None] None" (savefig seeks in what it writes)."""
+    import os
+    import threading
+
+    run = write_run(tmp_path / "run")
+    fifo = tmp_path / "curves.png"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    plot_runs([run], fifo)
+    reader.join(timeout=30)
+    assert fifo.exists() and received and received[0].startswith(b"\x89PNG")

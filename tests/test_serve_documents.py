@@ -167,3 +167,44 @@ def test_markup_needs_alignments_a_server_on_ctranslate2_alone_cannot_make(rever
     finally:
         code, stderr = server.stop()
         assert code == 0 and "Traceback" not in stderr, stderr
+
+
+def test_health_answers_within_a_second_while_the_worst_document_of_each_format_is_read(served):
+    """One 160 kB upload of `<!--` froze the whole server for 78 s (one regex call holding the GIL):
+    /health timed out. Each format's worst input, while /health is asked every 0.2 s."""
+    import io
+    import threading
+    import time
+    import zipfile
+
+    from tests.test_documents import word_document
+
+    server, key, _, _ = served
+    namespace = 'xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"'
+    docx = io.BytesIO()
+    with zipfile.ZipFile(docx, "w", zipfile.ZIP_DEFLATED) as archive:
+        original = zipfile.ZipFile(io.BytesIO(word_document()))
+        for info in original.infolist():
+            if info.filename != "word/document.xml":
+                archive.writestr(info, original.read(info))
+        archive.writestr("word/document.xml", f"<w:document {namespace}><w:body>"
+                         + "<w:p><w:r><w:t>wa</w:t></w:r></w:p>" * 100_001 + "</w:body></w:document>")
+    worst = {"a.html": b"<!--" * 40_000, "a.md": b"<!--" * 40_000,
+             "a.srt": b"1\n00:00:01,000 --> 00:00:02,000\n" + b"<b>" * 20_000 + b"wa" + b"</x>" * 20_000 + b"\n",
+             "a.docx": docx.getvalue()}
+    for name, body in worst.items():
+        answered: list = []
+
+        def upload(body: bytes = body, name: str = name, answered: list = answered) -> None:
+            answered.append(send(server.port, body, headers=key, path=f"/translate/file?name={name}", timeout=120))
+
+        sender = threading.Thread(target=upload)
+        sender.start()
+        waits = []
+        while sender.is_alive():
+            waits.append(send(server.port, None, path="/health", timeout=10)[2])
+            time.sleep(0.2)
+        sender.join()
+        assert answered and answered[0][0] in (200, 413, 422), (name, answered)
+        assert max(waits, default=0.0) < 1.0, (name, waits, answered[0][2])
+        assert answered[0][2] < 30, (name, answered[0][2])

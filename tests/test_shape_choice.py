@@ -46,11 +46,20 @@ def test_auto_alone_stays_auto_and_holds_the_fallback_shape_until_train_chooses(
     assert {key: getattr(cfg.model, key) for key in SHAPE_KEYS} == SHAPES[FALLBACK].keys()
 
 
-def test_a_shape_key_beside_auto_pins_the_shape():
-    """`--set model.d_model=…` on the shipped config means that width, as before `auto` (no probe)."""
+def test_a_shape_key_beside_auto_pins_the_shape_and_says_so_once(monkeypatch, capsys):
+    """`--set model.d_model=…` on the shipped config means that width, as before `auto` (no probe);
+    it trained that fixed shape with `size: null` in the run and no word on the console."""
+    monkeypatch.delenv("TFM_SAID", raising=False)
     cfg = load_config("configs/de-en.yaml", ["model.d_model=128"])
     assert cfg.model.size is None
     assert cfg.model.d_model == 128 and cfg.model.enc_layers == SHAPES[FALLBACK].enc_layers
+    load_config("configs/de-en.yaml", ["model.d_model=128"])  # read again (tfm train after its relaunch)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("model.size auto beside")]
+    assert said == ["model.size auto beside model.d_model 128: the shape keys pin the shape (d_model 128, n_heads 4, "
+                    "enc_layers 3, dec_layers 3, d_ff 1024; the keys not given are d256's), so nothing is timed or "
+                    "chosen; drop them to let auto choose"]
+    load_config("configs/de-en.yaml")
+    assert "model.size auto beside" not in capsys.readouterr().err  # auto alone: nothing to say
 
 
 def test_a_trained_runs_config_reads_back_as_the_same_shape(tmp_path):

@@ -14,7 +14,7 @@ from sacrebleu.significance import PairedTest
 from .decoding.terms import LineTerms, avoided_present, missing_constraints, split_constraints_line
 from .experiment.directions import Direction, tag
 from .runtime.errors import TfmError
-from .runtime.files import atomic_write_text, read_lines
+from .runtime.files import atomic_write_text, file_sha256, read_lines
 
 METRICS = {"bleu": BLEU, "chrf": CHRF, "ter": TER}
 
@@ -168,6 +168,7 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
     result = score(hyps, refs, metrics, confidence)
     beam_used = decode.beam
     result.extra = {"split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": beam_used,
+                    "checkpoint_sha256": [file_sha256(p) for p in checkpoints],  # what a model card ties it to
                     "engine": translator.describe(), "source": str(src_path),
                     "reference": str(ref_path), "decode_seconds": round(seconds, 2),
                     "sentences_per_s": round(len(src) / seconds, 2)}
@@ -345,6 +346,7 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
     total = sum(r["n_sentences"] for r in per_direction.values())
     result = EvalResult(average, total, {
         "split": split, "checkpoint": " + ".join(map(str, checkpoints)), "beam": beam_used,
+        "checkpoint_sha256": [file_sha256(p) for p in checkpoints],
         "engine": translator.describe(), "decode_seconds": round(seconds, 2),
         "sentences_per_s": round(total / seconds, 2), "averaged_over": counted, "directions": per_direction,
         "language_id": language_id.MODEL_NAME,  # what the off-target rate was measured with

@@ -6,13 +6,14 @@ need it, and it is a large install for a server that only decodes.
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .runtime.errors import TfmError
-from .runtime.files import atomic_path
+from .runtime.files import atomic_write_bytes
 
 INSTALL_HINT = "matplotlib is not installed: pip install -e '.[plot]' (or pip install matplotlib)"
 
@@ -161,5 +162,6 @@ def save_figure(fig: Any, output: Path, dpi: int) -> None:
     """Write atomically, in the format the suffix names; no bbox_inches="tight", so a PNG keeps
     exactly the figure's pixel size."""
     fmt = figure_format(output)
-    with atomic_path(output) as tmp:
-        fig.savefig(tmp, dpi=dpi, format=fmt)
+    picture = io.BytesIO()  # drawn first: a FIFO or a device cannot be seeked in, as savefig does
+    fig.savefig(picture, dpi=dpi, format=fmt)
+    atomic_write_bytes(output, picture.getvalue())

@@ -455,7 +455,7 @@ def check_run_dir(run_dir: Path) -> None:
     a run tfm made there (its lock or manifest); a folder of the user's (their own config.yaml,
     which prepare's resolved config replaced) or the working directory is refused before anything
     is written."""
-    check_output(run_dir, flag="run_dir", directory=True,
+    check_output(run_dir, flag="run_dir", directory=True, run_files=False,  # (a run's own writer: this one)
                  ours=lambda folder: (folder / LOCK_NAME).exists() or (folder / MANIFEST_NAME).is_file())
 
 

@@ -176,6 +176,37 @@ def check_untimed_block(block: str, line: int, vtt: bool, first: bool) -> None:
                    f"not a {kind} cue (a malformed timing, or a file of another format)")
 
 
+def cues_of(lines: list[str], timing: int) -> list[tuple[int, int, int]]:
+    """The cues of a block whose first timing line is `timing`: (first line, timing line, end) each. Two
+    cues without a blank line between them (a second timing line, with its cue number before it)
+    are two cues: their number and timing were translated as words, and the cue was gone."""
+    cues, start = [], 0
+    for j in range(timing + 1, len(lines)):
+        if TIMING.match(lines[j]):
+            cut = j - 1 if j - 1 > timing and lines[j - 1].strip().isdigit() else j
+            cues.append((start, timing, cut))
+            start, timing = cut, j
+    return [*cues, (start, timing, len(lines))]
+
+
+def cue_parts(text_lines: list[str], lang: str | None, sentences: list[str],
+              aligned: set[int]) -> list[tuple[str, Run | list, int]]:
+    """A cue's text planned: one piece per speaker where every line is a dialogue line, else one."""
+    spoken = [line for line in text_lines if line.strip()]
+    marks = [DIALOGUE.match(line) for line in spoken]
+    if spoken and all(marks):  # one piece per speaker, one line each
+        texts = [(mark.group(0), line[mark.end():], 1) for mark, line in zip(marks, spoken) if mark]
+    else:
+        texts = [("", " ".join(spoken), len(spoken))]
+    parts: list[tuple[str, Run | list, int]] = []
+    for mark, text, count in texts:
+        run, inner = marked_cue(text, lang, sentences)
+        if inner and isinstance(run, Run):
+            aligned |= sentences_in_markup([run])
+        parts.append((mark, run, count))
+    return parts
+
+
 def plan_subtitles(document: str, lang: str | None, vtt: bool = False) -> Plan:
     """The cues' texts as sentences; the file rebuilt with their translations, timings kept."""
     if vtt and document.strip() and not document.lstrip("\ufeff").startswith("WEBVTT"):
@@ -196,20 +227,11 @@ def plan_subtitles(document: str, lang: str | None, vtt: bool = False) -> Plan:
                 check_untimed_block(block.strip(), first_line, vtt, first=number == 0)
             pieces.append(block)
             continue
-        pieces.append(eol.join(lines[: timing + 1]) + eol)
-        spoken = [line for line in lines[timing + 1:] if line.strip()]
-        marks = [DIALOGUE.match(line) for line in spoken]
-        if spoken and all(marks):  # one piece per speaker, one line each
-            texts = [(mark.group(0), line[mark.end():], 1) for mark, line in zip(marks, spoken) if mark]
-        else:
-            texts = [("", " ".join(spoken), len(spoken))]
-        parts: list[tuple[str, Run | list, int]] = []
-        for mark, text, count in texts:
-            run, inner = marked_cue(text, lang, sentences)
-            if inner and isinstance(run, Run):
-                aligned |= sentences_in_markup([run])
-            parts.append((mark, run, count))
-        pieces += [(parts, eol), block[len(body):]]
+        cues = cues_of(lines, timing)
+        for k, (start, cue_timing, end) in enumerate(cues):
+            pieces.append(eol.join(lines[start: cue_timing + 1]) + eol)
+            parts = cue_parts(lines[cue_timing + 1: end], lang, sentences, aligned)
+            pieces += [(parts, eol), block[len(body):] if k == len(cues) - 1 else eol]
 
     def rebuild(translations: list[Translation]) -> str:
         out = []

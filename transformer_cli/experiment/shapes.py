@@ -151,4 +151,10 @@ def fill_shape(model_section: dict) -> dict:
                              "or give the shape keys (with size null), not both")
     filled = {**shape.keys(), **{key: model_section[key] for key in given}}
     pinned = size == AUTO and given
+    if pinned:  # said, not silent: the run trains this fixed shape, and its config.yaml has size null
+        from ..runtime.console import warn_once
+
+        warn_once(f"model.size auto beside {', '.join(f'model.{key} {model_section[key]!r}' for key in given)}: the "
+                  f"shape keys pin the shape ({', '.join(f'{key} {filled[key]}' for key in SHAPE_KEYS)}; the keys "
+                  f"not given are {FALLBACK}'s), so nothing is timed or chosen; drop them to let auto choose")
     return {**model_section, **filled, "size": None if pinned else size}

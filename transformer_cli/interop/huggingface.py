@@ -299,6 +299,12 @@ class HuggingFaceExport:
     largest_difference: float  # tfm's logits against transformers' on the check batch
 
 
+def transformers_logging():  # noqa: ANN201 (transformers' logging module, imported where it is used)
+    from transformers.utils import logging
+
+    return logging
+
+
 def export_huggingface(checkpoint: str | Path, output: str | Path, force: bool = False) -> HuggingFaceExport:
     """Write `output`: the transformers model directory of `checkpoint` (see the module's text), with
     its model card. Built in a staging directory beside `output`, checked by loading it back, and
@@ -318,7 +324,13 @@ def export_huggingface(checkpoint: str | Path, output: str | Path, force: bool =
     model = build_transformers_model(cfg, trained.config, transformers_state(trained.model))
     staging = staging_directory(output)
     try:
-        model.save_pretrained(str(staging), safe_serialization=True)
+        try:
+            transformers_logging().disable_progress_bar()  # "Writing model shards": a bar on tfm's console
+            model.save_pretrained(str(staging), safe_serialization=True)
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (safetensors writes in Rust: a full disk is its SafetensorError)
+            raise TfmError(f"{output}: could not be written ({str(exc).strip().splitlines()[0][:200]})") from None
         write_tokenizer(staging, trained.spm_files, pieces, trained.config, cfg.max_positions)
         difference = check_equal_computation(trained.model, staging)
         card = model_card(checkpoint, trained.config, cfg, ARCHITECTURES[cfg.norm_position][1],

@@ -7,6 +7,7 @@ a shared model's first line of evidence is its score on data it never saw."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import yaml
 from ..experiment.config import ExperimentConfig
 from ..model.transformer import TransformerConfig
 from ..runtime.errors import TfmError
-from ..runtime.files import run_owning
+from ..runtime.files import file_sha256, run_owning
 
 SCORE_FILE = re.compile(r"^test\.(?P<checkpoints>[^.]+)\.beam(?P<beam>\d+)(?:\.directions)?\.json$")
 
@@ -27,7 +28,8 @@ def test_scores(checkpoint: Path) -> list[dict[str, Any]]:
     run = run_owning(checkpoint)
     hint = (f"score it first: tfm evaluate --config {run / 'config.yaml'} --split test --checkpoint {checkpoint}"
             if run is not None else "export a checkpoint of a run that tfm evaluate has scored on its test set")
-    results = []
+    results, other_weights = [], 0
+    digest = file_sha256(checkpoint) if run is not None else ""
     for path in sorted((run / "eval").glob("test.*.json")) if run is not None else []:
         found = SCORE_FILE.match(path.name)
         if found is None or found["checkpoints"] != checkpoint.stem:  # constrained runs, ensembles
@@ -35,13 +37,28 @@ def test_scores(checkpoint: Path) -> list[dict[str, Any]]:
         try:
             result = json.loads(path.read_text(encoding="utf-8"))
             scores = result["scores"]
-            float(scores["bleu"]["score"])
-        except (OSError, ValueError, KeyError, TypeError):
+            if not math.isfinite(float(scores["bleu"]["score"])):
+                raise ValueError("not a number")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise TfmError(f"{path}: not a score file tfm evaluate wrote (no BLEU in it); {hint}") from None
+        if result.get("checkpoint_sha256") != [digest]:  # another checkpoint of that name (training went on), or unknown
+            other_weights += 1
+            continue
         results.append({**result, "file": path.name, "beam": int(found["beam"])})
     if not results:
-        raise TfmError(f"{checkpoint}: no test score (the model card reports one); {hint}")
+        also = (f" ({other_weights} score file(s) of {checkpoint.name} are of other weights: it changed since they "
+                "were made, or they do not say)") if other_weights else ""
+        raise TfmError(f"{checkpoint}: no test score of these weights (the model card reports one){also}; {hint}")
     return sorted(results, key=lambda r: -r["scores"]["bleu"]["score"])
+
+
+def scored_test_set(result: dict[str, Any], config: ExperimentConfig) -> str:
+    """The test set a score was measured on, as its file says (`--set data.test=other` scored another
+    than the config's), without the language suffix."""
+    source = result.get("source")
+    if isinstance(source, str) and source:
+        return re.sub(r"\.[a-z]{2,3}(\.gz)?$", "", Path(source).name)
+    return Path(config.data.test or "test").name
 
 
 def _datasets(config: ExperimentConfig) -> list[str]:
@@ -60,7 +77,7 @@ def _front_matter(config: ExperimentConfig, scores: list[dict[str, Any]], name: 
                 "name": f"{metric.upper() if metric == 'bleu' else 'chrF'} (test, beam {best['beam']})",
                 "args": best["scores"][metric]["signature"]}
                for metric in ("bleu", "chrf") if metric in best["scores"]]
-    test_name = Path(config.data.test or "test").name
+    test_name = scored_test_set(best, config)
     front = {
         "language": [config.data.src_lang, config.data.tgt_lang],
         "tags": ["translation", "tfm"],
@@ -78,31 +95,48 @@ def _front_matter(config: ExperimentConfig, scores: list[dict[str, Any]], name: 
     return f"---\n# license: (set this: the licenses of the training data bind the model)\n{text}---\n"
 
 
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A JSON record a run wrote (prepare_report.json, shape_choice.json): None where there is none;
+    a TfmError of one line where it is torn or not a record."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TfmError(f"{path}: torn or unreadable ({type(exc).__name__}); the model card reads it: run "
+                       "the command that writes it again, or remove it") from None
+    if not isinstance(record, dict):
+        raise TfmError(f"{path}: not a record tfm wrote (a JSON object); the model card reads it")
+    return record
+
+
 def _cleaning(run: Path | None) -> list[str]:
-    report_file = run / "prepare_report.json" if run is not None else None
-    if report_file is None or not report_file.is_file():
+    report = read_record(run / "prepare_report.json") if run is not None else None
+    if report is None:
         return ["No cleaning report was found beside the checkpoint."]
-    report = json.loads(report_file.read_text(encoding="utf-8"))
-    dropped = {reason: count for reason, count in report.get("dropped", {}).items() if count}
+    dropped = report.get("dropped") if isinstance(report.get("dropped"), dict) else {}
+    dropped = {reason: count for reason, count in dropped.items() if isinstance(count, int) and count}
     reasons = ", ".join(f"{reason} {count:,}" for reason, count in sorted(dropped.items(), key=lambda kv: -kv[1]))
-    return [f"`tfm prepare` read {report.get('pairs_read', 0):,} training pairs and kept "
-            f"{report.get('pairs_kept', 0):,}" + (f"; dropped: {reasons}." if reasons else ".")]
+    read, kept = (report.get(key) if isinstance(report.get(key), int) else 0 for key in ("pairs_read", "pairs_kept"))
+    return [f"`tfm prepare` read {read:,} training pairs and kept {kept:,}" + (f"; dropped: {reasons}." if reasons
+                                                                               else ".")]
 
 
 def _training(progress: dict[str, Any], run: Path | None) -> list[str]:
     lines = []
     step, elapsed = progress.get("step"), progress.get("elapsed")
-    if step is not None:
+    if isinstance(step, int):
         minutes = f" in {elapsed / 60:.1f} minutes of training" if isinstance(elapsed, (int, float)) else ""
         lines.append(f"{step:,} updates{minutes}.")
     machines = progress.get("machines") or []
-    lines.append(f"Trained on: {'; then '.join(machines)}." if machines
+    lines.append(f"Trained on: {'; then '.join(map(str, machines))}." if machines
                  else "The hardware it trained on is not recorded in its checkpoint.")
-    choice = run / "shape_choice.json" if run is not None else None
-    if choice is not None and choice.is_file():
-        chosen = json.loads(choice.read_text(encoding="utf-8"))
-        lines.append(f"Shape chosen by `model.size: auto` for a {chosen.get('budget_seconds', 0) / 60:.0f}-minute "
-                     f"budget on that machine: {chosen.get('chosen')}.")
+    chosen = read_record(run / "shape_choice.json") if run is not None else None
+    if chosen is not None:
+        budget = chosen.get("budget_seconds")
+        limit = (f"a {budget / 60:.0f}-minute budget" if isinstance(budget, (int, float)) else
+                 f"{chosen.get('max_steps'):,} updates" if isinstance(chosen.get("max_steps"), int) else "its budget")
+        lines.append(f"Shape chosen by `model.size: auto` for {limit} on that machine: {chosen.get('chosen')}.")
     return lines
 
 
@@ -140,7 +174,7 @@ def model_card(checkpoint: Path, config: ExperimentConfig, cfg: TransformerConfi
         "",
         *_training(progress, run),
         "",
-        f"## Test scores ({Path(config.data.test or 'test').name}, sacreBLEU)",
+        f"## Test scores ({scored_test_set(scores[0], config)}, sacreBLEU)",
         "",
         "| beam | BLEU | chrF | engine | BLEU signature |",
         "| --- | --- | --- | --- | --- |",

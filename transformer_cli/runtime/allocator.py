@@ -54,12 +54,15 @@ def relaunch_environment(library: Path, launched: Mapping[str, str] | None = Non
     tfm set in it since, such as the oneDNN kernel cache), with `library` preloaded and mimalloc's
     settings where the user gave none."""
     from .. import LAUNCH_ENVIRONMENT
+    from .console import SAID_ENV
 
     env = dict(LAUNCH_ENVIRONMENT if launched is None else launched)
     env["LD_PRELOAD"] = " ".join(filter(None, [str(library), env.get("LD_PRELOAD")]))
     for key, value in MIMALLOC_DEFAULTS.items():
         env.setdefault(key, value)
     env[RELAUNCHED] = "1"
+    if os.environ.get(SAID_ENV):  # lines said already are not said twice
+        env[SAID_ENV] = os.environ[SAID_ENV]
     return env
 
 

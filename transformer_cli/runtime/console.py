@@ -9,6 +9,7 @@ takes nothing more. Results on stdout are different: failing to write them is an
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import sys
@@ -35,6 +36,20 @@ def discard_stream(stream: IO) -> None:
     keeps nothing (a stream without a descriptor is left as it is)."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
         discard_writes([stream.fileno()])
+
+
+SAID_ENV = "TFM_SAID"  # digests of the lines `warn_once` said, carried over the allocator's relaunch
+
+
+def warn_once(message: str) -> None:
+    """`warn`, once a command: a line said before `tfm train` starts itself again on its allocator
+    (runtime/allocator.py, the same PID) is not said again after it."""
+    digest = hashlib.sha256(message.encode("utf-8")).hexdigest()[:16]
+    said = os.environ.get(SAID_ENV, "").split()
+    if digest in said:
+        return
+    os.environ[SAID_ENV] = " ".join([*said, digest])
+    warn(message)
 
 
 def warn(message: str, stream: IO[str] | None = None) -> None:
