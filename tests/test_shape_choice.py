@@ -258,6 +258,16 @@ def test_figures_that_cannot_be_true_are_timed_again():
         == []  # another precision may well be faster
 
 
+def test_under_load_the_probe_keeps_to_its_share_within_one_update():
+    """A busy machine's rounds take long: the limit is looked at before each update, not each round
+    (a busy probe took 39 s of a 30-s share)."""
+    machine = FakeMachine(range(0, 100), slowdown=10.0)
+    names = sorted(IDLE, key=IDLE.get)
+    timed = shape_choice.interleaved_seconds(names, len(TOKENS), machine.train_one, 40.0, machine.clock, print)
+    assert 40.0 < machine.now <= 40.0 + 10 * max(IDLE.values()) * max(TOKENS) / 1000  # (the warm-ups took 29.5 s)
+    assert sorted(timed) == names and all(timed.values())  # every shape timed at least once
+
+
 def test_the_plan_check_replans_on_a_real_slowdown_and_not_on_noise():
     check = shape_choice.PlanCheck("d128", 10_000.0, probe_busy=0.0, after_seconds=60.0, deadline_seconds=180.0)
     for speed in (8_500.0, 9_300.0, 10_000.0, 11_000.0, 12_400.0):  # noise, and the loop's own cost

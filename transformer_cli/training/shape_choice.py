@@ -256,10 +256,10 @@ def interleaved_seconds(names: Sequence[str], updates: int, train_one: Callable[
         seconds[name] = [((first + 1) % updates, train_one(name, (first + 1) % updates))]
     timed = list(seconds)
     for r in range(2, rounds + 1):
-        if limit_seconds is not None and clock() - started > limit_seconds:
-            break
         k = (first + r) % updates
         for name in timed[r % len(timed):] + timed[:r % len(timed)]:
+            if limit_seconds is not None and clock() - started > limit_seconds:
+                return seconds  # (under load a round takes long: the limit is looked at before each update)
             seconds[name].append((k, train_one(name, k)))
     return seconds
 
