@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..runtime.errors import TfmError
-from ..runtime.files import content_hash, staging_directory, writer_tag
+from ..runtime.files import content_hash, read_json_object, staging_directory, writer_tag
 
 CACHE_NAME = "ctranslate2"
 SOURCE_JSON = "tfm_source.json"  # inside a conversion: the checkpoint's hash and the identities it was read as
@@ -71,11 +71,7 @@ def file_identity(path: Path) -> list[int]:
 
 
 def _source_record(directory: Path) -> dict:
-    try:
-        record = json.loads((directory / SOURCE_JSON).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
+    return read_json_object(directory / SOURCE_JSON)
 
 
 CONVERSION_FILES = ("model.bin", "config.json", "tfm_decode.json", "source.spm.model", "target.spm.model")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import gzip
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -487,6 +488,15 @@ def atomic_write_bytes(target: str | Path, data: bytes | memoryview) -> None:
 
 def atomic_write_text(target: str | Path, text: str) -> None:
     atomic_write_bytes(target, text.encode("utf-8"))
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object a command wrote and reads back: {} where the file is missing, torn or not an object."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def file_sha256(path: Path) -> str:

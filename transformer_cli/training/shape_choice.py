@@ -48,7 +48,7 @@ from ..experiment.rundir import RunDirectory
 from ..experiment.shapes import AUTO, SHAPE_KEYS, SHAPES, NamedShape
 from ..runtime.cpu import BUSY_SHARE, CpuReading, cpu_reading, others_share
 from ..runtime.errors import TfmError
-from ..runtime.files import atomic_write_text
+from ..runtime.files import atomic_write_text, read_json_object
 from ..runtime.precision import autocast_dtype, choose_precision, forget_busy_measurements
 from .builders import adam, build_model
 from .loss import batch_loss
@@ -479,11 +479,7 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
 
 def read_choice(run_root: Path) -> dict:
     """The run's shape_choice.json ({} where there is none or it is torn)."""
-    try:
-        record = json.loads((run_root / CHOICE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
+    return read_json_object(run_root / CHOICE_FILE)
 
 
 def record_check(run_root: Path, check: dict) -> None:
