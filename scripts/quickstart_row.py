@@ -6,7 +6,8 @@ to choose it), the steps made, the best valid BLEU and test2016 beam-5 BLEU / ch
     python scripts/quickstart_row.py                          # 10 minutes, model.size auto
     python scripts/quickstart_row.py --time 30m               # the 30-minute budget
     python scripts/quickstart_row.py --size d256              # a pinned shape, for comparison
-    python scripts/quickstart_row.py --read runs/quickstart   # the row of a finished run, no training
+    python scripts/quickstart_row.py --read runs/quickstart   # the row of a finished run, no training (its
+                                                              # conditions as recorded when this script made it)
     python scripts/quickstart_row.py --isa-cap avx512         # as on a CPU of a lower class (below)
     python scripts/quickstart_row.py --busy 90                # other work on every core for its first 90 s
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from transformer_cli.runtime.cpu import cpu_flags, cpu_model_name, usable_cores  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
-from transformer_cli.runtime.files import check_output  # noqa: E402
+from transformer_cli.runtime.files import atomic_write_text, check_output, read_json_object  # noqa: E402
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -117,6 +118,28 @@ def read_row(run: Path, command: str, isa_cap: str | None = None) -> str:
             f"{best_text} | **{bleu:.2f} / {chrf:.2f}** |")
 
 
+def conditions_file(run: Path) -> Path:
+    """Beside the run (not in it: the run directory holds what tfm wrote): how this script made it."""
+    return run.parent / f"{run.name}.row.json"
+
+
+def read_conditions(run: Path, args, command: str) -> tuple[str, str | None]:
+    """The command and ISA cap a finished run was made with: as this script recorded them when it made
+    the run, else (a run of scripts/quickstart.sh itself) uncapped. --isa-cap and --busy describe a run
+    to make, so beside --read they are refused: the row names what the run's record says."""
+    if args.isa_cap or args.busy:
+        flag = "--isa-cap" if args.isa_cap else "--busy"
+        raise TfmError(f"{flag} with --read: the row of a finished run names the conditions it was made "
+                       f"under ({conditions_file(run).name} beside it), not the ones given")
+    record_path = conditions_file(run)
+    if not record_path.is_file():
+        return command, None
+    record = read_json_object(record_path)
+    if not isinstance(record.get("command"), str) or record.get("isa_cap") not in (None, *ISA_CAPS):
+        raise TfmError(f"{record_path}: torn or not written by scripts/quickstart_row.py")
+    return record["command"], record["isa_cap"]
+
+
 HEADER = ("| CPU (flags) | date | command | shape | steps | best valid BLEU (greedy) | test2016 beam 5 BLEU / chrF |\n"
           "| --- | --- | --- | --- | --- | --- | --- |")
 
@@ -147,8 +170,9 @@ def main() -> None:
         if args.busy:
             command = f"python scripts/quickstart_row.py --time {args.time}{size}{busy}"
     if args.read is not None:
+        command, isa_cap = read_conditions(args.read, args, command)
         print(HEADER)
-        print(read_row(args.read, command, args.isa_cap))
+        print(read_row(args.read, command, isa_cap))
         return
     cap = (f"-{args.isa_cap}" if args.isa_cap else "") + (f"-busy{args.busy:g}" if args.busy else "")
     # quickstart.sh runs from the project root: a relative --run-dir means this working directory's
@@ -160,9 +184,10 @@ def main() -> None:
     if log.exists():
         raise TfmError(f"{log} exists: the quickstart's log would replace it (give another --run-dir)")
     env = {**os.environ, **ISA_CAPS.get(args.isa_cap or "", {}), "TIME": args.time, "RUN_DIR": str(run)}
+    run.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(conditions_file(run), json.dumps({"command": command, "isa_cap": args.isa_cap}) + "\n")
     if args.size:
         env["SIZE"] = args.size
-    run.parent.mkdir(parents=True, exist_ok=True)
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(usable_cores())
                if args.busy]
     try:

@@ -34,6 +34,7 @@ from transformer_cli.data.augment import (
     without_end_punctuation,
 )
 from transformer_cli.data.augmented_data import AugmentedData, training_split
+from transformer_cli.data.augmented_data import describe as describe_augmentation
 from transformer_cli.data.batch_stream import BatchStream
 from transformer_cli.experiment.config import AugmentConfig, config_from_dict, load_config
 from transformer_cli.runtime.errors import TfmError
@@ -221,6 +222,24 @@ def test_the_draws_are_the_seeds_alone_and_a_resumed_stream_takes_the_same_batch
     assert all(len(t) == len(i) for t, i in zip(unbroken, crossing.indices))
     assert a.target_tokens(a.batches(600, 3)[0]) == sum(len(t) + 1 for t in
                                                          (a._pairs(a.batches(600, 3)[0])[1]))
+
+
+def test_draws_once_change_each_pair_the_same_way_every_epoch(prepared_multi30k):
+    """draws: once — the epochs change the same pairs into the same text (typos too), in another
+    order; draws: epoch changes others each epoch."""
+    rates = {"lower": 0.3, "typos": 0.5, "end_punctuation": 0.3}
+
+    def changes(data: AugmentedData, seed: int) -> dict[int, tuple[str, str]]:
+        data.batches(600, seed)
+        store = data.stores[-1]
+        return dict(zip(store.pairs, _texts(data, store.first + np.arange(len(store.src)))))
+
+    once = _augmented(prepared_multi30k, **rates, draws="once")
+    first, second = changes(once, 3), changes(once, 4)
+    assert len(first) > 0.5 * len(once) and first == second
+    fresh = _augmented(prepared_multi30k, **rates)
+    assert changes(fresh, 3).keys() != changes(fresh, 4).keys()
+    assert "drawn once per pair" in describe_augmentation(once.cfg)
 
 
 def test_training_with_augmentation_says_so_and_resumes_to_the_same_weights(prepared_multi30k, tmp_path,

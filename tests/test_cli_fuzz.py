@@ -392,7 +392,7 @@ DIRECTIONS = WORDS + ["-", "src-", "src-tgt-src", "src-src", "[src-tgt, src-tgt]
 DATA_CASES = [(key, value) for key in numeric_keys("data", DataConfig)
               for value in (NUMBERS if not key.startswith(("data.filters.", "data.augment."))
                             else ["-1", "nan", "1e308"])] + [
-    ("data.augment", value) for value in ("{lower: 0.7, title: 0.4}", "{upper: 1.1}", "[0.1]", "{typo: 0.1}")] + [
+    ("data.augment", value) for value in ("{lower: 0.7, title: 0.4}", "{upper: 1.1}", "[0.1]", "{typo: 0.1}", "{draws: twice}", "{draws: 1}")] + [
     ("data.directions", value) for value in DIRECTIONS] + [
     ("data.filters.model.engine", value) for value in ("", "CT2", "ctranslate2 ", "{torch: 1}")]
 

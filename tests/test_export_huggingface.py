@@ -26,8 +26,16 @@ from transformer_cli.model.transformer import Transformer, TransformerConfig
 
 
 def transformers():
-    """transformers, imported by the first test that needs it (its import takes seconds: not at collection)."""
-    return pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e '.[test]')")
+    """transformers, imported by the first test that needs it (its import takes seconds: not at collection).
+    TFM_TRANSFORMERS=4 (CI's second pass, transformers 4 in a side folder): fails on any other major version."""
+    import os
+
+    module = pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e '.[test]')")
+    wanted = os.environ.get("TFM_TRANSFORMERS")
+    assert not wanted or module.__version__.split(".")[0] == wanted, \
+        f"TFM_TRANSFORMERS={wanted}, but transformers {module.__version__} was imported (from {module.__file__})"
+    return module
+
 
 def checkpoint_of(config: Path) -> Path:
     from transformer_cli.experiment.config import load_config
@@ -180,6 +188,15 @@ def test_a_multilingual_export_takes_the_target_language_tag_as_tfm_does(shift_m
     out = tmp_path / "hf"
     done = tfm_in_process("export", "--config", tmp_path / "c.yaml", "--format", "huggingface", "-o", out)
     assert done.exit_code == 0, done.stderr
+    # The card reports each direction's own score (not their average as the first's) and its use the tags.
+    card = (out / "README.md").read_text()
+    front = yaml.safe_load(card.split("---\n")[1])
+    scored = json.loads(next((tmp_path / "run" / "eval").glob("test.*.directions.json")).read_text())["directions"]
+    results = front["model-index"][0]["results"]
+    assert {r["task"]["name"]: r["metrics"][0]["value"] for r in results} == \
+        {f"Translation {name}": round(r["scores"]["bleu"]["score"], 2) for name, r in scored.items()}
+    assert "multilingual" in front["tags"] and set(front["language"]) >= {"up", "dn"}
+    assert 'tokenizer([">>' in card and "`>>up<<`" in card and "--tgt-lang" in card
     sources = gzip.decompress((data / "test.src.gz").read_bytes()).decode().splitlines()[:30]
     checkpoint = checkpoint_of(tmp_path / "c.yaml")
     for language in ("up", "dn"):

@@ -429,6 +429,23 @@ def test_without_models_prepare_trains_its_own_on_each_half_and_scores_each_pair
         assert torch.load(path, weights_only=False)["progress"]["step"] == 130
 
 
+@pytest.mark.slow
+def test_a_run_prepared_before_trains_the_filters_own_models_when_the_filter_is_turned_on(noisy_reverse, tmp_path):
+    """Its sub-runs' spm.model was called "one of the run directory's own files" of the outer run."""
+    data, _ = noisy_reverse
+    run = tmp_path / "run"
+    config_file = tmp_path / "config.json"
+    plain = self_trained_config(data, run, max_steps=10)
+    plain["data"]["filters"] = SYNTHETIC_FILTERS
+    config_file.write_text(json.dumps(plain))
+    assert tfm_in_process("prepare", "--config", config_file).exit_code == 0
+    config_file.write_text(json.dumps(self_trained_config(data, run, max_steps=10)))
+    result = tfm_in_process("prepare", "--config", config_file)
+    assert result.exit_code == 0, result.stderr
+    assert "data.filters.model: forward model 1 of 2" in result.stdout
+    assert (run / "filter_models" / "half1" / "spm.model").is_file()
+
+
 def test_the_filters_own_models_need_one_direction_and_pairs_in_both_halves(noisy_reverse, tmp_path):
     data, _ = noisy_reverse
     one_pair = tmp_path / "one"

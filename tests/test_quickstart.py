@@ -38,12 +38,24 @@ def test_quickstart_prepares_trains_translates_and_evaluates(tmp_path):
     assert row.returncode == 0, row.stderr[-2000:]
     bleu = re.search(r"BLEU = ([0-9.]+)", result.stdout).group(1)
     assert f"**{float(bleu):.2f} / " in row.stdout and "model name" not in row.stdout
-    # As a CPU of a lower class (--isa-cap): the row says so and names the caps; an unknown class is one line.
-    capped = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--read", str(run),
-                             "--isa-cap", "avx2"], capture_output=True, text=True, timeout=300)
+    # A run's conditions are what its record says: --isa-cap beside --read cannot label an uncapped run
+    # capped; a run the script made capped (its record beside it) is named so, with its caps.
+    relabel = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--read", str(run),
+                              "--isa-cap", "avx2"], capture_output=True, text=True, timeout=300)
+    assert relabel.returncode == 2 and "--isa-cap with --read" in relabel.stderr, relabel.stderr
+    (tmp_path / "quickstart.row.json").write_text(
+        '{"command": "python scripts/quickstart_row.py --isa-cap avx2 --time 10m", "isa_cap": "avx2"}')
+    capped = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--read", str(run)],
+                            capture_output=True, text=True, timeout=300)
     assert capped.returncode == 0, capped.stderr[-2000:]
     assert "capped to avx2: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2" in capped.stdout
     assert "`python scripts/quickstart_row.py --isa-cap avx2 --time 10m`" in capped.stdout
+    (tmp_path / "quickstart.row.json").write_text('{"command": "python scr')
+    torn_record = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--read", str(run)],
+                                 capture_output=True, text=True, timeout=300)
+    assert torn_record.returncode == 2 and "quickstart.row.json: torn" in torn_record.stderr
+    (tmp_path / "quickstart.row.json").unlink()
+    # an unknown class is one line
     unknown = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--isa-cap", "avx9"],
                              capture_output=True, text=True, timeout=300)
     assert unknown.returncode == 2 and unknown.stderr.startswith("error: ") and len(unknown.stderr.splitlines()) == 1

@@ -490,6 +490,29 @@ def test_a_directory_built_onto_a_link_fills_its_target_and_follows_the_umask(tm
         os.umask(previous)
 
 
+def test_a_run_nested_in_a_prepared_runs_own_folder_is_written_by_its_own_writer(tmp_path):
+    """The model filter could not train its own models in a run prepared before: its sub-run's
+    spm.model (filter_models/half1/, no prepare.json of its own yet) counted as the outer run's own
+    file, and the outer run was not this process's to write."""
+    from transformer_cli.runtime.errors import TfmError
+    from transformer_cli.runtime.files import atomic_write_text, claim_directory, release_directory
+
+    outer = tmp_path / "run"
+    half = outer / "filter_models" / "half1"
+    half.mkdir(parents=True)
+    (outer / "prepare.json").write_text("{}")
+    with pytest.raises(TfmError, match="own files"):
+        atomic_write_text(half / "spm.model", "x")  # nobody's writer: refused, as before
+    claim_directory(half)
+    try:
+        atomic_write_text(half / "spm.model", "x")  # the sub-run's writer writes it
+        with pytest.raises(TfmError, match="own files"):
+            atomic_write_text(outer / "spm.model", "x")  # ...but not the outer run's own files
+    finally:
+        release_directory(half)
+    assert (half / "spm.model").read_text() == "x" and not (outer / "spm.model").exists()
+
+
 def test_a_key_file_saved_with_a_byte_order_mark_reads_as_without_one(tmp_path):
     """A BOM an editor put at the start: "line 1: not 'sha256:…'" for a good key."""
     from transformer_cli.runtime.errors import TfmError

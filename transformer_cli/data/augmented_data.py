@@ -1,5 +1,5 @@
 """The training split with each epoch's pairs drawn afresh through data/augment.py's modifiers
-(`data.augment`): `AugmentedData` stands where the split's `ParallelData` stands. Its `batches`
+(`data.augment`; `draws: once` keeps each pair's first draw every epoch): `AugmentedData` stands where the split's `ParallelData` stands. Its `batches`
 decodes the epoch's drawn pairs with the run's sentencepiece models, changes them, encodes them
 again and buckets the epoch by the new lengths; `collate` reads the changed pairs from the epoch's
 store. The draws follow from the epoch's seed alone (train.seed + epoch), so a resumed run draws
@@ -37,8 +37,10 @@ class AugmentedData:
     batch index lies past the split's pairs, in its epoch's store; the two latest epochs' stores are
     kept (an update may span an epoch's end)."""
 
-    def __init__(self, data: ParallelData, cfg: AugmentConfig, src_sp, tgt_sp, max_len: int):
+    def __init__(self, data: ParallelData, cfg: AugmentConfig, src_sp, tgt_sp, max_len: int, seed: int = 0):
         self.data, self.cfg, self.src_sp, self.tgt_sp, self.max_len = data, cfg, src_sp, tgt_sp, max_len
+        self.seed = seed  # train.seed: `draws: once` draws each pair's change from it
+        self.once: dict[int, Draw] | None = None
         self.split = data.split
         self.stores: list[EpochStore] = []
         self.next_index = len(data)
@@ -67,9 +69,9 @@ class AugmentedData:
         src_lens = self.data.src.lengths[drawn].astype(np.int64)
         tgt_lens = self.data.tgt.lengths[drawn].astype(np.int64)
         store = EpochStore(self.next_index, [], [], [])
-        for position, draw in draw_modifiers(self.cfg, np.random.default_rng((seed, 0xA06)), len(drawn)):
+        for position, draw, typing_seed in self._draws(drawn, seed):
             pair = int(drawn[position])
-            changed = self._changed(pair, draw, random.Random(f"{seed}:{position}:{pair}"))
+            changed = self._changed(pair, draw, random.Random(typing_seed))
             if changed is None:
                 continue
             keys[position] = store.first + len(store.src)
@@ -80,6 +82,17 @@ class AugmentedData:
         self.next_index += len(store.src)
         self.stores = [*self.stores[-1:], store]
         return [keys[b] for b in token_batches(src_lens, tgt_lens, max_tokens, seed)]
+
+    def _draws(self, drawn: np.ndarray, seed: int) -> list[tuple[int, Draw, str]]:
+        """The epoch's changes: (position in `drawn`, the change, its typos' seed). `draws: epoch`
+        draws them from the epoch's seed; `once` from train.seed alone, per pair, the same every epoch."""
+        if self.cfg.draws == "epoch":
+            return [(position, draw, f"{seed}:{position}:{int(drawn[position])}")
+                    for position, draw in draw_modifiers(self.cfg, np.random.default_rng((seed, 0xA06)), len(drawn))]
+        if self.once is None:  # (pairs,) each prepared pair's one change
+            self.once = dict(draw_modifiers(self.cfg, np.random.default_rng((self.seed, 0x0CE)), len(self.data)))
+        return [(position, self.once[pair], f"{self.seed}:once:{pair}")
+                for position, pair in enumerate(drawn.tolist()) if pair in self.once]
 
     def _pairs(self, indices: np.ndarray) -> tuple[list, list]:
         """The source and target ids of a batch's pairs, as prepared or as their epoch changed them."""
@@ -119,11 +132,12 @@ def training_split(run_dir: Path, config: ExperimentConfig, spm_files: dict[str,
         return data
     src_sp, tgt_sp = (spm.SentencePieceProcessor(model_proto=spm_files[side]) for side in ("src", "tgt"))
     return AugmentedData(data, config.data.augment, src_sp, tgt_sp,
-                         min(config.data.max_len, config.model.max_positions - 2))
+                         min(config.data.max_len, config.model.max_positions - 2), config.train.seed)
 
 
 def describe(cfg: AugmentConfig) -> str:
     """The console's line: each modifier's rate."""
     rates = ", ".join(f"{name} {getattr(cfg, name):.0%}" for name in ("upper", "title", "lower", "typos", "end_punctuation")
                       if getattr(cfg, name))
-    return f"augmentation, drawn each epoch: {rates} of the pairs (typos: {cfg.typo_words:.1%} of a source's words)"
+    when = "drawn each epoch" if cfg.draws == "epoch" else "drawn once per pair"
+    return f"augmentation, {when}: {rates} of the pairs (typos: {cfg.typo_words:.1%} of a source's words)"

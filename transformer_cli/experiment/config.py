@@ -288,6 +288,9 @@ class AugmentConfig(_Section):
     typos: float = Field(0.0, ge=0.0, le=1.0)  # pairs whose source gets typos
     typo_words: float = Field(0.125, gt=0.0, le=1.0)  # ... each of its words mistyped at this rate (one at least)
     end_punctuation: float = Field(0.0, ge=0.0, le=1.0)  # the source's final punctuation removed (decode.end_punctuation)
+    # epoch: each epoch draws which pairs change and how; once: each pair's change is drawn once and
+    # kept every epoch (fixed copies, as a corpus augmented before training): docs/training.md#augmentation
+    draws: Literal["epoch", "once"] = "epoch"
 
     @model_validator(mode="after")
     def _one_casing(self) -> AugmentConfig:

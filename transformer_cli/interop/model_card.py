@@ -71,24 +71,43 @@ def _datasets(config: ExperimentConfig) -> list[str]:
     return names
 
 
+def by_direction(config: ExperimentConfig, result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A score file's scores per direction: a multilingual run's each direction's own (`tfm evaluate`
+    on its directions), a bilingual run's its one direction."""
+    if config.data.directions is None:
+        return {config.data.pairs[0].name: result["scores"]}
+    directions = result.get("directions")
+    if not isinstance(directions, dict) or not all(isinstance(r, dict) and "bleu" in r.get("scores", {})
+                                                   for r in directions.values()):
+        raise TfmError(f"{result.get('file', 'a score file')}: not one score per direction; a multilingual "
+                       "model's card reports each direction's (tfm evaluate --split test on its run writes them)")
+    return {f"{name} (zero-shot)" if r.get("zero_shot") else name: r["scores"] for name, r in directions.items()}
+
+
+def languages(config: ExperimentConfig) -> list[str]:
+    """The run's languages in the order its directions name them."""
+    return list(dict.fromkeys(lang for d in config.data.pairs for lang in (d.src, d.tgt)))
+
+
 def _front_matter(config: ExperimentConfig, scores: list[dict[str, Any]], name: str) -> str:
     best = scores[0]
-    metrics = [{"type": metric, "value": round(float(best["scores"][metric]["score"]), 2),
-                "name": f"{metric.upper() if metric == 'bleu' else 'chrF'} (test, beam {best['beam']})",
-                "args": best["scores"][metric]["signature"]}
-               for metric in ("bleu", "chrf") if metric in best["scores"]]
     test_name = scored_test_set(best, config)
+    results = []
+    for direction, direction_scores in by_direction(config, best).items():
+        metrics = [{"type": metric, "value": round(float(direction_scores[metric]["score"]), 2),
+                    "name": f"{metric.upper() if metric == 'bleu' else 'chrF'} (test, beam {best['beam']})",
+                    "args": direction_scores[metric]["signature"]}
+                   for metric in ("bleu", "chrf") if metric in direction_scores]
+        results.append({"task": {"type": "translation", "name": f"Translation {direction}"},
+                        "dataset": {"type": test_name, "name": test_name}, "metrics": metrics})
     front = {
-        "language": [config.data.src_lang, config.data.tgt_lang],
-        "tags": ["translation", "tfm"],
+        "language": languages(config),
+        "tags": ["translation", "tfm"] + (["multilingual"] if config.data.directions is not None else []),
         "datasets": _datasets(config),
-        "metrics": [m["type"] for m in metrics],
+        "metrics": [m["type"] for m in results[0]["metrics"]],
         "pipeline_tag": "translation",
         "library_name": "transformers",
-        "model-index": [{"name": name, "results": [{
-            "task": {"type": "translation", "name": f"Translation {config.data.src_lang}-{config.data.tgt_lang}"},
-            "dataset": {"type": test_name, "name": test_name},
-            "metrics": metrics}]}],
+        "model-index": [{"name": name, "results": results}],
     }
     text = yaml.safe_dump(front, sort_keys=False, allow_unicode=True)
     # The license is the user's to give: theirs depends on the data's licenses, which tfm cannot know.
@@ -145,15 +164,22 @@ def model_card(checkpoint: Path, config: ExperimentConfig, cfg: TransformerConfi
     """README.md of the export in `output`, from the run of `checkpoint`."""
     run = run_owning(checkpoint)
     src, tgt = config.data.src_lang, config.data.tgt_lang
-    name = f"tfm-{src}-{tgt}"
-    score_rows = [f"| {r['beam']} | {r['scores']['bleu']['score']:.2f} | "
-                  f"{r['scores'].get('chrf', {}).get('score', float('nan')):.2f} | {r.get('engine', '')} | "
-                  f"`{r['scores']['bleu']['signature']}` |" for r in scores]
+    multilingual = config.data.directions is not None
+    if multilingual:  # scores of a run's lines without their tags (tfm evaluate --hyp) say nothing per direction
+        scores = [r for r in scores if "directions" in r] or [scores[0]]  # none: by_direction says so
+    name = f"tfm-{'-'.join(languages(config))}" if multilingual else f"tfm-{src}-{tgt}"
+    what = ", ".join(f"{d.src}→{d.tgt}" for d in config.data.pairs)
+    score_rows = [f"| {direction} | {r['beam']} | {s['bleu']['score']:.2f} | "
+                  f"{s.get('chrf', {}).get('score', float('nan')):.2f} | {r.get('engine', '')} | "
+                  f"`{s['bleu']['signature']}` |" for r in scores for direction, s in by_direction(config, r).items()]
+    # A multilingual model reads its target language from the source's first piece, the tag >>xx<<.
+    example = f">>{tgt}<< …" if multilingual else "…"
+    tags = ", ".join(f"`>>{lang}<<`" for lang in dict.fromkeys(d.tgt for d in config.data.pairs))
     vocabulary = ("one joint sentencepiece vocabulary" if cfg.share_embeddings and cfg.src_vocab_size == cfg.tgt_vocab_size
                   else "separate source and target sentencepiece vocabularies")
     card = [
         _front_matter(config, scores, name),
-        f"# {name}: {src}→{tgt} translation, trained with tfm",
+        f"# {name}: {what} translation, trained with tfm",
         "",
         f"A Transformer ({cfg.norm_position}-norm) trained with tfm from the corpora "
         f"{', '.join(config.data.train)}; exported from `{checkpoint.name}` as a `transformers` {architecture} "
@@ -176,8 +202,8 @@ def model_card(checkpoint: Path, config: ExperimentConfig, cfg: TransformerConfi
         "",
         f"## Test scores ({scored_test_set(scores[0], config)}, sacreBLEU)",
         "",
-        "| beam | BLEU | chrF | engine | BLEU signature |",
-        "| --- | --- | --- | --- | --- |",
+        "| direction | beam | BLEU | chrF | engine | BLEU signature |",
+        "| --- | --- | --- | --- | --- | --- |",
         *score_rows,
         "",
         "## Use",
@@ -187,15 +213,17 @@ def model_card(checkpoint: Path, config: ExperimentConfig, cfg: TransformerConfi
         "",
         f'tokenizer = AutoTokenizer.from_pretrained("{output.name}")',
         f'model = AutoModelForSeq2SeqLM.from_pretrained("{output.name}")',
-        'batch = tokenizer(["…"], return_tensors="pt", padding=True)',
+        f'batch = tokenizer(["{example}"], return_tensors="pt", padding=True)',
         "print(tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True))",
         "```",
         "",
+        *([f"Each source begins with the tag of the language to translate into ({tags}), as "
+           "`tfm translate --tgt-lang` adds it.", ""] if multilingual else []),
         'With transformers 4: `pipeline("translation", model=…)` (transformers 5 removed that pipeline). '
         "The generation settings (beam, length penalty) are the run's, in generation_config.json.",
         "",
         "With tfm (the checkpoint this was exported from): "
-        f"`tfm translate --checkpoint {checkpoint.name} < input.{src}`.",
+        f"`tfm translate --checkpoint {checkpoint.name}{f' --tgt-lang {tgt}' if multilingual else ''} < input.{src}`.",
         "",
     ]
     return "\n".join(card)

@@ -128,7 +128,11 @@ def refuse_run_files(target: str | Path, hint: str = "choose another output path
     writer: its checkpoints, data, vocabulary and settings are written only by `tfm prepare` and
     `tfm train` on it (which hold its lock), so that no other command's output replaces them."""
     run = run_owning(target)
-    if run is not None and run not in _WRITER_OF:
+    # ...or the writer of a run nested in that run's own folders (the model filter's runs in
+    # filter_models/, made before their own prepare.json says they are runs)
+    nested_writer = run is not None and any(run in folder.parents for folder in Path(target).resolve().parents
+                                            if folder in _WRITER_OF)
+    if run is not None and run not in _WRITER_OF and not nested_writer:
         raise TfmError(f"{target} is one of the run directory {run}'s own files (only tfm prepare and tfm train on "
                        f"that run write its checkpoints, data, vocabulary and settings); {hint}")
 
