@@ -432,6 +432,8 @@ def test_without_models_prepare_trains_its_own_on_each_half_and_scores_each_pair
 @pytest.mark.slow
 def test_a_run_prepared_before_trains_the_filters_own_models_when_the_filter_is_turned_on(noisy_reverse, tmp_path):
     """Its sub-runs' spm.model was called "one of the run directory's own files" of the outer run."""
+    from transformer_cli.data.model_filter import self_trained_runs
+
     data, _ = noisy_reverse
     run = tmp_path / "run"
     config_file = tmp_path / "config.json"
@@ -443,7 +445,7 @@ def test_a_run_prepared_before_trains_the_filters_own_models_when_the_filter_is_
     result = tfm_in_process("prepare", "--config", config_file)
     assert result.exit_code == 0, result.stderr
     assert "data.filters.model: forward model 1 of 2" in result.stdout
-    assert (run / "filter_models" / "half1" / "spm.model").is_file()
+    assert all(way.joinpath("spm.model").is_file() for ways in self_trained_runs(run, "src", "tgt") for way in ways)
 
 
 def test_the_filters_own_models_need_one_direction_and_pairs_in_both_halves(noisy_reverse, tmp_path):
