@@ -57,7 +57,6 @@ from .step_health import gradient_norm
 BATCH_FLOOR = 1000  # tokens: the smallest batch train.min_updates shrinks to (docs/training.md)
 PROBE_ROUNDS = 5  # after a warm-up update, rounds of one update each, every shape in turn: a shape's median counts
 EXTRA_ROUNDS = 3  # for shapes whose figures cannot be true
-FLOOR_ROUNDS = 3  # updates the chosen shape is timed on again where it trains at a smaller batch than it was timed at
 PROBE_UPDATES = 2 + PROBE_ROUNDS + EXTRA_ROUNDS  # the run's first updates: each trained in one round only
 PROBE_SHARE = 0.05  # of a max_time budget, at most, before the shapes not yet timed are left out
 TIE_BLEU = 0.25  # predictions this close are a tie, and the fastest shape wins it
@@ -344,23 +343,6 @@ def probe_timings(names: Sequence[str], tokens: Sequence[float], train_one: Call
     return list(timings.values())
 
 
-def time_at_batch(config: ExperimentConfig, data: ParallelData, vocab: tuple[int, int], shared_ids: bool,
-                  device: torch.device, name: str, max_tokens: int) -> ShapeTiming | None:
-    """Shape `name` timed again on the run's first updates of `max_tokens` (the batch floor): a small
-    batch's update costs more than its tokens' share of a large one's (the optimizer step and the
-    loop's own work come once an update). On a 2-core Zen 3, d128 made 2,001 updates of 1,000 tokens
-    in 10 minutes where its 3,000-token timing promised 2,337. None where the split makes too few batches."""
-    smaller = config.model_copy(update={"train": config.train.model_copy(update={"max_tokens": max_tokens})})
-    updates = probe_batches(data, smaller, 1 + FLOOR_ROUNDS)
-    if len(updates) < 2:
-        return None
-    run = build_shape_run(smaller, SHAPES[name], vocab, shared_ids, device)
-    tokens = [float(sum(data.target_tokens(indices) for indices in update)) for update in updates]
-    train_timed(run, updates[:1], data.collate, device, smaller.train)  # warm-up: new batch shapes
-    rounds = [(k, train_timed(run, [updates[k]], data.collate, device, smaller.train)) for k in range(1, len(updates))]
-    return ShapeTiming(name, *typical(rounds, tokens), run.precision)
-
-
 # --------------------------------------------------------------------------- the run's shape
 
 
@@ -459,14 +441,6 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
     predictions = predict(timings, seconds_left, train_cfg.max_steps, train_cfg.max_tokens, train_cfg.min_updates,
                           so_far)
     chosen = choose(predictions)
-    if device.type == "cpu" and chosen.max_tokens != train_cfg.max_tokens:
-        started = time.perf_counter()
-        at_batch = time_at_batch(config, data, vocab, shared_ids, device, chosen.timing.name, chosen.max_tokens)
-        spent += time.perf_counter() - started
-        if at_batch is not None:  # its prediction (updates, BLEU, the plan check's speed) at the batch it trains with
-            seconds_left = None if budget is None else budget - spent_before - spent
-            chosen = predict([at_batch], seconds_left, train_cfg.max_steps, chosen.max_tokens, None, so_far)[0]
-            predictions = [chosen if p.timing.name == chosen.timing.name else p for p in predictions]
     limit_text = f"{budget:.0f} s budget" if budget is not None else f"{train_cfg.max_steps:,} updates"
     say(f"model.size auto: timed {len(timings)} shapes on {device} in {spent:.1f} s of the {limit_text}; "
         "valid BLEU (greedy) predicted by the curves measured on Multi30k (docs/training.md):")
