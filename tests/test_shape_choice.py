@@ -156,6 +156,20 @@ def test_a_budget_of_few_updates_takes_the_floor_batch():
     assert batch(800, 100_000, timing, 600.0) == 800  # never raised
 
 
+def test_evaluations_spend_the_budget_the_updates_are_predicted_from():
+    """A 10-minute run at 1,000-token batches evaluates every 250 updates for ~6 s (a Zen 3's
+    quickstart): 8 evaluations, ~8% of the budget, which the prediction once left out (+17%)."""
+    plain = ShapeTiming("d128", 0.25, 1000.0, "fp32")
+    evaluated = dataclasses.replace(plain, seconds_per_evaluation=6.0)
+    assert predict([plain], 600.0, 10**9, 1000, eval_every=250)[0].updates == 2400
+    assert predict([evaluated], 600.0, 10**9, 1000, eval_every=250)[0].updates == int(600 / (0.25 + 6.0 / 250))
+    assert predict([evaluated], 600.0, 10**9, 1000)[0].updates == 2400  # no evaluations: none counted
+    # ... and the floor batch is taken where the evaluations push the updates under train.min_updates
+    at_max = ShapeTiming("d128", 0.39, 3000.0, "fp32", seconds_per_evaluation=6.0)  # 1,538 updates alone
+    assert shape_choice.batch_for_budget(3000, 1500, at_max, 600.0) == 3000
+    assert shape_choice.batch_for_budget(3000, 1500, at_max, 600.0, eval_every=250) == shape_choice.BATCH_FLOOR
+
+
 def test_dropout_rises_only_for_a_budget_past_where_the_shape_overfit():
     shape = NamedShape("x", 64, 2, 1, 1, 128, curve=((1.0, 10.0),), overfits_after=6e6)
     assert shape.dropout_for(6e6) == CURVE_DROPOUT and shape.dropout_for(6e6 + 1) == LONG_BUDGET_DROPOUT
@@ -341,6 +355,7 @@ def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_p
     record = json.loads((run / CHOICE_FILE).read_text())
     assert sorted(s["name"] for s in record["shapes"]) == sorted(SHAPES)
     assert all(s["seconds_per_update"] > 0 and s["tokens_per_update"] > 0 for s in record["shapes"])
+    assert all(s["seconds_per_evaluation"] > 0 for s in record["shapes"])  # a budget: evaluations spend it
     chosen = SHAPES[record["chosen"]]
     written = yaml.safe_load((run / "config.yaml").read_text())["model"]
     assert written["size"] == chosen.name and {k: written[k] for k in SHAPE_KEYS} == chosen.keys()

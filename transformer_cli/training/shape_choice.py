@@ -5,8 +5,9 @@ this device, in the precision `tfm train` would use for it: interleaved, each sh
 update over several passes, each (shape, update)'s fastest pass counting, so that a moment's load
 falls on every shape alike and on one pass, not on a shape's figure; a larger shape measured faster
 than a smaller (which cannot be) is timed again, and the share of the CPUs other work took meanwhile
-is measured and said. A shape's speed (target tokens a second) turns the budget left into the updates
-it would make, and its measured curve into the valid BLEU those updates reached. The shape with the
+is measured and said. A shape's speed (target tokens a second), with the run's evaluations at that
+shape (timed on a sample of the valid set: they spend the same budget), turns the budget left into the
+updates it would make, and its measured curve into the valid BLEU those updates reached. The shape with the
 highest prediction is trained; within `TIE_BLEU` of it, the fastest (it also translates fastest).
 Nothing here reads a CPU's name: a slow machine buys fewer tokens, and the curves say which shape
 learns most from those.
@@ -35,13 +36,14 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..data.batches import Batch, ParallelData
+from ..decoding.torch_engine import decode_in_batches
 from ..experiment.checkpoint import load_checkpoint
 from ..experiment.config import ExperimentConfig, TrainConfig, parse_duration
 from ..experiment.rundir import RunDirectory
@@ -74,6 +76,13 @@ class ShapeTiming:
     seconds_per_update: float
     tokens_per_update: float  # target tokens
     precision: str
+    seconds_per_evaluation: float = 0.0  # the run's validation (loss and greedy BLEU) at this shape
+
+    def seconds_per_update_with_evaluations(self, batch_scale: float, eval_every: int | None) -> float:
+        """An update at `batch_scale` times the timed batch, with its share of the evaluations made
+        every `eval_every` updates (they spend the same budget)."""
+        share = self.seconds_per_evaluation / eval_every if eval_every else 0.0
+        return self.seconds_per_update * batch_scale + share
 
     @property
     def tokens_per_second(self) -> float:
@@ -98,16 +107,18 @@ class TrainedSoFar:
 
 
 def predict(timings: Sequence[ShapeTiming], seconds_left: float | None, updates_left: int, max_tokens: int,
-            min_updates: int | None = None, so_far: TrainedSoFar | None = None) -> list[Prediction]:
+            min_updates: int | None = None, so_far: TrainedSoFar | None = None,
+            eval_every: int | None = None) -> list[Prediction]:
     """What each timed shape (timed at `max_tokens`) reaches in the budget left: `seconds_left` of
     training (None: no time limit) and at most `updates_left` updates, at the batch
     `batch_for_budget` gives it (a smaller batch takes proportionally less time: its tokens a second
-    hold). A run re-planning (`so_far`) goes on with the shape it trains: its updates made count,
-    in tokens, towards that shape's."""
+    hold), each `eval_every`-th followed by an evaluation of the shape's timed seconds. A run
+    re-planning (`so_far`) goes on with the shape it trains: its updates made count, in tokens,
+    towards that shape's."""
     predictions = []
     for timing in timings:
-        batch = batch_for_budget(max_tokens, min_updates, timing, seconds_left)
-        seconds_per_update = timing.seconds_per_update * batch / max_tokens
+        batch = batch_for_budget(max_tokens, min_updates, timing, seconds_left, eval_every)
+        seconds_per_update = timing.seconds_per_update_with_evaluations(batch / max_tokens, eval_every)
         by_time = math.inf if seconds_left is None else max(seconds_left, 0.0) / seconds_per_update
         made = so_far.updates * so_far.batch / batch if so_far is not None and so_far.shape == timing.name else 0
         updates = int(min(by_time, updates_left) + made)
@@ -125,13 +136,13 @@ def choose(predictions: Sequence[Prediction]) -> Prediction:
 
 
 def batch_for_budget(max_tokens: int, min_updates: int | None, timing: ShapeTiming,
-                     seconds_left: float | None) -> int:
+                     seconds_left: float | None, eval_every: int | None = None) -> int:
     """train.max_tokens, or BATCH_FLOOR where the budget left would make fewer than `min_updates`
-    updates with it at the timed shape's speed (measured: at the same seconds, 1,000-token batches
-    scored more than 1,500 and far more than 3,000 there; docs/training.md)."""
+    updates with it at the timed shape's speed, evaluations counted (measured: at the same seconds,
+    1,000-token batches scored more than 1,500 and far more than 3,000 there; docs/training.md)."""
     if min_updates is None or seconds_left is None or max_tokens <= BATCH_FLOOR:
         return max_tokens
-    updates = max(seconds_left, 0.0) / timing.seconds_per_update
+    updates = max(seconds_left, 0.0) / timing.seconds_per_update_with_evaluations(1.0, eval_every)
     return max_tokens if updates >= min_updates else BATCH_FLOOR
 
 
@@ -235,6 +246,39 @@ def train_timed(run: ShapeRun, updates: list[list[np.ndarray]], collate: Callabl
     return time.perf_counter() - start
 
 
+@torch.no_grad()
+def evaluation_seconds(run: ShapeRun, valid: ParallelData, config: ExperimentConfig, device: torch.device) -> float:
+    """What one of the run's evaluations (training/validation.py) costs this shape, from a sample:
+    the loss of one valid batch, scaled to the valid set's target tokens, and the greedy decoding
+    of one batch of the sentences validation BLEU decodes, each forced to their mean reference
+    length (an untrained model stops anywhere), scaled to their count. Checkpoint writes are not
+    counted. 0 where the valid split is empty."""
+    batches = valid.batches(config.train.max_tokens, seed=0)
+    sentences = min(config.train.eval_bleu_sentences, len(valid))
+    if not batches or not sentences:
+        return 0.0
+    was_training = run.model.training
+    run.model.eval()
+    try:
+        loss_batch = valid.collate(batches[0]).to(device)
+        batch_loss(run.model, loss_batch, config.train.label_smoothing)  # warm-up: not counted
+        started = time.perf_counter()
+        batch_loss(run.model, loss_batch, config.train.label_smoothing)
+        valid_tokens = sum(valid.target_tokens(indices) for indices in batches)
+        loss_seconds = (time.perf_counter() - started) * valid_tokens / valid.target_tokens(batches[0])
+        decode = config.decode.updated(beam=1, nbest=1)
+        sample = list(range(min(decode.batch_size, sentences)))
+        sources = [np.asarray(valid.src[i]).tolist() for i in sample]
+        length = max(1, round(statistics.mean(len(valid.tgt[i]) for i in sample)))
+        decode_in_batches(run.model, sources[:2], decode, device, min_len=2, max_len=2)  # warm-up
+        started = time.perf_counter()
+        decode_in_batches(run.model, sources, decode, device, min_len=length, max_len=length)
+        decode_seconds = (time.perf_counter() - started) * sentences / len(sample)
+    finally:
+        run.model.train(was_training)
+    return loss_seconds + decode_seconds
+
+
 Rounds = dict[str, list[tuple[int, float]]]  # shape → (probe update, seconds) of each counted round
 
 
@@ -289,11 +333,12 @@ def layer_weights(shape: NamedShape) -> int:
 
 
 def time_shapes(config: ExperimentConfig, data: ParallelData, vocab: tuple[int, int], shared_ids: bool,
-                device: torch.device, limit_seconds: float | None,
-                say: Callable[[str], None]) -> tuple[list[ShapeTiming], float, float]:
+                device: torch.device, limit_seconds: float | None, say: Callable[[str], None],
+                valid: ParallelData | None = None) -> tuple[list[ShapeTiming], float, float]:
     """Every named shape timed on the run's first updates, interleaved (`interleaved_seconds`), smallest
-    first; figures that cannot be true timed again. Returns the timings, the seconds spent and the
-    share of the CPUs other work took meanwhile."""
+    first; figures that cannot be true timed again; then each timed shape's evaluation on `valid`
+    (`evaluation_seconds`). Returns the timings, the seconds spent and the share of the CPUs other
+    work took meanwhile."""
     updates = probe_batches(data, config, PROBE_UPDATES)
     if not updates:
         batches = len(data.batches(config.train.max_tokens, seed=config.train.seed))
@@ -320,6 +365,9 @@ def time_shapes(config: ExperimentConfig, data: ParallelData, vocab: tuple[int, 
               for unit in units]
     timings = probe_timings(names, tokens, train_one, lambda name: runs[name].precision, limit_seconds,
                             time.perf_counter, say)
+    if valid is not None and config.train.eval_every:
+        timings = [replace(timing, seconds_per_evaluation=evaluation_seconds(runs[timing.name], valid, config, device))
+                   for timing in timings]
     busy = others_share(before, cpu_reading(), torch.get_num_threads()) if device.type == "cpu" else 0.0
     return timings, time.perf_counter() - started, busy
 
@@ -436,10 +484,11 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
     train_cfg = config.train
     budget = parse_duration(train_cfg.max_time) if train_cfg.max_time is not None else None
     limit = None if budget is None else PROBE_SHARE * budget
-    timings, spent, busy = time_shapes(config, data, vocab, shared_ids, device, limit, say)
+    valid = ParallelData(run_root, "valid") if budget is not None else None  # evaluations spend a budget
+    timings, spent, busy = time_shapes(config, data, vocab, shared_ids, device, limit, say, valid)
     seconds_left = None if budget is None else budget - spent_before - spent
     predictions = predict(timings, seconds_left, train_cfg.max_steps, train_cfg.max_tokens, train_cfg.min_updates,
-                          so_far)
+                          so_far, train_cfg.eval_every)
     chosen = choose(predictions)
     limit_text = f"{budget:.0f} s budget" if budget is not None else f"{train_cfg.max_steps:,} updates"
     say(f"model.size auto: timed {len(timings)} shapes on {device} in {spent:.1f} s of the {limit_text}; "
