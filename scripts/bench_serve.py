@@ -19,6 +19,10 @@ when each client has one sentence in flight). Target: with 64 clients ≥ 0.8x t
 requests cost against whole-file translation. `--abusive` adds one client that sends bad requests
 throughout (target: 0 errors among the good clients, only 4xx for the bad ones).
 
+`--format text` or `--format html` sends each sentence as a document of that format (`"format"` in the
+request; html as `<p>sentence</p>`): what reading and rebuilding a document in its own process
+costs against lines (answers compared with their markup removed).
+
 `--engines torch,auto` measures a server on each engine in turn (tfm's own; the default, CTranslate2
 where it applies) and prints auto's requests/s over torch's per client count. Target: ≥ 1.5x with
 64 clients.
@@ -30,6 +34,7 @@ import argparse
 import http.client
 import json
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -102,8 +107,20 @@ def abusive_client(port: int, done: threading.Event, statuses: list[int], key: s
         i += 1
 
 
+def request_body(sentence: str, fmt: str) -> str:
+    """One request of `sentence`: a line, or a document of `fmt` (text, html)."""
+    if fmt == "lines":
+        return json.dumps({"text": sentence})
+    return json.dumps({"text": f"<p>{sentence}</p>" if fmt == "html" else sentence, "format": fmt})
+
+
+def answer_text(answer: str) -> str:
+    """An answer as words: a document's markup removed."""
+    return " ".join(re.sub(r"<[^>]+>", " ", answer).split())
+
+
 def load(port: int, sentences: list[str], clients: int, requests: int, seconds: float, abusive: bool = False,
-         keys: list[str] | None = None) -> dict:
+         keys: list[str] | None = None, fmt: str = "lines") -> dict:
     """`clients` threads, each sending one sentence a request until `requests` are sent or time is up;
     with `abusive`, one more thread sends the ABUSE requests meanwhile. `keys`: each client's API key
     (the abusive client's last)."""
@@ -125,7 +142,7 @@ def load(port: int, sentences: list[str], clients: int, requests: int, seconds: 
                     return
                 i = next_index[0]
                 next_index[0] += 1
-            body = json.dumps({"text": sentences[i % len(sentences)]})
+            body = request_body(sentences[i % len(sentences)], fmt)
             started = time.perf_counter()
             connection.request("POST", "/translate", body, headers(key))
             response = connection.getresponse()
@@ -133,7 +150,7 @@ def load(port: int, sentences: list[str], clients: int, requests: int, seconds: 
             with lock:
                 latencies.append(time.perf_counter() - started)
                 if response.status == 200:
-                    answers[i] = json.loads(payload)["translations"][0]
+                    answers[i] = answer_text(json.loads(payload)["translations"][0])
                 else:
                     errors[0] += 1
 
@@ -182,6 +199,8 @@ def main() -> None:
     parser.add_argument("--keys", action="store_true", help="Serve with API keys (one per client, one for the "
                         "abusive client) and an access log; with --abusive, each client count is measured with and "
                         "without the abusive client (target: the good clients keep ≥ 90%% of their requests/s).")
+    parser.add_argument("--format", default="lines", choices=("lines", "text", "html"), help="Each request a line "
+                        "(default), or a document of this format holding the sentence.")
     parser.add_argument("--engines", default="auto", help="Comma-separated engines, each served in turn "
                         "(torch, auto, ctranslate2); with torch and auto, auto's requests/s over torch's.")
     args = parser.parse_args()
@@ -224,9 +243,9 @@ def measure(args, engine: str, sentences: list[str], client_counts: list[int]) -
             if args.keys and args.abusive:  # the same clients alone first: what the abusive one costs them
                 alone = load(port, sentences, clients, args.requests, args.seconds, False, keys[:clients] + keys[-1:])
             result = load(port, sentences, clients, args.requests, args.seconds, args.abusive,
-                          keys[:clients] + keys[-1:] if keys else None)
+                          keys[:clients] + keys[-1:] if keys else None, args.format)
             rates[clients] = result["per_s"]
-            differ = sum(text != expected[i % len(sentences)] for i, text in result["answers"].items())
+            differ = sum(text != answer_text(expected[i % len(sentences)]) for i, text in result["answers"].items())
             print(f"| {clients} | {result['requests']} | {result['errors']} | {result['per_s']:.1f} | "
                   f"{result['per_s'] / translate_rate:.2f}x | {result['per_s'] / group_rates[clients]:.2f}x | "
                   f"{1000 * result['p50']:.0f} | {1000 * result['p99']:.0f} | "

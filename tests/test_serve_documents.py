@@ -8,6 +8,7 @@ import re
 import shutil
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import lxml.etree
 import pytest
@@ -208,3 +209,49 @@ def test_health_answers_within_a_second_while_the_worst_document_of_each_format_
         assert answered and answered[0][0] in (200, 413, 422), (name, answered)
         assert max(waits, default=0.0) < 1.0, (name, waits, answered[0][2])
         assert answered[0][2] < 30, (name, answered[0][2])
+
+
+def pid_then_sleep(path: str, seconds: float) -> None:
+    """A document step that never ends in time: it writes its process id, then sleeps."""
+    import os
+    import time
+
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(seconds)
+
+
+def test_a_document_step_past_its_deadline_is_killed_and_a_refusal_comes_back_as_raised(tmp_path):
+    """Documents are read in processes of their own: a deadline stops one (the process is killed,
+    not left to run on), and what the reader refuses reaches the request as its status and line."""
+    import asyncio
+    import os
+    import time
+
+    from transformer_cli.decoding.budget import DeadlinePassed
+    from transformer_cli.serve.documents import IN_THREAD_CHARS, DocumentProcesses, sentences_of
+    from transformer_cli.serve.requests import RequestError
+
+    processes = DocumentProcesses(at_once=2)
+    started = time.monotonic()
+    with pytest.raises(DeadlinePassed):
+        asyncio.run(processes.run(pid_then_sleep, (str(tmp_path / "pid"), 60.0), time.monotonic() + 3.0, word=True))
+    assert time.monotonic() - started < 10
+    pid = int((tmp_path / "pid").read_text())
+    status = Path(f"/proc/{pid}/status")
+    assert not status.exists() or "zombie" in status.read_text(), "the step runs on past its deadline"
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(processes.run(sentences_of, ([("<p>wa</p>", "docx")], None, None), time.monotonic() + 30,
+                                  word=True))
+    assert refused.value.status == 422 and str(refused.value) == "text 1: a Word document is a file: send its bytes"
+    large = IN_THREAD_CHARS + 1  # a document read in a process
+    planned = asyncio.run(processes.run(sentences_of, ([("<p>wa <b>wb</b>. wc</p>", "html")], None, None),
+                                        time.monotonic() + 30, large))
+    assert [plan.sentences for plan in planned] == [["wa wb.", "wc"]] and planned[0].alignment
+    # steps reuse their process; one that read a large document renews it (its memory goes with it)
+    soon = time.monotonic() + 30
+    first, again = (asyncio.run(processes.run(os.getpid, (), soon, large)) for _ in range(2))
+    assert first == again != os.getpid() and first != pid
+    assert asyncio.run(processes.run(os.getpid, (), soon, chars=2 << 20)) == first
+    assert asyncio.run(processes.run(os.getpid, (), soon, large)) != first
+    assert asyncio.run(processes.run(os.getpid, (), soon)) == os.getpid()  # a small text: on a thread
+    processes.close()

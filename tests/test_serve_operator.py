@@ -112,6 +112,26 @@ def test_detect_spends_the_same_character_quota_as_translate(keyed):
     assert too_big[0] == 413 and "quota of 400" in too_big[1]["error"]
 
 
+def test_a_document_spends_the_characters_it_sends_even_where_it_has_nothing_to_translate(keyed):
+    """A document with no sentence (160 kB of `<!--` were logged as 0 characters) pays what it sends:
+    reading it is work. Over the quota it is refused before a parser sees it."""
+    server, keys, root = keyed
+    comments = b"<!--" * 60  # 240 characters, no sentence
+    first = send(server.port, comments, headers=bearer(keys["flood"]), path="/translate/file?name=a.html")
+    assert first[0] == 200, first  # nothing a reader sees: the document comes back as it was
+    second = send(server.port, comments, headers=bearer(keys["flood"]), path="/translate/file?name=a.html")
+    assert second[0] == 429 and "quota of 400 characters" in second[1]["error"], second  # 480 against 400
+    too_big = send(server.port, b"<!--" * 101, headers=bearer(keys["single"]), path="/translate/file?name=a.md")
+    assert too_big[0] == 413 and "quota of 400" in too_big[1]["error"], too_big
+    page = "<p>" + "wa " * 70 + "</p>"  # 210 characters of words, 217 read
+    documents = send(server.port, json.dumps({"text": [page, page], "format": "html"}).encode(),
+                     headers=bearer(keys["single"]))
+    assert documents[0] == 413 and f"{2 * len(page)} characters" in documents[1]["error"], documents
+    logged = [json.loads(line) for line in (root / "access.log").read_text().splitlines()]
+    assert any(entry["path"].startswith("/translate/file") and entry["status"] == 200 and entry["chars"] == 240
+               for entry in logged), logged[-5:]
+
+
 def urllib_request(port: int, body: dict, key: str) -> tuple[int, str | None]:
     import urllib.error
     import urllib.request

@@ -49,14 +49,23 @@ from ..data.language_id import identify
 from ..decoding.budget import DeadlinePassed, stop_searches
 from ..decoding.terms import LineTerms
 from ..decoding.translation import TranslationEngine
-from ..documents.plan import Plan
 from ..experiment.config import DecodeConfig
 from ..runtime.console import discard_writes, warn
 from ..runtime.errors import TfmError
 from ..runtime.signals import Terminated, outputs_a_hangup_takes
 from .access import AccessLog, ApiKeys, Quotas
 from .batcher import Batcher, MainThreadDecoder, Runner, on_a_thread_of_its_own
-from .documents import MEDIA_TYPES, file_planned, planned, rebuilt, translated_name
+from .documents import (
+    MEDIA_TYPES,
+    DocumentProcesses,
+    file_document,
+    lines_of,
+    rebuilt_documents,
+    request_documents,
+    sentences_of,
+    translated_name,
+    translations_of,
+)
 from .gate import Gate, request_state
 from .metrics import ServerMetrics, decoding_processes
 from .page import PAGE
@@ -123,6 +132,7 @@ class Endpoints:
         self.load, self.reloading = load, asyncio.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None  # the event loop's, once it runs
         self.detecting: dict[str, list] = {}  # client → [its turn's lock, its requests identifying]
+        self.documents = DocumentProcesses()  # where documents are read and rebuilt
 
     def engines(self) -> list[TranslationEngine]:
         """Every engine the server holds: to cut their decoding and close them at the end."""
@@ -223,7 +233,9 @@ class Endpoints:
         within_budget(check, lines, decode, terms)
         return decode, terms, target, queue
 
-    async def translate(self, request: TranslateRequest, state: dict):
+    async def translate(self, request: TranslateRequest, state: dict, metered: bool = False):
+        """POST /translate; `metered`: the lines of documents whose characters the client's quota
+        has paid already (translate_read), so they are not counted again."""
         if request.format is not None:
             return await self.translate_documents(request, state)
         arrived = time.monotonic()
@@ -233,11 +245,13 @@ class Endpoints:
         try:
             decode, terms, target, queue = await self.checked(request, lines)
             chars = sum(map(len, lines))
-            state["chars"], state["lines"] = chars, len(lines)
-            refused = self.admit(client, chars)
-            if refused is not None:
-                return refused
-            admitted = self.quotas is not None
+            state["lines"] = len(lines)
+            if not metered:
+                state["chars"] = chars
+                refused = self.admit(client, chars)
+                if refused is not None:
+                    return refused
+                admitted = self.quotas is not None
             results = await by_deadline(queue.translate(lines, decode, terms, self.request_timeout, client), target,
                                         arrived + self.request_timeout)
         except Exception as exc:  # noqa: BLE001 (the request's answer is the error; the server goes on)
@@ -311,33 +325,58 @@ class Endpoints:
     async def translate_documents(self, request: TranslateRequest, state: dict):
         """Documents (`"format"`): their sentences translated as a request of lines, then rebuilt."""
         try:
-            # Parsing and rebuilding a document (up to --max-body-bytes) happen off the event loop,
-            # which goes on answering the other clients meanwhile.
-            plans, lines = await asyncio.to_thread(planned, request, self.engine.own_source_language)
+            documents = request_documents(request)
         except RequestError as exc:
             return error_answer(exc.status, str(exc))
-        return await self.translate_planned(plans, lines, state)
+        answer = await self.translate_read(documents, None, request, state)
+        return {"translations": answer} if isinstance(answer, list) else answer
 
     async def translate_file(self, data: bytes, name: str, fmt: str | None, state: dict):
         """POST /translate/file: the document's bytes in, the translated file out (or an error answer)."""
         from fastapi.responses import Response
 
-        state["chars"] = len(data)
         try:
-            fmt, plan, lines = await asyncio.to_thread(file_planned, data, name, fmt, self.engine.own_source_language)
+            document = file_document(data, name, fmt)
         except RequestError as exc:
             return error_answer(exc.status, str(exc))
-        answer = await self.translate_planned([plan], lines, state)
-        if not isinstance(answer, dict):
+        answer = await self.translate_read([document], name, TranslateRequest(text=[]), state)
+        if not isinstance(answer, list):
             return answer
-        translated = answer["translations"][0]
+        translated = answer[0]
         filename = translated_name(name, self.engine.decode.tgt_lang or self.engine.target_languages().own)
         return Response(translated if isinstance(translated, bytes) else translated.encode("utf-8"),
-                        media_type=MEDIA_TYPES[fmt], headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+                        media_type=MEDIA_TYPES[document[1]],
+                        headers={"Content-Disposition": f'attachment; filename="{filename}"'})
 
-    async def translate_planned(self, plans: list[Plan], lines: TranslateRequest, state: dict):
-        answer = await self.translate(lines, state)
-        return await asyncio.to_thread(rebuilt, plans, answer) if isinstance(answer, dict) else answer
+    async def translate_read(self, documents: list, file_name: str | None, request: TranslateRequest, state: dict):
+        """The documents read, their sentences translated and the documents rebuilt, each step of
+        reading in a document process under the request's deadline; the characters read are what
+        the client's quota pays (a document with nothing to translate costs what it sent)."""
+        deadline = time.monotonic() + self.request_timeout
+        client = state.get("client", "")
+        state["chars"] = sum(len(document) for document, _ in documents)
+        refused = self.admit(client, state["chars"])
+        if refused is not None:
+            return refused
+        lang = self.engine.own_source_language
+        try:
+            read, word = state["chars"], any(fmt == "docx" for _, fmt in documents)
+            planned = await self.documents.run(sentences_of, (documents, lang, file_name), deadline, read, word)
+            answer = await self.translate(lines_of(planned, request), state, metered=True)
+            if not isinstance(answer, dict):
+                return answer
+            # Rebuilding has a deadline of its own: the translation's time was not the document's.
+            return await self.documents.run(rebuilt_documents, (documents, lang, file_name, translations_of(
+                planned, answer)), time.monotonic() + self.request_timeout, read, word)
+        except (RequestError, DeadlinePassed) as exc:
+            status = error_status(exc)
+            log_failure(status, exc, self.debug)
+            return error_answer(status, str(exc) if status != 504 else
+                                f"reading the document ran past {self.request_timeout:g} s, this server's limit "
+                                "(tfm serve --request-timeout): send a smaller document")
+        finally:
+            if self.quotas is not None:
+                self.quotas.release(client)
 
 
 def take_up(engine: TranslationEngine) -> None:
@@ -404,6 +443,7 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
         yield
         for task in endpoints.tasks:
             task.cancel()
+        endpoints.documents.close()
 
     app = FastAPI(title="tfm", description="Transformer translation (tfm serve)", lifespan=lifespan)
     app.state.engines, app.state.endpoints = endpoints.made, endpoints
