@@ -296,3 +296,24 @@ def test_the_export_on_a_full_disk_is_one_line_and_leaves_the_previous_export_wh
     assert len(full.stderr.strip().splitlines()) == 1 and str(out) in full.stderr, full.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_a_multilingual_card_reports_each_directions_own_scores_and_refuses_an_average():
+    """A de-en + en-de model's card said "de→en" with the two directions' average as its BLEU: a
+    score file without one score per direction is refused, one with them gives each its own."""
+    from transformer_cli.experiment.config import load_config
+    from transformer_cli.interop.model_card import by_direction
+    from transformer_cli.runtime.errors import TfmError
+
+    scores = {"bleu": {"score": 30.0, "signature": "s"}}
+    multilingual = load_config(Path("configs/multi30k-multilingual.yaml"))
+    with pytest.raises(TfmError, match="not one score per direction"):
+        by_direction(multilingual, {"file": "scores.json", "scores": scores})
+    with pytest.raises(TfmError, match="not one score per direction"):
+        by_direction(multilingual, {"scores": scores, "directions": {"de-en": {"scores": {}}}})
+    per = by_direction(multilingual, {"scores": scores, "directions": {
+        "de-en": {"scores": {"bleu": {"score": 31.0, "signature": "s"}}},
+        "fr-de": {"zero_shot": True, "scores": {"bleu": {"score": 5.0, "signature": "s"}}}}})
+    assert {name: s["bleu"]["score"] for name, s in per.items()} == {"de-en": 31.0, "fr-de (zero-shot)": 5.0}
+    bilingual = load_config(Path("configs/de-en.yaml"))
+    assert by_direction(bilingual, {"scores": scores}) == {"de-en": scores}
