@@ -6,10 +6,12 @@ configs/student-tiny.yaml.
 Each shape is built with random weights and the run's vocabulary, converted for CTranslate2 and
 stored as int8; it then translates the source file with every output forced to `--length` tokens
 (untrained models would otherwise stop at random lengths), on one thread, greedy and with beam 5.
-The teacher shape (the run's own config, `--teacher`) is measured the same way. Target: a student
-that decodes ≥ 5x faster than the teacher at their shipped settings (teacher beam 5, student
-greedy) and is ≤ 1/4 of the teacher's float32 size, with as much capacity as that leaves. Prints a
-table: parameters, int8 model.bin size, sentences/s at beam 1 and 5, and the ratios to the teacher.
+The teacher shape (the run's own config) is measured the same way, and `student`, the shape
+`model.size: student` derives from it. Targets: a student that decodes ≥ 2x faster than the
+teacher at equal settings (both greedy, both beam 5) and ≥ 5x at their shipped settings (teacher
+beam 5, student greedy), and is ≤ 1/4 of the teacher's float32 size, with as much capacity as that
+leaves. Prints a table: parameters, int8 model.bin size, sentences/s at beam 1 and 5, and the
+ratios to the teacher (equal settings: greedy / greedy and beam 5 / beam 5).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 
 SHAPES = {  # name: (d_model, n_heads, enc_layers, dec_layers, d_ff)
     "teacher": None,
+    "student": "student",  # model.size student: experiment/shapes.py student_of(the teacher's shape)
     "d256-e6d2-ff1024": (256, 4, 6, 2, 1024),
     "d256-e6d2-ff512": (256, 4, 6, 2, 512),
     "d256-e6d1-ff1024": (256, 4, 6, 1, 1024),
@@ -42,13 +45,17 @@ def convert(run: Path, shape, directory: Path, quantization: str | None) -> int:
     from transformer_cli.experiment.checkpoint import model_payload, save_checkpoint
     from transformer_cli.experiment.config import load_config
     from transformer_cli.experiment.rundir import RunDirectory
+    from transformer_cli.experiment.shapes import SHAPE_KEYS, student_of
     from transformer_cli.interop.ct2 import write_conversion
     from transformer_cli.training.train import build_model
 
     config = load_config(run / "config.yaml")
+    if shape == "student":
+        shape = tuple(student_of({key: getattr(config.model, key) for key in SHAPE_KEYS}).values())
     if shape is not None:
         d, h, e, dec, ff = shape
-        config.model = config.model.model_copy(update=dict(d_model=d, n_heads=h, enc_layers=e, dec_layers=dec, d_ff=ff))
+        config.model = config.model.model_copy(update=dict(size=None, d_model=d, n_heads=h, enc_layers=e, dec_layers=dec,
+                                                           d_ff=ff))
     manifest = RunDirectory(run).load_manifest()
     spm = {side: RunDirectory(run).vocab_file(manifest, side).read_bytes() for side in ("src", "tgt")}
     vocab = manifest["vocab_size"]
@@ -97,10 +104,11 @@ def main() -> None:
                          speed(Path(tmp) / "ct2", sources, 5, args.length)))
     teacher = rows[0]
     print(f"{'shape':<20} {'params':>10} {'int8 MB':>8} {'greedy s/s':>10} {'beam5 s/s':>10} "
-          f"{'≈size/teacher fp32':>18} {'greedy vs teacher beam5':>23}")
+          f"{'≈size/teacher fp32':>18} {'greedy vs greedy':>16} {'beam5 vs beam5':>14} {'greedy vs teacher beam5':>23}")
     for name, params, size, greedy, beam5 in rows:
         print(f"{name:<20} {params:>10,} {size / 1e6:>8.1f} {greedy:>10.1f} {beam5:>10.1f} "
-              f"{params / teacher[1] / 4:>18.2f} {greedy / teacher[4]:>22.1f}x")
+              f"{params / teacher[1] / 4:>18.2f} {greedy / teacher[3]:>15.2f}x {beam5 / teacher[4]:>13.2f}x "
+              f"{greedy / teacher[4]:>22.1f}x")
 
 
 if __name__ == "__main__":

@@ -362,7 +362,7 @@ def train_with_setting(ws, tmp_path, key, value):
     assert snapshot(ws.root, [ws.root / "tfm_cache"]) == before
 
 
-SIZES = ["auto", "d128", "null", "AUTO", "''", " d192", "d999", "-1", "0", "1e308", "nan", "true", "[auto]",
+SIZES = ["auto", "d128", "null", "AUTO", "student", "STUDENT", "''", " d192", "d999", "-1", "0", "1e308", "nan", "true", "[auto]",
          "{d_model: 8}", "auto\\n"]
 
 

@@ -347,7 +347,8 @@ def test_the_student_config_is_a_deep_encoder_shallow_decoder_on_the_teachers_vo
     student, teacher = load_config(ROOT / "configs/student-tiny.yaml"), load_config(ROOT / "configs/de-en.yaml")
     assert student.vocab.from_run == teacher.run_dir
     assert student.data.train == [f"{teacher.run_dir}/distilled/train", *teacher.data.train]  # the originals beside
-    assert student.model.dec_layers < student.model.enc_layers
+    # its shape and peak learning rate are the teacher's student's (model.size student, read in tfm train)
+    assert student.model.size == "student" and "lr" not in student.train.model_fields_set
     assert (student.data.valid, student.data.test) == (teacher.data.valid, teacher.data.test)
     assert student.decode.beam == 1
 

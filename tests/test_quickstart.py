@@ -79,3 +79,43 @@ def test_quickstart_prepares_trains_translates_and_evaluates(tmp_path):
         bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_row.py"), "--busy", busy],
                              capture_output=True, text=True, timeout=300)
         assert bad.returncode == 2 and "--busy" in bad.stderr and len(bad.stderr.splitlines()) == 1, bad.stderr
+
+
+@pytest.mark.slow
+def test_the_student_script_distills_trains_scores_and_exports_a_student_of_its_teachers_shape(tiny_prepared,
+                                                                                                 tmp_path):
+    """scripts/student.sh on a tiny teacher (the reverse task, 2+3 layers) as a user runs it on the
+    quickstart's run: every step's options accepted, the student's shape derived from the teacher's."""
+    import json
+    import shutil
+
+    from tests.conftest import tiny_reverse_config
+    from transformer_cli.experiment.checkpoint import load_checkpoint
+    from transformer_cli.experiment.config import config_from_dict
+    from transformer_cli.training.train import train
+
+    data, run = tiny_prepared
+    shutil.copytree(run, tmp_path / "teacher")
+    teacher = tiny_reverse_config(data, tmp_path / "teacher", max_steps=20, eval_every=20, eval_bleu_sentences=10)
+    teacher["model"].update(enc_layers=2, dec_layers=3)
+    config = config_from_dict(teacher)
+    (tmp_path / "teacher" / "config.yaml").write_text(json.dumps(teacher))
+    train(config, progress_bar=False)
+    student = tiny_reverse_config(data, tmp_path / "unused")
+    student["model"] = {"size": "student", "dropout": 0.0, "norm_position": "pre"}
+    student["decode"].update(beam=1, shortlist=True)
+    (tmp_path / "student.yaml").write_text(json.dumps(student))
+    env = {**tfm_in_scripts(tmp_path / "bin"), "TEACHER": str(tmp_path / "teacher"), "TIME": "5s",
+           "CONFIG": str(tmp_path / "student.yaml"), "ORIGINAL": str(data / "train")}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "student.sh")], env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("BLEU = ") == 2 and "the student, at its shipped settings" in result.stdout
+    out = tmp_path / "teacher-student"
+    shape = load_checkpoint(out / "checkpoints" / "checkpoint_last.pt")["model_config"]
+    assert (shape["enc_layers"], shape["dec_layers"], shape["d_model"]) == (3, 1, 32)
+    assert (out / "export" / "model.bin").is_file() and (out / "export" / "vmap.txt").is_file()
+    assert f"tfm translate --model {out}/export" in result.stdout
+    missing = subprocess.run(["bash", str(ROOT / "scripts" / "student.sh")], env={**env, "TEACHER": str(tmp_path / "x")},
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "no trained run there" in missing.stderr

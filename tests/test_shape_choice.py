@@ -37,7 +37,7 @@ def test_a_name_fills_the_shape_keys_and_refuses_keys_that_say_otherwise():
     with pytest.raises(TfmError, match=r"key 'model.size': d192 is d_model 192, .* but enc_layers 6 is given"):
         load_config(None, ["model.size=d192", "model.enc_layers=6"])
     with pytest.raises(TfmError, match="key 'model.size': d128 is"):  # a config with its own shape keys
-        load_config("configs/student-tiny.yaml", ["model.size=d128"])
+        load_config("configs/tiny.yaml", ["model.size=d128"])
 
 
 def test_auto_alone_stays_auto_and_holds_the_fallback_shape_until_train_chooses():
@@ -529,3 +529,115 @@ def test_a_budget_the_probe_uses_up_is_a_one_line_error_that_leaves_no_checkpoin
     trained = tfm_in_process("train", "--config", config_file)
     assert trained.exit_code == 0 and "done (max_steps=4)" in trained.stderr, trained.stderr
 
+
+
+# --------------------------------------------------------------------------- model.size student
+
+
+@pytest.mark.parametrize("teacher", [*(shape.keys() for shape in SHAPES.values()),
+                                     {"d_model": 512, "n_heads": 8, "enc_layers": 6, "dec_layers": 6, "d_ff": 2048}],
+                         ids=[*SHAPES, "transformer-base"])
+def test_every_teacher_gets_a_student_that_is_smaller_and_cheaper_to_decode(teacher):
+    from transformer_cli.experiment.shapes import decoding_cost, parameters_of, student_of
+
+    student = student_of(teacher)
+    assert student["dec_layers"] == 1 and student["enc_layers"] >= teacher["enc_layers"]
+    assert (student["d_model"], student["d_ff"], student["n_heads"]) == (teacher["d_model"], teacher["d_ff"],
+                                                                          teacher["n_heads"])
+    for vocab in (2000, 8000, 32000):
+        assert parameters_of(student, vocab) < parameters_of(teacher, vocab)
+        # fewer multiply-adds per decoded token (at d128 the output layer is most of them; the layers' fixed
+        # costs, which scripts/bench_student_shapes.py measures, make the speed-up larger than their ratio)
+        assert decoding_cost(student, vocab) < decoding_cost(teacher, vocab)
+
+
+def test_model_size_student_trains_its_teachers_student_shape_resumes_it_and_refuses_a_slower_one(
+        tiny_prepared, tmp_path, capsys):
+    from transformer_cli.experiment.checkpoint import load_checkpoint
+
+    data, run = tiny_prepared
+    shutil.copytree(run, tmp_path / "teacher")
+    teacher = tiny_reverse_config(data, tmp_path / "teacher", max_steps=2, eval_every=2, eval_bleu_sentences=2,
+                                  lr=0.002)
+    teacher["model"].update(enc_layers=2, dec_layers=3)
+    train(config_from_dict(teacher), progress_bar=False)
+    shutil.copytree(run, tmp_path / "run")
+    raw = tiny_reverse_config(data, tmp_path / "run", max_steps=2, eval_every=2, eval_bleu_sentences=2)
+    for key in SHAPE_KEYS:
+        raw["model"].pop(key, None)
+    raw["model"]["size"] = "student"
+    raw["train"].pop("lr")  # the teacher's
+    with pytest.raises(TfmError, match="set vocab.from_run to the teacher's run directory"):
+        train(config_from_dict(raw), progress_bar=False)
+    raw["vocab"]["from_run"] = str(tmp_path / "teacher")
+    train(config_from_dict(raw), progress_bar=False)
+    payload = load_checkpoint(tmp_path / "run" / "checkpoints" / "checkpoint_last.pt")
+    assert {k: payload["model_config"][k] for k in SHAPE_KEYS} == {"d_model": 32, "n_heads": 2, "enc_layers": 3,
+                                                                   "dec_layers": 1, "d_ff": 64}
+    assert payload["config"]["train"]["lr"] == 0.002 and payload["config"]["model"]["size"] == "student"
+    said = capsys.readouterr().err
+    assert "model.size student: d_model 32, 3+1 layers, FFN 64" in said and "from the teacher's d_model 32, 2+3" in said
+    # resumed, the shape is the run's own, whatever the teacher is now
+    (tmp_path / "teacher" / "checkpoints").rename(tmp_path / "teacher" / "gone")
+    raw["train"]["max_steps"] = 4
+    assert train(config_from_dict(raw), resume=True, progress_bar=False).steps == 4
+    payload = load_checkpoint(tmp_path / "run" / "checkpoints" / "checkpoint_last.pt")
+    assert (payload["model_config"]["enc_layers"], payload["model_config"]["dec_layers"]) == (3, 1)
+    assert payload["config"]["train"]["lr"] == 0.002
+    (tmp_path / "teacher" / "gone").rename(tmp_path / "teacher" / "checkpoints")
+    # a key given beside `student` overrides it; one that decodes slower than the teacher is refused
+    shutil.rmtree(tmp_path / "run")
+    shutil.copytree(run, tmp_path / "run")
+    slower = {**raw, "model": {**raw["model"], "dec_layers": 4}}
+    with pytest.raises(TfmError, match=r"would decode slower than its teacher .*x its multiply-adds per token"):
+        train(config_from_dict(slower), progress_bar=False)
+    assert not (tmp_path / "run" / "checkpoints" / "checkpoint_last.pt").exists()
+
+
+def test_a_student_given_its_own_shape_that_decodes_slower_than_its_teacher_is_warned(tiny_prepared, tmp_path):
+    data, run = tiny_prepared
+    shutil.copytree(run, tmp_path / "teacher")
+    teacher = tiny_reverse_config(data, tmp_path / "teacher", max_steps=2, eval_every=2, eval_bleu_sentences=2)
+    train(config_from_dict(teacher), progress_bar=False)  # d_model 32, 1+1 layers
+    raw = tiny_reverse_config(data, tmp_path / "run")
+    raw["vocab"]["from_run"] = str(tmp_path / "teacher")
+    said: list[str] = []
+    for train_on, shape, warned in (([str(tmp_path / "teacher" / "distilled" / "train"), str(data / "train")],
+                                     {"d_model": 64, "d_ff": 128}, True),
+                                    ([str(tmp_path / "teacher" / "distilled" / "train")], {}, False),
+                                    ([str(data / "train")], {"d_model": 64, "d_ff": 128}, False)):
+        said.clear()
+        config = config_from_dict({**raw, "data": {**raw["data"], "train": train_on},
+                                   "model": {**raw["model"], **shape}})
+        shape_choice.warn_if_slower_than_teacher(config, said.append)
+        assert bool(said) == warned, (train_on, shape, said)
+    config = config_from_dict({**raw, "data": {**raw["data"], "train": [str(tmp_path / "teacher" / "distilled" / "t")]},
+                               "model": {**raw["model"], "d_model": 64, "d_ff": 128}})
+    shape_choice.warn_if_slower_than_teacher(config, said.append)
+    assert "decodes slower than its teacher" in said[0] and "d_model 64, 1+1 layers, FFN 128" in said[0]
+
+
+@pytest.mark.parametrize("sets, says", [
+    ([], "model.size student: a student's shape follows its teacher's; set vocab.from_run"),
+    (["vocab.from_run=nowhere"], "no checkpoint in nowhere/checkpoints"),
+    (["vocab.from_run=TEACHER", "model.dec_layers=5"], "would decode slower than its teacher"),
+    (["vocab.from_run=TEACHER", "model.n_heads=3"], "d_model 32 is not divisible by n_heads 3"),
+])
+def test_model_size_student_s_bad_settings_are_one_line_errors_that_write_no_checkpoint(tiny_prepared, tmp_path,
+                                                                                         sets, says):
+    data, run = tiny_prepared
+    shutil.copytree(run, tmp_path / "teacher")
+    teacher = tiny_reverse_config(data, tmp_path / "teacher", max_steps=1, eval_every=1, eval_bleu_sentences=2)
+    train(config_from_dict(teacher), progress_bar=False)
+    shutil.copytree(run, tmp_path / "run")
+    raw = tiny_reverse_config(data, tmp_path / "run", max_steps=1)
+    for key in SHAPE_KEYS:
+        raw["model"].pop(key, None)
+    raw["model"]["size"] = "student"
+    (tmp_path / "c.yaml").write_text(json.dumps(raw))
+    options = [a for s in sets for a in ("--set", s.replace("TEACHER", str(tmp_path / "teacher")))]
+    result = tfm_in_process("train", "--config", tmp_path / "c.yaml", *options)
+    assert result.exit_code == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and says in errors[0], result.stderr
+    assert not (tmp_path / "run" / "checkpoints" / "checkpoint_last.pt").exists()

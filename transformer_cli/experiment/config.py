@@ -31,7 +31,7 @@ from pydantic import (
 from ..runtime.errors import TfmError
 from ..runtime.files import CONFIG_NAME, MANIFEST_NAME
 from .directions import Direction, parse_direction
-from .shapes import AUTO, SHAPES, fill_shape, shape_names
+from .shapes import AUTO, SHAPES, STUDENT, fill_shape, shape_names
 
 # --------------------------------------------------------------------------- reading YAML strictly
 
@@ -418,7 +418,9 @@ class PrepareConfig(_Section):
 class ModelConfig(_Section):
     # A named shape (experiment/shapes.py) fills the shape keys not given; `auto`: `tfm train` times
     # the named shapes on this machine and trains the one its measured curves promise most for the
-    # budget (training/shape_choice.py); a shape key given beside `auto` pins the shape.
+    # budget (training/shape_choice.py); a shape key given beside `auto` pins the shape. `student`:
+    # a distilled student's shape, from its teacher's (the run vocab.from_run names) when tfm train
+    # starts (experiment/shapes.py student_of); a shape key given beside it overrides that key.
     size: str | None = None
     d_model: int = Field(512, ge=1)
     n_heads: int = Field(8, ge=1)
@@ -449,15 +451,15 @@ class ModelConfig(_Section):
     @field_validator("size")
     @classmethod
     def _known_size(cls, value: str | None) -> str | None:
-        if value is not None and value != AUTO and value not in SHAPES:
-            close = difflib.get_close_matches(value, [AUTO, *SHAPES], n=1, cutoff=0.5)
+        if value is not None and value not in (AUTO, STUDENT) and value not in SHAPES:
+            close = difflib.get_close_matches(value, [AUTO, STUDENT, *SHAPES], n=1, cutoff=0.5)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"unknown size {value!r}{hint}: one of {shape_names()}, or null for the shape keys as given")
         return value
 
     @model_validator(mode="after")
     def _heads_divide_d_model(self) -> ModelConfig:
-        if self.d_model % self.n_heads:
+        if self.d_model % self.n_heads and self.size != STUDENT:  # (a student's: when its teacher's shape is read)
             raise _rule("n_heads", f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         return self
 

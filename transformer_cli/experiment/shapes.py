@@ -19,6 +19,8 @@ from typing import TypeVar
 # The keys a shape fixes; the rest of the model section (dropout, norm position, …) is the config's.
 SHAPE_KEYS = ("d_model", "n_heads", "enc_layers", "dec_layers", "d_ff")
 AUTO = "auto"
+# A distilled student's shape, from its teacher's (the run `vocab.from_run` names): `student_of`.
+STUDENT = "student"
 T = TypeVar("T")
 # The dropout every curve was measured at, and the one a budget past a shape's overfitting point takes
 # (measured on d256 over 30 minutes of a Zen 5: 0.3 kept the valid loss falling to the end and scored
@@ -131,7 +133,36 @@ FALLBACK = "d256"
 
 
 def shape_names() -> str:
-    return ", ".join([AUTO, *SHAPES])
+    return ", ".join([AUTO, STUDENT, *SHAPES])
+
+
+def student_of(teacher: dict[str, int]) -> dict[str, int]:
+    """A student's shape from its teacher's shape keys: the teacher's width, one decoder layer, and
+    the encoder deepened by all but two of the decoder layers it gives up (6+6 → 10+1, 3+3 → 4+1).
+    Decoding runs the decoder once per output token and the encoder once per sentence, so the
+    decoder's depth is where a student's speed lies (Kasai et al. 2021: 12-1 layers at the
+    teacher's quality); the deeper encoder keeps capacity, and the parameters shrink with every
+    decoder layer dropped (a decoder layer holds two attentions, an encoder layer one). The width
+    stays: at d128 a narrower model loses more than the speed is worth (docs/distillation.md)."""
+    return {**teacher, "enc_layers": teacher["enc_layers"] + max(teacher["dec_layers"] - 2, 0), "dec_layers": 1}
+
+
+def decoding_cost(shape: dict[str, int], vocab: int, source_tokens: float = 1.0) -> float:
+    """Multiply-adds to decode one target token greedily (for `source_tokens` source tokens each):
+    the decoder's layers (self-attention's four projections, cross-attention's query and output,
+    the FFN) and the output layer, plus the encoder's layers per source token. A comparison of
+    shapes, not a speed: a small model's time also goes to each layer's fixed cost, which counts
+    the layers, and so favours the shallower decoder further."""
+    d, ff = shape["d_model"], shape["d_ff"]
+    decoder = shape["dec_layers"] * (6 * d * d + 2 * d * ff) + d * vocab
+    encoder = shape["enc_layers"] * (4 * d * d + 2 * d * ff)
+    return float(decoder + source_tokens * encoder)
+
+
+def parameters_of(shape: dict[str, int], vocab: int) -> int:
+    """The weights of a shape with one shared embedding (tied output), biases and norms left out."""
+    d, ff = shape["d_model"], shape["d_ff"]
+    return vocab * d + shape["enc_layers"] * (4 * d * d + 2 * d * ff) + shape["dec_layers"] * (8 * d * d + 2 * d * ff)
 
 
 def fill_shape(model_section: dict) -> dict:
@@ -141,7 +172,9 @@ def fill_shape(model_section: dict) -> dict:
     is a pinned shape (`size` null, the rest from the fallback)."""
     size = model_section.get("size")
     if size is None or not isinstance(size, str) or (size != AUTO and size not in SHAPES):
-        return model_section  # no size, or a bad one: the field's own validator says so
+        # no size, a bad one (the field's own validator says so), or `student`: its shape is the
+        # teacher's, read when tfm train starts (the keys given stay marked as given: they override it)
+        return model_section
     given = [key for key in SHAPE_KEYS if key in model_section]
     shape = SHAPES[FALLBACK if size == AUTO else size]
     if size != AUTO:

@@ -47,7 +47,7 @@ from ..decoding.torch_engine import decode_in_batches
 from ..experiment.checkpoint import load_checkpoint
 from ..experiment.config import ExperimentConfig, TrainConfig, parse_duration
 from ..experiment.rundir import RunDirectory
-from ..experiment.shapes import AUTO, SHAPE_KEYS, SHAPES, NamedShape
+from ..experiment.shapes import AUTO, SHAPE_KEYS, SHAPES, STUDENT, NamedShape, decoding_cost, parameters_of, student_of
 from ..runtime.cpu import BUSY_SHARE, CpuReading, cpu_reading, others_share
 from ..runtime.errors import TfmError
 from ..runtime.files import atomic_write_text, read_json_object
@@ -394,6 +394,83 @@ def probe_timings(names: Sequence[str], tokens: Sequence[float], train_one: Call
 # --------------------------------------------------------------------------- the run's shape
 
 
+def student_config(config: ExperimentConfig, resumed: bool, last_checkpoint: Path,
+                   say: Callable[[str], None]) -> ExperimentConfig:
+    """model.size student: the shape `student_of` its teacher's (the default checkpoint of the run
+    vocab.from_run names; a resumed run keeps the shape it started with), the keys the config gives
+    overriding it; a student that would decode slower than its teacher is refused, with the numbers."""
+    if resumed:  # the shape and learning rate it started with
+        payload = load_checkpoint(last_checkpoint, map_location="cpu")
+        keys = {key: payload.get("model_config", {}).get(key) for key in SHAPE_KEYS}
+        started_lr = payload.get("config", {}).get("train", {}).get("lr")
+        train = config.train if "lr" in config.train.model_fields_set or not isinstance(started_lr, float) else \
+            config.train.model_copy(update={"lr": started_lr})
+        return config.model_copy(update={"model": config.model.model_copy(update=keys), "train": train})
+    if not config.vocab.from_run:
+        raise TfmError("model.size student: a student's shape follows its teacher's; set vocab.from_run to the "
+                       "teacher's run directory (the run whose distilled corpus it trains on)")
+    teacher_path = RunDirectory(config.vocab.from_run).default_checkpoint()
+    payload = load_checkpoint(teacher_path, map_location="cpu")
+    trained = payload.get("model_config", {})
+    teacher = {key: trained.get(key) for key in SHAPE_KEYS}
+    if not all(isinstance(value, int) for value in teacher.values()):
+        raise TfmError(f"model.size student: {teacher_path} does not say its model's shape; give the student's "
+                       "shape keys (model.d_model, …) with model.size null")
+    given = {key: getattr(config.model, key) for key in SHAPE_KEYS if key in config.model.model_fields_set}
+    student = {**student_of(teacher), **given}
+    vocab = int(trained.get("tgt_vocab_size") or config.vocab.size)
+    cost, teacher_cost = decoding_cost(student, vocab), decoding_cost(teacher, vocab)
+    if student["dec_layers"] > teacher["dec_layers"] or cost > teacher_cost:
+        raise TfmError(f"model.size student: this student ({describe_keys(student)}) would decode slower than its "
+                       f"teacher {teacher_path} ({describe_keys(teacher)}): {cost / teacher_cost:.2f}x its "
+                       "multiply-adds per token; drop the model keys given beside it "
+                       f"({', '.join(f'model.{key}' for key in given)}) or make them smaller")
+    if student["d_model"] % student["n_heads"]:
+        raise TfmError(f"model.size student: d_model {student['d_model']} is not divisible by n_heads "
+                       f"{student['n_heads']}")
+    say(f"model.size student: {describe_keys(student)}, {parameters_of(student, vocab) / 1e6:.1f}M weights, from "
+        f"the teacher's {describe_keys(teacher)}, {parameters_of(teacher, vocab) / 1e6:.1f}M ({teacher_path}): "
+        f"{teacher_cost / cost:.2f}x fewer multiply-adds per decoded token"
+        + (f"; {', '.join(f'model.{key} {value}' for key, value in given.items())} as given" if given else ""))
+    # The teacher's peak learning rate where the config gives none: the student keeps its width.
+    teacher_lr = payload.get("config", {}).get("train", {}).get("lr")
+    train = config.train if "lr" in config.train.model_fields_set or not isinstance(teacher_lr, float) else \
+        config.train.model_copy(update={"lr": teacher_lr})
+    return config.model_copy(update={"model": config.model.model_copy(update=student), "train": train})
+
+
+def warn_if_slower_than_teacher(config: ExperimentConfig, say: Callable[[str], None]) -> None:
+    """A student given its own shape (trained on its vocabulary parent's distilled corpus) that
+    decodes slower than that teacher: said with the numbers (it trains as asked)."""
+    if not config.vocab.from_run:
+        return
+    distilled = (Path(config.vocab.from_run) / "distilled").resolve()
+    if not any(Path(path).resolve().is_relative_to(distilled) for path in config.data.train):
+        return
+    try:
+        teacher_path = RunDirectory(config.vocab.from_run).default_checkpoint()
+        trained = load_checkpoint(teacher_path, map_location="cpu").get("model_config", {})
+    except TfmError:
+        return  # no teacher to compare with: distill says so where it matters
+    teacher = {key: trained.get(key) for key in SHAPE_KEYS}
+    student = {key: getattr(config.model, key) for key in SHAPE_KEYS}
+    if not all(isinstance(value, int) for value in teacher.values()):
+        return
+    vocab = int(trained.get("tgt_vocab_size") or config.vocab.size)
+    ratio = decoding_cost(student, vocab) / decoding_cost(teacher, vocab)
+    if ratio > 1.0 or student["dec_layers"] > teacher["dec_layers"]:
+        say(f"warning: this student ({describe_keys(student)}, {parameters_of(student, vocab) / 1e6:.1f}M weights) "
+            f"decodes slower than its teacher {teacher_path} ({describe_keys(teacher)}, "
+            f"{parameters_of(teacher, vocab) / 1e6:.1f}M): {ratio:.2f}x its multiply-adds per token, "
+            f"{student['dec_layers']} decoder layers against {teacher['dec_layers']}; model.size student "
+            "derives a cheaper shape from the teacher's")
+
+
+def describe_keys(shape: dict[str, int]) -> str:
+    return (f"d_model {shape['d_model']}, {shape['enc_layers']}+{shape['dec_layers']} layers, "
+            f"FFN {shape['d_ff']}")
+
+
 def shape_of_run(config: ExperimentConfig, last_checkpoint: Path, keep_batch: bool = True) -> ExperimentConfig:
     """A resumed `auto` run trains the shape its checkpoint holds (`keep_batch`: and its batches):
     never another probe. Fine-tuning (`train.init_from`) takes its parent's shape the same way."""
@@ -545,12 +622,16 @@ def resolve_size(config: ExperimentConfig, resume: bool, last_checkpoint: Path,
     not given; under model.size auto, the resumed run's shape, or the one chosen now (`choose_now`).
     Returns it, the seconds a probe spent and what the run checks the probe's plan against (a new
     `auto` run only: a resumed run never re-plans into another shape)."""
+    if config.model.size not in (AUTO, STUDENT) and not resume:
+        warn_if_slower_than_teacher(config, say)
     if config.model.size in SHAPES:  # a named shape trains at its measured learning rate, as under auto...
         lr = lr_of_choice(config, SHAPES[config.model.size], config.train.max_tokens)
         if lr and resume and last_checkpoint.exists():  # ...and a resumed run at the one it started with
             lr = load_checkpoint(last_checkpoint, map_location="cpu").get("config", {}).get("train", {}).get("lr", lr)
         return (config.model_copy(update={"train": config.train.model_copy(update={"lr": lr})}) if lr else config), \
             0.0, None
+    if config.model.size == STUDENT:
+        return student_config(config, resume and last_checkpoint.exists(), last_checkpoint, say), 0.0, None
     if config.model.size != AUTO:
         return config, 0.0, None
     if resume and last_checkpoint.exists():
