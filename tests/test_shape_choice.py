@@ -641,3 +641,31 @@ def test_model_size_student_s_bad_settings_are_one_line_errors_that_write_no_che
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and says in errors[0], result.stderr
     assert not (tmp_path / "run" / "checkpoints" / "checkpoint_last.pt").exists()
+
+
+def test_a_slowdown_beside_a_moments_other_work_is_read_again_before_the_plan_changes(monkeypatch):
+    """A type check beside a quickstart (16% of the CPUs for ~20 s) slowed it to 0.76x at its check, and
+    the re-plan cost 1.6 BLEU: a slowdown while other work ran reads one more window, and re-plans only
+    if it lasts; a slowdown with nothing else running re-plans at once."""
+    clock = {"now": 0.0, "busy_until": 0.0}
+    monkeypatch.setattr(shape_choice, "cpu_reading", lambda: clock["now"])
+    monkeypatch.setattr(shape_choice, "others_share",
+                        lambda start, end, threads: 0.16 * max(0.0, min(end, clock["busy_until"]) - start) / (end - start))
+
+    def feed(speed, busy_until):
+        check = shape_choice.PlanCheck("d128", 10_000.0, 0.0, after_seconds=60.0, deadline_seconds=180.0)
+        seconds, tokens, clock["busy_until"] = 12.0, 0, busy_until
+        while seconds < 600:
+            clock["now"] = seconds
+            verdict = check.observe(seconds, tokens)
+            if verdict is not None:
+                return seconds, verdict
+            seconds, tokens = seconds + 0.5, tokens + int(speed(seconds) * 0.5)
+        raise AssertionError("no verdict")
+
+    at, verdict = feed(lambda t: 5_000.0 if 40 <= t < 72 else 10_000.0, busy_until=72.0)  # a moment's work
+    assert at == pytest.approx(92.0) and verdict.gap == "" and verdict.tokens_per_second == pytest.approx(10_000, rel=0.02)
+    at, verdict = feed(lambda t: 7_000.0, busy_until=600.0)  # other work that stays
+    assert at == pytest.approx(92.0) and "0.70x" in verdict.gap
+    at, verdict = feed(lambda t: 7_000.0, busy_until=0.0)  # slowed with nothing else running: the machine
+    assert at == pytest.approx(72.0) and "0.70x" in verdict.gap

@@ -67,6 +67,11 @@ CHECK_SHARE = 0.1  # ... or this share of the budget, whichever comes first
 PLAN_HOLDS = 1.25  # a speed trained at within this factor of the probe's (either way) keeps the plan
 CHECK_WINDOW = 20.0  # seconds: after a busy probe, the run's speed is read in windows this long until one is quiet...
 CHECK_DEADLINE = 0.3  # ... until this share of the budget (a machine busy so long is the machine)
+# A check that finds the run slowed while other work took this share of the CPUs or more reads one
+# more CHECK_WINDOW before it re-plans: a moment's work beside the run (a type check of ~20 s, 16% of
+# 2 CPUs, slowed a quickstart to 0.76x at its check, and the re-plan to 1,000-token batches cost it
+# 1.6 BLEU) is not the machine; a slowdown that lasts is re-planned one window later.
+SLOWED_BY_OTHERS = 0.05
 CHOICE_FILE = "shape_choice.json"
 
 
@@ -518,6 +523,7 @@ class PlanCheck:
     deadline_seconds: float
     window: tuple[float, int, CpuReading] | None = None  # (seconds, tokens, reading) where the window began
     started: float = 0.0  # the seconds of the first update observed
+    rechecking: bool = False  # a slowdown beside other work: one more window decides
 
     def observe(self, seconds: float, tokens: int) -> PlanVerdict | None:
         """After an update, `seconds` of training and `tokens` target tokens so far: None until the
@@ -529,13 +535,17 @@ class PlanCheck:
         length = seconds - began
         busy_probe = self.probe_busy >= BUSY_SHARE
         waiting = busy_probe and seconds < self.deadline_seconds
-        if (not busy_probe and seconds - self.started < self.after_seconds) or length <= 0 or (
-                waiting and length < CHECK_WINDOW):
+        if (not busy_probe and not self.rechecking and seconds - self.started < self.after_seconds) or length <= 0 \
+                or ((waiting or self.rechecking) and length < CHECK_WINDOW):
             return None
         now = cpu_reading()
         busy, speed = others_share(reading, now, torch.get_num_threads()), (tokens - tokens_then) / length
         if waiting and busy >= BUSY_SHARE:  # still busy: the next window
             self.window = (seconds, tokens, now)
+            return None
+        if (not self.rechecking and busy >= SLOWED_BY_OTHERS and speed * PLAN_HOLDS < self.tokens_per_second
+                and seconds < self.deadline_seconds):  # slowed while other work ran: is it lasting?
+            self.window, self.rechecking = (seconds, tokens, now), True
             return None
         return PlanVerdict(length, speed, busy, self.gap(speed))
 
