@@ -210,9 +210,17 @@ class DocumentProcesses:
         if self.slots is None:
             self.slots = asyncio.Semaphore(self.at_once)
         async with self.slots:
-            return await asyncio.to_thread(self._run, work, args, deadline, chars)
+            return await asyncio.to_thread(self._run, work, args, deadline, chars, word)
 
-    def _run(self, work: Callable[..., Any], args: tuple, deadline: float, chars: int) -> Any:
+    def warm(self) -> None:
+        """Start the fork server and one document process ahead of the first document (the server
+        calls it as it starts): the first upload does not wait ~0.5 s for them, and the server's
+        memory holds them from the start."""
+        worker = _DocumentProcess(self.context)
+        with self.lock:
+            self.idle.append(worker)
+
+    def _run(self, work: Callable[..., Any], args: tuple, deadline: float, chars: int, word: bool) -> Any:
         with self.lock:
             worker = self.idle.pop() if self.idle else None
         kept = False
@@ -225,7 +233,7 @@ class DocumentProcesses:
             if not worker.connection.poll(max(0.0, deadline - time.monotonic())):
                 raise DeadlinePassed("reading the document ran past the request's deadline")
             outcome, value = worker.connection.recv()
-            kept = chars <= RENEW_AFTER_CHARS
+            kept = chars <= RENEW_AFTER_CHARS and not word  # (a Word file's size says nothing of what it unpacked)
         except (EOFError, OSError):
             exit_code = worker.process.exitcode if worker is not None else None
             raise RequestError(500, f"the document's process ended without an answer (exit code {exit_code}); "

@@ -440,6 +440,7 @@ def create_app(engine: TranslationEngine, runner: Runner, max_lines: int = 256, 
     async def lifespan(app):
         endpoints.loop = asyncio.get_running_loop()
         endpoints.tasks.append(asyncio.create_task(batcher.run()))
+        endpoints.tasks.append(asyncio.create_task(asyncio.to_thread(endpoints.documents.warm)))
         yield
         for task in endpoints.tasks:
             task.cancel()
