@@ -665,7 +665,8 @@ def test_a_slowdown_beside_a_moments_other_work_is_read_again_before_the_plan_ch
 
     at, verdict = feed(lambda t: 5_000.0 if 40 <= t < 72 else 10_000.0, busy_until=72.0)  # a moment's work
     assert at == pytest.approx(92.0) and verdict.gap == "" and verdict.tokens_per_second == pytest.approx(10_000, rel=0.02)
+    assert "ran at 0.73x while other work took 16% of the CPUs, so another 20 s were read" in verdict.read_again
     at, verdict = feed(lambda t: 7_000.0, busy_until=600.0)  # other work that stays
     assert at == pytest.approx(92.0) and "0.70x" in verdict.gap
     at, verdict = feed(lambda t: 7_000.0, busy_until=0.0)  # slowed with nothing else running: the machine
-    assert at == pytest.approx(72.0) and "0.70x" in verdict.gap
+    assert at == pytest.approx(72.0) and "0.70x" in verdict.gap and verdict.read_again == ""

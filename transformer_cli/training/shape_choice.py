@@ -506,6 +506,7 @@ class PlanVerdict:
     tokens_per_second: float
     busy: float  # the share of the CPUs other work took meanwhile
     gap: str  # why the shapes are timed again; "" where the plan holds
+    read_again: str = ""  # why the window before this one did not decide (slowed beside other work)
 
 
 @dataclass
@@ -523,7 +524,7 @@ class PlanCheck:
     deadline_seconds: float
     window: tuple[float, int, CpuReading] | None = None  # (seconds, tokens, reading) where the window began
     started: float = 0.0  # the seconds of the first update observed
-    rechecking: bool = False  # a slowdown beside other work: one more window decides
+    rechecking: str = ""  # a slowdown beside other work (what it was): one more window decides
 
     def observe(self, seconds: float, tokens: int) -> PlanVerdict | None:
         """After an update, `seconds` of training and `tokens` target tokens so far: None until the
@@ -545,9 +546,11 @@ class PlanCheck:
             return None
         if (not self.rechecking and busy >= SLOWED_BY_OTHERS and speed * PLAN_HOLDS < self.tokens_per_second
                 and seconds < self.deadline_seconds):  # slowed while other work ran: is it lasting?
-            self.window, self.rechecking = (seconds, tokens, now), True
+            self.window = (seconds, tokens, now)
+            self.rechecking = (f"its first {length:.0f} s ran at {speed / self.tokens_per_second:.2f}x while other "
+                               f"work took {busy:.0%} of the CPUs, so another {CHECK_WINDOW:.0f} s were read")
             return None
-        return PlanVerdict(length, speed, busy, self.gap(speed))
+        return PlanVerdict(length, speed, busy, self.gap(speed), self.rechecking)
 
     def gap(self, tokens_per_second: float) -> str:
         """Why the shapes are timed again ("" where the plan holds): the run trains at a speed more

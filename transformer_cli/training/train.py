@@ -358,6 +358,8 @@ class Trainer:
         verdict = self.plan_check.observe(seconds, self.progress.target_tokens) if self.plan_check else None
         if verdict is None or self.plan_check is None:
             return ""
+        if verdict.read_again:
+            self.console.print(f"plan check: {verdict.read_again}")
         self.console.print(f"plan check over {verdict.seconds:.0f} s of training: {self.plan_check.shape} trains at "
                            f"{verdict.tokens_per_second:,.0f} target tokens/s (the probe timed "
                            f"{self.plan_check.tokens_per_second:,.0f}; other work took {verdict.busy:.0%} of the "
@@ -367,7 +369,8 @@ class Trainer:
         if self.writer:
             record_check(self.run_dir.root, {"after_seconds": round(seconds, 1), "step": self.progress.step,
                                              "tokens_per_second": round(verdict.tokens_per_second, 1),
-                                             "busy": round(verdict.busy, 3), "replan": verdict.gap})
+                                             "busy": round(verdict.busy, 3), "replan": verdict.gap,
+                                             **({"read_again": verdict.read_again} if verdict.read_again else {})})
         return self.plan_gap
 
     def set_learning_rate(self) -> float:
