@@ -399,6 +399,39 @@ def probe_timings(names: Sequence[str], tokens: Sequence[float], train_one: Call
 # --------------------------------------------------------------------------- the run's shape
 
 
+@dataclass(frozen=True)
+class Teacher:
+    """What a student's shape is derived from and compared with: the teacher's default checkpoint
+    (the run vocab.from_run names), its shape keys, target vocabulary and peak learning rate."""
+
+    path: Path
+    shape: dict[str, int]
+    vocab: int
+    lr: float | None
+
+
+def read_teacher(config: ExperimentConfig) -> Teacher:
+    """The teacher of `config` (vocab.from_run's run); a TfmError where it has no checkpoint or
+    its checkpoint does not say its shape."""
+    path = RunDirectory(str(config.vocab.from_run)).default_checkpoint()
+    payload = load_checkpoint(path, map_location="cpu")
+    trained = payload.get("model_config", {})
+    shape = {key: trained.get(key) for key in SHAPE_KEYS}
+    if not all(isinstance(value, int) for value in shape.values()):
+        raise TfmError(f"model.size student: {path} does not say its model's shape; give the student's "
+                       "shape keys (model.d_model, …) with model.size null")
+    lr = payload.get("config", {}).get("train", {}).get("lr")
+    return Teacher(path, shape, int(trained.get("tgt_vocab_size") or config.vocab.size),
+                   lr if isinstance(lr, float) else None)
+
+
+def with_lr(config: ExperimentConfig, lr: float | None) -> ExperimentConfig:
+    """`config` at peak learning rate `lr`, unless the config gives train.lr (or `lr` is None)."""
+    if lr is None or "lr" in config.train.model_fields_set:
+        return config
+    return config.model_copy(update={"train": config.train.model_copy(update={"lr": lr})})
+
+
 def student_config(config: ExperimentConfig, resumed: bool, last_checkpoint: Path,
                    say: Callable[[str], None]) -> ExperimentConfig:
     """model.size student: the shape `student_of` its teacher's (the default checkpoint of the run
@@ -408,40 +441,30 @@ def student_config(config: ExperimentConfig, resumed: bool, last_checkpoint: Pat
         payload = load_checkpoint(last_checkpoint, map_location="cpu")
         keys = {key: payload.get("model_config", {}).get(key) for key in SHAPE_KEYS}
         started_lr = payload.get("config", {}).get("train", {}).get("lr")
-        train = config.train if "lr" in config.train.model_fields_set or not isinstance(started_lr, float) else \
-            config.train.model_copy(update={"lr": started_lr})
-        return config.model_copy(update={"model": config.model.model_copy(update=keys), "train": train})
+        config = with_lr(config, started_lr if isinstance(started_lr, float) else None)
+        return config.model_copy(update={"model": config.model.model_copy(update=keys)})
     if not config.vocab.from_run:
         raise TfmError("model.size student: a student's shape follows its teacher's; set vocab.from_run to the "
                        "teacher's run directory (the run whose distilled corpus it trains on)")
-    teacher_path = RunDirectory(config.vocab.from_run).default_checkpoint()
-    payload = load_checkpoint(teacher_path, map_location="cpu")
-    trained = payload.get("model_config", {})
-    teacher = {key: trained.get(key) for key in SHAPE_KEYS}
-    if not all(isinstance(value, int) for value in teacher.values()):
-        raise TfmError(f"model.size student: {teacher_path} does not say its model's shape; give the student's "
-                       "shape keys (model.d_model, …) with model.size null")
+    teacher = read_teacher(config)
     given = {key: getattr(config.model, key) for key in SHAPE_KEYS if key in config.model.model_fields_set}
-    student = {**student_of(teacher), **given}
-    vocab = int(trained.get("tgt_vocab_size") or config.vocab.size)
-    cost, teacher_cost = decoding_cost(student, vocab), decoding_cost(teacher, vocab)
-    if student["dec_layers"] > teacher["dec_layers"] or cost > teacher_cost:
+    student = {**student_of(teacher.shape), **given}
+    cost, teacher_cost = decoding_cost(student, teacher.vocab), decoding_cost(teacher.shape, teacher.vocab)
+    if student["dec_layers"] > teacher.shape["dec_layers"] or cost > teacher_cost:
         raise TfmError(f"model.size student: this student ({describe_keys(student)}) would decode slower than its "
-                       f"teacher {teacher_path} ({describe_keys(teacher)}): {cost / teacher_cost:.2f}x its "
+                       f"teacher {teacher.path} ({describe_keys(teacher.shape)}): {cost / teacher_cost:.2f}x its "
                        "multiply-adds per token; drop the model keys given beside it "
                        f"({', '.join(f'model.{key}' for key in given)}) or make them smaller")
     if student["d_model"] % student["n_heads"]:
         raise TfmError(f"model.size student: d_model {student['d_model']} is not divisible by n_heads "
                        f"{student['n_heads']}")
-    say(f"model.size student: {describe_keys(student)}, {parameters_of(student, vocab) / 1e6:.1f}M weights, from "
-        f"the teacher's {describe_keys(teacher)}, {parameters_of(teacher, vocab) / 1e6:.1f}M ({teacher_path}): "
-        f"{teacher_cost / cost:.2f}x fewer multiply-adds per decoded token"
+    say(f"model.size student: {describe_keys(student)}, {parameters_of(student, teacher.vocab) / 1e6:.1f}M weights, "
+        f"from the teacher's {describe_keys(teacher.shape)}, {parameters_of(teacher.shape, teacher.vocab) / 1e6:.1f}M "
+        f"({teacher.path}): {teacher_cost / cost:.2f}x fewer multiply-adds per decoded token"
         + (f"; {', '.join(f'model.{key} {value}' for key, value in given.items())} as given" if given else ""))
     # The teacher's peak learning rate where the config gives none: the student keeps its width.
-    teacher_lr = payload.get("config", {}).get("train", {}).get("lr")
-    train = config.train if "lr" in config.train.model_fields_set or not isinstance(teacher_lr, float) else \
-        config.train.model_copy(update={"lr": teacher_lr})
-    return config.model_copy(update={"model": config.model.model_copy(update=student), "train": train})
+    config = with_lr(config, teacher.lr)
+    return config.model_copy(update={"model": config.model.model_copy(update=student)})
 
 
 def warn_if_slower_than_teacher(config: ExperimentConfig, say: Callable[[str], None]) -> None:
@@ -453,21 +476,16 @@ def warn_if_slower_than_teacher(config: ExperimentConfig, say: Callable[[str], N
     if not any(Path(path).resolve().is_relative_to(distilled) for path in config.data.train):
         return
     try:
-        teacher_path = RunDirectory(config.vocab.from_run).default_checkpoint()
-        trained = load_checkpoint(teacher_path, map_location="cpu").get("model_config", {})
+        teacher = read_teacher(config)
     except TfmError:
         return  # no teacher to compare with: distill says so where it matters
-    teacher = {key: trained.get(key) for key in SHAPE_KEYS}
     student = {key: getattr(config.model, key) for key in SHAPE_KEYS}
-    if not all(isinstance(value, int) for value in teacher.values()):
-        return
-    vocab = int(trained.get("tgt_vocab_size") or config.vocab.size)
-    ratio = decoding_cost(student, vocab) / decoding_cost(teacher, vocab)
-    if ratio > 1.0 or student["dec_layers"] > teacher["dec_layers"]:
-        say(f"warning: this student ({describe_keys(student)}, {parameters_of(student, vocab) / 1e6:.1f}M weights) "
-            f"decodes slower than its teacher {teacher_path} ({describe_keys(teacher)}, "
-            f"{parameters_of(teacher, vocab) / 1e6:.1f}M): {ratio:.2f}x its multiply-adds per token, "
-            f"{student['dec_layers']} decoder layers against {teacher['dec_layers']}; model.size student "
+    ratio = decoding_cost(student, teacher.vocab) / decoding_cost(teacher.shape, teacher.vocab)
+    if ratio > 1.0 or student["dec_layers"] > teacher.shape["dec_layers"]:
+        say(f"warning: this student ({describe_keys(student)}, {parameters_of(student, teacher.vocab) / 1e6:.1f}M "
+            f"weights) decodes slower than its teacher {teacher.path} ({describe_keys(teacher.shape)}, "
+            f"{parameters_of(teacher.shape, teacher.vocab) / 1e6:.1f}M): {ratio:.2f}x its multiply-adds per token, "
+            f"{student['dec_layers']} decoder layers against {teacher.shape['dec_layers']}; model.size student "
             "derives a cheaper shape from the teacher's")
 
 
