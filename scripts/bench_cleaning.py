@@ -132,8 +132,9 @@ def throughput(noisy: Path, data: Path, forward: str | None, backward: str | Non
     from transformer_cli.data.cleaning import COMMON_WORDS_PAIRS
     from transformer_cli.data.filters import DirectionFilters
     from transformer_cli.data.lexical import learn_lexical_model
-    from transformer_cli.data.model_filter import checkpoint_of, learn_model_filter
+    from transformer_cli.data.model_filter import learn_model_filter
     from transformer_cli.experiment.config import FiltersConfig
+    from transformer_cli.experiment.rundir import checkpoint_at
 
     src, tgt = read_lines(noisy / "train.de.gz"), read_lines(noisy / "train.en.gz")
     rows = []
@@ -148,7 +149,7 @@ def throughput(noisy: Path, data: Path, forward: str | None, backward: str | Non
         filters = DirectionFilters(settings, "de", "en", model)
         if settings["model"]["enabled"]:
             rule = FiltersConfig().model
-            models = [(forward and checkpoint_of(forward), backward and checkpoint_of(backward))]
+            models = [(forward and checkpoint_at(forward), backward and checkpoint_at(backward))]
             filters.scorer, _ = learn_model_filter(rule, models, src[:rule.sample_pairs], tgt[:rule.sample_pairs], 1)
         if language:
             filters.learn_common_words(src[:COMMON_WORDS_PAIRS], tgt[:COMMON_WORDS_PAIRS])

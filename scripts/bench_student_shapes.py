@@ -58,7 +58,7 @@ def convert(run: Path, shape, directory: Path, quantization: str | None) -> int:
                                                            d_ff=ff))
     manifest = RunDirectory(run).load_manifest()
     spm = {side: RunDirectory(run).vocab_file(manifest, side).read_bytes() for side in ("src", "tgt")}
-    vocab = manifest["vocab_size"]
+    vocab = manifest.vocab_size
     torch.manual_seed(0)
     model = build_model(config, vocab["src"], vocab["tgt"])
     checkpoint = directory / "model.pt"

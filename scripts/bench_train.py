@@ -128,7 +128,7 @@ def main() -> None:
         vocab = config.vocab.size
         host_batches = synthetic_wmt_batches(vocab, args.max_tokens, needed)
     else:
-        vocab = RunDirectory(config.run_path).load_manifest()["vocab_size"]["tgt"]
+        vocab = RunDirectory(config.run_path).load_manifest().vocab_size["tgt"]
         data = ParallelData(config.run_path, "train")
         order = []
         epoch = 0

@@ -76,7 +76,7 @@ def main() -> None:
     torch.manual_seed(0)
     config = load_config(args.config)
     manifest = RunDirectory(config.run_path).load_manifest()
-    vocab = manifest["vocab_size"]["tgt"]
+    vocab = manifest.vocab_size["tgt"]
     test = ParallelData(config.run_path, "test")
     n = len(test) if not args.limit else min(args.limit, len(test))
     sources = [np.asarray(test.src[i]).tolist() for i in range(n)]

@@ -33,7 +33,7 @@ def main() -> None:
     config = load_config(args.config)
     manifest = RunDirectory(config.run_path).load_manifest()
     data = ParallelData(config.run_path, "train")
-    model = build_model(config, manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"])
+    model = build_model(config, manifest.vocab_size["src"], manifest.vocab_size["tgt"])
     batches = [data.collate(b) for b in data.batches(config.train.max_tokens, seed=0)[: args.steps + 1]]
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
 

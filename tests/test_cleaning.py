@@ -212,7 +212,7 @@ def test_the_lexical_score_tells_misaligned_pairs_from_translations(multi30k_2k)
 # --------------------------------------------------------------------------- through tfm prepare
 
 from tests.conftest import multi30k_config, tfm_in_process  # noqa: E402
-from transformer_cli.data.prepare import REPORT_FILE, prepare  # noqa: E402
+from transformer_cli.data.prepare import prepare  # noqa: E402
 from transformer_cli.experiment.config import config_from_dict  # noqa: E402
 
 
@@ -227,7 +227,7 @@ def test_the_report_adds_up_and_the_dropped_file_names_every_dropped_pair(noisy,
     data, out = noisy
     dropped_file = tmp_path / "dropped.jsonl"
     result = prepare(config_from_dict(noisy_config(data, out, tmp_path / "run")), progress=False, dropped=dropped_file)
-    report = json.loads((tmp_path / "run" / REPORT_FILE).read_text())
+    report = json.loads((tmp_path / "run" / "prepare_report.json").read_text())
     assert report["pairs_read"] == len((out / "train.labels").read_text().split())
     assert report["pairs_read"] == report["pairs_kept"] + sum(report["dropped"].values())
     assert report["pairs_kept"] == result.manifest["stats"]["train"]["src"]["lines"]
@@ -349,7 +349,7 @@ def test_the_prepare_benchmark_streams_a_repeated_corpus_through_the_filters(tmp
     result = bench.run_prepare(prefix, tmp_path / "run", None, folder / "multi30k",
                                extra=("vocab.input_sentence_size=20000", "vocab.size=2000"))
     assert result["pairs"] == pairs and result["kept"] > 0.95 * pairs, result
-    report = json.loads((tmp_path / "run" / REPORT_FILE).read_text())
+    report = json.loads((tmp_path / "run" / "prepare_report.json").read_text())
     assert report["pairs_read"] == pairs and report["filters"]["language"]["enabled"]
     assert result["peak_tree_rss"] > 0
 

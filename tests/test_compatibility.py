@@ -42,7 +42,7 @@ def test_an_old_checkpoint_loads_into_todays_model(old_run):
     for name, tensor in trained.model.state_dict().items():
         assert torch.equal(tensor, payload["model"][name].to(tensor.dtype)), name
     assert run.default_checkpoint().resolve() == best.resolve() and run.has_checkpoints()
-    assert run.load_manifest()["train_pairs_read"] == 300
+    assert json.loads(run.manifest_file.read_text())["train_pairs_read"] == 300
 
 
 def test_an_old_run_resumes_where_it_stopped(old_run):

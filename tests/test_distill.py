@@ -21,12 +21,12 @@ from sacrebleu.metrics import CHRF
 from tests.conftest import FP32, ROOT, TFM, fp32_translator, tfm, tfm_in_process, tiny_run
 from transformer_cli.data.batches import TokenArray
 from transformer_cli.data.prepare import load_sentencepiece, prepare
-from transformer_cli.data.shortlist import SHORTLIST_FILE, build_shortlist, check_shortlist
+from transformer_cli.data.shortlist import build_shortlist, check_shortlist
 from transformer_cli.decoding.distill import PARTIAL, REPORT, distill, keep_mask
 from transformer_cli.decoding.engine import open_engine
 from transformer_cli.decoding.translation import translate_texts
 from transformer_cli.experiment.config import config_from_dict, load_config
-from transformer_cli.experiment.rundir import RunDirectory
+from transformer_cli.experiment.rundir import SHORTLIST_FILE, RunDirectory
 from transformer_cli.runtime.errors import TfmError
 from transformer_cli.runtime.files import digest_file, read_lines
 from transformer_cli.training.train import train
@@ -226,7 +226,7 @@ def shortlist_lines(path: Path) -> list[tuple[str, list[str]]]:
 def test_the_shortlist_is_a_well_formed_map_of_the_runs_pieces(reverse_model, tmp_path):
     config, _ = reverse_model
     settings = config.shortlist.model_copy(update={"top": 3, "frequent": 5})
-    result = build_shortlist(shutil.copytree(config.run_path, tmp_path / "run"), settings)
+    result = build_shortlist(RunDirectory(shutil.copytree(config.run_path, tmp_path / "run")), settings)
     rows = shortlist_lines(result.path)
     run = RunDirectory(tmp_path / "run")
     src_sp, tgt_sp = (load_sentencepiece(run.vocab_file(run.load_manifest(), s)) for s in ("src", "tgt"))
@@ -245,7 +245,7 @@ def test_translating_with_a_covering_shortlist_equals_translating_without(revers
     config, _ = reverse_model
     run = shutil.copytree(config.run_path, tmp_path / "run")
     cfg = config.model_copy(update={"run_dir": str(run)})
-    build_shortlist(run, cfg.shortlist.model_copy(update={"top": 3, "frequent": 0}))
+    build_shortlist(RunDirectory(run), cfg.shortlist.model_copy(update={"top": 3, "frequent": 0}))
     sources = read_lines(config.data.test + ".src.gz")[:100]
     ck = [run / "checkpoints" / "checkpoint_last.pt"]
     plain = translate_texts(open_engine(cfg, [], ck, "cpu", engine="ctranslate2"), sources)
@@ -279,7 +279,7 @@ def test_a_shortlist_of_another_vocabulary_or_none_at_all_is_a_one_line_error(re
 def test_export_ships_the_shortlist_and_int8_weights(reverse_model, tmp_path):
     config, _ = reverse_model
     run = shutil.copytree(config.run_path, tmp_path / "run")
-    build_shortlist(run, config.shortlist)
+    build_shortlist(RunDirectory(run), config.shortlist)
     ck = run / "checkpoints" / "checkpoint_last.pt"
     for quantization in ("float32", "int8"):
         result = tfm_in_process("export", "--checkpoint", ck, "-o", tmp_path / quantization, "--quantization", quantization)
@@ -310,7 +310,7 @@ def test_every_shortlist_damage_is_one_line_and_exit_2_before_ctranslate2_sees_i
     model's vmap.txt, however damaged, are refused first, with or without decode.shortlist."""
     config, _ = reverse_model
     run = shutil.copytree(config.run_path, tmp_path / "run")
-    build_shortlist(run, config.shortlist)
+    build_shortlist(RunDirectory(run), config.shortlist)
     export = tmp_path / "export"
     assert tfm_in_process("export", "--checkpoint", run / "checkpoints" / "checkpoint_last.pt", "-o", export).exit_code == 0
     assert digest_file(export / "vmap.txt").read_text().split()[0] == digest_file(run / SHORTLIST_FILE).read_text().split()[0]

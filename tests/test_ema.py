@@ -63,7 +63,7 @@ def initial_parameters(config) -> list[torch.Tensor]:
 
     manifest = RunDirectory(config.run_path).load_manifest()
     torch.manual_seed(config.train.seed)
-    model = build_model(config, manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"])
+    model = build_model(config, manifest.vocab_size["src"], manifest.vocab_size["tgt"])
     return [p.detach().double() for p in model.parameters()]
 
 

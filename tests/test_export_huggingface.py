@@ -16,6 +16,7 @@ import yaml
 
 from tests.conftest import TINY_LAYOUTS, fp32_translator, tfm_in_process
 from transformer_cli.decoding.translation import translate_texts
+from transformer_cli.experiment.rundir import RunDirectory
 from transformer_cli.interop.huggingface import (
     architecture_problems,
     build_transformers_model,
@@ -264,15 +265,15 @@ def test_the_model_card_reads_a_torn_record_as_one_line_and_a_budget_of_steps_as
 
     (tmp_path / "shape_choice.json").write_text(json.dumps({"chosen": "d128", "budget_seconds": None,
                                                              "max_steps": 4000}))
-    assert "for 4,000 updates on that machine: d128." in " ".join(model_card._training({"step": 10}, tmp_path))
+    assert "for 4,000 updates on that machine: d128." in " ".join(model_card._training({"step": 10}, RunDirectory(tmp_path)))
     for name, text in (("shape_choice.json", '{"chosen": "d1'), ("prepare_report.json", "[1, 2]"),
                        ("prepare_report.json", "")):
         (tmp_path / name).write_text(text)
         with pytest.raises(TfmError, match=name) as caught:
-            model_card._training({}, tmp_path) if name == "shape_choice.json" else model_card._cleaning(tmp_path)
+            model_card._training({}, RunDirectory(tmp_path)) if name == "shape_choice.json" else model_card._cleaning(RunDirectory(tmp_path))
         assert "\n" not in str(caught.value)
     (tmp_path / "prepare_report.json").write_text(json.dumps({"pairs_read": 10, "pairs_kept": 9, "dropped": {"x": 1}}))
-    assert model_card._cleaning(tmp_path) == ["`tfm prepare` read 10 training pairs and kept 9; dropped: x 1."]
+    assert model_card._cleaning(RunDirectory(tmp_path)) == ["`tfm prepare` read 10 training pairs and kept 9; dropped: x 1."]
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import SYNTHETIC_FILTERS, WORDS, reverse_task_config, tfm_in_process
 from transformer_cli.data.model_filter import REASON_MISALIGNED, REASON_PARTLY, PairScores, median_ratio, misalignment
-from transformer_cli.data.prepare import REPORT_FILE, _fingerprint, prepare
+from transformer_cli.data.prepare import _fingerprint, prepare
 from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.runtime.errors import TfmError
 
@@ -39,10 +39,11 @@ def test_a_side_run_on_is_partly_aligned_by_its_own_threshold_and_the_other_side
     """The target's overrun and the source's each have a threshold: a target far longer than its
     source is partly aligned under the first, a source far longer under the second, and neither
     threshold reads the other side's."""
-    from transformer_cli.data.model_filter import ModelFilter, checkpoint_of
+    from transformer_cli.data.model_filter import ModelFilter
+    from transformer_cli.experiment.rundir import checkpoint_at
 
     config, _ = reverse_model
-    found = ModelFilter([(checkpoint_of(config.run_dir), None)], 1000, target_longer_above=1.0, source_longer_above=3.0)
+    found = ModelFilter([(checkpoint_at(config.run_dir), None)], 1000, target_longer_above=1.0, source_longer_above=3.0)
     same, longer = "wa wb wc wd", "wa wb wc wd we wf wa wb wc wd we wf"
     assert found.reasons([same, same, longer], [same, longer, same]) == [None, REASON_PARTLY, None]
     found.source_longer_above = 1.0
@@ -164,7 +165,7 @@ def test_the_model_filter_drops_misaligned_and_partly_aligned_pairs_at_threshold
     assert by_label["partly"].get(REASON_PARTLY, 0) >= 0.5 * PARTLY, by_label  # the overrun, not chance
     assert sum(by_label["clean"].values()) <= 0.03 * CLEAN, by_label
     # the report names the reasons with examples and says what was learned
-    report = json.loads((Path(config_from_dict(raw).run_dir) / REPORT_FILE).read_text())
+    report = json.loads((Path(config_from_dict(raw).run_dir) / "prepare_report.json").read_text())
     examples = report["directions"][0]["examples"]
     assert set(MODEL_REASONS) <= set(examples) and all(examples[r] for r in MODEL_REASONS)
     learned = report["filters"]["model"]["learned"]
@@ -189,13 +190,14 @@ def test_ctranslate2_scores_as_tfms_engine_does(reverse_model, noisy_reverse):
     same at float32, within int8's rounding at int8 (what `engine: auto` scores with on a CPU).
     Without VNNI that rounding is coarser (saturated sums): on the reverse model ~2% of the scores'
     range on average and ~7% at most under ONEDNN_MAX_CPU_ISA=AVX2, ~0.1% / 0.4% with VNNI."""
-    from transformer_cli.data.model_filter import CT2Scorer, ModelFilter, checkpoint_of
+    from transformer_cli.data.model_filter import CT2Scorer, ModelFilter
+    from transformer_cli.experiment.rundir import checkpoint_at
 
     config, _ = reverse_model
     data, _ = noisy_reverse
     src = gzip.decompress((data / "train.src.gz").read_bytes()).decode().splitlines()[:300]
     tgt = gzip.decompress((data / "train.tgt.gz").read_bytes()).decode().splitlines()[:300]
-    checkpoint = checkpoint_of(config.run_dir)
+    checkpoint = checkpoint_at(config.run_dir)
     by_torch = ModelFilter([(checkpoint, checkpoint)], 500)
     assert by_torch.use_engine("torch") == "torch"
     expected = by_torch.scores(src, tgt)
@@ -221,10 +223,11 @@ def test_ctranslate2_scores_as_tfms_engine_does(reverse_model, noisy_reverse):
 def test_without_ctranslate2_the_filter_scores_with_tfms_engine_unless_told_otherwise(reverse_model, monkeypatch):
     import sys
 
-    from transformer_cli.data.model_filter import ModelFilter, checkpoint_of
+    from transformer_cli.data.model_filter import ModelFilter
+    from transformer_cli.experiment.rundir import checkpoint_at
 
     config, _ = reverse_model
-    checkpoint = checkpoint_of(config.run_dir)
+    checkpoint = checkpoint_at(config.run_dir)
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # `import ctranslate2` raises ImportError
     found = ModelFilter([(checkpoint, None)], 500)
     assert found.use_engine("auto").startswith("torch (CTranslate2 cannot score here: ctranslate2 is not installed")
@@ -259,10 +262,11 @@ def test_encoding_workers_score_as_one_process_does(reverse_model, noisy_reverse
 
 
 def test_the_filter_pickles_without_its_models(reverse_model, noisy_reverse):
-    from transformer_cli.data.model_filter import ModelFilter, checkpoint_of
+    from transformer_cli.data.model_filter import ModelFilter
+    from transformer_cli.experiment.rundir import checkpoint_at
 
     config, _ = reverse_model
-    found = ModelFilter([(checkpoint_of(config.run_dir), None)], 1000, misaligned_above=1.0, target_longer_above=1.0)
+    found = ModelFilter([(checkpoint_at(config.run_dir), None)], 1000, misaligned_above=1.0, target_longer_above=1.0)
     src, tgt = ["wa wb wc wd"], ["wd wc wb wa"]
     before = found.reasons(src, tgt)
     copy = pickle.loads(pickle.dumps(found))
@@ -351,7 +355,7 @@ def test_a_prepare_killed_while_scoring_leaves_nothing_and_runs_again_to_the_sam
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             run = tmp_path / name
-            assert not (run / "prepare.json").exists() and not (run / REPORT_FILE).exists() and not dropped.exists(), \
+            assert not (run / "prepare.json").exists() and not (run / "prepare_report.json").exists() and not dropped.exists(), \
                 sorted(p.name for p in run.iterdir())
         finished = subprocess.run(command, capture_output=True, text=True)
         assert finished.returncode == 0, finished.stderr
@@ -381,7 +385,8 @@ def test_without_models_prepare_trains_its_own_on_each_half_and_scores_each_pair
     nothing is trained; with a larger budget, the models go on from where they stopped."""
     import torch
 
-    from transformer_cli.data.model_filter import ModelFilter, checkpoint_of, fold_of, self_trained_runs
+    from transformer_cli.data.model_filter import ModelFilter, fold_of, self_trained_runs
+    from transformer_cli.experiment.rundir import RunDirectory, checkpoint_at
     from transformer_cli.runtime.files import read_lines
 
     data, labels = noisy_reverse
@@ -393,7 +398,7 @@ def test_without_models_prepare_trains_its_own_on_each_half_and_scores_each_pair
     assert "data.filters.model: forward model 1 of 2 (src→tgt" in result.stdout
 
     pairs = list(zip(read_lines(data / "train.src.gz"), read_lines(data / "train.tgt.gz")))
-    runs = self_trained_runs(run, "src", "tgt")
+    runs = self_trained_runs(RunDirectory(run), "src", "tgt")
     halves = [list(zip(read_lines(forward.parent / "train.src.gz"), read_lines(forward.parent / "train.tgt.gz")))
               for forward, _ in runs]
     assert sorted(halves[0] + halves[1]) == sorted(pairs) and all(halves)  # each pair in one half...
@@ -409,7 +414,7 @@ def test_without_models_prepare_trains_its_own_on_each_half_and_scores_each_pair
     # under them than the other half's misaligned pairs, which they never saw.
     misaligned = {pair for pair, label in zip(pairs, labels) if label == "misaligned"}
     for k, (forward, backward) in enumerate(runs):
-        alone = ModelFilter([(checkpoint_of(forward), checkpoint_of(backward))], 1000)
+        alone = ModelFilter([(checkpoint_at(forward), checkpoint_at(backward))], 1000)
         seen, unseen = ([p for p in halves[h] if p in misaligned] for h in (k, 1 - k))
         seen_scores = alone.scores([s for s, _ in seen], [t for _, t in seen]).misalignment
         unseen_scores = alone.scores([s for s, _ in unseen], [t for _, t in unseen]).misalignment
@@ -433,6 +438,7 @@ def test_without_models_prepare_trains_its_own_on_each_half_and_scores_each_pair
 def test_a_run_prepared_before_trains_the_filters_own_models_when_the_filter_is_turned_on(noisy_reverse, tmp_path):
     """Its sub-runs' spm.model was called "one of the run directory's own files" of the outer run."""
     from transformer_cli.data.model_filter import self_trained_runs
+    from transformer_cli.experiment.rundir import RunDirectory
 
     data, _ = noisy_reverse
     run = tmp_path / "run"
@@ -445,7 +451,7 @@ def test_a_run_prepared_before_trains_the_filters_own_models_when_the_filter_is_
     result = tfm_in_process("prepare", "--config", config_file)
     assert result.exit_code == 0, result.stderr
     assert "data.filters.model: forward model 1 of 2" in result.stdout
-    assert all(way.joinpath("spm.model").is_file() for ways in self_trained_runs(run, "src", "tgt") for way in ways)
+    assert all(way.joinpath("spm.model").is_file() for ways in self_trained_runs(RunDirectory(run), "src", "tgt") for way in ways)
 
 
 def test_the_filters_own_models_need_one_direction_and_pairs_in_both_halves(noisy_reverse, tmp_path):

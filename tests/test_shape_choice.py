@@ -24,7 +24,7 @@ from transformer_cli.experiment.shapes import (
 )
 from transformer_cli.runtime.errors import TfmError
 from transformer_cli.training import shape_choice
-from transformer_cli.training.shape_choice import CHOICE_FILE, ShapeTiming, choose, predict
+from transformer_cli.training.shape_choice import ShapeTiming, choose, predict
 from transformer_cli.training.train import train
 
 # --------------------------------------------------------------------------- the config
@@ -352,7 +352,7 @@ def test_auto_times_every_shape_trains_the_chosen_one_and_resume_keeps_it(tiny_p
     summary = train(config_from_dict(raw), progress_bar=False)
     assert summary.steps == 4
     run = tmp_path / "run"
-    record = json.loads((run / CHOICE_FILE).read_text())
+    record = json.loads((run / "shape_choice.json").read_text())
     assert sorted(s["name"] for s in record["shapes"]) == sorted(SHAPES)
     assert all(s["seconds_per_update"] > 0 and s["tokens_per_update"] > 0 for s in record["shapes"])
     assert all(s["seconds_per_evaluation"] > 0 for s in record["shapes"])  # a budget: evaluations spend it
@@ -408,7 +408,7 @@ def test_a_plan_check_that_fails_times_the_shapes_again_and_goes_on_or_starts_af
     run = tmp_path / "run"
     out = capsys.readouterr().err
     assert "plan check over" in out and "so the shapes are timed again" in out
-    record = json.loads((run / CHOICE_FILE).read_text())
+    record = json.loads((run / "shape_choice.json").read_text())
     assert record["chosen"] == second and record["replanned"]["first"]["chosen"] == "d128"
     assert record["replanned"]["first"]["check"]["replan"] and "why" in record["replanned"]
     from transformer_cli.experiment.checkpoint import load_checkpoint
@@ -459,7 +459,7 @@ def test_the_probe_leaves_out_what_it_cannot_time_within_its_share_of_the_budget
     monkeypatch.setattr(shape_choice, "PROBE_SHARE", 0.001)
     raw = auto_config(tiny_prepared, tmp_path, max_time=60, max_steps=3, eval_every=3, eval_bleu_sentences=2)
     train(config_from_dict(raw), progress_bar=False)
-    record = json.loads((tmp_path / "run" / CHOICE_FILE).read_text())
+    record = json.loads((tmp_path / "run" / "shape_choice.json").read_text())
     assert len(record["shapes"]) == 1 and record["chosen"] == record["shapes"][0]["name"]
     assert "not timed (the probe's 0.06 s are spent)" in capsys.readouterr().err
 

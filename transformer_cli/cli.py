@@ -115,9 +115,7 @@ def _load_for_inference(config: Path, overrides: Optional[list[str]], checkpoint
     cfg = _load(config, overrides)
     trained = None
     if any(map(fixed_by_checkpoint, overrides or [])) and not checkpoint and not cfg.decode.checkpoints:
-        from .experiment.rundir import RunDirectory  # imports torch: only when needed
-
-        resolved = RunDirectory(cfg.run_path).config_file
+        resolved = cfg.run.config_file
         trained = load_config(resolved) if resolved.is_file() else None
     check_inference_overrides(overrides or [], trained)
     return cfg
@@ -172,7 +170,7 @@ def prepare(
     dropping the training pairs that data.filters finds noisy (a report says which and why)."""
     cfg = _load(config, set_)  # before importing torch (seconds on a slow CPU): config errors come at once
     check_output(dropped, {"--config": [config]}, flag="--dropped")
-    from .data.prepare import REPORT_FILE, check_corpus_files, check_dropped_file
+    from .data.prepare import check_corpus_files, check_dropped_file
     from .data.prepare import prepare as run_prepare
     from .training.filter_models import train_filter_models
 
@@ -189,7 +187,7 @@ def prepare(
         say(f"{result.run_dir}: up to date, reused existing vocab and data (--force to rebuild)")
     else:
         say(f"prepared {result.run_dir} in {m['seconds']:.1f}s; vocab {m['vocab_size']['src']} "
-            f"({'joint' if cfg.vocab.joint else 'separate'}); report {result.run_dir / REPORT_FILE}"
+            f"({'joint' if cfg.vocab.joint else 'separate'}); report {cfg.run.cleaning_report}"
             + (f"; dropped pairs in {dropped}" if dropped is not None else ""))
         say(result.cleaning.table())
         for warning in result.cleaning.warnings():
@@ -799,9 +797,10 @@ def plot(
 
     Needs matplotlib: pip install -e '.\\[plot]'.
     """
+    from .experiment.rundir import metrics_of
     from .plot import plot_runs
 
-    check_output(output, {"RUNS": [run / "metrics.jsonl" if run.is_dir() else run for run in runs]})
+    check_output(output, {"RUNS": [metrics_of(run) for run in runs]})
     plot_runs(list(runs), output, width, height)
     say(f"wrote {output} ({width}x{height}, {len(runs)} run{'s' if len(runs) > 1 else ''})")
 
@@ -891,7 +890,7 @@ def shortlist(
     cfg = _load(config, set_)
     from .data.shortlist import build_shortlist
 
-    result = build_shortlist(cfg.run_path, cfg.shortlist, cfg.train.seed)
+    result = build_shortlist(cfg.run, cfg.shortlist, cfg.train.seed)
     say(f"shortlist of {result.source_pieces} source pieces, {result.mean_candidates:.1f} target pieces each "
         f"(+ {cfg.shortlist.frequent} frequent), learned from {result.pairs} pairs in {result.seconds:.1f}s "
         f"→ {result.path}")
@@ -928,9 +927,7 @@ def export(
     if checkpoint is None:
         if config is None:
             raise TfmError("give --checkpoint, or --config (its run's checkpoint that validated best)")
-        from .experiment.rundir import RunDirectory
-
-        checkpoint = RunDirectory(_load_for_inference(config, set_, None).run_path).default_checkpoint()
+        checkpoint = _load_for_inference(config, set_, None).run.default_checkpoint()
     elif config is not None or set_:
         raise TfmError("give --checkpoint or --config, not both (--config exports its run's checkpoint)")
     if format_ == "huggingface":
@@ -941,7 +938,8 @@ def export(
             f"logits within {done.largest_difference:.1e} of tfm's; load with: "
             f"AutoModelForSeq2SeqLM.from_pretrained(\"{output}\"))")
         return
-    from .data.shortlist import SHORTLIST_FILE, check_shortlist
+    from .data.shortlist import check_shortlist
+    from .experiment.rundir import SHORTLIST_FILE
     from .interop.ct2 import export_ctranslate2
 
     shortlist = checkpoint.resolve().parent.parent / SHORTLIST_FILE  # the run's, where it has one (tfm shortlist)

@@ -143,7 +143,6 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
     from .data.prepare import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .decoding.engine import open_engine
     from .decoding.translation import translate_texts
-    from .experiment.rundir import RunDirectory
 
     src_path, ref_path = split_files(config, split)
     src, refs = read_lines(src_path), read_lines(ref_path)
@@ -174,7 +173,7 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
                     "sentences_per_s": round(len(src) / seconds, 2)}
     if terms is not None:
         result.extra.update({"constraints_file": str(constraints), "term_use": term_use(hyps, terms)})
-    out_dir = RunDirectory(config.run_path).eval_dir
+    out_dir = config.run.eval_dir
     stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam_used}{'.constrained' if terms else ''}"
     atomic_write_text(out_dir / f"{stem}.hyp", "\n".join(hyps) + "\n")
     atomic_write_text(out_dir / f"{stem}.json", json.dumps(result.to_json(), indent=2))
@@ -195,7 +194,6 @@ def evaluate_augmented(config, checkpoint: Path | list[Path], split: str, metric
     from .data.prepare import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .decoding.engine import open_engine
     from .decoding.translation import translate_texts
-    from .experiment.rundir import RunDirectory
 
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
     src_path, ref_path = split_files(config, split, direction)
@@ -204,7 +202,7 @@ def evaluate_augmented(config, checkpoint: Path | list[Path], split: str, metric
     translator = open_engine(config, None, checkpoints, device=config.train.device, engine=engine,
                              compute_type=compute_type, tgt_lang=direction.tgt if direction else tgt_lang)
     translator.target_languages().check(translator.decode.tgt_lang)
-    out_dir = RunDirectory(config.run_path).eval_dir
+    out_dir = config.run.eval_dir
     started, rows = time.perf_counter(), {}
     try:
         decode = translator.settings(nbest=1)
@@ -309,7 +307,6 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
     from .data.prepare import split_files  # noqa: PLC0415 (keeps `tfm evaluate --hyp` light)
     from .decoding.engine import open_engine
     from .decoding.translation import translate_texts
-    from .experiment.rundir import RunDirectory
 
     checkpoints = [Path(p) for p in (checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint])]
     trained = config.data.pairs
@@ -322,7 +319,7 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
             translator.target_languages().check(d.tgt, f"direction {d.name}: target")
         decode = translator.settings(nbest=1)
         beam_used = decode.beam
-        out_dir = RunDirectory(config.run_path).eval_dir
+        out_dir = config.run.eval_dir
         stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam_used}"
         per_direction, started = {}, time.perf_counter()
         for d in chosen:

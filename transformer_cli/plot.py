@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .experiment.rundir import metrics_of
 from .runtime.errors import TfmError
 from .runtime.files import atomic_write_bytes
 
@@ -37,11 +38,6 @@ class RunMetrics:
     valid: list[dict] = field(default_factory=list)  # kind "valid": step, loss, bleu, elapsed (may lack elapsed)
 
 
-def metrics_file(run: Path) -> Path:
-    """A run directory (or its metrics.jsonl itself) → the metrics file."""
-    return run if run.is_file() else run / "metrics.jsonl"
-
-
 def _by_step(rows: list[dict]) -> list[dict]:
     # After `train --resume` the steps between the last checkpoint and the crash are logged
     # twice: keep the later record of each step, in step order.
@@ -54,7 +50,7 @@ MAX_PIXELS = 20_000  # a side; a picture's memory grows with width x height
 
 def read_metrics(run: Path, name: str | None = None) -> RunMetrics:
     """Train and valid rows of one run; a run without any is a TfmError."""
-    path = metrics_file(run)
+    path = metrics_of(run)
     if not path.is_file():
         raise TfmError(f"{run}: no metrics.jsonl (is this a run directory? train writes it)")
     train, valid = [], []

@@ -182,7 +182,7 @@ class ParallelData:
         self.src = TokenArray.load(run.binary_stem(split, "src"))
         self.tgt = TokenArray.load(run.binary_stem(split, "tgt"))
         self.split = split
-        self.directions = split_ranges(run.load_manifest(), split) if run.manifest_file.is_file() else []
+        self.directions = split_ranges(run.load_manifest().directions, split) if run.manifest_file.is_file() else []
         self.temperature = temperature if len(self.directions) > 1 else None
 
     def __len__(self) -> int:

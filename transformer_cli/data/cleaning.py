@@ -266,7 +266,7 @@ def model_filter(config: ExperimentConfig, corpora: list[Corpus], filters: Direc
     if rule.forward is not None or rule.backward is not None:
         models = [model_checkpoints(rule.forward, rule.backward, direction.src, direction.tgt)]
     else:  # the models tfm trained itself, a set on each half of the corpus
-        runs = self_trained_runs(config.run_path, direction.src, direction.tgt)
+        runs = self_trained_runs(config.run, direction.src, direction.tgt)
         if not all(run.is_dir() for pair in runs for run in pair):
             raise TfmError(f"data.filters.model: names no model, and the models tfm trains itself are not in "
                            f"{runs[0][0].parent.parent}: `tfm prepare` trains them first (or give forward/backward)")

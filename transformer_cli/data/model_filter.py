@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from ..experiment.rundir import RunDirectory
+from ..experiment.rundir import RunDirectory, checkpoint_at
 from ..runtime.cpu import usable_cores
 from ..runtime.errors import TfmError
 from ..runtime.files import content_hash
@@ -54,12 +54,6 @@ from ..runtime.files import content_hash
 REASON_MISALIGNED, REASON_PARTLY = "model_misaligned", "partly_aligned"
 SCORES = "source gain, overrun"  # in the fingerprint: a run prepared with other scores is prepared again
 SAMPLING_ERRORS = 1.0  # the threshold's allowance for the estimate's sampling error, in standard errors
-
-
-def checkpoint_of(path: str | Path) -> Path:
-    """A run directory's default checkpoint, or the checkpoint file itself."""
-    path = Path(path)
-    return RunDirectory(path).default_checkpoint() if path.is_dir() else path
 
 
 def misalignment(forward_gain: np.ndarray | None, backward_gain: np.ndarray | None) -> np.ndarray:
@@ -221,14 +215,9 @@ def fold_of(src: str, tgt: str) -> int:
 Models = tuple[Path | None, Path | None]  # (forward checkpoint, backward checkpoint)
 
 
-def fold_folder(run_dir: Path, fold: int) -> Path:
-    """Where the models tfm trains on fold `fold` live (run directories), with the fold's pairs."""
-    return Path(run_dir) / "filter_models" / f"half{fold + 1}"
-
-
-def self_trained_runs(run_dir: Path, src_lang: str, tgt_lang: str) -> list[tuple[Path, Path]]:
+def self_trained_runs(run: RunDirectory, src_lang: str, tgt_lang: str) -> list[tuple[Path, Path]]:
     """(forward run, backward run) of each fold, as training/filter_models.py trains them."""
-    return [(fold_folder(run_dir, k) / f"{src_lang}-{tgt_lang}", fold_folder(run_dir, k) / f"{tgt_lang}-{src_lang}")
+    return [(run.filter_model_half(k) / f"{src_lang}-{tgt_lang}", run.filter_model_half(k) / f"{tgt_lang}-{src_lang}")
             for k in range(FOLDS)]
 
 
@@ -329,7 +318,7 @@ def check_model(path: str, key: str, src_lang: str, tgt_lang: str) -> Path:
     try:
         if not Path(path).exists():
             raise TfmError(f"{path}: no such run directory or checkpoint")
-        checkpoint = checkpoint_of(path)
+        checkpoint = checkpoint_at(path)
         config = load_trained_model(checkpoint).config
     except TfmError as err:
         raise TfmError(f"data.filters.model.{key}: {err}") from None

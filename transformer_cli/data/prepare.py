@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from ..experiment.config import ExperimentConfig, config_to_yaml
 from ..experiment.directions import Direction, sampling_rates, tag, tag_piece
-from ..experiment.rundir import SIDES, SPLITS, RunDirectory
+from ..experiment.rundir import SIDES, SPLITS, RunDirectory, checkpoint_at
 from ..experiment.runlock import LOCK_NAME, RunLock
 from ..model.lengths import source_token_limit
 from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
@@ -58,7 +58,7 @@ from .corpus import (
 from .filters import DirectionFilters
 from .language_tags import known_languages
 from .model_filter import SCORES as MODEL_SCORES
-from .model_filter import checkpoint_of, model_identity, self_trained_runs
+from .model_filter import model_identity, self_trained_runs
 
 
 def corpus_file(prefix: str, lang: str) -> Path:
@@ -166,9 +166,6 @@ def load_sentencepiece(path: Path) -> spm.SentencePieceProcessor:
 
 # --------------------------------------------------------------------------- prepare
 
-REPORT_FILE = "prepare_report.json"  # what the training-pair filters dropped (data/cleaning.py)
-
-
 @dataclass
 class PrepareResult:
     run_dir: Path
@@ -199,7 +196,7 @@ def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
         named = [scoring[key] for key in ("forward", "backward")]
         if named == [None, None] and len(config.data.pairs) == 1:  # those tfm trains itself, on each half
             pair = config.data.pairs[0]
-            named = [str(run) for runs in self_trained_runs(config.run_path, pair.src, pair.tgt) for run in runs]
+            named = [str(run) for runs in self_trained_runs(config.run, pair.src, pair.tgt) for run in runs]
         scoring["identities"] = [_model_identity(path) for path in named]
         scoring["scores"] = MODEL_SCORES
         data["filters"]["model"] = scoring
@@ -216,7 +213,7 @@ def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
 def _model_identity(path: str | None) -> str | None:
     """A scoring model's digest; None for none, or one that cannot be read (prepare says why later)."""
     try:
-        return model_identity(checkpoint_of(path)) if path else None
+        return model_identity(checkpoint_at(path)) if path else None
     except (OSError, TfmError):
         return None
 
@@ -328,7 +325,8 @@ class ParentVocab:
 def parent_vocab(config: ExperimentConfig) -> ParentVocab:
     """The sentencepiece model files of the run that `vocab.from_run` names, checked against this
     config: the same `vocab.joint` and `vocab.size`, and not this run itself."""
-    parent = RunDirectory(config.vocab.from_run)
+    parent = config.parent_run
+    assert parent is not None  # (called where vocab.from_run is set)
     key = "key 'vocab.from_run'"
     if not parent.manifest_file.is_file():
         raise TfmError(f"{key}: {parent.root} is not a tfm run directory (no {parent.manifest_file.name}; "
@@ -348,7 +346,7 @@ def parent_vocab(config: ExperimentConfig) -> ParentVocab:
     if sizes != {config.vocab.size}:
         raise TfmError(f"key 'vocab.size': {config.vocab.size} in the config, but {parent.root}'s vocabulary has "
                        f"{' and '.join(map(str, sorted(sizes)))} pieces: set vocab.size to the parent's")
-    return ParentVocab(files, bool(manifest.get("shared_ids")))
+    return ParentVocab(files, manifest.shared_ids)
 
 
 def _inherit_vocab(config: ExperimentConfig, parent: ParentVocab, paths: dict[str, Path]) -> int:
@@ -387,7 +385,7 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
         for number, task in tasks():
             numbers.append(number)
             yield task
-    writers = {side: NpyAppender(array_path(RunDirectory(config.run_path).binary_stem(split, side), "tokens"), np.dtype(dtype))
+    writers = {side: NpyAppender(array_path(config.run.binary_stem(split, side), "tokens"), np.dtype(dtype))
                for side in SIDES}
     lengths: dict[str, list[np.ndarray]] = {side: [] for side in SIDES}
     unk = {side: 0 for side in SIDES}
@@ -417,7 +415,7 @@ def _encode_split(config: ExperimentConfig, split: str, paths: dict[str, Path], 
         side_lengths = np.concatenate(lengths[side]) if lengths[side] else np.zeros(0, dtype=np.int32)
         offsets = np.zeros(len(side_lengths) + 1, dtype=np.int64)
         np.cumsum(side_lengths, out=offsets[1:])
-        with atomic_path(array_path(RunDirectory(config.run_path).binary_stem(split, side), "offsets")) as tmp:
+        with atomic_path(array_path(config.run.binary_stem(split, side), "offsets")) as tmp:
             with open(tmp, "wb") as f:
                 np.save(f, offsets)
         stats[side] = _side_stats(side_lengths, unk[side])
@@ -443,10 +441,10 @@ def prepare(config: ExperimentConfig, force: bool = False, progress: bool = True
         check_dropped_file(config, dropped)
     parent = parent_vocab(config) if config.vocab.from_run else None
     with RunLock(config.run_path, "tfm prepare"):
-        for directory in (config.run_path, config.run_path / "data"):
+        for directory in (config.run.root, config.run.data_dir):
             remove_stale_temps(directory)  # left by an interrupted write
         result = _prepare(config, force, progress, parent, discard_checkpoints, dropped)
-        atomic_write_text(RunDirectory(config.run_path).config_file, config_to_yaml(config))
+        atomic_write_text(config.run.config_file, config_to_yaml(config))
     return result
 
 
@@ -476,8 +474,7 @@ def check_dropped_file(config: ExperimentConfig, dropped: Path) -> None:
 
 def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: ParentVocab | None,
              discard_checkpoints: bool, dropped_file: Path | None) -> PrepareResult:
-    run_dir = config.run_path
-    run = RunDirectory(run_dir)
+    run_dir, run = config.run_path, config.run
     manifest_path = run.manifest_file
     fingerprint = _fingerprint(config, parent)
     if manifest_path.is_file() and not force:
@@ -488,7 +485,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         if manifest.get("fingerprint") == fingerprint and files_ok:
             if dropped_file is not None:
                 raise TfmError(f"--dropped {dropped_file}: {run_dir} is already prepared with these settings, so "
-                               f"no pair is filtered again (what was dropped is counted in {run_dir / REPORT_FILE}); "
+                               f"no pair is filtered again (what was dropped is counted in {run.cleaning_report}); "
                                "add --force to filter again")
             return PrepareResult(run_dir, True, _summary_table(manifest["stats"]), manifest)
 
@@ -535,7 +532,7 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
     if cleaning.dropped is not None:
         cleaning.dropped.close()
     report = cleaning.report.to_json()
-    atomic_write_text(run.root / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False))
+    atomic_write_text(run.cleaning_report, json.dumps(report, indent=2, ensure_ascii=False))
 
     manifest = {
         "fingerprint": fingerprint,

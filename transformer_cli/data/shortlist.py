@@ -28,9 +28,9 @@ from ..runtime.files import check_digest, write_with_digest
 from .lexical import MAX_ENTRIES, _Side, train_model1
 
 if TYPE_CHECKING:
+    from ..experiment.rundir import RunDirectory
     from .batches import TokenArray
 
-SHORTLIST_FILE = "shortlist.txt"  # its name in a run directory
 SPECIAL = {PAD_ID, UNK_ID, BOS_ID, EOS_ID}  # CTranslate2 always allows <unk>, <s> and </s> itself
 
 
@@ -52,16 +52,15 @@ def _sample(src: TokenArray, tgt: TokenArray, pairs: int, seed: int) -> np.ndarr
     return np.sort(order[within])
 
 
-def lexical_table(run_dir: Path, settings: ShortlistConfig, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def lexical_table(run: RunDirectory, settings: ShortlistConfig, seed: int) -> tuple[np.ndarray, np.ndarray,
+                                                                                  np.ndarray, int]:
     """Model 1 over the run's training pieces: (source ids, target ids, log p(t|s)) of every entry
     it keeps, and the pairs it learned from."""
-    from ..experiment.rundir import RunDirectory  # (torch: not where CTranslate2 checks a shortlist)
-    from .batches import TokenArray
+    from .batches import TokenArray  # (torch: not where CTranslate2 checks a shortlist)
 
-    run = RunDirectory(run_dir)
     src, tgt = (TokenArray.load(run.binary_stem("train", side)) for side in ("src", "tgt"))
     if len(src) == 0:
-        raise TfmError(f"{run_dir}: the prepared training split is empty: nothing to learn a shortlist from")
+        raise TfmError(f"{run.root}: the prepared training split is empty: nothing to learn a shortlist from")
     chosen = _sample(src, tgt, settings.sample_pairs, seed)
     src_ids, src_len = src.gather(chosen)
     tgt_ids, tgt_len = tgt.gather(chosen)
@@ -73,17 +72,15 @@ def lexical_table(run_dir: Path, settings: ShortlistConfig, seed: int) -> tuple[
     return sources, targets, table.log_probs, len(chosen)
 
 
-def build_shortlist(run_dir: Path, settings: ShortlistConfig, seed: int = 1) -> ShortlistResult:
-    """Write <run_dir>/shortlist.txt from the run's prepared training pairs (`tfm shortlist`)."""
-    from ..experiment.rundir import RunDirectory
+def build_shortlist(run: RunDirectory, settings: ShortlistConfig, seed: int = 1) -> ShortlistResult:
+    """Write the run's shortlist.txt from the run's prepared training pairs (`tfm shortlist`)."""
     from .batches import TokenArray
     from .prepare import load_sentencepiece
 
     started = time.perf_counter()
-    run = RunDirectory(run_dir)
     manifest = run.load_manifest()
     src_sp, tgt_sp = (load_sentencepiece(run.vocab_file(manifest, side)) for side in ("src", "tgt"))
-    sources, targets, log_probs, pairs = lexical_table(run_dir, settings, seed)
+    sources, targets, log_probs, pairs = lexical_table(run, settings, seed)
     usable = (sources >= 0) & ~np.isin(targets, list(SPECIAL))  # NULL's entries and special pieces out
     sources, targets, log_probs = sources[usable], targets[usable], log_probs[usable]
     order = np.lexsort((-log_probs, sources))  # by source piece, most probable target first
@@ -102,7 +99,7 @@ def build_shortlist(run_dir: Path, settings: ShortlistConfig, seed: int = 1) -> 
         if int(sources[a]) in SPECIAL or any(c.isspace() for c in piece):
             continue
         lines.append(piece + "\t" + " ".join(tgt_sp.id_to_piece(int(t)) for t in targets[a:b]))
-    path = run.root / SHORTLIST_FILE
+    path = run.shortlist_file
     text = "\n".join(lines) + "\n"
     write_with_digest(path, text)
     candidates = [len(line.split("\t")[1].split()) for line in lines[1:]]

@@ -32,7 +32,7 @@ import numpy as np
 from ..data.batches import TokenArray
 from ..data.prepare import load_sentencepiece
 from ..experiment.config import DecodeConfig, ExperimentConfig
-from ..experiment.rundir import RunDirectory
+from ..experiment.rundir import Manifest, RunDirectory
 from ..experiment.runlock import RunLock
 from ..runtime.errors import TfmError
 from ..runtime.files import AtomicStream, atomic_write_text, check_output
@@ -55,14 +55,14 @@ class DistillResult:
 
 
 def output_dir(config: ExperimentConfig) -> Path:
-    return Path(config.distill.output) if config.distill.output else config.run_path / "distilled"
+    return Path(config.distill.output) if config.distill.output else config.run.distilled
 
 
 def _pieces(sp) -> list[str]:
     return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
 
-def check_teacher_vocabulary(engine: TranslationEngine, run: RunDirectory, manifest: dict, teacher: str) -> None:
+def check_teacher_vocabulary(engine: TranslationEngine, run: RunDirectory, manifest: Manifest, teacher: str) -> None:
     """The teacher must speak the run's pieces: the student is prepared with the run's vocabulary."""
     for side, name in (("src", "source"), ("tgt", "target")):
         ours = load_sentencepiece(run.vocab_file(manifest, side))
@@ -73,7 +73,7 @@ def check_teacher_vocabulary(engine: TranslationEngine, run: RunDirectory, manif
                            "vocab.from_run set to the teacher's run directory)")
 
 
-def _identity(config: ExperimentConfig, manifest: dict, teachers: list[Path], decode: DecodeConfig) -> dict:
+def _identity(config: ExperimentConfig, manifest: Manifest, teachers: list[Path], decode: DecodeConfig) -> dict:
     """What a partial output depends on: resuming with anything else would mix two corpora."""
     files = []
     for path in teachers:
@@ -81,7 +81,7 @@ def _identity(config: ExperimentConfig, manifest: dict, teachers: list[Path], de
         files.append([str(path.resolve()), stat.st_size, int(stat.st_mtime)])
     settings = config.distill
     return {"teachers": files, "beam": decode.beam, "length_penalty": decode.length_penalty,
-            "data_digest": manifest.get("data_digest"), "chunk_lines": settings.chunk_lines, "score": settings.score}
+            "data_digest": manifest.data_digest, "chunk_lines": settings.chunk_lines, "score": settings.score}
 
 
 def teacher_settings(engine: TranslationEngine, config: ExperimentConfig) -> DecodeConfig:
@@ -151,7 +151,7 @@ def _scores(translations, references: list[str] | None) -> list[float]:
     return [chrf.sentence_score(t[0].text if t else "", [ref]).score for t, ref in zip(translations, references)]
 
 
-def translate_corpus(engine: TranslationEngine, config: ExperimentConfig, run: RunDirectory, manifest: dict,
+def translate_corpus(engine: TranslationEngine, config: ExperimentConfig, run: RunDirectory, manifest: Manifest,
                      partial: Path, done: int, decode: DecodeConfig, progress: Callable[[int], None]) -> int:
     """Append the teacher's translations (under `decode`: `teacher_settings`) of training lines
     done… to `partial`, a synced chunk at a time."""
@@ -201,7 +201,7 @@ def keep_mask(scores: np.ndarray, drop_worst: float) -> tuple[np.ndarray, float 
     return keep, threshold
 
 
-def write_corpus(config: ExperimentConfig, run: RunDirectory, manifest: dict, directory: Path, partial: Path,
+def write_corpus(config: ExperimentConfig, run: RunDirectory, manifest: Manifest, directory: Path, partial: Path,
                  lines: int) -> tuple[int, float | None]:
     """The distilled corpus from the teacher's output: train.<src_lang> (the training source, as the
     teacher read it) and train.<tgt_lang> (its translations), the dropped pairs and the pairs with an
@@ -244,9 +244,9 @@ def distill(config: ExperimentConfig, open_teacher: Callable[[], tuple[Translati
             restart: bool = False, progress: Callable[[int, int], None] | None = None) -> DistillResult:
     """Translate the prepared training source of `config`'s run with the teacher `open_teacher`
     returns (engine, its model files), resuming a partial output; write the distilled corpus."""
-    run = RunDirectory(config.run_path)
+    run = config.run
     manifest = run.load_manifest()
-    if manifest.get("tagged"):
+    if manifest.tagged:
         raise TfmError(f"{config.run_path}: a multilingual run (tagged sources): tfm distill takes a bilingual run")
     lines = len(TokenArray.load(run.binary_stem("train", "src")))
     directory = output_dir(config)

@@ -100,15 +100,14 @@ def model_files(cfg: ExperimentConfig) -> list[Path]:
     run's best-validated checkpoint."""
     if cfg.decode.checkpoints:
         return [Path(p) for p in cfg.decode.checkpoints]
-    from ..experiment.rundir import RunDirectory, vocab_mismatch
     from ..runtime.console import warn
 
-    run = RunDirectory(cfg.run_path)
+    run = cfg.run
     checkpoint = run.default_checkpoint()
     # A config edited since the run was trained (say, a larger vocabulary pulled in with a newer
     # config) still names that run: it translates as trained, which the user should be told.
     try:
-        mismatch = vocab_mismatch(cfg, run.load_manifest())
+        mismatch = cfg.vocab_mismatch(run.load_manifest())
     except (TfmError, OSError, ValueError, LookupError, TypeError, AttributeError):
         mismatch = ""  # no or an unreadable prepare.json: a hint only, and translating never reads it
     if mismatch:
@@ -178,9 +177,9 @@ def _identity(path: Path) -> list[int] | None:
 
 def run_shortlist(cfg: ExperimentConfig | None, checkpoint: Path) -> Path | None:
     """The lexical shortlist of the run a checkpoint belongs to (`tfm shortlist`), if it has one."""
-    from ..data.shortlist import SHORTLIST_FILE
+    from ..experiment.rundir import SHORTLIST_FILE
 
-    path = cfg.run_path / SHORTLIST_FILE if cfg is not None else Path(checkpoint).resolve().parent.parent / SHORTLIST_FILE
+    path = cfg.run.shortlist_file if cfg is not None else Path(checkpoint).resolve().parent.parent / SHORTLIST_FILE
     if path.exists() and not path.is_file():
         raise TfmError(f"{path}: not a file (a lexical shortlist: make it with `tfm shortlist`, or remove it)")
     return path if path.exists() else None

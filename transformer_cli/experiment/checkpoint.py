@@ -4,7 +4,6 @@ model bytes, so `tfm translate --checkpoint X.pt` needs nothing else."""
 
 from __future__ import annotations
 
-import io
 import pickle
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,10 +14,11 @@ import torch
 
 from ..model.transformer import Transformer, TransformerConfig
 from ..runtime.errors import TfmError
-from ..runtime.files import atomic_write_bytes
 from .config import ExperimentConfig, config_from_dict
+from .rundir import CHECKPOINT_FORMAT as FORMAT
+from .rundir import save_checkpoint as save_checkpoint  # (where every checkpoint is written)
+from .shapes import SHAPE_KEYS
 
-FORMAT = "tfm-checkpoint-1"
 # What only checkpoint_last.pt holds (resuming needs it; translating does not).
 TRAINING_STATE = ("optimizer", "torch_rng", "torch_rng_ranks", "cuda_rng", "ema")
 
@@ -29,18 +29,6 @@ def bytes_to_tensor(data: bytes) -> torch.Tensor:
 
 def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.numpy().tobytes()
-
-
-def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """Write atomically and durably: a crash mid-write never leaves a truncated checkpoint behind.
-
-    Serialised in memory first, then written by Python: a failed write (disk full, file-size
-    limit, permissions) is then a plain OSError naming the cause, which torch's own file writer
-    turns into an opaque "enforce fail" message.
-    """
-    buffer = io.BytesIO()
-    torch.save({"format": FORMAT, **payload}, buffer)
-    atomic_write_bytes(path, buffer.getbuffer())
 
 
 def model_payload(model: Transformer, config: ExperimentConfig | dict[str, Any], spm_files: dict[str, bytes],
@@ -121,6 +109,38 @@ class TrainingState:
                 torch.manual_seed(reseed + 7919 * rank)
         if self.cuda_rng is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in self.cuda_rng])
+
+
+@dataclass(frozen=True)
+class TrainedSettings:
+    """What a checkpoint says of how its model was trained, its weights left aside: the shape keys
+    (experiment/shapes.py SHAPE_KEYS; None each where an older or imported checkpoint does not say),
+    the target vocabulary, and of its config the size named, peak lr, batch tokens and dropout."""
+
+    path: Path
+    shape: dict[str, int | None]
+    tgt_vocab_size: int | None
+    size: str | None
+    lr: float | None
+    max_tokens: int | None
+    dropout: float | None
+
+    @classmethod
+    def read(cls, path: Path) -> TrainedSettings:
+        payload = load_checkpoint(path, map_location="cpu")
+        trained, config = payload.get("model_config") or {}, payload.get("config") or {}
+        model, train = config.get("model") or {}, config.get("train") or {}
+
+        def typed(value: Any, kind: type) -> Any:
+            return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+        return cls(path, {key: typed(trained.get(key), int) for key in SHAPE_KEYS},
+                   typed(trained.get("tgt_vocab_size"), int), typed(model.get("size"), str),
+                   typed(train.get("lr"), float), typed(train.get("max_tokens"), int),
+                   typed(model.get("dropout"), (int, float)))
+
+    def has_shape(self) -> bool:
+        return all(value is not None for value in self.shape.values())
 
 
 def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from pydantic import (
 from ..runtime.errors import TfmError
 from ..runtime.files import CONFIG_NAME, MANIFEST_NAME
 from .directions import Direction, parse_direction
+from .rundir import Manifest, RunDirectory
 from .shapes import AUTO, SHAPES, STUDENT, fill_shape, shape_names
 
 # --------------------------------------------------------------------------- reading YAML strictly
@@ -745,6 +746,28 @@ class ExperimentConfig(_Section):
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir)
+
+    @property
+    def run(self) -> RunDirectory:
+        """The run directory: where each of its files lies (experiment/rundir.py)."""
+        return RunDirectory(self.run_dir)
+
+    @property
+    def parent_run(self) -> RunDirectory | None:
+        """The run vocab.from_run names: whose vocabulary this one takes (a fine-tuned model's parent, a
+        distilled student's teacher)."""
+        return None if self.vocab.from_run is None else RunDirectory(self.vocab.from_run)
+
+    def vocab_mismatch(self, manifest: Manifest) -> str:
+        """How the vocab settings differ from those run_dir was prepared with, as a sentence naming
+        the key ("" when they agree)."""
+        if any(size != self.vocab.size for size in manifest.vocab_size.values()):
+            return (f"key 'vocab.size': {self.vocab.size} in the config, but {self.run_dir} was prepared with "
+                    f"{sorted(set(manifest.vocab_size.values()))[0]}")
+        if manifest.joint != self.vocab.joint:
+            return (f"key 'vocab.joint': {self.vocab.joint} in the config, but {self.run_dir} was prepared with "
+                    f"joint={manifest.joint}")
+        return ""
 
     @model_validator(mode="after")
     def _multilingual_vocab(self) -> ExperimentConfig:

@@ -80,10 +80,10 @@ class DirectionRange:
         return self.end - self.start
 
 
-def split_ranges(manifest: dict, split: str) -> list[DirectionRange]:
-    """The directions of a prepared split, from prepare.json (a run prepared before directions
+def split_ranges(directions: list[dict], split: str) -> list[DirectionRange]:
+    """The directions of a prepared split, from prepare.json's (a run prepared before directions
     were recorded: none)."""
-    return [DirectionRange(d["name"], *d[split]) for d in manifest.get("directions", [])]
+    return [DirectionRange(d["name"], *d[split]) for d in directions]
 
 
 def sampling_rates(sizes: list[int], temperature: float) -> np.ndarray:

@@ -1,13 +1,22 @@
 """A run directory: everything one experiment writes, and the one place that knows where it is.
 
-    config.yaml      the resolved config of the last prepare/train
-    prepare.json     prepare's manifest: inputs, settings, counts
-    spm.model        the joint sentencepiece model (or spm.src.model + spm.tgt.model)
-    data/            <split>.<side>.tokens.npy / .offsets.npy: the encoded splits
-    metrics.jsonl    one JSON record per log interval and evaluation (train appends, plot reads)
-    checkpoints/     step_<N>.pt of the last `keep_last` evaluations, checkpoint_last.pt (resume),
-                     checkpoint_best.pt, checkpoint_avg.pt, checkpoint_ema.pt, scores.json
-    eval/            what `tfm evaluate --config` translated, and its scores
+    config.yaml         the resolved config of the last prepare/train
+    prepare.json        prepare's manifest: inputs, settings, counts (read back as a `Manifest`)
+    prepare_report.json what the training-pair filters dropped (data/cleaning.py)
+    spm.model           the joint sentencepiece model (or spm.src.model + spm.tgt.model)
+    data/               <split>.<side>.tokens.npy / .offsets.npy: the encoded splits
+    filter_models/      the model filter's own runs, half<k>/<src>-<tgt>/, and halves.json
+    shape_choice.json   what `model.size: auto` timed and chose, and the in-run check of that plan
+    metrics.jsonl       one JSON record per log interval and evaluation (train appends, plot reads)
+    tensorboard/        the same records for TensorBoard (train.tensorboard)
+    checkpoints/        step_<N>.pt of the last `keep_last` evaluations, checkpoint_last.pt (resume),
+                        checkpoint_best.pt, checkpoint_avg.pt, checkpoint_ema.pt, scores.json
+    eval/               what `tfm evaluate --config` translated, and its scores
+    shortlist.txt       `tfm shortlist`'s vocabulary shortlist
+    distilled/          `tfm distill`'s corpus (unless distill.output names another place)
+
+No module outside experiment/ names one of these files (tests/test_layout.py): it asks the
+run's `RunDirectory`, built once by the command (`ExperimentConfig.run`).
 
 Files inside a run name each other relative to the run, so a run directory can be moved or
 copied: its own config.yaml means the directory it is in (config.load_config). Only the process
@@ -16,22 +25,30 @@ holding the run's lock (`tfm prepare`, `tfm train`) writes the run's own files (
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..runtime.errors import TfmError
-from ..runtime.files import CONFIG_NAME, MANIFEST_NAME, atomic_write_text, run_owning
+from ..runtime.files import (
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    atomic_write_bytes,
+    atomic_write_text,
+    read_json_object,
+    run_owning,
+)
 from .runlock import RunLock
-
-if TYPE_CHECKING:
-    from .config import ExperimentConfig
 
 LAST, BEST, AVERAGE, EMA = "checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_avg.pt", "checkpoint_ema.pt"
 SCORES = "scores.json"
+CHECKPOINT_FORMAT = "tfm-checkpoint-1"  # every checkpoint's "format": what load_checkpoint checks first
+SHORTLIST_FILE = "shortlist.txt"  # `tfm shortlist`'s, which translating with the run's checkpoints takes
 SPLITS = ("train", "valid", "test")
 SIDES = ("src", "tgt")
 
@@ -41,14 +58,59 @@ def step_of(checkpoint: Path) -> int:
     return int(checkpoint.stem.split("_")[1])
 
 
+@dataclass(frozen=True)
+class Manifest:
+    """prepare.json as the other commands read it back (an older run's, or an imported one's, lacks
+    some keys: they default here)."""
+
+    vocab: dict[str, str]  # side → its sentencepiece model's file name in the run
+    vocab_size: dict[str, int]
+    files: dict[str, list[str]] = field(default_factory=dict)  # split → source, target, … of each direction
+    shared_ids: bool = False  # two sentencepiece models over one id map (an imported Marian model's)
+    data_digest: str | None = None  # of the encoded data: checkpoints carry it, --resume checks it
+    tagged: bool = False  # a multilingual run's sources begin with their target language's tag
+    directions: list[dict] = field(default_factory=list)  # each direction's [start, end) of each split
+    fingerprint: str | None = None  # of everything prepare read: a re-run with the same reuses the run
+    stats: dict = field(default_factory=dict)  # per split and side: lines, tokens, unk rate
+
+    @classmethod
+    def from_json(cls, record: dict, path: Path) -> Manifest:
+        if not isinstance(record, dict) or not isinstance(record.get("vocab"), dict) or not isinstance(
+                record.get("vocab_size"), dict):
+            raise TfmError(f"{path}: not a manifest tfm prepare wrote (no vocab): run `tfm prepare --force` again")
+        known = {name: record[name] for name in cls.__dataclass_fields__ if name in record}
+        return cls(**{**known, "shared_ids": bool(record.get("shared_ids")), "tagged": bool(record.get("tagged"))})
+
+    @property
+    def joint(self) -> bool:
+        return self.vocab["src"] == self.vocab["tgt"]
+
+    def references(self, split: str) -> list[str]:
+        """The target files of `split`, one per direction (files lists source, target, source, …)."""
+        return self.files.get(split, [])[1::2]
+
+
 class RunDirectory:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.checkpoints = self.root / "checkpoints"
+        self.last_checkpoint = self.checkpoints / LAST
         self.metrics = self.root / "metrics.jsonl"
+        self.tensorboard = self.root / "tensorboard"
         self.config_file = self.root / CONFIG_NAME
         self.manifest_file = self.root / MANIFEST_NAME
+        self.cleaning_report = self.root / "prepare_report.json"
+        self.shape_choice_file = self.root / "shape_choice.json"
+        self.filter_models = self.root / "filter_models"
+        self.halves_file = self.filter_models / "halves.json"  # what the model filter's halves were written from
+        self.data_dir = self.root / "data"
         self.eval_dir = self.root / "eval"
+        self.shortlist_file = self.root / SHORTLIST_FILE
+        self.distilled = self.root / "distilled"  # `tfm distill`'s corpus, unless distill.output names another
+
+    def filter_model_half(self, fold: int) -> Path:
+        """Where the model filter's models trained on fold `fold` live (run directories), with its pairs."""
+        return self.filter_models / f"half{fold + 1}"
 
     # -- what prepare writes
 
@@ -58,19 +120,31 @@ class RunDirectory:
         return {"src": self.root / "spm.src.model", "tgt": self.root / "spm.tgt.model"}
 
     def binary_stem(self, split: str, side: str) -> Path:
-        return self.root / "data" / f"{split}.{side}"
+        return self.data_dir / f"{split}.{side}"
 
-    def load_manifest(self) -> dict:
+    def load_manifest(self) -> Manifest:
         if not self.manifest_file.is_file():
             raise TfmError(f"{self.manifest_file} not found: run `tfm prepare --config ...` first")
-        return json.loads(self.manifest_file.read_text(encoding="utf-8"))
+        try:
+            record = json.loads(self.manifest_file.read_text(encoding="utf-8"))
+        except ValueError:
+            raise TfmError(f"{self.manifest_file}: torn or not JSON: run `tfm prepare --force` again") from None
+        return Manifest.from_json(record, self.manifest_file)
 
-    def vocab_file(self, manifest: dict, side: str) -> Path:
+    def vocab_file(self, manifest: Manifest, side: str) -> Path:
         """The sentencepiece model of `side` in this run (manifests name it by its file name; older
         ones by a path, of which only the name counts, so a moved run still finds its own)."""
-        return self.root / Path(manifest["vocab"][side]).name
+        return self.root / Path(manifest.vocab[side]).name
 
     # -- what train writes
+
+    def shape_choice(self) -> dict:
+        """shape_choice.json: what `model.size: auto` timed and chose ({} where there is none or it is torn)."""
+        return read_json_object(self.shape_choice_file)
+
+    def write_shape_choice(self, record: dict) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.shape_choice_file, json.dumps(record, indent=1) + "\n")
 
     def step_checkpoints(self) -> list[Path]:
         """step_<N>.pt, in step order."""
@@ -78,7 +152,7 @@ class RunDirectory:
 
     def save(self, name: str, payload: dict[str, Any]) -> Path:
         path = self.checkpoints / name
-        _save_checkpoint(path, payload)
+        save_checkpoint(path, payload)
         return path
 
     def prune_step_checkpoints(self, keep_last: int) -> None:
@@ -117,7 +191,7 @@ class RunDirectory:
             number += 1
             aside = self.root / f"discarded-{stamp}-{number}"
         aside.mkdir()
-        for name in (self.checkpoints.name, self.metrics.name, "tensorboard"):
+        for name in (self.checkpoints.name, self.metrics.name, self.tensorboard.name):
             if (self.root / name).exists():
                 (self.root / name).rename(aside / name)
         return aside
@@ -125,8 +199,8 @@ class RunDirectory:
     def remove_training(self) -> None:
         """Delete what training wrote (checkpoints/, metrics.jsonl, tensorboard/): a run that starts
         afresh under its own plan check, within its first minute."""
-        for name in (self.checkpoints.name, "tensorboard"):
-            shutil.rmtree(self.root / name, ignore_errors=True)
+        for folder in (self.checkpoints, self.tensorboard):
+            shutil.rmtree(folder, ignore_errors=True)
         self.metrics.unlink(missing_ok=True)
 
     def default_checkpoint(self) -> Path:
@@ -174,11 +248,11 @@ def save_checkpoint_file(output: Path, make_payload: Callable[[], dict[str, Any]
     (what --resume continues), step_<N>.pt (pruned and averaged by training), scores.json. A
     replaced checkpoint's validation score is dropped from scores.json. Every other file of a run
     (its data, vocabulary, settings) is refused."""
-    root = run_owning(output)
-    if root is None:
-        _save_checkpoint(output, make_payload())
+    run = run_of(output)
+    if run is None:
+        save_checkpoint(output, make_payload())
         return
-    run = RunDirectory(root)
+    root = run.root
     if run.checkpoints.resolve() not in output.resolve().parents:
         raise TfmError(f"-o {output} is one of the run directory {root}'s own files (its data, vocabulary or "
                        "settings): choose another output path")
@@ -191,24 +265,36 @@ def save_checkpoint_file(output: Path, make_payload: Callable[[], dict[str, Any]
         raise TfmError(f"-o {output} is in the run directory {root}'s checkpoints/: pass --force to write it "
                        "there (the run's --config then may translate with it), or choose another output path")
     with RunLock(root, command):
-        _save_checkpoint(output, make_payload())
+        save_checkpoint(output, make_payload())
         run.forget_score(output.name)
 
 
-def _save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    from .checkpoint import save_checkpoint  # torch: this module also serves commands that never load it
+def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    """Write atomically and durably: a crash mid-write never leaves a truncated checkpoint behind.
 
-    save_checkpoint(path, payload)
+    Serialised in memory first, then written by Python: a failed write (disk full, file-size
+    limit, permissions) is then a plain OSError naming the cause, which torch's own file writer
+    turns into an opaque "enforce fail" message.
+    """
+    import torch  # here: this module also serves commands that never load it
+
+    buffer = io.BytesIO()
+    torch.save({"format": CHECKPOINT_FORMAT, **payload}, buffer)
+    atomic_write_bytes(path, buffer.getbuffer())
 
 
-def vocab_mismatch(config: ExperimentConfig, manifest: dict) -> str:
-    """How `config`'s vocab settings differ from those its run_dir was prepared with, as a
-    sentence naming the key ("" when they agree)."""
-    prepared = manifest.get("vocab_size", {})
-    if any(size != config.vocab.size for size in prepared.values()):
-        return (f"key 'vocab.size': {config.vocab.size} in the config, but {config.run_dir} was prepared with "
-                f"{sorted(set(prepared.values()))[0]}")
-    joint = manifest["vocab"]["src"] == manifest["vocab"]["tgt"]
-    if joint != config.vocab.joint:
-        return f"key 'vocab.joint': {config.vocab.joint} in the config, but {config.run_dir} was prepared with joint={joint}"
-    return ""
+def checkpoint_at(path: str | Path) -> Path:
+    """A checkpoint file as given, or a run directory's default checkpoint (the one its --config means)."""
+    path = Path(path)
+    return RunDirectory(path).default_checkpoint() if path.is_dir() else path
+
+
+def metrics_of(path: Path) -> Path:
+    """A run directory's metrics.jsonl (or that file itself, given)."""
+    return path if path.is_file() else RunDirectory(path).metrics
+
+
+def run_of(path: Path) -> RunDirectory | None:
+    """The run directory `path` (a checkpoint, an export of one, …) lies in, if any."""
+    root = run_owning(path)
+    return None if root is None else RunDirectory(root)

@@ -540,25 +540,26 @@ def write_run_directory(run_dir: Path, hf_dir: Path, hf: dict[str, Any], languag
         # Marian's generate: its length penalty (score / length ** 1); its beam from config.json.
         "decode": {"beam": hf["num_beams"], "length_penalty": MARIAN_LENGTH_PENALTY},
     }, f"{hf_dir}/config.json")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_directory(run_dir)  # names this process: a killed import's is removed by the next
+    staged, imported_from = RunDirectory(staging), {"format": "marian", "path": str(hf_dir.resolve())}
+    vocab_files = staged.vocab_files(joint=False)
     manifest = {
         "src_lang": src_lang, "tgt_lang": tgt_lang,
-        "vocab": {"src": "spm.src.model", "tgt": "spm.tgt.model"},
+        "vocab": {side: path.name for side, path in vocab_files.items()},
         "vocab_size": sizes,
         "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
         "shared_ids": model.cfg.share_embeddings,  # two sentencepiece models over one id map: shared embeddings
-        "imported_from": {"format": "marian", "path": str(hf_dir.resolve())},
+        "imported_from": imported_from,
     }
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_directory(run_dir)  # names this process: a killed import's is removed by the next
     try:
-        staged = RunDirectory(staging)
         for side, data in models.items():
-            (staging / manifest["vocab"][side]).write_bytes(data)
+            vocab_files[side].write_bytes(data)
         atomic_write_text(staged.manifest_file, json.dumps(manifest, indent=2))
         atomic_write_text(staged.config_file, config_to_yaml(config))
         staged.checkpoints.mkdir()
         save_checkpoint(staged.checkpoints / BEST, model_payload(model, config, models, {"step": 0},
-                                                                 imported_from=manifest["imported_from"]))
+                                                                 imported_from=imported_from))
         if run_dir.exists():
             run_dir.rmdir()  # empty (checked above)
         staging.rename(run_dir)

@@ -15,9 +15,10 @@ from typing import Any
 import yaml
 
 from ..experiment.config import ExperimentConfig
+from ..experiment.rundir import RunDirectory, run_of
 from ..model.transformer import TransformerConfig
 from ..runtime.errors import TfmError
-from ..runtime.files import file_sha256, run_owning
+from ..runtime.files import file_sha256
 
 SCORE_FILE = re.compile(r"^test\.(?P<checkpoints>[^.]+)\.beam(?P<beam>\d+)(?:\.directions)?\.json$")
 
@@ -25,12 +26,12 @@ SCORE_FILE = re.compile(r"^test\.(?P<checkpoints>[^.]+)\.beam(?P<beam>\d+)(?:\.d
 def test_scores(checkpoint: Path) -> list[dict[str, Any]]:
     """What `tfm evaluate --split test` wrote for `checkpoint` alone in its run's eval/ (each beam it
     was scored with), best beam first; a TfmError naming the command that makes one where there is none."""
-    run = run_owning(checkpoint)
-    hint = (f"score it first: tfm evaluate --config {run / 'config.yaml'} --split test --checkpoint {checkpoint}"
+    run = run_of(checkpoint)
+    hint = (f"score it first: tfm evaluate --config {run.config_file} --split test --checkpoint {checkpoint}"
             if run is not None else "export a checkpoint of a run that tfm evaluate has scored on its test set")
     results, other_weights = [], 0
     digest = file_sha256(checkpoint) if run is not None else ""
-    for path in sorted((run / "eval").glob("test.*.json")) if run is not None else []:
+    for path in sorted(run.eval_dir.glob("test.*.json")) if run is not None else []:
         found = SCORE_FILE.match(path.name)
         if found is None or found["checkpoints"] != checkpoint.stem:  # constrained runs, ensembles
             continue
@@ -129,8 +130,8 @@ def read_record(path: Path) -> dict[str, Any] | None:
     return record
 
 
-def _cleaning(run: Path | None) -> list[str]:
-    report = read_record(run / "prepare_report.json") if run is not None else None
+def _cleaning(run: RunDirectory | None) -> list[str]:
+    report = read_record(run.cleaning_report) if run is not None else None
     if report is None:
         return ["No cleaning report was found beside the checkpoint."]
     dropped = report.get("dropped") if isinstance(report.get("dropped"), dict) else {}
@@ -141,7 +142,7 @@ def _cleaning(run: Path | None) -> list[str]:
                                                                                else ".")]
 
 
-def _training(progress: dict[str, Any], run: Path | None) -> list[str]:
+def _training(progress: dict[str, Any], run: RunDirectory | None) -> list[str]:
     lines = []
     step, elapsed = progress.get("step"), progress.get("elapsed")
     if isinstance(step, int):
@@ -150,7 +151,7 @@ def _training(progress: dict[str, Any], run: Path | None) -> list[str]:
     machines = progress.get("machines") or []
     lines.append(f"Trained on: {'; then '.join(map(str, machines))}." if machines
                  else "The hardware it trained on is not recorded in its checkpoint.")
-    chosen = read_record(run / "shape_choice.json") if run is not None else None
+    chosen = read_record(run.shape_choice_file) if run is not None else None
     if chosen is not None:
         budget = chosen.get("budget_seconds")
         limit = (f"a {budget / 60:.0f}-minute budget" if isinstance(budget, (int, float)) else
@@ -162,7 +163,7 @@ def _training(progress: dict[str, Any], run: Path | None) -> list[str]:
 def model_card(checkpoint: Path, config: ExperimentConfig, cfg: TransformerConfig, architecture: str,
                parameters: int, progress: dict[str, Any], scores: list[dict[str, Any]], output: Path) -> str:
     """README.md of the export in `output`, from the run of `checkpoint`."""
-    run = run_owning(checkpoint)
+    run = run_of(checkpoint)
     src, tgt = config.data.src_lang, config.data.tgt_lang
     multilingual = config.data.directions is not None
     if multilingual:  # scores of a run's lines without their tags (tfm evaluate --hyp) say nothing per direction

@@ -22,10 +22,9 @@ import gzip
 import json
 
 from ..data.corpus import corpora_chunks, decode_or_none
-from ..data.model_filter import FOLDS, fold_folder, fold_of, self_trained_runs
+from ..data.model_filter import FOLDS, fold_of, self_trained_runs
 from ..data.prepare import direction_corpora, prepare
 from ..experiment.config import ExperimentConfig, config_from_dict
-from ..experiment.rundir import RunDirectory
 from ..experiment.runlock import RunLock
 from ..experiment.shapes import SHAPE_KEYS
 from ..runtime.console import say
@@ -44,11 +43,11 @@ the budget schedule."""
     src, tgt = config.data.src_lang, config.data.tgt_lang
     if backward:
         src, tgt = tgt, src
-    data.update({"src_lang": src, "tgt_lang": tgt, "train": str(fold_folder(config.run_path, fold) / "train")})
+    data.update({"src_lang": src, "tgt_lang": tgt, "train": str(config.run.filter_model_half(fold) / "train")})
     data.pop("train_limit", None)  # applied when the halves were written
     data.pop("augment", None)  # they score pairs as the corpus writes them: trained on them as written
     data.setdefault("filters", {})["model"] = {"enabled": False}
-    raw["run_dir"] = str(fold_folder(config.run_path, fold) / f"{src}-{tgt}")
+    raw["run_dir"] = str(config.run.filter_model_half(fold) / f"{src}-{tgt}")
     if config.model.size is not None:  # auto, or a name: its keys were filled in, not given
         raw["model"] = {key: value for key, value in raw.get("model", {}).items() if key not in SHAPE_KEYS}
     raw.setdefault("vocab", {}).pop("from_run", None)  # its own vocabulary (a parent's would be the wrong way round)
@@ -72,7 +71,7 @@ def _inputs(config: ExperimentConfig) -> dict:
 def write_halves(config: ExperimentConfig) -> list[int]:
     """<half>/train.<lang>.gz of each half (unless written from these inputs already); pairs per half."""
     pair = config.data.pairs[0]
-    stamp = fold_folder(config.run_path, 0).parent / "halves.json"
+    stamp = config.run.halves_file
     inputs = _inputs(config)
     try:
         written = json.loads(stamp.read_text(encoding="utf-8"))
@@ -82,7 +81,7 @@ def write_halves(config: ExperimentConfig) -> list[int]:
         pass  # none yet, or not readable: written again
     counts = [0] * FOLDS
     with contextlib.ExitStack() as stack:
-        paths = {(k, lang): stack.enter_context(atomic_path(fold_folder(config.run_path, k) / f"train.{lang}.gz"))
+        paths = {(k, lang): stack.enter_context(atomic_path(config.run.filter_model_half(k) / f"train.{lang}.gz"))
                  for k in range(FOLDS) for lang in (pair.src, pair.tgt)}
         files = {key: stack.enter_context(gzip.open(path, "wt", encoding="utf-8", compresslevel=1))
                  for key, path in paths.items()}
@@ -115,7 +114,7 @@ def train_filter_models(config: ExperimentConfig, progress: bool = True) -> None
                        f"data.tgt_lang), not {len(config.data.pairs)}; name forward/backward models instead")
     with RunLock(config.run_path, "tfm prepare"):
         counts = write_halves(config)
-    for fold, runs in enumerate(self_trained_runs(config.run_path, config.data.src_lang, config.data.tgt_lang)):
+    for fold, runs in enumerate(self_trained_runs(config.run, config.data.src_lang, config.data.tgt_lang)):
         if counts[fold] == 0:
             raise TfmError(f"data.filters.model: half {fold + 1} of the training pairs is empty: too few pairs "
                            "to train the filter's own models; name forward/backward models instead")
@@ -126,5 +125,4 @@ def train_filter_models(config: ExperimentConfig, progress: bool = True) -> None
                 f"({sub.data.src_lang}→{sub.data.tgt_lang}, {counts[fold]:,} pairs), trained for "
                 f"{rule.train_time}: {run_path}")
             prepare(sub, progress=progress, discard_checkpoints=True)  # up to date: nothing done
-            last = RunDirectory(run_path).checkpoints / "checkpoint_last.pt"
-            train(sub, resume=last.is_file(), progress_bar=progress)
+            train(sub, resume=sub.run.last_checkpoint.is_file(), progress_bar=progress)

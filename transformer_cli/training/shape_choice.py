@@ -31,10 +31,10 @@ are the run's (`shape_of_run`).
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -44,13 +44,12 @@ import torch
 
 from ..data.batches import Batch, ParallelData
 from ..decoding.torch_engine import decode_in_batches
-from ..experiment.checkpoint import load_checkpoint
+from ..experiment.checkpoint import TrainedSettings
 from ..experiment.config import ExperimentConfig, TrainConfig, parse_duration
-from ..experiment.rundir import RunDirectory
+from ..experiment.rundir import RunDirectory, checkpoint_at
 from ..experiment.shapes import AUTO, SHAPE_KEYS, SHAPES, STUDENT, NamedShape, decoding_cost, parameters_of, student_of
 from ..runtime.cpu import BUSY_SHARE, CpuReading, cpu_reading, others_share
 from ..runtime.errors import TfmError
-from ..runtime.files import atomic_write_text, read_json_object
 from ..runtime.precision import autocast_dtype, choose_precision, forget_busy_measurements
 from .builders import adam, build_model
 from .loss import batch_loss
@@ -72,7 +71,6 @@ CHECK_DEADLINE = 0.3  # ... until this share of the budget (a machine busy so lo
 # 2 CPUs, slowed a quickstart to 0.76x at its check, and the re-plan to 1,000-token batches cost it
 # 1.6 BLEU) is not the machine; a slowdown that lasts is re-planned one window later.
 SLOWED_BY_OTHERS = 0.05
-CHOICE_FILE = "shape_choice.json"
 
 
 @dataclass(frozen=True)
@@ -413,16 +411,13 @@ class Teacher:
 def read_teacher(config: ExperimentConfig) -> Teacher:
     """The teacher of `config` (vocab.from_run's run); a TfmError where it has no checkpoint or
     its checkpoint does not say its shape."""
-    path = RunDirectory(str(config.vocab.from_run)).default_checkpoint()
-    payload = load_checkpoint(path, map_location="cpu")
-    trained = payload.get("model_config", {})
-    shape = {key: trained.get(key) for key in SHAPE_KEYS}
-    if not all(isinstance(value, int) for value in shape.values()):
-        raise TfmError(f"model.size student: {path} does not say its model's shape; give the student's "
+    assert config.parent_run is not None  # (a student's config names its teacher's run)
+    trained = TrainedSettings.read(config.parent_run.default_checkpoint())
+    if not trained.has_shape():
+        raise TfmError(f"model.size student: {trained.path} does not say its model's shape; give the student's "
                        "shape keys (model.d_model, …) with model.size null")
-    lr = payload.get("config", {}).get("train", {}).get("lr")
-    return Teacher(path, shape, int(trained.get("tgt_vocab_size") or config.vocab.size),
-                   lr if isinstance(lr, float) else None)
+    return Teacher(trained.path, typing.cast(dict[str, int], trained.shape),
+                   trained.tgt_vocab_size or config.vocab.size, trained.lr)
 
 
 def with_lr(config: ExperimentConfig, lr: float | None) -> ExperimentConfig:
@@ -438,11 +433,9 @@ def student_config(config: ExperimentConfig, resumed: bool, last_checkpoint: Pat
     vocab.from_run names; a resumed run keeps the shape it started with), the keys the config gives
     overriding it; a student that would decode slower than its teacher is refused, with the numbers."""
     if resumed:  # the shape and learning rate it started with
-        payload = load_checkpoint(last_checkpoint, map_location="cpu")
-        keys = {key: payload.get("model_config", {}).get(key) for key in SHAPE_KEYS}
-        started_lr = payload.get("config", {}).get("train", {}).get("lr")
-        config = with_lr(config, started_lr if isinstance(started_lr, float) else None)
-        return config.model_copy(update={"model": config.model.model_copy(update=keys)})
+        started = TrainedSettings.read(last_checkpoint)
+        config = with_lr(config, started.lr)
+        return config.model_copy(update={"model": config.model.model_copy(update=started.shape)})
     if not config.vocab.from_run:
         raise TfmError("model.size student: a student's shape follows its teacher's; set vocab.from_run to the "
                        "teacher's run directory (the run whose distilled corpus it trains on)")
@@ -470,9 +463,10 @@ def student_config(config: ExperimentConfig, resumed: bool, last_checkpoint: Pat
 def warn_if_slower_than_teacher(config: ExperimentConfig, say: Callable[[str], None]) -> None:
     """A student given its own shape (trained on its vocabulary parent's distilled corpus) that
     decodes slower than that teacher: said with the numbers (it trains as asked)."""
-    if not config.vocab.from_run:
+    parent = config.parent_run
+    if parent is None:
         return
-    distilled = (Path(config.vocab.from_run) / "distilled").resolve()
+    distilled = parent.distilled.resolve()
     if not any(Path(path).resolve().is_relative_to(distilled) for path in config.data.train):
         return
     try:
@@ -497,24 +491,21 @@ def describe_keys(shape: dict[str, int]) -> str:
 def shape_of_run(config: ExperimentConfig, last_checkpoint: Path, keep_batch: bool = True) -> ExperimentConfig:
     """A resumed `auto` run trains the shape its checkpoint holds (`keep_batch`: and its batches):
     never another probe. Fine-tuning (`train.init_from`) takes its parent's shape the same way."""
-    payload = load_checkpoint(last_checkpoint, map_location="cpu")
-    trained = payload.get("model_config", {})
-    chosen = payload.get("config", {}).get("model", {}).get("size")
-    keys = {key: trained[key] for key in SHAPE_KEYS if key in trained}
-    if len(keys) != len(SHAPE_KEYS):
+    trained = TrainedSettings.read(last_checkpoint)
+    if not trained.has_shape():
         raise TfmError(f"{last_checkpoint} does not say its model's shape; give the shape keys "
                        "(model.d_model, …) instead of model.size auto")
     # ... and its dropout where the config leaves it to `auto` (it may have chosen one for its budget)
-    trained_model = payload.get("config", {}).get("model", {}) if keep_batch else {}
-    dropout = ({"dropout": trained_model["dropout"]} if "dropout" in trained_model
+    dropout = ({"dropout": trained.dropout} if keep_batch and trained.dropout is not None
                and "dropout" not in config.model.model_fields_set else {})
-    model = config.model.model_copy(update={"size": chosen if chosen in SHAPES else None, **keys, **dropout})
+    model = config.model.model_copy(update={"size": trained.size if trained.size in SHAPES else None,
+                                            **trained.shape, **dropout})
     # ... its batches (the data order, batches taken of each epoch, is counted in them) and its
     # learning rate (the schedule goes on where it was)
-    trained_train = payload.get("config", {}).get("train", {}) if keep_batch else {}
-    train = config.train.model_copy(update={"max_tokens": trained_train.get("max_tokens", config.train.max_tokens),
-                                            "lr": config.train.lr if "lr" in config.train.model_fields_set
-                                            else trained_train.get("lr", config.train.lr)})
+    lr = trained.lr if keep_batch and trained.lr is not None and "lr" not in config.train.model_fields_set else None
+    max_tokens = trained.max_tokens if keep_batch and trained.max_tokens is not None else None
+    train = config.train.model_copy(update={"max_tokens": max_tokens or config.train.max_tokens,
+                                            "lr": config.train.lr if lr is None else lr})
     return config.model_copy(update={"model": model, "train": train})
 
 
@@ -581,7 +572,7 @@ class PlanCheck:
 
 
 def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int, int], shared_ids: bool,
-                 device: torch.device, run_root: Path, say: Callable[[str], None], spent_before: float = 0.0,
+                 device: torch.device, run: RunDirectory, say: Callable[[str], None], spent_before: float = 0.0,
                  replanned: str = "", so_far: TrainedSoFar | None = None) -> tuple[ExperimentConfig, float,
                                                                                 PlanCheck | None]:
     """The config with the shape `auto` chooses for the budget left (`spent_before` seconds of it
@@ -592,7 +583,7 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
     train_cfg = config.train
     budget = parse_duration(train_cfg.max_time) if train_cfg.max_time is not None else None
     limit = None if budget is None else PROBE_SHARE * budget
-    valid = ParallelData(run_root, "valid") if budget is not None else None  # evaluations spend a budget
+    valid = ParallelData(run.root, "valid") if budget is not None else None  # evaluations spend a budget
     timings, spent, busy = time_shapes(config, data, vocab, shared_ids, device, limit, say, valid)
     seconds_left = None if budget is None else budget - spent_before - spent
     predictions = predict(timings, seconds_left, train_cfg.max_steps, train_cfg.max_tokens, train_cfg.min_updates,
@@ -625,25 +616,19 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
                          for p in predictions]}
     if replanned:
         record["replanned"] = {"why": replanned, "after_seconds": round(spent_before, 1),
-                               "first": read_choice(run_root)}
-    run_root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_root / CHOICE_FILE, json.dumps(record, indent=1) + "\n")
+                               "first": run.shape_choice()}
+    run.write_shape_choice(record)
     check = None if budget is None or replanned or device.type != "cpu" else PlanCheck(
         shape.name, chosen.timing.tokens_per_second, busy, min(CHECK_AFTER, CHECK_SHARE * budget),
         CHECK_DEADLINE * budget)
     return with_shape(config, shape, chosen.max_tokens, lr, dropout), spent, check
 
 
-def read_choice(run_root: Path) -> dict:
-    """The run's shape_choice.json ({} where there is none or it is torn)."""
-    return read_json_object(run_root / CHOICE_FILE)
-
-
-def record_check(run_root: Path, check: dict) -> None:
+def record_check(run: RunDirectory, check: dict) -> None:
     """The in-run check of the plan, added to the run's shape_choice.json."""
-    record = read_choice(run_root)
+    record = run.shape_choice()
     if record:
-        atomic_write_text(run_root / CHOICE_FILE, json.dumps({**record, "check": check}, indent=1) + "\n")
+        run.write_shape_choice({**record, "check": check})
 
 
 def resolve_size(config: ExperimentConfig, resume: bool, last_checkpoint: Path,
@@ -658,7 +643,7 @@ def resolve_size(config: ExperimentConfig, resume: bool, last_checkpoint: Path,
     if config.model.size in SHAPES:  # a named shape trains at its measured learning rate, as under auto...
         lr = lr_of_choice(config, SHAPES[config.model.size], config.train.max_tokens)
         if lr and resume and last_checkpoint.exists():  # ...and a resumed run at the one it started with
-            lr = load_checkpoint(last_checkpoint, map_location="cpu").get("config", {}).get("train", {}).get("lr", lr)
+            lr = TrainedSettings.read(last_checkpoint).lr or lr
         return (config.model_copy(update={"train": config.train.model_copy(update={"lr": lr})}) if lr else config), \
             0.0, None
     if config.model.size == STUDENT:
@@ -672,8 +657,7 @@ def resolve_size(config: ExperimentConfig, resume: bool, last_checkpoint: Path,
             f"{resumed.model.enc_layers}+{resumed.model.dec_layers} layers, FFN {resumed.model.d_ff})")
         return resumed, 0.0, None
     if config.train.init_from:
-        parent = Path(config.train.init_from)
-        parent = RunDirectory(parent).default_checkpoint() if parent.is_dir() else parent
+        parent = checkpoint_at(config.train.init_from)
         started = shape_of_run(config, parent, keep_batch=False)
         say(f"model.size auto: fine-tuning keeps the shape of {parent} (d_model {started.model.d_model}, "
             f"{started.model.enc_layers}+{started.model.dec_layers} layers, FFN {started.model.d_ff})")

@@ -29,7 +29,7 @@ from ..data.batch_stream import BatchStream, CollatedUpdates, Update
 from ..data.batches import ParallelData, padding_ratio
 from ..experiment.checkpoint import TrainingState, load_initial_weights, model_payload, training_payload
 from ..experiment.config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
-from ..experiment.rundir import AVERAGE, BEST, EMA, LAST, MetricsLog, RunDirectory, vocab_mismatch
+from ..experiment.rundir import AVERAGE, BEST, EMA, LAST, Manifest, MetricsLog, RunDirectory, checkpoint_at
 from ..experiment.runlock import RunLock
 from ..model.kernels import compile_for_training
 from ..model.transformer import Transformer
@@ -53,9 +53,9 @@ from .tensorboard_log import TensorBoardLog
 from .validation import Validation
 
 
-def check_vocab_matches(config: ExperimentConfig, manifest: dict) -> None:
+def check_vocab_matches(config: ExperimentConfig, manifest: Manifest) -> None:
     """The config's vocab settings must be those the run_dir was prepared with."""
-    mismatch = vocab_mismatch(config, manifest)
+    mismatch = config.vocab_mismatch(manifest)
     if mismatch:
         raise TfmError(f"{mismatch}; re-run `tfm prepare` (on a trained run: with --discard-checkpoints) "
                        "or change the config")
@@ -162,9 +162,9 @@ def weight_average(model: Transformer, train_cfg: TrainConfig, saved: dict | Non
 # --------------------------------------------------------------------------- the trainer
 
 
-def check_run_directory(run_dir: RunDirectory, config: ExperimentConfig, manifest: dict, resume: bool) -> None:
+def check_run_directory(run_dir: RunDirectory, config: ExperimentConfig, manifest: Manifest, resume: bool) -> None:
     """A new run needs a run_dir without training; --resume one with checkpoint_last.pt."""
-    last = run_dir.checkpoints / LAST
+    last = run_dir.last_checkpoint
     if last.exists() and not resume:
         raise TfmError(f"{run_dir.root} already holds a training run ({last}); "
                        "continue it with --resume or choose another run_dir")
@@ -175,8 +175,7 @@ def check_run_directory(run_dir: RunDirectory, config: ExperimentConfig, manifes
 
 def initialise_from(model: Transformer, path: Path, spm_files: dict[str, bytes], say: Callable[[str], None]) -> None:
     """Fine-tuning: the weights of a trained model; optimizer, schedule, steps and data order start afresh."""
-    if path.is_dir():
-        path = RunDirectory(path).default_checkpoint()
+    path = checkpoint_at(path)
     parent = load_initial_weights(model, path, spm_files)
     step = parent.get("progress", {}).get("step", "?")
     say(f"initialised from {path} (step {step} of its run); optimizer and schedule start afresh")
@@ -214,7 +213,7 @@ class Trainer:
         self.config, self.train_cfg, self.world, self.device = config, config.train, world, device
         self.plan_check, self.plan_gap = plan_check, ""
         self.on_step, self.progress_bar = on_step, progress_bar
-        self.run_dir = RunDirectory(config.run_path)
+        self.run_dir = config.run
         self.writer = world.rank == 0  # prints, logs and writes checkpoints
         self.metrics = MetricsLog(self.run_dir.metrics)
         self.tensorboard: TensorBoardLog | None = None  # set once the run's step is known
@@ -235,8 +234,8 @@ class Trainer:
         if len(self.train_data) == 0:
             raise TfmError(f"{self.run_dir.root}: the training split is empty after filtering")
         self.validation = Validation(self.run_dir, self.manifest, config, device)
-        self.model = build_model(config, self.manifest["vocab_size"]["src"], self.manifest["vocab_size"]["tgt"],
-                                 self.manifest.get("shared_ids", False)).to(device)
+        self.model = build_model(config, self.manifest.vocab_size["src"], self.manifest.vocab_size["tgt"],
+                                 self.manifest.shared_ids).to(device)
         self.optimizer = adam(self.model, self.train_cfg)
         # `spent`: seconds of max_time gone outside training (the shape probe's); the pace is measured from after them
         self.progress = TrainProgress(elapsed=spent, pace_marks=[[0, spent]] if spent else [])
@@ -251,11 +250,11 @@ class Trainer:
         if describe_machine(device) not in self.progress.machines:  # (a model card names them)
             self.progress.machines.append(describe_machine(device))
         if resume and not self.complete:
-            self.console.print(f"resuming from {self.run_dir.checkpoints / LAST} at step {self.progress.step}")
+            self.console.print(f"resuming from {self.run_dir.last_checkpoint} at step {self.progress.step}")
         if not resume and world.rank > 0:  # same initial weights (DDP syncs them), own dropout
             torch.manual_seed(self.train_cfg.seed + 7919 * world.rank)
         self.ema = weight_average(self.model, self.train_cfg, saved_ema,
-                                  self.run_dir.checkpoints / LAST if resume else None, self.console.print)
+                                  self.run_dir.last_checkpoint if resume else None, self.console.print)
         # DDP all-reduces (averages) gradients during backward; the model itself stays unwrapped for
         # validation, checkpoints and decoding.
         self.ddp = (DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -270,8 +269,8 @@ class Trainer:
 
     def _restore(self) -> dict | None:
         """Weights, optimizer, RNG states and progress of checkpoint_last.pt; returns its weight average."""
-        state = TrainingState.read(self.run_dir.checkpoints / LAST, map_location=self.device)
-        state.check_made_for(self.spm_files, self.manifest.get("data_digest"), self.run_dir.root)
+        state = TrainingState.read(self.run_dir.last_checkpoint, map_location=self.device)
+        state.check_made_for(self.spm_files, self.manifest.data_digest, self.run_dir.root)
         if asdict(state.model_config) != asdict(self.model.cfg):
             raise TfmError(f"--resume: the model section of the config differs from {state.path}'s")
         self.model.load_state_dict(state.model)
@@ -303,7 +302,7 @@ class Trainer:
         self.run_dir.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir.config_file, config_to_yaml(self.config))
         if self.train_cfg.tensorboard:
-            self.tensorboard = TensorBoardLog(self.run_dir.root / "tensorboard", self.progress.step)
+            self.tensorboard = TensorBoardLog(self.run_dir.tensorboard, self.progress.step)
 
     # -- the loop
 
@@ -367,7 +366,7 @@ class Trainer:
                                                 else ": the plan holds"))
         self.plan_check, self.plan_gap = None, verdict.gap
         if self.writer:
-            record_check(self.run_dir.root, {"after_seconds": round(seconds, 1), "step": self.progress.step,
+            record_check(self.run_dir, {"after_seconds": round(seconds, 1), "step": self.progress.step,
                                              "tokens_per_second": round(verdict.tokens_per_second, 1),
                                              "busy": round(verdict.busy, 3), "replan": verdict.gap,
                                              **({"read_again": verdict.read_again} if verdict.read_again else {})})
@@ -425,7 +424,7 @@ class Trainer:
     def check_health(self, new_window: bool) -> dict[str, float]:
         """The ledger read (`StepLedger.account`: at log and checkpoint points only)."""
         return self.ledger.account(self.progress, new_window, self.train_cfg.max_bad_steps, self.console.print,
-                                   self.run_dir.checkpoints / LAST, self.console.close_bar)
+                                   self.run_dir.last_checkpoint, self.console.close_bar)
 
     def log(self, lr: float) -> None:
         """Every log_every updates: a metrics.jsonl record and a progress line (the updates that
@@ -457,7 +456,7 @@ class Trainer:
             self.save_checkpoints(None)
             self.console.close_bar()
             signum = stop.signum or signal.SIGTERM
-            saved = (f"{signal.Signals(signum).name}: saved step {self.progress.step} to {self.run_dir.checkpoints / LAST} "
+            saved = (f"{signal.Signals(signum).name}: saved step {self.progress.step} to {self.run_dir.last_checkpoint} "
                      "(continue with --resume)")
             raise Interrupted(saved if self.writer else "", EXIT_CODES[signum])
         if self.progress.step >= self.train_cfg.max_steps:
@@ -518,7 +517,7 @@ class Trainer:
     def weights_payload(self, model: Transformer) -> dict:
         """A checkpoint to translate with; it names the prepared data it learnt from (--resume
         refuses a run prepared again since)."""
-        digest = {"data_digest": self.manifest["data_digest"]} if "data_digest" in self.manifest else {}
+        digest = {"data_digest": self.manifest.data_digest} if self.manifest.data_digest is not None else {}
         return model_payload(model, self.config_json, self.spm_files, asdict(self.progress), **digest)
 
     def training_state(self, rng_states: list[torch.Tensor]) -> dict:
@@ -556,7 +555,7 @@ class Trainer:
         best = self.run_dir.checkpoints / BEST
         return TrainSummary(self.progress.step, self.progress.elapsed, self.progress.best_score,
                             self.train_cfg.best_metric, best if best.exists() else None,
-                            self.run_dir.checkpoints / LAST, stop_reason, self.plan_gap)
+                            self.run_dir.last_checkpoint, stop_reason, self.plan_gap)
 
 # --------------------------------------------------------------------------- entry point
 
@@ -568,15 +567,15 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
     `on_step(step, model)` is called on every process after each optimizer step (tests, tooling).
     """
     world = world_from_environment()
-    RunDirectory(config.run_path).load_manifest()  # a clear error for an unprepared run_dir before anything
+    config.run.load_manifest()  # a clear error for an unprepared run_dir before anything
     finished = False
     try:
         device = join(world, resolve_device(config.train.device))
         with run_lock(world, device, config.run_path):
             say = TrainingConsole(world.rank == 0, False, lambda error: None).print
             asked = config
-            config, probe_seconds, plan_check = resolve_size(config, resume, RunDirectory(config.run_path).checkpoints
-                                                             / LAST, lambda: probe_shapes(config, world, device, say), say)
+            config, probe_seconds, plan_check = resolve_size(config, resume, config.run.last_checkpoint,
+                                                             lambda: probe_shapes(config, world, device, say), say)
             budget = config.train.max_time
             if probe_seconds and budget is not None and probe_seconds >= parse_duration(budget):
                 # without this, 0 steps, exit 0 and an untrained checkpoint that translate would use
@@ -614,7 +613,7 @@ def train_replanned(asked: ExperimentConfig, trained: ExperimentConfig, world: W
         going_on = trained.model_copy(update={"train": trained.train.model_copy(
             update={"max_tokens": chosen.train.max_tokens, "lr": chosen.train.lr})})
         return Trainer(going_on, world, device, True, progress_bar, on_step, seconds).run()
-    RunDirectory(asked.run_path).remove_training()
+    asked.run.remove_training()
     say(f"plan check: timed again, the run starts afresh as {chosen.model.size} at {chosen.train.max_tokens:,}-token "
         f"batches ({first.steps:,} updates of {trained.model.size} dropped; {first.seconds + seconds:.0f} s of the "
         "budget spent)")
@@ -629,7 +628,7 @@ def probe_shapes(config: ExperimentConfig, world: World, device: torch.device, s
     if world.enabled:
         raise TfmError("model.size auto times the shapes in one process; under torchrun name the shape "
                        "(model.size: d192, … or the shape keys): docs/training.md")
-    run_dir = RunDirectory(config.run_path)
+    run_dir = config.run
     manifest = run_dir.load_manifest()
     if not replanned:  # a run already trained: refused before the probe
         check_run_directory(run_dir, config, manifest, resume=False)
@@ -638,8 +637,8 @@ def probe_shapes(config: ExperimentConfig, world: World, device: torch.device, s
         torch.set_num_threads(config.train.threads)
     if device.type == "cpu":
         keep_freed_memory()
-    vocab = (manifest["vocab_size"]["src"], manifest["vocab_size"]["tgt"])
-    return choose_shape(config, data, vocab, manifest.get("shared_ids", False), device, run_dir.root, say,
+    vocab = (manifest.vocab_size["src"], manifest.vocab_size["tgt"])
+    return choose_shape(config, data, vocab, manifest.shared_ids, device, run_dir, say,
                         spent_before, replanned, so_far)
 
 

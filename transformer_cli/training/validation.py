@@ -13,7 +13,7 @@ import torch
 from ..data.batches import ParallelData
 from ..decoding.torch_engine import decode_in_batches
 from ..experiment.config import ExperimentConfig
-from ..experiment.rundir import RunDirectory
+from ..experiment.rundir import Manifest, RunDirectory
 from ..model.transformer import Transformer
 from ..runtime.files import read_lines
 from .loss import batch_loss
@@ -56,11 +56,10 @@ class Validation:
     bleu), with the model left in eval mode; `score(metrics)`: higher is better, whichever
     train.best_metric."""
 
-    def __init__(self, run_dir: RunDirectory, manifest: dict, config: ExperimentConfig, device: torch.device):
+    def __init__(self, run_dir: RunDirectory, manifest: Manifest, config: ExperimentConfig, device: torch.device):
         self.config, self.device = config, device
         self.data = ParallelData(run_dir.root, "valid")
-        # every direction's target file in turn (manifest["files"] lists source, target, source, …)
-        self.references = [line for path in manifest["files"]["valid"][1::2] for line in read_lines(path)]
+        self.references = [line for path in manifest.references("valid") for line in read_lines(path)]
         self.tgt_sp = spm.SentencePieceProcessor(model_file=str(run_dir.vocab_file(manifest, "tgt")))
 
     def __call__(self, model: Transformer) -> dict[str, float]:
