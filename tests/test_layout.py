@@ -3,6 +3,7 @@
 - the package is in wings, one per stage (docs/architecture.md), and imports between wings run one
   way, lower wings never importing higher ones (function-level and type-checking imports included);
   no import cycle inside a wing; the model wing imports nothing of the toolkit but itself;
+- a run directory's files are named in experiment/ alone (its RunDirectory says where each lies);
 - model/transformer.py reads beside the paper (≤ 500 lines); no function in the package is over 100 lines,
   none in decoding/ and serve/ over 80;
 - the README is a user's page (≤ 350 lines) and nothing tracked speaks of how the work is organised.
@@ -116,6 +117,39 @@ def test_every_module_is_in_a_wing_and_imports_run_one_way():
     graph = import_graph()
     assert layout_violations(graph) == []
     assert graph["model.transformer"] <= {"model.kernels", "model.decoder_state"}, graph["model.transformer"]
+
+
+# What a run directory holds (experiment/rundir.py). runtime/files.py, below experiment in the wing
+# order, keeps its own list of them: every writer refuses to write over a run's files.
+RUN_FILES = {"prepare.json", "config.yaml", "prepare_report.json", "shape_choice.json", "metrics.jsonl", "scores.json",
+             "checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_avg.pt", "checkpoint_ema.pt", "halves.json",
+             "shortlist.txt", "spm.model", "spm.src.model", "spm.tgt.model"}
+RUN_FOLDERS = {"checkpoints", "data", "eval", "filter_models", "tensorboard", "distilled"}
+NAMES_RUN_FILES = {"experiment", "runtime.files"}
+
+
+def run_file_names(source: str) -> list[str]:
+    """Where `source` names a run file: a string that is one's name, or a path joined onto a run's folder
+    (`run / "eval"`; f-strings' expressions included)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        named = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+        joined = node.right.value if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(
+            node.right, ast.Constant) and isinstance(node.right.value, str) else None
+        if named in RUN_FILES or joined in RUN_FOLDERS:
+            found.append(f"line {node.lineno}: {named or joined!r}")
+    return found
+
+
+def test_no_module_outside_experiment_names_a_run_file():
+    named = {module: run_file_names(path.read_text(encoding="utf-8")) for module, path in all_modules().items()
+             if module not in NAMES_RUN_FILES and wing_of(module) not in NAMES_RUN_FILES}
+    assert {module: lines for module, lines in named.items() if lines} == {}
+    assert run_file_names(all_modules()["experiment.rundir"].read_text(encoding="utf-8"))  # where they are named
+    for source in ('path = run / "metrics.jsonl"', 'f"{run / \'eval\'}"', 'Path(x) / "checkpoints" / name',
+                   'SCORES = "scores.json"'):
+        assert run_file_names(source), source
+    assert run_file_names('x = "the run\'s config.yaml"; y = run / "vocab.json"; z = {"data": 1}') == []
 
 
 def test_an_import_against_the_wing_order_or_a_cycle_is_caught():

@@ -1003,7 +1003,7 @@ def import_model(
     for warning in result.warnings:
         warn(f"warning: {warning}")
     say(f"imported {source} → {output}: {result.parameters:,} parameters, {result.vocab_size:,} ids "
-        f"(translate with: tfm translate --config {output / 'config.yaml'})")
+        f"(translate with: tfm translate --config {result.run.config_file})")
 
 
 _RUN_AS_PROGRAM = False  # main() ran: this process is `tfm` itself

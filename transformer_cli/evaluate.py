@@ -173,11 +173,10 @@ def evaluate_model(config, checkpoint: Path | list[Path], split: str, metrics: l
                     "sentences_per_s": round(len(src) / seconds, 2)}
     if terms is not None:
         result.extra.update({"constraints_file": str(constraints), "term_use": term_use(hyps, terms)})
-    out_dir = config.run.eval_dir
-    stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam_used}{'.constrained' if terms else ''}"
-    atomic_write_text(out_dir / f"{stem}.hyp", "\n".join(hyps) + "\n")
-    atomic_write_text(out_dir / f"{stem}.json", json.dumps(result.to_json(), indent=2))
-    result.extra["hyp_file"] = str(out_dir / f"{stem}.hyp")
+    stem = config.run.eval_stem(split, checkpoints, beam_used, ".constrained" if terms else "")
+    atomic_write_text(Path(f"{stem}.hyp"), "\n".join(hyps) + "\n")
+    atomic_write_text(Path(f"{stem}.json"), json.dumps(result.to_json(), indent=2))
+    result.extra["hyp_file"] = f"{stem}.hyp"
     return result
 
 
@@ -202,18 +201,17 @@ def evaluate_augmented(config, checkpoint: Path | list[Path], split: str, metric
     translator = open_engine(config, None, checkpoints, device=config.train.device, engine=engine,
                              compute_type=compute_type, tgt_lang=direction.tgt if direction else tgt_lang)
     translator.target_languages().check(translator.decode.tgt_lang)
-    out_dir = config.run.eval_dir
     started, rows = time.perf_counter(), {}
     try:
         decode = translator.settings(nbest=1)
-        stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{decode.beam}{f'.{direction.name}' if direction else ''}"
+        stem = config.run.eval_stem(split, checkpoints, decode.beam, f".{direction.name}" if direction else "")
         clean = translate_texts(translator, src, decode)
-        atomic_write_text(out_dir / f"{stem}.hyp", "\n".join(clean) + "\n")
+        atomic_write_text(Path(f"{stem}.hyp"), "\n".join(clean) + "\n")
         baseline = {False: score(clean, refs, metrics), True: score(clean, refs, metrics, caseless=True)}
         for name in variants:
             v_src, v_refs = split_variant(name, src, refs)
             hyps = translate_texts(translator, v_src, decode)
-            atomic_write_text(out_dir / f"{stem}.{name}.hyp", "\n".join(hyps) + "\n")
+            atomic_write_text(Path(f"{stem}.{name}.hyp"), "\n".join(hyps) + "\n")
             caseless = name in CASELESS
             result = score(hyps, v_refs, metrics, caseless=caseless)
             base = baseline[caseless]  # nopunct: against references without it, beside the clean split's score
@@ -234,8 +232,8 @@ def evaluate_augmented(config, checkpoint: Path | list[Path], split: str, metric
                     "decode_seconds": round(seconds, 2), "variant_seed": VARIANT_SEED,
                     "sentences_per_s": round(len(src) * (1 + len(variants)) / seconds, 2),
                     "clean_caseless": {k: v.score for k, v in baseline[True].scores.items()}, "variants": rows,
-                    "hyp_file": str(out_dir / f"{stem}.<variant>.hyp")}
-    atomic_write_text(out_dir / f"{stem}.augmented.json", json.dumps(result.to_json(), indent=2))
+                    "hyp_file": f"{stem}.<variant>.hyp"}
+    atomic_write_text(Path(f"{stem}.augmented.json"), json.dumps(result.to_json(), indent=2))
     return result
 
 
@@ -319,8 +317,7 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
             translator.target_languages().check(d.tgt, f"direction {d.name}: target")
         decode = translator.settings(nbest=1)
         beam_used = decode.beam
-        out_dir = config.run.eval_dir
-        stem = f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam_used}"
+        stem = config.run.eval_stem(split, checkpoints, beam_used)
         per_direction, started = {}, time.perf_counter()
         for d in chosen:
             src, refs = read_lines(files[d][0]), read_lines(files[d][1])
@@ -328,7 +325,7 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
             hyps = translate_texts(translator, [f"{tag(d.tgt)} {line}" if line.strip() else line for line in src],
                                    decode)
             result = score(hyps, refs, metrics, confidence)
-            atomic_write_text(out_dir / f"{stem}.{d.name}.hyp", "\n".join(hyps) + "\n")
+            atomic_write_text(Path(f"{stem}.{d.name}.hyp"), "\n".join(hyps) + "\n")
             per_direction[d.name] = {"zero_shot": d not in trained, "n_sentences": len(hyps),
                                      "off_target": round(language_id.off_target_rate(hyps, d.tgt), 4)
                                      if language_id.model_language(d.tgt) else None,
@@ -347,8 +344,8 @@ def evaluate_directions(config, checkpoint: Path | list[Path], split: str, metri
         "engine": translator.describe(), "decode_seconds": round(seconds, 2),
         "sentences_per_s": round(total / seconds, 2), "averaged_over": counted, "directions": per_direction,
         "language_id": language_id.MODEL_NAME,  # what the off-target rate was measured with
-        "hyp_file": str(out_dir / f"{stem}.<direction>.hyp")})
-    atomic_write_text(out_dir / f"{stem}.directions.json", json.dumps(result.to_json(), indent=2))
+        "hyp_file": f"{stem}.<direction>.hyp"})
+    atomic_write_text(Path(f"{stem}.directions.json"), json.dumps(result.to_json(), indent=2))
     return result
 
 

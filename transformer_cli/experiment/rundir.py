@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from .runlock import RunLock
 
 LAST, BEST, AVERAGE, EMA = "checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_avg.pt", "checkpoint_ema.pt"
 SCORES = "scores.json"
+_SCORE_FILE = re.compile(r"^test\.(?P<checkpoints>[^.]+)\.beam(?P<beam>\d+)(?:\.directions)?\.json$")
 CHECKPOINT_FORMAT = "tfm-checkpoint-1"  # every checkpoint's "format": what load_checkpoint checks first
 SHORTLIST_FILE = "shortlist.txt"  # `tfm shortlist`'s, which translating with the run's checkpoints takes
 SPLITS = ("train", "valid", "test")
@@ -56,6 +58,11 @@ SIDES = ("src", "tgt")
 def step_of(checkpoint: Path) -> int:
     """step_1200.pt → 1200."""
     return int(checkpoint.stem.split("_")[1])
+
+
+def step_name(step: int) -> str:
+    """1200 → step_1200.pt: the checkpoint of that step's evaluation."""
+    return f"step_{step}.pt"
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,18 @@ class RunDirectory:
             return
         if isinstance(scores, dict) and scores.pop(name, None) is not None:
             atomic_write_text(self.checkpoints / SCORES, json.dumps(scores, indent=1))
+
+    # -- what evaluate writes
+
+    def eval_stem(self, split: str, checkpoints: list[Path], beam: int, tail: str = "") -> Path:
+        """eval/<split>.<checkpoints' stems>.beam<N><tail>: `tfm evaluate`'s translations (.hyp) and scores (.json)."""
+        return self.eval_dir / f"{split}.{'+'.join(p.stem for p in checkpoints)}.beam{beam}{tail}"
+
+    def test_score_files(self, checkpoint: Path) -> list[tuple[Path, int]]:
+        """eval/'s test-set score files of `checkpoint` alone (each direction's, a multilingual run's) and the beam
+        of each (constrained runs and ensembles left out)."""
+        found = ((path, _SCORE_FILE.match(path.name)) for path in sorted(self.eval_dir.glob("test.*.json")))
+        return [(path, int(match["beam"])) for path, match in found if match and match["checkpoints"] == checkpoint.stem]
 
     def has_checkpoints(self) -> bool:
         return self.checkpoints.is_dir() and any(self.checkpoints.glob("*.pt"))

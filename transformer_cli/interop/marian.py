@@ -43,7 +43,7 @@ ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu", "gelu": "gelu"
 
 @dataclass
 class ImportResult:
-    run_dir: Path
+    run: RunDirectory
     parameters: int
     vocab_size: int
     warnings: list[str]
@@ -522,12 +522,12 @@ def import_marian(hf_dir: Path, run_dir: Path) -> ImportResult:
         model.load_state_dict(state)
     except RuntimeError as exc:
         raise TfmError(f"{hf_dir}: the weights do not fit config.json ({' '.join(str(exc).split())[:300]})") from None
-    write_run_directory(run_dir, hf_dir, hf, languages, model, models)
-    return ImportResult(run_dir, model.num_parameters(), len(orders["src"]), warnings)
+    run = write_run_directory(run_dir, hf_dir, hf, languages, model, models)
+    return ImportResult(run, model.num_parameters(), len(orders["src"]), warnings)
 
 
 def write_run_directory(run_dir: Path, hf_dir: Path, hf: dict[str, Any], languages: tuple[str, str],
-                        model: Transformer, models: dict[str, bytes]) -> None:
+                        model: Transformer, models: dict[str, bytes]) -> RunDirectory:
     """The run directory, staged beside `run_dir` and renamed into place when complete, so that a
     failed import leaves nothing behind."""
     src_lang, tgt_lang = languages
@@ -565,3 +565,4 @@ def write_run_directory(run_dir: Path, hf_dir: Path, hf: dict[str, Any], languag
         staging.rename(run_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return config.run

@@ -20,8 +20,6 @@ from ..model.transformer import TransformerConfig
 from ..runtime.errors import TfmError
 from ..runtime.files import file_sha256
 
-SCORE_FILE = re.compile(r"^test\.(?P<checkpoints>[^.]+)\.beam(?P<beam>\d+)(?:\.directions)?\.json$")
-
 
 def test_scores(checkpoint: Path) -> list[dict[str, Any]]:
     """What `tfm evaluate --split test` wrote for `checkpoint` alone in its run's eval/ (each beam it
@@ -31,10 +29,7 @@ def test_scores(checkpoint: Path) -> list[dict[str, Any]]:
             if run is not None else "export a checkpoint of a run that tfm evaluate has scored on its test set")
     results, other_weights = [], 0
     digest = file_sha256(checkpoint) if run is not None else ""
-    for path in sorted(run.eval_dir.glob("test.*.json")) if run is not None else []:
-        found = SCORE_FILE.match(path.name)
-        if found is None or found["checkpoints"] != checkpoint.stem:  # constrained runs, ensembles
-            continue
+    for path, beam in run.test_score_files(checkpoint) if run is not None else []:
         try:
             result = json.loads(path.read_text(encoding="utf-8"))
             scores = result["scores"]
@@ -45,7 +40,7 @@ def test_scores(checkpoint: Path) -> list[dict[str, Any]]:
         if result.get("checkpoint_sha256") != [digest]:  # another checkpoint of that name (training went on), or unknown
             other_weights += 1
             continue
-        results.append({**result, "file": path.name, "beam": int(found["beam"])})
+        results.append({**result, "file": path.name, "beam": beam})
     if not results:
         also = (f" ({other_weights} score file(s) of {checkpoint.name} are of other weights: it changed since they "
                 "were made, or they do not say)") if other_weights else ""

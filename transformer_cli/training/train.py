@@ -29,7 +29,7 @@ from ..data.batch_stream import BatchStream, CollatedUpdates, Update
 from ..data.batches import ParallelData, padding_ratio
 from ..experiment.checkpoint import TrainingState, load_initial_weights, model_payload, training_payload
 from ..experiment.config import ExperimentConfig, TrainConfig, config_to_yaml, parse_duration
-from ..experiment.rundir import AVERAGE, BEST, EMA, LAST, Manifest, MetricsLog, RunDirectory, checkpoint_at
+from ..experiment.rundir import AVERAGE, BEST, EMA, LAST, Manifest, MetricsLog, RunDirectory, checkpoint_at, step_name
 from ..experiment.runlock import RunLock
 from ..model.kernels import compile_for_training
 from ..model.transformer import Transformer
@@ -508,7 +508,7 @@ class Trainer:
         progress = self.progress
         if metrics is not None:
             weights = self.weights_payload(self.model)
-            self.run_dir.save(f"step_{progress.step}.pt", weights)
+            self.run_dir.save(step_name(progress.step), weights)
             if progress.best_step == progress.step:
                 self.run_dir.save(BEST, weights)
         self.run_dir.save(LAST, self.training_state(rng_states))
