@@ -142,12 +142,11 @@ def throughput(noisy: Path, data: Path, forward: str | None, backward: str | Non
     if forward or backward:
         variants.append(("default + model", True, False))
     for name, language, lexical in variants:
-        settings = FiltersConfig().model_dump()
-        settings["language"]["enabled"], settings["lexical"]["enabled"] = language, lexical
-        settings["model"]["enabled"] = name == "default + model"
-        model = learn_lexical_model(src, tgt, settings["lexical"]["recall"], 1) if lexical else None
+        settings = FiltersConfig(language={"enabled": language}, lexical={"enabled": lexical},
+                                 model={"enabled": name == "default + model"})
+        model = learn_lexical_model(src, tgt, settings.lexical.recall, 1) if lexical else None
         filters = DirectionFilters(settings, "de", "en", model)
-        if settings["model"]["enabled"]:
+        if settings.model.enabled:
             rule = FiltersConfig().model
             models = [(forward and checkpoint_at(forward), backward and checkpoint_at(backward))]
             filters.scorer, _ = learn_model_filter(rule, models, src[:rule.sample_pairs], tgt[:rule.sample_pairs], 1)

@@ -96,7 +96,7 @@ def de_en(**changes) -> DirectionFilters:
     for key, value in changes.items():
         section, name = key.split("__")
         settings[section][name] = value
-    return DirectionFilters(settings, "de", "en")
+    return DirectionFilters(FiltersConfig(**settings), "de", "en")
 
 
 @pytest.mark.parametrize("src, tgt, reason", [
@@ -154,7 +154,7 @@ def test_settings_move_the_line():
 
 
 def test_languages_the_filters_do_not_know_are_not_judged():
-    made_up = DirectionFilters(FiltersConfig().model_dump(), "xx", "yy")
+    made_up = DirectionFilters(FiltersConfig(), "xx", "yy")
     assert made_up.reasons(["wa wb wc wd"], ["xa xb xc xd xe"]) == [None]
     assert made_up.reasons(["Мужчина едет на велосипеде."], ["A man rides a bike."]) == [None]  # no script known
 
@@ -167,7 +167,7 @@ def test_common_words_skip_identification_only_for_lines_made_of_them(multi30k_2
     assert not filters.plainly_in_language("Un homme et une femme sont assis sur le banc.", "src")
     assert not filters.plainly_in_language("A man and a woman sit on the bench.", "src")  # the other side's words
     # a file of another language teaches no common words: every line meets the identifier
-    french = DirectionFilters(FiltersConfig().model_dump(), "de", "en")
+    french = DirectionFilters(FiltersConfig(), "de", "en")
     french.learn_common_words(read_lines(multi30k_2k / "train.fr.gz")[:500], read_lines(multi30k_2k / "train.en.gz")[:500])
     assert not french.common_words["src"] and french.common_words["tgt"]
 

@@ -58,15 +58,17 @@ def test_misalignment_is_minus_the_mean_source_gain_of_the_models_there_are():
 
 
 def test_a_threshold_whose_estimated_loss_is_over_twice_its_budget_is_warned_of():
-    from transformer_cli.data.model_filter import loose_thresholds
+    from transformer_cli.data.model_filter import LearnedThresholds, Threshold
 
-    learned = {"sample_dropped": 0.295, "misalignment": {"clean_loss": 0.049},
-               "target_longer": {"clean_loss": 0.006}, "source_longer": {"clean_loss": 0.005}}
-    warnings = loose_thresholds(learned, clean_loss=0.005)
+    learned = LearnedThresholds(3000, "torch", Threshold(1.0, 0.1, 0.9, 0.049), Threshold(1.0, 0.1, 0.9, 0.006),
+                                Threshold(1.0, 0.1, 0.9, 0.005), sample_dropped=0.295)
+    warnings = learned.loose(clean_loss=0.005)
     assert len(warnings) == 2 and warnings[0].startswith("the misalignment threshold may drop good pairs: 4.9% ")
     assert "29.5% of the sample" in warnings[0] and warnings[1].startswith("the target longer threshold")
-    assert loose_thresholds(learned, clean_loss=0.05) == []  # within twice the budget: silent
-    assert loose_thresholds({"sample_pairs": 1, "misaligned_above": None}, clean_loss=0.005) == []  # nothing learned
+    assert learned.loose(clean_loss=0.05) == []  # within twice the budget: silent
+    assert LearnedThresholds(1, "torch").loose(clean_loss=0.005) == []  # nothing learned
+    assert LearnedThresholds(1, "torch").to_json() == {"sample_pairs": 1, "engine": "torch", "misaligned_above": None,
+                                                       "target_longer_above": None, "source_longer_above": None}
 
 
 def test_a_threshold_learned_without_labels_estimates_the_bad_share_and_keeps_the_good_pairs():

@@ -32,7 +32,7 @@ from .corpus import (
 from .filters import REASONS, DirectionFilters, SeenHashes
 from .language_id import MODEL_NAME, identify, model_language
 from .lexical import learn_lexical_model
-from .model_filter import ModelFilter, learn_model_filter, loose_thresholds, model_checkpoints, self_trained_runs
+from .model_filter import LearnedThresholds, ModelFilter, learn_model_filter, model_checkpoints, self_trained_runs
 
 COMMON_WORDS_PAIRS = 20_000  # the first pairs of a direction, whose in-language lines give its common words
 _CHECK = "check data.src_lang/tgt_lang and the files, or turn the filter off:"
@@ -209,8 +209,8 @@ def make_cleaning(config: ExperimentConfig, corpora: list[list[Corpus]], dropped
     `filters` (`corpora`: each direction's training corpora)."""
     settings = config.data.filters
     reported = settings.model_dump()
-    if filters and "learned" in filters[0].settings["model"]:  # the model filter's thresholds
-        reported["model"]["learned"] = filters[0].settings["model"]["learned"]
+    if filters and filters[0].learned is not None:  # the model filter's thresholds
+        reported["model"]["learned"] = filters[0].learned.to_json()
     report = CleaningReport([DirectionCounts(d.name, [str(src) for src, _ in direction],
                                              [str(path) for pair in direction for path in pair])
                              for d, direction in zip(config.data.pairs, corpora)], settings.warn_share, reported)
@@ -234,7 +234,6 @@ def head_pairs(corpora: list[Corpus], n: int) -> tuple[list[str], list[str]]:
 def build_filters(config: ExperimentConfig, corpora: list[list[Corpus]], seed: int) -> list[DirectionFilters]:
     """Each direction's filters; with data.filters.lexical on, each direction's lexical model,
     learned from a uniform sample of its training pairs (one more pass over its corpora)."""
-    settings = config.data.filters.model_dump()
     out = []
     for direction, direction_corpora in zip(config.data.pairs, corpora):
         lexical = None
@@ -243,19 +242,20 @@ def build_filters(config: ExperimentConfig, corpora: list[list[Corpus]], seed: i
             src, tgt, _ = sample_pairs(direction_corpora, rule.sample_pairs, seed,
                                        config.data.train_limit, skip_invalid=True)
             lexical = learn_lexical_model(src, tgt, rule.recall, seed, rule.min_count)
-        filters = DirectionFilters(settings, direction.src, direction.tgt, lexical)
+        filters = DirectionFilters(config.data.filters, direction.src, direction.tgt, lexical)
         for side, lang in filters.unidentifiable_sides().items():
             warn(f"warning: data: language {lang!r} ({direction.name}'s {side}) is not one the language identifier knows "
                  f"({MODEL_NAME}, 176 languages): the language filter is off for that side")
         if config.data.filters.language.enabled:  # the first pairs of the direction teach its common words
             filters.learn_common_words(*head_pairs(direction_corpora, COMMON_WORDS_PAIRS))
         if config.data.filters.model.enabled:
-            filters.scorer = model_filter(config, direction_corpora, filters, seed)
+            filters.scorer, filters.learned = model_filter(config, direction_corpora, filters, seed)
         out.append(filters)
     return out
 
 
-def model_filter(config: ExperimentConfig, corpora: list[Corpus], filters: DirectionFilters, seed: int) -> ModelFilter:
+def model_filter(config: ExperimentConfig, corpora: list[Corpus], filters: DirectionFilters,
+                 seed: int) -> tuple[ModelFilter, LearnedThresholds]:
     """The direction's model filter: its models checked, its thresholds learned from a sample of the
     pairs the other filters keep (printed, and kept in the report's settings)."""
     rule = config.data.filters.model
@@ -275,14 +275,10 @@ def model_filter(config: ExperimentConfig, corpora: list[Corpus], filters: Direc
     kept = [i for i, reason in enumerate(filters.reasons(src, tgt)) if reason is None]
     found, learned = learn_model_filter(rule, models, [src[i] for i in kept], [tgt[i] for i in kept], seed,
                                         threads=config.prepare.workers or 0)
-    say(f"data.filters.model: scored by {learned['engine']}; thresholds from {learned['sample_pairs']:,} "
-        f"sample pairs: misalignment above {learned['misaligned_above']} → model_misaligned, overrun above "
-        f"{learned['target_longer_above']} (target longer) or below -{learned['source_longer_above']} (source longer) → partly_aligned "
-        f"({learned.get('sample_dropped', 0):.1%} of the sample)")
-    for warning in loose_thresholds(learned, rule.clean_loss):
+    say(f"data.filters.model: {learned.describe()}")
+    for warning in learned.loose(rule.clean_loss):
         warn(f"warning: data.filters.model: {warning}")
-    filters.settings["model"]["learned"] = learned
-    return found
+    return found, learned
 
 
 def _sample_reasons(task: tuple[int, list[str], list[str]]) -> list[str | None]:

@@ -40,7 +40,8 @@ from .language_id import identify, model_language
 from .lexical import LexicalModel
 
 if TYPE_CHECKING:
-    from .model_filter import ModelFilter
+    from ..experiment.config import FiltersConfig
+    from .model_filter import LearnedThresholds, ModelFilter
 
 COMMON_MIN_HITS, COMMON_MIN_SHARE = 2, 0.4  # `plainly_in_language`: at least 2 words and 40% of them
 # The reasons in the order the filters run (the report lists them so).
@@ -83,32 +84,34 @@ def script_of(language: str) -> str | None:
 
 @dataclass
 class DirectionFilters:
-    """What the workers need to filter one direction's pairs: the settings (`data.filters` as a
-    plain dict), the direction's languages, and the lexical model and model filter learned for it
-    (or None)."""
+    """What the workers need to filter one direction's pairs: the settings (`data.filters`), the
+    direction's languages, and the lexical model and model filter learned for it (or None), with
+    the model filter's thresholds as learned (the cleaning report keeps them)."""
 
-    settings: dict
+    settings: FiltersConfig
     src_lang: str
     tgt_lang: str
     lexical: LexicalModel | None = None
     scorer: ModelFilter | None = None
+    learned: LearnedThresholds | None = None
     # each side's most frequent words, from lines fastText identified as its language
     # (`learn_common_words`): a line made mostly of them skips the identifier
     common_words: dict[str, frozenset[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._enabled = {name: bool(rule["enabled"]) for name, rule in self.settings.items() if isinstance(rule, dict)}
+        self._enabled = {name: rule.enabled for name in type(self.settings).model_fields
+                         if hasattr(rule := getattr(self.settings, name), "enabled")}
         self._latin = {"src": script_of(self.src_lang) == "latin", "tgt": script_of(self.tgt_lang) == "latin"}
         # letters (\w less digits and _) outside the script of each side's language
         self._other_script = {side: (re.compile(rf"[^\W\d_{_SCRIPTS[s]}]+") if (s := script_of(lang)) else None)
                               for side, lang in (("src", self.src_lang), ("tgt", self.tgt_lang))}
         self._language = ({side: model_language(lang) for side, lang in (("src", self.src_lang), ("tgt", self.tgt_lang))}
-                          if self.settings["language"]["enabled"] else {"src": None, "tgt": None})
+                          if self.settings.language.enabled else {"src": None, "tgt": None})
 
     def unidentifiable_sides(self) -> dict[str, str]:
         """With the language filter on: the sides (source, target) whose language the identifier does
         not know (a code it has no model for, `tlh`, a typo): the filter cannot check them."""
-        if not self.settings["language"]["enabled"]:
+        if not self.settings.language.enabled:
             return {}
         return {side: lang for side, key, lang in (("source", "src", self.src_lang), ("target", "tgt", self.tgt_lang))
                 if self._language[key] is None}
@@ -119,33 +122,33 @@ class DirectionFilters:
     # ------------------------------------------------------------------ one pair's text checks
 
     def _length(self, src_tokens: list[str], tgt_tokens: list[str], src: str, tgt: str) -> bool:
-        rule = self.settings["length"]
+        rule = self.settings.length
         longest = max(len(src_tokens), len(tgt_tokens))
-        if longest < rule["min_words"] or longest > rule["max_words"]:
+        if longest < rule.min_words or longest > rule.max_words:
             return True
-        if max(len(src), len(tgt)) > rule["max_chars"]:
+        if max(len(src), len(tgt)) > rule.max_chars:
             return True
-        return max(sentences(src), sentences(tgt)) > rule["max_sentences"]
+        return max(sentences(src), sentences(tgt)) > rule.max_sentences
 
     def _characters(self, text: str, tokens: list[str], side: str) -> bool:
-        rule = self.settings["characters"]
+        rule = self.settings.characters
         visible = sum(map(len, tokens))
         letters = visible - sum(map(len, _NOT_LETTER.findall(text)))
-        if letters < rule["min_letters"] * visible:
+        if letters < rule.min_letters * visible:
             return True
         script = self._other_script[side]  # letters outside the language's script (clean text: none)
         if script is None or not letters or (text.isascii() and self._latin[side]):
             return False
-        return sum(map(len, script.findall(text))) > (1 - rule["min_script"]) * letters
+        return sum(map(len, script.findall(text))) > (1 - rule.min_script) * letters
 
     def _repeats(self, tokens: list[str]) -> bool:
-        rule = self.settings["repeats"]
-        if len(tokens) < rule["min_words"]:
+        rule = self.settings.repeats
+        if len(tokens) < rule.min_words:
             return False
         # the most frequent token occurs at most len - distinct + 1 times: most lines end here
-        if len(tokens) - len(set(tokens)) + 1 <= rule["max_share"] * len(tokens):
+        if len(tokens) - len(set(tokens)) + 1 <= rule.max_share * len(tokens):
             return False
-        return Counter(tokens).most_common(1)[0][1] > rule["max_share"] * len(tokens)
+        return Counter(tokens).most_common(1)[0][1] > rule.max_share * len(tokens)
 
     def reason(self, src: str | None, tgt: str | None) -> str | None:
         """The first text filter that drops the pair (None: kept so far), language identification
@@ -163,14 +166,14 @@ class DirectionFilters:
             return "encoding"
         if on["length"] and self._length(src_tokens, tgt_tokens, src, tgt):
             return "length"
-        if on["copies"] and is_copy(src, tgt, self.settings["copies"]["max_overlap"], src_tokens, tgt_tokens):
+        if on["copies"] and is_copy(src, tgt, self.settings.copies.max_overlap, src_tokens, tgt_tokens):
             return "copy"
         if on["characters"] and (self._characters(src, src_tokens, "src") or
                                  self._characters(tgt, tgt_tokens, "tgt")):
             return "characters"
         if on["repeats"] and (self._repeats(src_tokens) or self._repeats(tgt_tokens)):
             return "repeats"
-        if on["numbers"] and numbers_similarity(src, tgt) < self.settings["numbers"]["min_similarity"]:
+        if on["numbers"] and numbers_similarity(src, tgt) < self.settings.numbers.min_similarity:
             return "numbers"
         return None
 
@@ -188,7 +191,7 @@ class DirectionFilters:
 
     def _wrong_language(self, src: str, tgt: str, src_tokens: list[str] | None = None,
                         tgt_tokens: list[str] | None = None) -> bool:
-        min_words = self.settings["language"]["min_words"]
+        min_words = self.settings.language.min_words
         for side, text, tokens in (("src", src, src_tokens), ("tgt", tgt, tgt_tokens)):
             expected = self._language[side]
             if tokens is None:

@@ -355,6 +355,56 @@ class Threshold:
         return {name: round(value, 4) for name, value in self.__dict__.items()}
 
 
+@dataclass(frozen=True)
+class LearnedThresholds:
+    """What `learn_model_filter` learned from its sample pairs, as the cleaning report keeps it: the
+    engine that scored, each score's threshold (None: too few pairs to learn from), this corpus's
+    target/source length ratio and the share of the sample the thresholds drop."""
+
+    sample_pairs: int
+    engine: str
+    misalignment: Threshold | None = None
+    target_longer: Threshold | None = None  # the overrun's
+    source_longer: Threshold | None = None  # minus the overrun's
+    median_length_ratio: float = 1.0
+    sample_dropped: float = 0.0
+
+    def to_json(self) -> dict:
+        above = {f"{name}_above": None if rule is None else round(rule.value, 4) for name, rule in (
+            ("misaligned", self.misalignment), ("target_longer", self.target_longer), ("source_longer", self.source_longer))}
+        if self.misalignment is None or self.target_longer is None or self.source_longer is None:
+            return {"sample_pairs": self.sample_pairs, "engine": self.engine, **above}
+        return {"sample_pairs": self.sample_pairs, "engine": self.engine, "misaligned_above": above["misaligned_above"],
+                "median_length_ratio": round(self.median_length_ratio, 4),  # (not the rule reason length_ratio)
+                "target_longer_above": above["target_longer_above"], "source_longer_above": above["source_longer_above"],
+                "sample_dropped": round(self.sample_dropped, 4), "misalignment": self.misalignment.report(),
+                "target_longer": self.target_longer.report(), "source_longer": self.source_longer.report()}
+
+    def describe(self) -> str:
+        thresholds = self.to_json()
+        return (f"scored by {self.engine}; thresholds from {self.sample_pairs:,} sample pairs: misalignment above "
+                f"{thresholds['misaligned_above']} → model_misaligned, overrun above {thresholds['target_longer_above']} "
+                f"(target longer) or below -{thresholds['source_longer_above']} (source longer) → partly_aligned "
+                f"({round(self.sample_dropped, 4):.1%} of the sample)")
+
+    def loose(self, clean_loss: float) -> list[str]:
+        """What to warn of: a threshold whose estimated loss of good pairs is over twice its budget
+        (`clean_loss`, half of it each way for the overrun). The estimate is loose where the models
+        barely tell the corpus's pairs from the made-up bad ones (a weak model: a 100-step one,
+        forward only, dropped 29% of clean Multi30k at an estimated 4.9%)."""
+        out = []
+        for score, rule, budget in (("misalignment", self.misalignment, clean_loss),
+                                    ("target longer", self.target_longer, clean_loss / 2),
+                                    ("source longer", self.source_longer, clean_loss / 2)):
+            estimate = 0.0 if rule is None else round(rule.clean_loss, 4)
+            if estimate > 2 * budget:
+                out.append(f"the {score} threshold may drop good pairs: {estimate:.1%} of them by the estimate "
+                           f"(clean_loss {budget:.2%}), {round(self.sample_dropped, 4):.1%} of the sample in all; the "
+                           "models barely tell this corpus's pairs from made-up bad ones: better models (forward "
+                           "and backward), or the filter off")
+        return out
+
+
 def _share_above(values: np.ndarray, points: np.ndarray) -> np.ndarray:
     """(points,) the share of `values` above each point."""
     return 1 - np.searchsorted(np.sort(values), points, side="right") / max(len(values), 1)
@@ -398,15 +448,14 @@ def learn_threshold(real: np.ndarray, made_up: np.ndarray, recall: float, clean_
 
 
 def learn_model_filter(rule: Any, models: list[Models], src: list[str], tgt: list[str],
-                       seed: int, threads: int = 0) -> tuple[ModelFilter, dict]:
+                       seed: int, threads: int = 0) -> tuple[ModelFilter, LearnedThresholds]:
     """The filter with thresholds learned from the sample pairs `src`/`tgt` (`rule`: the config's
     data.filters.model), and what was learned, for the report."""
     found = ModelFilter(models, rule.batch_tokens, threads=threads)
     engine = found.use_engine(rule.engine)
     n = len(src)
     if n < 2:
-        return found, {"sample_pairs": n, "engine": engine, "misaligned_above": None, "target_longer_above": None,
-                       "source_longer_above": None}
+        return found, LearnedThresholds(n, engine)
     rng = random.Random(seed)
     other = np.array([(i + 1 + rng.randrange(n - 1)) % n for i in range(n)])  # another pair, never the same
     real = found.scores(src, tgt)
@@ -447,32 +496,5 @@ def learn_model_filter(rule: Any, models: list[Models], src: list[str], tgt: lis
         above["misalignment"] = learned["misalignment"].value
     found.misaligned_above = above["misalignment"]
     found.target_longer_above, found.source_longer_above = above["target"], above["source"]
-    return found, {
-        "sample_pairs": n,
-        "engine": engine,
-        "misaligned_above": round(above["misalignment"], 4),
-        "median_length_ratio": round(found.length_ratio, 4),  # (not the rule reason length_ratio)
-        "target_longer_above": round(above["target"], 4),
-        "source_longer_above": round(above["source"], 4),
-        "sample_dropped": round(float(np.mean(~kept(real, ""))), 4),
-        "misalignment": learned["misalignment"].report(),
-        "target_longer": learned["target"].report(),
-        "source_longer": learned["source"].report(),
-    }
-
-
-def loose_thresholds(learned: dict, clean_loss: float) -> list[str]:
-    """What to warn of in what `learn_model_filter` learned: a threshold whose estimated loss of good
-    pairs is over twice its budget (`clean_loss`, half of it each way for the overrun). The estimate
-    is loose where the models barely tell the corpus's pairs from the made-up bad ones (a weak model:
-    a 100-step one, forward only, dropped 29% of clean Multi30k at an estimated 4.9%)."""
-    out = []
-    for score, budget in (("misalignment", clean_loss), ("target_longer", clean_loss / 2),
-                          ("source_longer", clean_loss / 2)):
-        estimate = learned.get(score, {}).get("clean_loss", 0.0)
-        if estimate > 2 * budget:
-            out.append(f"the {score.replace('_', ' ')} threshold may drop good pairs: {estimate:.1%} of them by the "
-                       f"estimate (clean_loss {budget:.2%}), {learned.get('sample_dropped', 0):.1%} of the sample in "
-                       "all; the models barely tell this corpus's pairs from made-up bad ones: better models "
-                       "(forward and backward), or the filter off")
-    return out
+    return found, LearnedThresholds(n, engine, learned["misalignment"], learned["target"], learned["source"],
+                                    found.length_ratio, float(np.mean(~kept(real, ""))))
