@@ -428,7 +428,7 @@ def test_a_plan_check_that_fails_times_the_shapes_again_and_goes_on_or_starts_af
 def test_a_named_shape_trains_at_its_measured_learning_rate_unless_train_lr_is_given(size, tmp_path):
     def resolved(*overrides: str, resume: bool = False, checkpoint: Path = tmp_path / "none.pt"):
         config = load_config(None, [f"model.size={size}", *overrides])
-        return shape_choice.resolve_size(config, resume, checkpoint, lambda: None, print)[0]
+        return shape_choice.resolve_size(config, resume, checkpoint, print)
 
     shape = SHAPES[size]
     for batch in (1000, 3000):

@@ -632,34 +632,31 @@ def record_check(run: RunDirectory, check: dict) -> None:
 
 
 def resolve_size(config: ExperimentConfig, resume: bool, last_checkpoint: Path,
-                 choose_now: Callable[[], tuple[ExperimentConfig, float, PlanCheck | None]],
-                 say: Callable[[str], None]) -> tuple[ExperimentConfig, float, PlanCheck | None]:
+                 say: Callable[[str], None]) -> ExperimentConfig | None:
     """The config `tfm train` trains: as given, with a named shape's learning rate where train.lr is
-    not given; under model.size auto, the resumed run's shape, or the one chosen now (`choose_now`).
-    Returns it, the seconds a probe spent and what the run checks the probe's plan against (a new
-    `auto` run only: a resumed run never re-plans into another shape)."""
+    not given; under model.size auto, the resumed (or fine-tuned) run's shape; None where model.size
+    auto is to time the shapes now (`choose_shape`): a new run."""
     if config.model.size not in (AUTO, STUDENT) and not resume:
         warn_if_slower_than_teacher(config, say)
     if config.model.size in SHAPES:  # a named shape trains at its measured learning rate, as under auto...
         lr = lr_of_choice(config, SHAPES[config.model.size], config.train.max_tokens)
         if lr and resume and last_checkpoint.exists():  # ...and a resumed run at the one it started with
             lr = TrainedSettings.read(last_checkpoint).lr or lr
-        return (config.model_copy(update={"train": config.train.model_copy(update={"lr": lr})}) if lr else config), \
-            0.0, None
+        return config.model_copy(update={"train": config.train.model_copy(update={"lr": lr})}) if lr else config
     if config.model.size == STUDENT:
-        return student_config(config, resume and last_checkpoint.exists(), last_checkpoint, say), 0.0, None
+        return student_config(config, resume and last_checkpoint.exists(), last_checkpoint, say)
     if config.model.size != AUTO:
-        return config, 0.0, None
+        return config
     if resume and last_checkpoint.exists():
         resumed = shape_of_run(config, last_checkpoint)
         name = resumed.model.size or "its own shape"
         say(f"model.size auto: resuming the shape this run chose, {name} (d_model {resumed.model.d_model}, "
             f"{resumed.model.enc_layers}+{resumed.model.dec_layers} layers, FFN {resumed.model.d_ff})")
-        return resumed, 0.0, None
+        return resumed
     if config.train.init_from:
         parent = checkpoint_at(config.train.init_from)
         started = shape_of_run(config, parent, keep_batch=False)
         say(f"model.size auto: fine-tuning keeps the shape of {parent} (d_model {started.model.d_model}, "
             f"{started.model.enc_layers}+{started.model.dec_layers} layers, FFN {started.model.d_ff})")
-        return started, 0.0, None
-    return choose_now()
+        return started
+    return None

@@ -573,9 +573,11 @@ def train(config: ExperimentConfig, resume: bool = False, progress_bar: bool = T
         device = join(world, resolve_device(config.train.device))
         with run_lock(world, device, config.run_path):
             say = TrainingConsole(world.rank == 0, False, lambda error: None).print
-            asked = config
-            config, probe_seconds, plan_check = resolve_size(config, resume, config.run.last_checkpoint,
-                                                             lambda: probe_shapes(config, world, device, say), say)
+            asked, probe_seconds, plan_check = config, 0.0, None
+            resolved = resolve_size(asked, resume, asked.run.last_checkpoint, say)
+            if resolved is None:  # model.size auto on a new run: the shapes are timed here
+                resolved, probe_seconds, plan_check = probe_shapes(asked, world, device, say)
+            config = resolved
             budget = config.train.max_time
             if probe_seconds and budget is not None and probe_seconds >= parse_duration(budget):
                 # without this, 0 steps, exit 0 and an untrained checkpoint that translate would use
