@@ -230,7 +230,7 @@ def test_the_report_adds_up_and_the_dropped_file_names_every_dropped_pair(noisy,
     report = json.loads((tmp_path / "run" / "prepare_report.json").read_text())
     assert report["pairs_read"] == len((out / "train.labels").read_text().split())
     assert report["pairs_read"] == report["pairs_kept"] + sum(report["dropped"].values())
-    assert report["pairs_kept"] == result.manifest["stats"]["train"]["src"]["lines"]
+    assert report["pairs_kept"] == result.manifest.stats["train"]["src"]["lines"]
     assert list(report["dropped"]) == list(REASONS)  # in the order the filters run
     lines = [json.loads(line) for line in dropped_file.read_text().splitlines()]
     assert collections.Counter(d["reason"] for d in lines) == {k: v for k, v in report["dropped"].items() if v}

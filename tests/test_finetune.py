@@ -35,7 +35,7 @@ def test_a_fine_tuned_child_starts_from_its_parent_with_a_fresh_optimizer(revers
                                           init_from=str(parent_summary.best_checkpoint)))
     manifest = prepare(child, progress=False).manifest
     assert (tmp_path / "child/run/spm.model").read_bytes() == (parent_run / "spm.model").read_bytes()
-    assert manifest["vocab_from"] == str(parent_run.resolve())
+    assert manifest.vocab_from == str(parent_run.resolve())
 
     summary = train(child, progress_bar=False)
     last = load_checkpoint(tmp_path / "child/run/checkpoints/checkpoint_last.pt")

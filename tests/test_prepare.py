@@ -45,11 +45,11 @@ def test_binary_round_trip_decodes_to_the_original(prepared):
 
 def test_valid_and_test_line_counts_kept(prepared):
     config, result = prepared
-    stats = result.manifest["stats"]
+    stats = result.manifest.stats
     for split, prefix in (("valid", config.data.valid), ("test", config.data.test)):
         for side, lang in (("src", "de"), ("tgt", "en")):
             assert stats[split][side]["lines"] == len(read_lines(f"{prefix}.{lang}.gz"))
-    dropped = sum(result.manifest["train_pairs_dropped"].values())
+    dropped = sum(result.manifest.train_pairs_dropped.values())
     assert stats["train"]["src"]["lines"] == 2000 - dropped
 
 
@@ -58,7 +58,7 @@ def test_summary_and_idempotent_rerun(prepared):
     config, result = prepared
     assert "unk%" in result.summary and "train" in result.summary
     again = prepare(config, progress=False)
-    assert again.reused and again.manifest["fingerprint"] == result.manifest["fingerprint"]
+    assert again.reused and again.manifest.fingerprint == result.manifest.fingerprint
     forced = prepare(config, force=True, progress=False)
     assert not forced.reused
 
@@ -79,9 +79,9 @@ def test_filters_long_and_empty_pairs(multi30k_2k, tmp_path):
     raw["data"]["max_len"] = 150
     raw["data"]["filters"] = {"length": {"max_sentences": 20}}  # the pieces' bound must meet the long line
     result = prepare(config_from_dict(raw), progress=False)
-    assert result.manifest["train_pairs_dropped"]["empty"] == 2
-    assert result.manifest["train_pairs_dropped"]["too_long"] == 1
-    assert result.manifest["stats"]["valid"]["src"]["lines"] == 2  # the empty line is kept
+    assert result.manifest.train_pairs_dropped["empty"] == 2
+    assert result.manifest.train_pairs_dropped["too_long"] == 1
+    assert result.manifest.stats["valid"]["src"]["lines"] == 2  # the empty line is kept
 
 
 def test_mismatched_line_counts_is_a_clear_error(multi30k_2k, tmp_path):
@@ -160,9 +160,9 @@ def test_parallel_workers_write_the_same_files_as_one_process(multi30k_2k, tmp_p
     for workers in (1, 2):
         raw = multi30k_config(multi30k_2k, tmp_path / f"w{workers}", prepare={"workers": workers, "chunk_lines": 150})
         result = prepare(config_from_dict(raw), progress=False)
-        assert result.manifest["workers"] == workers
-        outputs.append((_prepared_arrays(tmp_path / f"w{workers}"), result.manifest["stats"],
-                        result.manifest["train_pairs_dropped"]))
+        assert result.manifest.workers == workers
+        outputs.append((_prepared_arrays(tmp_path / f"w{workers}"), result.manifest.stats,
+                        result.manifest.train_pairs_dropped))
     assert outputs[0] == outputs[1]
     assert _pieces(tmp_path / "w1/spm.model") == _pieces(tmp_path / "w2/spm.model")
     # The same settings again: the same vocabulary file, byte for byte (it records the thread count,
@@ -200,9 +200,9 @@ def test_vocab_sample_is_uniform_aligned_and_in_corpus_order(tmp_path):
 def test_small_vocab_sample_still_builds_a_working_vocab(multi30k_2k, tmp_path):
     raw = multi30k_config(multi30k_2k, tmp_path / "run", vocab={"size": 500, "input_sentence_size": 600})
     result = prepare(config_from_dict(raw), progress=False)
-    assert result.manifest["vocab_sample_pairs"] == 300  # joint: half the sentences from each side
-    assert result.manifest["train_pairs_read"] == 2000
-    assert result.manifest["stats"]["test"]["tgt"]["unk_rate"] < 0.01
+    assert result.manifest.vocab_sample_pairs == 300  # joint: half the sentences from each side
+    assert result.manifest.train_pairs_read == 2000
+    assert result.manifest.stats["test"]["tgt"]["unk_rate"] < 0.01
 
 
 def test_npy_appender_round_trip_and_abort(tmp_path):
@@ -251,15 +251,15 @@ def test_several_training_corpora_prepare_as_their_concatenation(multi30k_2k, tm
     two = prepare(config_from_dict(multi30k_config(
         multi30k_2k, tmp_path / "two", data={"train": [str(parts / "a"), str(parts / "b")]}, vocab=vocab)),
         progress=False)
-    assert two.manifest["train_pairs_read"] == one.manifest["train_pairs_read"] == 2000
+    assert two.manifest.train_pairs_read == one.manifest.train_pairs_read == 2000
     assert _pieces(tmp_path / "two/spm.model") == _pieces(tmp_path / "one/spm.model")
     assert _prepared_arrays(tmp_path / "two") == _prepared_arrays(tmp_path / "one")
-    assert two.manifest["files"]["train"] == [str(parts / f"{c}.{lang}") for c in "ab" for lang in ("de", "en")]
+    assert two.manifest.files["train"] == [str(parts / f"{c}.{lang}") for c in "ab" for lang in ("de", "en")]
     # train_limit counts pairs over all the corpora.
     limited = prepare(config_from_dict(multi30k_config(
         multi30k_2k, tmp_path / "limited", data={"train": [str(parts / "a"), str(parts / "b")],
                                                   "train_limit": 1500})), progress=False)
-    assert limited.manifest["train_pairs_read"] == 1500
+    assert limited.manifest.train_pairs_read == 1500
     # The second corpus's files disagree: the error names them, not the first corpus's.
     (parts / "b.en").write_text("".join(lines[1200:1999]))
     raw = multi30k_config(multi30k_2k, tmp_path / "bad", data={"train": [str(parts / "a"), str(parts / "b")]})

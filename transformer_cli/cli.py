@@ -186,13 +186,13 @@ def prepare(
     if result.reused:
         say(f"{result.run_dir}: up to date, reused existing vocab and data (--force to rebuild)")
     else:
-        say(f"prepared {result.run_dir} in {m['seconds']:.1f}s; vocab {m['vocab_size']['src']} "
+        say(f"prepared {result.run_dir} in {m.seconds:.1f}s; vocab {m.vocab_size['src']} "
             f"({'joint' if cfg.vocab.joint else 'separate'}); report {cfg.run.cleaning_report}"
             + (f"; dropped pairs in {dropped}" if dropped is not None else ""))
         say(result.cleaning.table())
         for warning in result.cleaning.warnings():
             warn(f"WARNING: {warning}")
-    for split, cut in m.get("truncated", {}).items():
+    for split, cut in m.truncated.items():
         warn(f"warning: data.{split}: {cut['count']} pair(s) longer than {cut['max_tokens']} tokens "
              f"(model.max_positions - 2) kept but truncated; line(s) {', '.join(map(str, cut['lines']))}"
              f"{' …' if cut['count'] > len(cut['lines']) else ''}")

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from ..experiment.config import ExperimentConfig, config_to_yaml
 from ..experiment.directions import Direction, sampling_rates, tag, tag_piece
-from ..experiment.rundir import SIDES, SPLITS, RunDirectory, checkpoint_at
+from ..experiment.rundir import SIDES, SPLITS, Manifest, RunDirectory, checkpoint_at
 from ..experiment.runlock import LOCK_NAME, RunLock
 from ..model.lengths import source_token_limit
 from ..model.special_tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
@@ -171,7 +171,7 @@ class PrepareResult:
     run_dir: Path
     reused: bool
     summary: str
-    manifest: dict
+    manifest: Manifest
     discarded: Path | None = None  # where the run's earlier training went (discard_checkpoints)
     cleaning: CleaningReport | None = None  # what the training-pair filters dropped (None: reused)
 
@@ -478,16 +478,16 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
     manifest_path = run.manifest_file
     fingerprint = _fingerprint(config, parent)
     if manifest_path.is_file() and not force:
-        manifest = json.loads(manifest_path.read_text())
+        reused = run.load_manifest()
         expected = [run.binary_stem(sp, si) for sp in SPLITS for si in SIDES]
         files_ok = all(array_path(p, n).is_file() for p in expected for n in ("tokens", "offsets")) and all(
             p.is_file() for p in run.vocab_files(config.vocab.joint).values())
-        if manifest.get("fingerprint") == fingerprint and files_ok:
+        if reused.fingerprint == fingerprint and files_ok:
             if dropped_file is not None:
                 raise TfmError(f"--dropped {dropped_file}: {run_dir} is already prepared with these settings, so "
                                f"no pair is filtered again (what was dropped is counted in {run.cleaning_report}); "
                                "add --force to filter again")
-            return PrepareResult(run_dir, True, _summary_table(manifest["stats"]), manifest)
+            return PrepareResult(run_dir, True, _summary_table(reused.stats), reused)
 
     discarded = _make_room(run, force, discard_checkpoints)
     started = time.perf_counter()
@@ -559,7 +559,8 @@ def _prepare(config: ExperimentConfig, force: bool, progress: bool, parent: Pare
         "seconds_vocab": round(vocab_seconds, 2),  # sampling pass + sentencepiece training
     }
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2))
-    return PrepareResult(run_dir, False, _summary_table(stats), manifest, discarded, cleaning.report)
+    return PrepareResult(run_dir, False, _summary_table(stats), Manifest.from_json(manifest, manifest_path), discarded,
+                         cleaning.report)
 
 
 def _direction_ranges(config: ExperimentConfig, per_direction: dict[str, list[int]]) -> list[dict]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import re
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -243,12 +243,6 @@ class Glossary:
         if not fired:
             return terms
         return replace(terms, constraints=unique(terms.constraints + tuple(t for _, t in fired)), glossary=fired)
-
-
-def read_constraint_lines(lines: Iterator[str], name: str) -> Iterator[tuple[str, LineTerms]]:
-    """`split_constraints_line` over an input's lines, each error naming `name` and the line."""
-    for number, line in enumerate(lines, start=1):
-        yield split_constraints_line(line, f"{name}: line {number}")
 
 
 @dataclass(frozen=True)

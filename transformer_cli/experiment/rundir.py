@@ -67,18 +67,30 @@ def step_name(step: int) -> str:
 
 @dataclass(frozen=True)
 class Manifest:
-    """prepare.json as the other commands read it back (an older run's, or an imported one's, lacks
-    some keys: they default here)."""
+    """prepare.json as it is read back (`tfm prepare` writes it; an older run's, or an imported one's,
+    lacks some keys: they default here)."""
 
     vocab: dict[str, str]  # side → its sentencepiece model's file name in the run
     vocab_size: dict[str, int]
-    files: dict[str, list[str]] = field(default_factory=dict)  # split → source, target, … of each direction
-    shared_ids: bool = False  # two sentencepiece models over one id map (an imported Marian model's)
-    data_digest: str | None = None  # of the encoded data: checkpoints carry it, --resume checks it
-    tagged: bool = False  # a multilingual run's sources begin with their target language's tag
-    directions: list[dict] = field(default_factory=list)  # each direction's [start, end) of each split
     fingerprint: str | None = None  # of everything prepare read: a re-run with the same reuses the run
+    src_lang: str = ""
+    tgt_lang: str = ""
+    vocab_from: str | None = None  # vocab.from_run's run, resolved
+    shared_ids: bool = False  # two sentencepiece models over one id map (an imported Marian model's)
+    special_ids: dict[str, int] = field(default_factory=dict)
+    directions: list[dict] = field(default_factory=list)  # each direction's [start, end) of each split
+    tagged: bool = False  # a multilingual run's sources begin with their target language's tag
+    files: dict[str, list[str]] = field(default_factory=dict)  # split → source, target, … of each direction
+    train_pairs_read: int = 0
+    train_pairs_dropped: dict[str, int] = field(default_factory=dict)  # reason → pairs
+    truncated: dict[str, dict] = field(default_factory=dict)  # valid/test pairs cut to the model's positions
+    vocab_sample_pairs: int = 0
+    workers: int = 1
     stats: dict = field(default_factory=dict)  # per split and side: lines, tokens, unk rate
+    data_digest: str | None = None  # of the encoded data: checkpoints carry it, --resume checks it
+    seconds: float = 0.0
+    seconds_vocab: float = 0.0  # sampling pass + sentencepiece training
+    imported_from: dict | None = None
 
     @classmethod
     def from_json(cls, record: dict, path: Path) -> Manifest:
