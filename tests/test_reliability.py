@@ -535,3 +535,18 @@ def test_a_config_that_is_not_a_regular_file_says_what_it_is(tmp_path, kind):
         os.mkfifo(path)
     with pytest.raises(TfmError, match="a directory" if kind == "directory" else "not a regular file"):
         load_config(path)
+
+
+@pytest.mark.parametrize("manifest", ['{"vocab": {"src": "spm.mo', '["not", "a", "manifest"]', '{"files": {}}'])
+def test_a_torn_or_foreign_prepare_json_is_one_line_naming_it_for_every_command_that_reads_it(tiny_prepared, tmp_path,
+                                                                                             manifest):
+    """A kill cannot tear prepare.json (written atomically), but an edit or another program can: train,
+    shortlist and distill read it back as a record, and say which file is wrong, writing nothing."""
+    config = tiny_run(tiny_prepared, tmp_path, max_steps=3)
+    (tmp_path / "run" / "prepare.json").write_text(manifest)
+    for command in ("train", "shortlist", "distill"):
+        result = tfm_in_process(command, "--config", config)
+        assert result.exit_code == 2, (command, result.stderr)
+        assert result.stderr.count("\n") == 1 and "prepare.json" in result.stderr and "tfm prepare" in result.stderr, \
+            (command, result.stderr)
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "shortlist.txt").exists()
