@@ -255,3 +255,25 @@ def test_a_document_step_past_its_deadline_is_killed_and_a_refusal_comes_back_as
     assert asyncio.run(processes.run(os.getpid, (), soon, large)) != first
     assert asyncio.run(processes.run(os.getpid, (), soon)) == os.getpid()  # a small text: on a thread
     processes.close()
+
+
+def test_a_document_read_past_the_request_timeout_is_504_and_the_next_documents_are_served(reverse_model):
+    """The deadline reaches the document processes through the server: a document whose reading runs
+    past --request-timeout gets 504 with the line saying so, its process is killed, and the next
+    documents (a small one on a thread, one over 16 kB in the process that took its place) are served."""
+    from transformer_cli.serve.documents import IN_THREAD_CHARS
+
+    server = Server(reverse_model[1].best_checkpoint, "--request-timeout", "0.5")
+    try:
+        slow = b"<p>" + b"<b>wa</b> " * 100_000 + b"</p>"  # 1 MB of markup: ~1.8 s to read on a Zen 4
+        status, answer, seconds = send(server.port, slow, path="/translate/file?name=a.html", timeout=60)
+        assert status == 504 and "reading the document ran past 0.5 s" in answer["error"], (status, answer)
+        assert seconds < 10, seconds
+        small = b"<p>wa wb</p>"
+        large = b"<!-- " + b"x" * IN_THREAD_CHARS + b" --><p>wa wb</p>"
+        for body in (small, large):
+            status, answer, _ = send(server.port, body, path="/translate/file?name=b.html", timeout=60)
+            assert status == 200 and answer["text"].count("<p>") == 1, (len(body), status, answer)
+    finally:
+        code, stderr = server.stop()
+    assert code == 0 and "Traceback" not in stderr, stderr
