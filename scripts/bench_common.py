@@ -3,6 +3,7 @@ identical shape, built from one tfm config (random init, no downloads)."""
 
 from __future__ import annotations
 
+import os
 import platform
 
 import torch
@@ -12,6 +13,21 @@ from transformer_cli.model.special_tokens import BOS_ID, EOS_ID, PAD_ID
 from transformer_cli.model.transformer import Transformer, ffn_dropout
 from transformer_cli.runtime.cpu import cpu_model_name
 from transformer_cli.training.train import build_model
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and all its descendants."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                stack.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return total
 
 
 def tfm_model(config: ExperimentConfig, vocab_size: int) -> Transformer:

@@ -14,7 +14,8 @@ references for the same time). Each model is exported (`tfm export`, the student
 `--quantization int8` and its run's shortlist if it has one) and translated by `tfm translate
 --model DIR` as a user would, `--repeats` times, the median decoding time taken from its own report
 (start-up excluded), on the source `--times` times over; one core = `taskset -c 0` and `--workers
-1`, all cores = `--workers auto`.
+1`, all cores = `--workers auto`. Peak memory: the most the command's processes (it and its decoding
+workers) held resident at once, sampled every 50 ms, the largest of the repeats.
 words/s counts the source's words (whitespace-separated), as Bergamot's figures do.
 """
 
@@ -27,10 +28,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_common import tree_rss  # noqa: E402
 
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
@@ -47,18 +52,25 @@ def export(checkpoint: Path, out: Path, quantization: str) -> Path:
     return out
 
 
-def translate(model: Path, src: Path, out: Path, beam: int, cores: str, shortlist: bool) -> float:
-    """Seconds `tfm translate` reports decoding took."""
+def translate(model: Path, src: Path, out: Path, beam: int, cores: str, shortlist: bool) -> tuple[float, int]:
+    """Seconds `tfm translate` reports decoding took, and the peak resident bytes of its processes."""
     command = [*TFM, "translate", "--model", str(model), "-i", str(src), "-o", str(out), "--beam", str(beam),
                "--set", f"decode.shortlist={str(shortlist).lower()}"]
     if cores == "1":
         command = ["taskset", "-c", "0", *command, "--workers", "1"]
-    run = subprocess.run(command, capture_output=True, text=True,
-                         env={**os.environ, **({"OMP_NUM_THREADS": "1"} if cores == "1" else {})})
-    found = REPORT.search(run.stderr)
-    if run.returncode != 0 or not found:
-        raise TfmError(f"tfm translate --model {model}: {run.stderr.strip()[-300:]}")
-    return max(float(found.group(2)), 0.05)  # tenths of a second: 0.0 means under 0.05 s (raise --times)
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True,
+                                   env={**os.environ, **({"OMP_NUM_THREADS": "1"} if cores == "1" else {})})
+        peak = 0
+        while process.poll() is None:
+            peak = max(peak, tree_rss(process.pid))
+            time.sleep(0.05)
+        log.seek(0)
+        stderr = log.read()
+    found = REPORT.search(stderr)
+    if process.returncode != 0 or not found:
+        raise TfmError(f"tfm translate --model {model}: {stderr.strip()[-300:]}")
+    return max(float(found.group(2)), 0.05), peak  # tenths of a second: 0.0 means under 0.05 s (raise --times)
 
 
 def main() -> None:
@@ -100,19 +112,20 @@ def main() -> None:
         if args.baseline:
             arms.append(("baseline (references)", "baseline", args.student_beam, False))
         print(f"{'model':<32} {'beam':>4} {'BLEU':>6} {'1 core s/s':>10} {'words/s':>8} {'2 cores s/s':>11} "
-              f"{'words/s':>8}")
+              f"{'words/s':>8} {'peak MB 1 core':>14} {'2 cores':>8}")
         results = {}
         for label, model, beam, shortlist in arms:
             out = tmp / f"{label}.txt"
-            speeds = {}
+            speeds, peaks = {}, {}
             for cores in ("1", "all"):
-                seconds = statistics.median(translate(models[model], src, out, beam, cores, shortlist)
-                                            for _ in range(args.repeats))
-                speeds[cores] = len(refs) * args.times / seconds
+                runs = [translate(models[model], src, out, beam, cores, shortlist) for _ in range(args.repeats)]
+                speeds[cores] = len(refs) * args.times / statistics.median(seconds for seconds, _ in runs)
+                peaks[cores] = max(peak for _, peak in runs) / 1e6
             bleu = sacrebleu.corpus_bleu(read_lines(out)[:len(refs)], [refs]).score
             results[label] = (bleu, speeds)
             print(f"{label:<32} {beam:>4} {bleu:>6.2f} {speeds['1']:>10.1f} {speeds['1'] * words / len(refs):>8.0f} "
-                  f"{speeds['all']:>11.1f} {speeds['all'] * words / len(refs):>8.0f}", flush=True)
+                  f"{speeds['all']:>11.1f} {speeds['all'] * words / len(refs):>8.0f} {peaks['1']:>14.0f} "
+                  f"{peaks['all']:>8.0f}", flush=True)
         teacher, student = results["teacher"], results["student"]
         print(f"\nstudent keeps {100 * student[0] / teacher[0]:.1f}% of the teacher's BLEU (target ≥ 97%)")
         for cores in ("1", "all"):

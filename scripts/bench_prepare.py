@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import random
 import resource
 import subprocess
@@ -39,6 +38,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench_common import tree_rss  # noqa: E402
+
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
 from transformer_cli.runtime.files import scratch_directory  # noqa: E402
@@ -64,21 +65,6 @@ def make_corpus(folder: Path, pairs: int, seed: int = 0) -> Path:
                 out.write(" ".join(words) + "\n")
     (folder / "done").write_text(str(pairs))
     return prefix
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and all its descendants."""
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                stack.extend(int(c) for c in f.read().split())
-        except (OSError, ValueError):
-            continue
-    return total
 
 
 FILTER_KEYS = ("text", "length", "copies", "characters", "repeats", "numbers", "language", "lexical", "duplicates")
