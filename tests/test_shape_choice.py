@@ -30,6 +30,22 @@ from transformer_cli.training.train import train
 # --------------------------------------------------------------------------- the config
 
 
+def test_the_named_shapes_the_config_s_keys_and_the_model_take_one_definition_of_a_shape():
+    """model/shape.py: the named shapes and the model's constructor arguments are `Shape`s, the config's
+    shape keys default to its values, and every other key of the model section is an argument of the model."""
+    from transformer_cli.experiment.config import ModelConfig
+    from transformer_cli.model.shape import SHAPE_KEYS, Shape
+    from transformer_cli.model.transformer import TransformerConfig
+
+    assert SHAPE_KEYS == tuple(field.name for field in dataclasses.fields(Shape))
+    assert all(isinstance(shape, Shape) for shape in SHAPES.values()) and issubclass(TransformerConfig, Shape)
+    assert {key: getattr(ModelConfig(), key) for key in SHAPE_KEYS} == Shape().keys()
+    assert set(ModelConfig.model_fields) - {"size"} == {field.name for field in dataclasses.fields(TransformerConfig)} \
+        - {"src_vocab_size", "tgt_vocab_size", "pad_id"}
+    with pytest.raises(TypeError):  # the vocabularies are named, never a shape key's place taken by position
+        TransformerConfig(30, 30)  # type: ignore[misc]
+
+
 def test_a_name_fills_the_shape_keys_and_refuses_keys_that_say_otherwise():
     cfg = load_config(None, ["model.size=d192", "model.enc_layers=3"])
     assert cfg.model.size == "d192"
@@ -85,14 +101,14 @@ def timings(seconds: dict[str, float], tokens: float = 2800.0) -> list[ShapeTimi
 
 
 def test_the_prediction_follows_each_measured_curve():
-    shape = NamedShape("x", 64, 2, 1, 1, 128, curve=((1.0, 10.0), (4.0, 30.0)))
+    shape = NamedShape(name="x", d_model=64, n_heads=2, enc_layers=1, dec_layers=1, d_ff=128, curve=((1.0, 10.0), (4.0, 30.0)))
     assert shape.predicted_bleu(0.5) == pytest.approx(5.0)  # proportional below the first point
     assert shape.predicted_bleu(2.0) == pytest.approx(20.0)  # linear in log(tokens): halfway
     assert shape.predicted_bleu(100.0) == 30.0  # never above what was measured
 
 
 def test_a_batch_reads_the_curve_of_the_largest_measured_batch_it_reaches():
-    shape = NamedShape("x", 64, 2, 1, 1, 128, curve=((1.0, 10.0), (4.0, 30.0)),
+    shape = NamedShape(name="x", d_model=64, n_heads=2, enc_layers=1, dec_layers=1, d_ff=128, curve=((1.0, 10.0), (4.0, 30.0)),
                        larger_batches=((3000, ((1.0, 20.0), (4.0, 40.0))), (6000, ((1.0, 25.0), (4.0, 45.0)))))
     assert shape.predicted_bleu(4.0) == shape.predicted_bleu(4.0, 2999) == 30.0  # below 3,000: the base curve
     assert shape.predicted_bleu(4.0, 3000) == shape.predicted_bleu(4.0, 5999) == 40.0
@@ -171,9 +187,9 @@ def test_evaluations_spend_the_budget_the_updates_are_predicted_from():
 
 
 def test_dropout_rises_only_for_a_budget_past_where_the_shape_overfit():
-    shape = NamedShape("x", 64, 2, 1, 1, 128, curve=((1.0, 10.0),), overfits_after=6e6)
+    shape = NamedShape(name="x", d_model=64, n_heads=2, enc_layers=1, dec_layers=1, d_ff=128, curve=((1.0, 10.0),), overfits_after=6e6)
     assert shape.dropout_for(6e6) == CURVE_DROPOUT and shape.dropout_for(6e6 + 1) == LONG_BUDGET_DROPOUT
-    assert NamedShape("y", 64, 2, 1, 1, 128, curve=((1.0, 10.0),)).dropout_for(1e12) == CURVE_DROPOUT  # never seen
+    assert NamedShape(name="y", d_model=64, n_heads=2, enc_layers=1, dec_layers=1, d_ff=128, curve=((1.0, 10.0),)).dropout_for(1e12) == CURVE_DROPOUT  # never seen
     d256 = SHAPES["d256"]
     auto = load_config(None, ["model.size=auto"])
     timing = ShapeTiming("d256", 1.0, 2800.0, "fp32")

@@ -290,7 +290,7 @@ def test_logits_for_target_rows_equal_the_full_projection():
     from transformer_cli.training.loss import target_rows
 
     torch.manual_seed(0)
-    model = Transformer(TransformerConfig(30, 30, d_model=16, n_heads=2, enc_layers=1, dec_layers=1, d_ff=32)).eval()
+    model = Transformer(TransformerConfig(src_vocab_size=30, tgt_vocab_size=30, d_model=16, n_heads=2, enc_layers=1, dec_layers=1, d_ff=32)).eval()
     src = torch.tensor([[5, 6, 3], [7, 3, 0]])
     tgt_in, tgt_out = torch.tensor([[2, 8, 9], [2, 8, 0]]), torch.tensor([[8, 9, 3], [8, 3, 0]])
     rows, targets = target_rows(tgt_out)

@@ -12,12 +12,12 @@ from typing import Any
 import sentencepiece as spm
 import torch
 
+from ..model.shape import SHAPE_KEYS, Shape
 from ..model.transformer import Transformer, TransformerConfig
 from ..runtime.errors import TfmError
 from .config import ExperimentConfig, config_from_dict
 from .rundir import CHECKPOINT_FORMAT as FORMAT
 from .rundir import save_checkpoint as save_checkpoint  # (where every checkpoint is written)
-from .shapes import SHAPE_KEYS
 
 # What only checkpoint_last.pt holds (resuming needs it; translating does not).
 TRAINING_STATE = ("optimizer", "torch_rng", "torch_rng_ranks", "cuda_rng", "ema")
@@ -113,12 +113,12 @@ class TrainingState:
 
 @dataclass(frozen=True)
 class TrainedSettings:
-    """What a checkpoint says of how its model was trained, its weights left aside: the shape keys
-    (experiment/shapes.py SHAPE_KEYS; None each where an older or imported checkpoint does not say),
-    the target vocabulary, and of its config the size named, peak lr, batch tokens and dropout."""
+    """What a checkpoint says of how its model was trained, its weights left aside: its shape (None
+    where an older or imported checkpoint does not say it whole), the target vocabulary, and of its
+    config the size named, peak lr, batch tokens and dropout (each None where it does not say)."""
 
     path: Path
-    shape: dict[str, int | None]
+    shape: Shape | None
     tgt_vocab_size: int | None
     size: str | None
     lr: float | None
@@ -134,13 +134,10 @@ class TrainedSettings:
         def typed(value: Any, kind: type) -> Any:
             return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
-        return cls(path, {key: typed(trained.get(key), int) for key in SHAPE_KEYS},
-                   typed(trained.get("tgt_vocab_size"), int), typed(model.get("size"), str),
+        keys = {key: typed(trained.get(key), int) for key in SHAPE_KEYS}
+        return cls(path, None if None in keys.values() else Shape(**keys), typed(trained.get("tgt_vocab_size"), int), typed(model.get("size"), str),
                    typed(train.get("lr"), float), typed(train.get("max_tokens"), int),
                    typed(model.get("dropout"), (int, float)))
-
-    def has_shape(self) -> bool:
-        return all(value is not None for value in self.shape.values())
 
 
 def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..model.shape import Shape
 from ..runtime.errors import TfmError
 from ..runtime.files import CONFIG_NAME, MANIFEST_NAME
 from .directions import Direction, parse_direction
@@ -423,11 +424,12 @@ class ModelConfig(_Section):
     # a distilled student's shape, from its teacher's (the run vocab.from_run names) when tfm train
     # starts (experiment/shapes.py student_of); a shape key given beside it overrides that key.
     size: str | None = None
-    d_model: int = Field(512, ge=1)
-    n_heads: int = Field(8, ge=1)
-    enc_layers: int = Field(6, ge=1)
-    dec_layers: int = Field(6, ge=1)
-    d_ff: int = Field(2048, ge=1)
+    # The shape keys (model/transformer.py `Shape`: its defaults, the paper's base model)
+    d_model: int = Field(Shape.d_model, ge=1)
+    n_heads: int = Field(Shape.n_heads, ge=1)
+    enc_layers: int = Field(Shape.enc_layers, ge=1)
+    dec_layers: int = Field(Shape.dec_layers, ge=1)
+    d_ff: int = Field(Shape.d_ff, ge=1)
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # Dropout on the FFN's hidden activations (fairseq's activation_dropout); None: `dropout`. The

@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import TypeVar
 
-# The keys a shape fixes; the rest of the model section (dropout, norm position, …) is the config's.
-SHAPE_KEYS = ("d_model", "n_heads", "enc_layers", "dec_layers", "d_ff")
+from ..model.shape import SHAPE_KEYS, Shape
+
 AUTO = "auto"
 # A distilled student's shape, from its teacher's (the run `vocab.from_run` names): `student_of`.
 STUDENT = "student"
@@ -29,14 +29,12 @@ CURVE_DROPOUT = 0.1
 LONG_BUDGET_DROPOUT = 0.3
 
 
-@dataclass(frozen=True)
-class NamedShape:
+@dataclass(frozen=True, kw_only=True)
+class NamedShape(Shape):
+    """A shape of the table (its keys: model/transformer.py `Shape`; the rest of the model section,
+    dropout, norm position, …, is the config's) and what was measured of it."""
+
     name: str
-    d_model: int
-    n_heads: int
-    enc_layers: int
-    dec_layers: int
-    d_ff: int
     # (updates, valid greedy BLEU), ascending in updates, at the smallest batch measured
     curve: tuple[tuple[float, float], ...]
     # The peak learning rate the curve was measured with, which `auto` trains the shape with (unless
@@ -58,9 +56,6 @@ class NamedShape:
         own, unless the budget runs past where this shape overfit at it."""
         past = self.overfits_after is not None and batch_tokens > self.overfits_after
         return LONG_BUDGET_DROPOUT if past else CURVE_DROPOUT
-
-    def keys(self) -> dict[str, int]:
-        return {key: getattr(self, key) for key in SHAPE_KEYS}
 
     def describe(self) -> str:
         return (f"d_model {self.d_model}, {self.n_heads} heads, {self.enc_layers}+{self.dec_layers} layers, "
@@ -109,15 +104,17 @@ def _of_largest_batch_reached(smallest: T, larger: tuple[tuple[int, T], ...], ba
 # d256's from its dropout-0.1 run on the Zen 5; d128's 2,871 updates of 3,000 tokens at 0.1 still
 # bettered the valid BLEU at their last evaluation (no point seen), d192 was not run that long.
 SHAPES: dict[str, NamedShape] = {shape.name: shape for shape in (
-    NamedShape("d128", 128, 4, 3, 3, 512, lr=3e-3, curve=((500, 17.21), (750, 23.96), (1000, 27.86), (1250, 31.13),
-                                                          (1500, 32.72), (1750, 34.39), (2000, 35.43)),
+    NamedShape(name="d128", d_model=128, n_heads=4, enc_layers=3, dec_layers=3, d_ff=512, lr=3e-3,
+               curve=((500, 17.21), (750, 23.96), (1000, 27.86), (1250, 31.13), (1500, 32.72), (1750, 34.39),
+                      (2000, 35.43)),
                larger_batches=((3000, ((250, 11.02), (500, 26.68), (750, 31.96), (1000, 34.64), (1250, 36.64),
                                        (1500, 36.72), (1750, 38.14), (2000, 38.89), (2871, 39.92))),),
                # at 3,000-token batches 5e-3 beat 3e-3 at every evaluation of 15 minutes under AVX2 caps (test2016
                # 40.56 against 39.63); its curve stays the one measured at 3e-3, which errs low
                larger_batch_lr=((3000, 5e-3),)),
-    NamedShape("d192", 192, 4, 3, 3, 768, curve=((500, 18.62), (750, 25.79), (1024, 29.53))),
-    NamedShape("d256", 256, 4, 3, 3, 1024,
+    NamedShape(name="d192", d_model=192, n_heads=4, enc_layers=3, dec_layers=3, d_ff=768,
+               curve=((500, 18.62), (750, 25.79), (1024, 29.53))),
+    NamedShape(name="d256", d_model=256, n_heads=4, enc_layers=3, dec_layers=3, d_ff=1024,
                curve=((500, 19.34), (750, 26.68), (1001, 28.12), (1250, 30.70), (1500, 33.90), (1750, 34.55),
                       (2000, 35.33), (2750, 36.92)),
                larger_batches=((3000, ((356, 22.78), (1500, 38.58), (4250, 41.13))),),

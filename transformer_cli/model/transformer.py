@@ -21,17 +21,13 @@ from torch import nn
 
 from .decoder_state import AttentionCache, BeamKVCache, DecoderState, KVCache, LayerState, initial_decoder_state
 from .kernels import Dropout, attend, causal_mask
+from .shape import Shape
 
 
-@dataclass
-class TransformerConfig:
+@dataclass(frozen=True, kw_only=True)
+class TransformerConfig(Shape):
     src_vocab_size: int
     tgt_vocab_size: int
-    d_model: int = 512
-    n_heads: int = 8
-    enc_layers: int = 6
-    dec_layers: int = 6
-    d_ff: int = 2048
     dropout: float = 0.1
     attention_dropout: float = 0.0
     activation_dropout: float | None = None  # on the FFN's hidden activations; None: `dropout`

@@ -26,7 +26,7 @@ from ..data.model_filter import FOLDS, fold_of, self_trained_runs
 from ..data.prepare import direction_corpora, prepare
 from ..experiment.config import ExperimentConfig, config_from_dict
 from ..experiment.runlock import RunLock
-from ..experiment.shapes import SHAPE_KEYS
+from ..model.shape import SHAPE_KEYS
 from ..runtime.console import say
 from ..runtime.errors import TfmError
 from ..runtime.files import atomic_path, atomic_write_text

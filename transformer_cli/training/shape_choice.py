@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -47,7 +46,8 @@ from ..decoding.torch_engine import decode_in_batches
 from ..experiment.checkpoint import TrainedSettings
 from ..experiment.config import ExperimentConfig, TrainConfig, parse_duration
 from ..experiment.rundir import RunDirectory, checkpoint_at
-from ..experiment.shapes import AUTO, SHAPE_KEYS, SHAPES, STUDENT, NamedShape, decoding_cost, parameters_of, student_of
+from ..experiment.shapes import AUTO, SHAPES, STUDENT, NamedShape, decoding_cost, parameters_of, student_of
+from ..model.shape import SHAPE_KEYS
 from ..runtime.cpu import BUSY_SHARE, CpuReading, cpu_reading, others_share
 from ..runtime.errors import TfmError
 from ..runtime.precision import autocast_dtype, choose_precision, forget_busy_measurements
@@ -413,10 +413,10 @@ def read_teacher(config: ExperimentConfig) -> Teacher:
     its checkpoint does not say its shape."""
     assert config.parent_run is not None  # (a student's config names its teacher's run)
     trained = TrainedSettings.read(config.parent_run.default_checkpoint())
-    if not trained.has_shape():
+    if trained.shape is None:
         raise TfmError(f"model.size student: {trained.path} does not say its model's shape; give the student's "
                        "shape keys (model.d_model, …) with model.size null")
-    return Teacher(trained.path, typing.cast(dict[str, int], trained.shape),
+    return Teacher(trained.path, trained.shape.keys(),
                    trained.tgt_vocab_size or config.vocab.size, trained.lr)
 
 
@@ -435,7 +435,8 @@ def student_config(config: ExperimentConfig, resumed: bool, last_checkpoint: Pat
     if resumed:  # the shape and learning rate it started with
         started = TrainedSettings.read(last_checkpoint)
         config = with_lr(config, started.lr)
-        return config.model_copy(update={"model": config.model.model_copy(update=started.shape)})
+        keys = started.shape.keys() if started.shape is not None else {}
+        return config.model_copy(update={"model": config.model.model_copy(update=keys)})
     if not config.vocab.from_run:
         raise TfmError("model.size student: a student's shape follows its teacher's; set vocab.from_run to the "
                        "teacher's run directory (the run whose distilled corpus it trains on)")
@@ -492,14 +493,14 @@ def shape_of_run(config: ExperimentConfig, last_checkpoint: Path, keep_batch: bo
     """A resumed `auto` run trains the shape its checkpoint holds (`keep_batch`: and its batches):
     never another probe. Fine-tuning (`train.init_from`) takes its parent's shape the same way."""
     trained = TrainedSettings.read(last_checkpoint)
-    if not trained.has_shape():
+    if trained.shape is None:
         raise TfmError(f"{last_checkpoint} does not say its model's shape; give the shape keys "
                        "(model.d_model, …) instead of model.size auto")
     # ... and its dropout where the config leaves it to `auto` (it may have chosen one for its budget)
     dropout = ({"dropout": trained.dropout} if keep_batch and trained.dropout is not None
                and "dropout" not in config.model.model_fields_set else {})
     model = config.model.model_copy(update={"size": trained.size if trained.size in SHAPES else None,
-                                            **trained.shape, **dropout})
+                                            **trained.shape.keys(), **dropout})
     # ... its batches (the data order, batches taken of each epoch, is counted in them) and its
     # learning rate (the schedule goes on where it was)
     lr = trained.lr if keep_batch and trained.lr is not None and "lr" not in config.train.model_fields_set else None
