@@ -135,7 +135,8 @@ class TrainedSettings:
             return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
         keys = {key: typed(trained.get(key), int) for key in SHAPE_KEYS}
-        return cls(path, None if None in keys.values() else Shape(**keys), typed(trained.get("tgt_vocab_size"), int), typed(model.get("size"), str),
+        shape = None if None in keys.values() else Shape(**keys)
+        return cls(path, shape, typed(trained.get("tgt_vocab_size"), int), typed(model.get("size"), str),
                    typed(train.get("lr"), float), typed(train.get("max_tokens"), int),
                    typed(model.get("dropout"), (int, float)))
 
