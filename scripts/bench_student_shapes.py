@@ -45,13 +45,14 @@ def convert(run: Path, shape, directory: Path, quantization: str | None) -> int:
     from transformer_cli.experiment.checkpoint import model_payload, save_checkpoint
     from transformer_cli.experiment.config import load_config
     from transformer_cli.experiment.rundir import RunDirectory
-    from transformer_cli.experiment.shapes import SHAPE_KEYS, student_of
+    from transformer_cli.experiment.shapes import student_of
     from transformer_cli.interop.ct2 import write_conversion
+    from transformer_cli.model.shape import SHAPE_KEYS, Shape
     from transformer_cli.training.train import build_model
 
     config = load_config(run / "config.yaml")
     if shape == "student":
-        shape = tuple(student_of({key: getattr(config.model, key) for key in SHAPE_KEYS}).values())
+        shape = tuple(student_of(Shape(**{key: getattr(config.model, key) for key in SHAPE_KEYS})).keys().values())
     if shape is not None:
         d, h, e, dec, ff = shape
         config.model = config.model.model_copy(update=dict(size=None, d_model=d, n_heads=h, enc_layers=e, dec_layers=dec,

@@ -129,7 +129,7 @@ def main() -> None:
         host_batches = synthetic_wmt_batches(vocab, args.max_tokens, needed)
     else:
         vocab = RunDirectory(config.run_path).load_manifest().vocab_size["tgt"]
-        data = ParallelData(config.run_path, "train")
+        data = ParallelData(config.run, "train")
         order = []
         epoch = 0
         while len(order) < needed:

@@ -77,7 +77,7 @@ def main() -> None:
     config = load_config(args.config)
     manifest = RunDirectory(config.run_path).load_manifest()
     vocab = manifest.vocab_size["tgt"]
-    test = ParallelData(config.run_path, "test")
+    test = ParallelData(config.run, "test")
     n = len(test) if not args.limit else min(args.limit, len(test))
     sources = [np.asarray(test.src[i]).tolist() for i in range(n)]
     beams = [int(b) for b in args.beams.split(",")]

@@ -32,7 +32,7 @@ def main() -> None:
     keep_freed_memory()  # as tfm train and translate do: no fresh pages per large tensor
     config = load_config(args.config)
     manifest = RunDirectory(config.run_path).load_manifest()
-    data = ParallelData(config.run_path, "train")
+    data = ParallelData(config.run, "train")
     model = build_model(config, manifest.vocab_size["src"], manifest.vocab_size["tgt"])
     batches = [data.collate(b) for b in data.batches(config.train.max_tokens, seed=0)[: args.steps + 1]]
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
@@ -56,7 +56,7 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if args.what in ("beam", "both"):
         model.eval()
-        valid = ParallelData(config.run_path, "test")
+        valid = ParallelData(config.run, "test")
         src = valid.collate(list(range(32))).src
         beam_search(model, src, BOS_ID, EOS_ID, beam=5, max_len_a=0, max_len_b=5, min_len=5)
         with profile(activities=[ProfilerActivity.CPU]) as prof:

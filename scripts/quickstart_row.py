@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from transformer_cli.experiment.rundir import RunDirectory, ShapeChoice  # noqa: E402
 from transformer_cli.runtime.cpu import cpu_flags, cpu_model_name, usable_cores  # noqa: E402
 from transformer_cli.runtime.entry import ScriptParser, run_script  # noqa: E402
 from transformer_cli.runtime.errors import TfmError  # noqa: E402
@@ -93,23 +94,21 @@ def read_row(run: Path, command: str, isa_cap: str | None = None) -> str:
     model, batch, lr = trained.get("model", {}), trained.get("train", {}).get("max_tokens"), trained.get("train", {}).get("lr")
     shape = f"{model.get('size') or 'pinned'} (d_model {model.get('d_model')}, {model.get('enc_layers')}+" \
             f"{model.get('dec_layers')}, FFN {model.get('d_ff')}), {batch:,}-token batches, peak lr {lr:g}"
-    choice_file = run / "shape_choice.json"
-    if choice_file.is_file():
-        try:
-            choice = json.loads(choice_file.read_text(encoding="utf-8"))
-            first = choice.get("replanned", {}).get("first", choice)
-            first["shapes"], first["probe_seconds"], choice["chosen"]  # noqa: B018 (what the row reads)
-        except (ValueError, AttributeError, KeyError, TypeError):
-            raise TfmError(f"{choice_file}: torn or not written by tfm train (no shape table in it)") from None
-        shape += f"; auto: {len(first['shapes'])} shapes timed in {first['probe_seconds']:.0f} s"
-        if first.get("busy", 0) >= 0.2:
-            shape += f" on a busy machine (other work {first['busy']:.0%})"
-        shape += f", predicted {next(s['updates'] for s in choice['shapes'] if s['name'] == choice['chosen']):,} updates"
-        if "replanned" in choice:
-            shape += (f"; re-planned after {choice['replanned']['after_seconds']:.0f} s "
-                      f"(first {first['chosen']}: {choice['replanned']['why']})")
-        elif "check" in choice:
-            shape += f"; plan checked after {choice['check']['after_seconds']:.0f} s: held"
+    choice = RunDirectory(run).shape_choice(strict=True)
+    if choice is not None:
+        first = choice
+        if choice.replanned and choice.replanned.get("first"):
+            first = ShapeChoice.from_json(choice.replanned["first"])
+        shape += f"; auto: {len(first.shapes)} shapes timed in {first.probe_seconds:.0f} s"
+        if first.busy >= 0.2:
+            shape += f" on a busy machine (other work {first.busy:.0%})"
+        predicted = [s.get("updates") for s in choice.shapes if s.get("name") == choice.chosen]
+        shape += f", predicted {predicted[0]:,} updates" if predicted and isinstance(predicted[0], int) else ""
+        if choice.replanned:
+            shape += (f"; re-planned after {choice.replanned.get('after_seconds', 0):.0f} s "
+                      f"(first {first.chosen}: {choice.replanned.get('why')})")
+        elif choice.check:
+            shape += f"; plan checked after {choice.check.get('after_seconds', 0):.0f} s: held"
     name, flags = cpu()
     if isa_cap:
         flags += f"; capped to {isa_cap}: " + " ".join(f"{k}={v}" for k, v in ISA_CAPS[isa_cap].items())

@@ -174,7 +174,7 @@ def _augmented(config_path: Path, **rates) -> AugmentedData:
         raw["data"]["augment"] = rates
     config = config_from_dict(raw)
     spm_files = {side: (config.run_path / "spm.model").read_bytes() for side in ("src", "tgt")}
-    data = training_split(config.run_path, config, spm_files)
+    data = training_split(config.run, config, spm_files)
     assert isinstance(data, AugmentedData)
     return data
 

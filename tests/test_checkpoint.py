@@ -84,3 +84,27 @@ def test_average_refuses_checkpoints_of_another_vocabulary_or_other_settings(tin
         proc = tfm("average", ours, other, "-o", tmp_path / "avg.pt")
         assert proc.exit_code == 2 and message in proc.stderr, proc.stderr
         assert not (tmp_path / "avg.pt").exists()
+
+
+def test_a_checkpoints_settings_read_mapped_equal_those_of_a_legacy_pickle_and_of_a_full_load(tmp_path):
+    """TrainedSettings.read maps the file's tensors instead of reading them (a multi-GB checkpoint_last.pt
+    costs no read of its weights); a checkpoint in torch's legacy pickle format cannot be mapped and is
+    read whole: the same settings either way, and the mapped weights equal the loaded ones."""
+    from transformer_cli.experiment.checkpoint import FORMAT, TrainedSettings, model_payload, save_checkpoint
+    from transformer_cli.model.transformer import Transformer, TransformerConfig
+
+    model = Transformer(TransformerConfig(src_vocab_size=48, tgt_vocab_size=48, d_model=32, n_heads=2, enc_layers=2,
+                                          dec_layers=1, d_ff=64))
+    config = {"model": {"size": None, "dropout": 0.2}, "train": {"lr": 0.004, "max_tokens": 1500}}
+    payload = model_payload(model, config, {"src": b"s", "tgt": b"t"}, {"step": 3})
+    save_checkpoint(tmp_path / "zip.pt", payload)
+    torch.save({"format": FORMAT, **payload}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    assert (tmp_path / "legacy.pt").read_bytes()[:1] == b"\x80"  # (the format that cannot be mapped)
+    mapped, legacy = TrainedSettings.read(tmp_path / "zip.pt"), TrainedSettings.read(tmp_path / "legacy.pt")
+    assert mapped.shape is not None and mapped.shape.keys() == {"d_model": 32, "n_heads": 2, "enc_layers": 2,
+                                                                "dec_layers": 1, "d_ff": 64}
+    assert (mapped.tgt_vocab_size, mapped.lr, mapped.max_tokens, mapped.dropout) == (48, 0.004, 1500, 0.2)
+    assert {**mapped.__dict__, "path": None} == {**legacy.__dict__, "path": None}
+    loaded, by_map = load_checkpoint(tmp_path / "zip.pt"), load_checkpoint(tmp_path / "zip.pt", mapped=True)
+    assert loaded["model"].keys() == by_map["model"].keys()
+    assert all(torch.equal(loaded["model"][k], by_map["model"][k]) for k in loaded["model"])

@@ -26,6 +26,7 @@ from transformer_cli.data.batches import ParallelData
 from transformer_cli.data.prepare import prepare
 from transformer_cli.experiment.config import config_from_dict
 from transformer_cli.experiment.directions import DirectionRange, epoch_sample, sampling_rates, tag_piece
+from transformer_cli.experiment.rundir import RunDirectory
 from transformer_cli.runtime.errors import TfmError
 from transformer_cli.training.train import train
 
@@ -86,7 +87,7 @@ def test_epochs_draw_each_direction_at_its_temperature_rate(temperature):
 def test_training_batches_follow_the_sampled_directions(shift_model):
     data, config_path = shift_model
     run = Path(json.loads(config_path.read_text())["run_dir"])
-    split = ParallelData(run, "train", temperature=5.0)
+    split = ParallelData(RunDirectory(run), "train", temperature=5.0)
     assert [(r.direction, r.size) for r in split.directions] == [("src-up", 3000), ("src-dn", 3000)]
     batches = split.batches(max_tokens=1500, seed=3)
     drawn = np.sort(np.concatenate(batches))
@@ -105,7 +106,7 @@ def test_directions_with_corpora_of_their_own_are_drawn_at_their_rates(tmp_path)
     manifest = json.loads((tmp_path / "run" / "prepare.json").read_text())
     assert [d["train"] for d in manifest["directions"]] == [[0, 2000], [2000, 2200]]
     assert manifest["files"]["train"][2:] == [str(tmp_path / "small" / f"train.{lang}.gz") for lang in ("src", "dn")]
-    split = ParallelData(tmp_path / "run", "train", temperature=5.0)
+    split = ParallelData(RunDirectory(tmp_path / "run"), "train", temperature=5.0)
     rates = sampling_rates([2000, 200], 5.0)  # 0.614, 0.386: the small direction drawn ~4.3x as often as its share
     for seed in (1, 2):
         drawn = np.concatenate(split.batches(max_tokens=1500, seed=seed))
@@ -129,7 +130,7 @@ def test_tags_are_single_pieces_leading_every_source(shift_model):
     processor = spm.SentencePieceProcessor(model_file=str(run / "spm.model"))
     up, dn = processor.piece_to_id(tag_piece("up")), processor.piece_to_id(tag_piece("dn"))
     assert processor.encode(">>up<< wa wb") == [up, *processor.encode("wa wb")]
-    train_split = ParallelData(run, "train")
+    train_split = ParallelData(RunDirectory(run), "train")
     firsts = [int(train_split.src[i][0]) for i in range(len(train_split))]
     assert firsts == [up] * 3000 + [dn] * 3000
     assert all(tag_piece(lang) not in processor.encode(">>up<< wa", out_type=str)[1:] for lang in SHIFT)
@@ -255,7 +256,7 @@ def test_one_direction_fine_tuned_from_a_multilingual_run_keeps_the_tags(shift_m
     assert manifest["tagged"]
     up = json.loads((parent / "prepare.json").read_text())  # same vocabulary, same tag id
     assert up["vocab_size"] == manifest["vocab_size"]
-    first = int(ParallelData(tmp_path / "child", "train").src[0][0])
+    first = int(ParallelData(RunDirectory(tmp_path / "child"), "train").src[0][0])
     import sentencepiece as spm
     assert spm.SentencePieceProcessor(model_file=str(parent / "spm.model")).id_to_piece(first) == tag_piece("up")
     train(config, progress_bar=False)

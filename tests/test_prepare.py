@@ -107,7 +107,7 @@ def test_mismatched_line_counts_is_a_clear_error(multi30k_2k, tmp_path):
 
 def test_token_batches_respect_budget_and_cover_everything(prepared):
     config, _ = prepared
-    data = ParallelData(config.run_path, "train")
+    data = ParallelData(config.run, "train")
     batches = token_batches(data.src.lengths, data.tgt.lengths, 1024, seed=3)
     seen = np.sort(np.concatenate(batches))
     assert np.array_equal(seen, np.arange(len(data)))
@@ -127,7 +127,7 @@ def test_a_batch_is_its_sentences_padded_row_by_row(prepared):
     arrays; each row must be exactly its own sentence with <eos> (source, target out) or <bos>
     (target in) and then padding, the counts and loss positions those of the real tokens."""
     config, _ = prepared
-    data = ParallelData(config.run_path, "train")
+    data = ParallelData(config.run, "train")
     for indices in token_batches(data.src.lengths, data.tgt.lengths, 1024, seed=5)[:20]:
         batch = data.collate(indices)
         assert batch.src.dtype == batch.tgt_in.dtype == torch.int64
@@ -172,7 +172,7 @@ def test_parallel_workers_write_the_same_files_as_one_process(multi30k_2k, tmp_p
     assert (tmp_path / "again/spm.model").read_bytes() == (tmp_path / "w2/spm.model").read_bytes()
     assert len(outputs[0][0]) == 12  # 3 splits x 2 sides x (tokens, offsets)
     # The streamed .npy files are ordinary numpy arrays (memory-mapped by training).
-    data = ParallelData(tmp_path / "w2", "train")
+    data = ParallelData(RunDirectory(tmp_path / "w2"), "train")
     assert data.src.tokens.dtype == np.uint16 and data.src.offsets[-1] == len(data.src.tokens)
 
 

@@ -22,12 +22,43 @@ from transformer_cli.experiment.shapes import (
     SHAPES,
     NamedShape,
 )
+from transformer_cli.model.shape import Shape
 from transformer_cli.runtime.errors import TfmError
 from transformer_cli.training import shape_choice
 from transformer_cli.training.shape_choice import ShapeTiming, choose, predict
 from transformer_cli.training.train import train
 
+
 # --------------------------------------------------------------------------- the config
+def test_shape_choice_json_is_read_back_as_the_record_it_was_written_from_and_a_torn_one_is_none_or_one_line(tmp_path):
+    """RunDirectory.shape_choice(): the typed record a run wrote (to_json ∘ from_json is the identity, a
+    re-plan's first plan and the check kept), an older run's record with keys missing defaulted, none or a
+    torn one None for training and a one-line error naming the file for the model card (strict)."""
+    from transformer_cli.experiment.rundir import RunDirectory, ShapeChoice
+
+    run = RunDirectory(tmp_path / "run")
+    assert run.shape_choice() is None and run.shape_choice(strict=True) is None
+    first = ShapeChoice("d256", 1000, 1e-3, 0.1, 12.5, 0.4, 600.0, 100_000, "cpu",
+                        [{"name": "d256", "updates": 900, "predicted_bleu": 30.1}])
+    replanned = dataclasses.replace(first, chosen="d128", max_tokens=3000, replanned={
+        "why": "faster", "after_seconds": 61.0, "first": first.to_json()}, check=None)
+    run.write_shape_choice(replanned)
+    record = json.loads(run.shape_choice_file.read_text())
+    assert "check" not in record and record["budget_seconds"] == 600.0 and record["replanned"]["first"]["chosen"] == "d256"
+    assert run.shape_choice() == replanned and ShapeChoice.from_json(record["replanned"]["first"]) == first
+    run.write_shape_choice(dataclasses.replace(replanned, check={"after_seconds": 60.2, "replan": ""}))
+    assert run.shape_choice().check == {"after_seconds": 60.2, "replan": ""}
+    run.shape_choice_file.write_text(json.dumps({"chosen": "d128", "budget_seconds": None, "max_steps": 4000}))
+    older = run.shape_choice()
+    assert (older.chosen, older.max_steps, older.shapes, older.replanned, older.check) == ("d128", 4000, [], None, None)
+    for torn in ('{"chosen": "d1', "[1, 2]", '{"budget_seconds": 60}'):
+        run.shape_choice_file.write_text(torn)
+        assert run.shape_choice() is None
+        with pytest.raises(TfmError, match="shape_choice.json: torn") as caught:
+            run.shape_choice(strict=True)
+        assert "\n" not in str(caught.value)
+
+
 
 
 def test_the_named_shapes_the_config_s_keys_and_the_model_take_one_definition_of_a_shape():
@@ -550,16 +581,14 @@ def test_a_budget_the_probe_uses_up_is_a_one_line_error_that_leaves_no_checkpoin
 # --------------------------------------------------------------------------- model.size student
 
 
-@pytest.mark.parametrize("teacher", [*(shape.keys() for shape in SHAPES.values()),
-                                     {"d_model": 512, "n_heads": 8, "enc_layers": 6, "dec_layers": 6, "d_ff": 2048}],
+@pytest.mark.parametrize("teacher", [*SHAPES.values(), Shape(d_model=512, n_heads=8, enc_layers=6, dec_layers=6, d_ff=2048)],
                          ids=[*SHAPES, "transformer-base"])
 def test_every_teacher_gets_a_student_that_is_smaller_and_cheaper_to_decode(teacher):
     from transformer_cli.experiment.shapes import decoding_cost, parameters_of, student_of
 
     student = student_of(teacher)
-    assert student["dec_layers"] == 1 and student["enc_layers"] >= teacher["enc_layers"]
-    assert (student["d_model"], student["d_ff"], student["n_heads"]) == (teacher["d_model"], teacher["d_ff"],
-                                                                          teacher["n_heads"])
+    assert type(student) is Shape and student.dec_layers == 1 and student.enc_layers >= teacher.enc_layers
+    assert (student.d_model, student.d_ff, student.n_heads) == (teacher.d_model, teacher.d_ff, teacher.n_heads)
     for vocab in (2000, 8000, 32000):
         assert parameters_of(student, vocab) < parameters_of(teacher, vocab)
         # fewer multiply-adds per decoded token (at d128 the output layer is most of them; the layers' fixed
@@ -592,7 +621,8 @@ def test_model_size_student_trains_its_teachers_student_shape_resumes_it_and_ref
                                                                    "dec_layers": 1, "d_ff": 64}
     assert payload["config"]["train"]["lr"] == 0.002 and payload["config"]["model"]["size"] == "student"
     said = capsys.readouterr().err
-    assert "model.size student: d_model 32, 3+1 layers, FFN 64" in said and "from the teacher's d_model 32, 2+3" in said
+    assert "model.size student: d_model 32, 2 heads, 3+1 layers, FFN 64" in said
+    assert "from the teacher's d_model 32, 2 heads, 2+3" in said
     # resumed, the shape is the run's own, whatever the teacher is now
     (tmp_path / "teacher" / "checkpoints").rename(tmp_path / "teacher" / "gone")
     raw["train"]["max_steps"] = 4
@@ -630,7 +660,7 @@ def test_a_student_given_its_own_shape_that_decodes_slower_than_its_teacher_is_w
     config = config_from_dict({**raw, "data": {**raw["data"], "train": [str(tmp_path / "teacher" / "distilled" / "t")]},
                                "model": {**raw["model"], "d_model": 64, "d_ff": 128}})
     shape_choice.warn_if_slower_than_teacher(config, said.append)
-    assert "decodes slower than its teacher" in said[0] and "d_model 64, 1+1 layers, FFN 128" in said[0]
+    assert "decodes slower than its teacher" in said[0] and "d_model 64, 2 heads, 1+1 layers, FFN 128" in said[0]
 
 
 @pytest.mark.parametrize("sets, says", [

@@ -939,15 +939,16 @@ def export(
             f"AutoModelForSeq2SeqLM.from_pretrained(\"{output}\"))")
         return
     from .data.shortlist import check_shortlist
-    from .experiment.rundir import SHORTLIST_FILE
+    from .experiment.rundir import run_of
     from .interop.ct2 import export_ctranslate2
 
-    shortlist = checkpoint.resolve().parent.parent / SHORTLIST_FILE  # the run's, where it has one (tfm shortlist)
-    if shortlist.exists():
+    run = run_of(checkpoint)  # the run's shortlist, where it has one (tfm shortlist)
+    shortlist = run.shortlist_file if run is not None and run.shortlist_file.exists() else None
+    if shortlist is not None:
         check_shortlist(shortlist)  # (its pieces are checked against the model where it is used)
-    export_ctranslate2(checkpoint, output, force=force, shortlist=shortlist if shortlist.exists() else None,
+    export_ctranslate2(checkpoint, output, force=force, shortlist=shortlist,
                        quantization=None if quantization == "float32" else quantization)
-    say(f"exported {checkpoint} → {output} (CTranslate2{', with the run’s lexical shortlist' if shortlist.is_file() else ''}; "
+    say(f"exported {checkpoint} → {output} (CTranslate2{', with the run’s lexical shortlist' if shortlist else ''}; "
         f"translate with: tfm translate --engine ctranslate2 --model {output})")
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
 
 from ..experiment.config import AugmentConfig, ExperimentConfig
+from ..experiment.rundir import RunDirectory
 from .augment import Draw, apply_modifiers, draw_modifiers
 from .batches import Batch, ParallelData, collate_flat, flatten, token_batches
 from .language_tags import TAG
@@ -124,10 +124,10 @@ class AugmentedData:
         return self.data.target_tokens(prepared) + (sum(len(t) for t in self._pairs(changed)[1]) + len(changed))
 
 
-def training_split(run_dir: Path, config: ExperimentConfig, spm_files: dict[str, bytes]) -> ParallelData | AugmentedData:
+def training_split(run: RunDirectory, config: ExperimentConfig, spm_files: dict[str, bytes]) -> ParallelData | AugmentedData:
     """The training split as training reads it: with each epoch's pairs augmented where the config's
     data.augment sets a rate, else as prepared."""
-    data = ParallelData(run_dir, "train", config.data.temperature)
+    data = ParallelData(run, "train", config.data.temperature)
     if not config.data.augment.enabled:
         return data
     src_sp, tgt_sp = (spm.SentencePieceProcessor(model_proto=spm_files[side]) for side in ("src", "tgt"))

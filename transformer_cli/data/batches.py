@@ -177,8 +177,7 @@ class ParallelData:
     epochs draw its directions at temperature-sampling rates (directions.epoch_sample); None, or a
     split of one direction: every pair once per epoch."""
 
-    def __init__(self, run_dir: Path, split: str, temperature: float | None = None):
-        run = RunDirectory(run_dir)
+    def __init__(self, run: RunDirectory, split: str, temperature: float | None = None):
         self.src = TokenArray.load(run.binary_stem(split, "src"))
         self.tgt = TokenArray.load(run.binary_stem(split, "tgt"))
         self.split = split

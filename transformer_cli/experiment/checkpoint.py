@@ -127,7 +127,7 @@ class TrainedSettings:
 
     @classmethod
     def read(cls, path: Path) -> TrainedSettings:
-        payload = load_checkpoint(path, map_location="cpu")
+        payload = load_checkpoint(path, map_location="cpu", mapped=True)  # its weights are never read
         trained, config = payload.get("model_config") or {}, payload.get("config") or {}
         model, train = config.get("model") or {}, config.get("train") or {}
 
@@ -152,7 +152,9 @@ def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return state
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", mapped: bool = False) -> dict[str, Any]:
+    """A checkpoint's payload; `mapped`: its tensors memory-mapped from the file, read only where used
+    (a few settings of a multi-GB checkpoint_last.pt then cost no read of its weights and optimizer)."""
     path = Path(path)
     if not path.is_file():
         raise TfmError(f"checkpoint not found: {path}")
@@ -163,7 +165,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if not (magic.startswith(b"PK\x03\x04") or magic.startswith(b"\x80")):  # torch's zip, or a legacy pickle
         raise TfmError(f"{path}: not a checkpoint file (it starts with {magic!r}, not a torch zip archive)")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
+        payload = torch.load(path, map_location=map_location, weights_only=True,
+                             mmap=mapped and magic.startswith(b"PK"))  # (a legacy pickle cannot be mapped)
     except pickle.UnpicklingError as exc:
         if "Weights only load failed" in str(exc):
             # torch's message ends with advice to load with weights_only=False: never do that with

@@ -31,7 +31,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,6 @@ from ..runtime.files import (
     MANIFEST_NAME,
     atomic_write_bytes,
     atomic_write_text,
-    read_json_object,
     run_owning,
 )
 from .runlock import RunLock
@@ -109,6 +108,36 @@ class Manifest:
         return self.files.get(split, [])[1::2]
 
 
+@dataclass(frozen=True)
+class ShapeChoice:
+    """shape_choice.json (training/shape_choice.py writes it): what `model.size: auto` timed and chose,
+    and for what budget; a re-plan's says why and keeps the first plan's record; `check`: the in-run
+    check of the plan. Keys an older run's lacks default."""
+
+    chosen: str  # the named shape trained
+    max_tokens: int = 0
+    lr: float | None = None
+    dropout: float | None = None
+    probe_seconds: float = 0.0
+    busy: float = 0.0  # the share of the CPUs other work took while the shapes were timed
+    budget_seconds: float | None = None  # train.max_time, or None: a budget of updates...
+    max_steps: int | None = None  # ... train.max_steps
+    device: str = "cpu"
+    shapes: list[dict] = field(default_factory=list)  # each shape's timing, batch, predicted updates and BLEU
+    replanned: dict | None = None  # why, after how many seconds, and the first plan ("first")
+    check: dict | None = None  # the plan check: after how many seconds, the speed trained at, the verdict
+
+    @classmethod
+    def from_json(cls, record: Any) -> ShapeChoice:
+        if not isinstance(record, dict) or not isinstance(record.get("chosen"), str):
+            raise ValueError("not a record of tfm train's (no chosen shape)")
+        return cls(**{name: record[name] for name in cls.__dataclass_fields__ if name in record})
+
+    def to_json(self) -> dict:
+        return {name: value for name, value in asdict(self).items()
+                if value is not None or name not in ("replanned", "check")}
+
+
 class RunDirectory:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -157,13 +186,22 @@ class RunDirectory:
 
     # -- what train writes
 
-    def shape_choice(self) -> dict:
-        """shape_choice.json: what `model.size: auto` timed and chose ({} where there is none or it is torn)."""
-        return read_json_object(self.shape_choice_file)
+    def shape_choice(self, strict: bool = False) -> ShapeChoice | None:
+        """What `model.size: auto` timed and chose: None where the run has no shape_choice.json, or where
+        it is torn (with `strict`, a one-line TfmError naming it)."""
+        try:
+            return ShapeChoice.from_json(json.loads(self.shape_choice_file.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError) as exc:
+            if strict:
+                raise TfmError(f"{self.shape_choice_file}: torn or not written by tfm train ({exc}): train the run "
+                               "again, or remove it") from None
+            return None
 
-    def write_shape_choice(self, record: dict) -> None:
+    def write_shape_choice(self, choice: ShapeChoice) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.shape_choice_file, json.dumps(record, indent=1) + "\n")
+        atomic_write_text(self.shape_choice_file, json.dumps(choice.to_json(), indent=1) + "\n")
 
     def step_checkpoints(self) -> list[Path]:
         """step_<N>.pt, in step order."""

@@ -57,10 +57,6 @@ class NamedShape(Shape):
         past = self.overfits_after is not None and batch_tokens > self.overfits_after
         return LONG_BUDGET_DROPOUT if past else CURVE_DROPOUT
 
-    def describe(self) -> str:
-        return (f"d_model {self.d_model}, {self.n_heads} heads, {self.enc_layers}+{self.dec_layers} layers, "
-                f"FFN {self.d_ff}")
-
     def lr_for(self, batch: int | None) -> float:
         """The peak learning rate `batch`-token updates of this shape train at (None: the smallest batch's)."""
         return _of_largest_batch_reached(self.lr, self.larger_batch_lr, batch)
@@ -133,7 +129,7 @@ def shape_names() -> str:
     return ", ".join([AUTO, STUDENT, *SHAPES])
 
 
-def student_of(teacher: dict[str, int]) -> dict[str, int]:
+def student_of(teacher: Shape) -> Shape:
     """A student's shape from its teacher's shape keys: the teacher's width, one decoder layer, and
     the encoder deepened by all but two of the decoder layers it gives up (6+6 → 10+1, 3+3 → 4+1).
     Decoding runs the decoder once per output token and the encoder once per sentence, so the
@@ -141,25 +137,25 @@ def student_of(teacher: dict[str, int]) -> dict[str, int]:
     teacher's quality); the deeper encoder keeps capacity, and the parameters shrink with every
     decoder layer dropped (a decoder layer holds two attentions, an encoder layer one). The width
     stays: at d128 a narrower model loses more than the speed is worth (docs/distillation.md)."""
-    return {**teacher, "enc_layers": teacher["enc_layers"] + max(teacher["dec_layers"] - 2, 0), "dec_layers": 1}
+    return Shape(**{**teacher.keys(), "enc_layers": teacher.enc_layers + max(teacher.dec_layers - 2, 0), "dec_layers": 1})
 
 
-def decoding_cost(shape: dict[str, int], vocab: int, source_tokens: float = 1.0) -> float:
+def decoding_cost(shape: Shape, vocab: int, source_tokens: float = 1.0) -> float:
     """Multiply-adds to decode one target token greedily (for `source_tokens` source tokens each):
     the decoder's layers (self-attention's four projections, cross-attention's query and output,
     the FFN) and the output layer, plus the encoder's layers per source token. A comparison of
     shapes, not a speed: a small model's time also goes to each layer's fixed cost, which counts
     the layers, and so favours the shallower decoder further."""
-    d, ff = shape["d_model"], shape["d_ff"]
-    decoder = shape["dec_layers"] * (6 * d * d + 2 * d * ff) + d * vocab
-    encoder = shape["enc_layers"] * (4 * d * d + 2 * d * ff)
+    d, ff = shape.d_model, shape.d_ff
+    decoder = shape.dec_layers * (6 * d * d + 2 * d * ff) + d * vocab
+    encoder = shape.enc_layers * (4 * d * d + 2 * d * ff)
     return float(decoder + source_tokens * encoder)
 
 
-def parameters_of(shape: dict[str, int], vocab: int) -> int:
+def parameters_of(shape: Shape, vocab: int) -> int:
     """The weights of a shape with one shared embedding (tied output), biases and norms left out."""
-    d, ff = shape["d_model"], shape["d_ff"]
-    return vocab * d + shape["enc_layers"] * (4 * d * d + 2 * d * ff) + shape["dec_layers"] * (8 * d * d + 2 * d * ff)
+    d, ff = shape.d_model, shape.d_ff
+    return vocab * d + shape.enc_layers * (4 * d * d + 2 * d * ff) + shape.dec_layers * (8 * d * d + 2 * d * ff)
 
 
 def fill_shape(model_section: dict) -> dict:

@@ -111,7 +111,7 @@ def _front_matter(config: ExperimentConfig, scores: list[dict[str, Any]], name: 
 
 
 def read_record(path: Path) -> dict[str, Any] | None:
-    """A JSON record a run wrote (prepare_report.json, shape_choice.json): None where there is none;
+    """A JSON record a run wrote (prepare_report.json): None where there is none;
     a TfmError of one line where it is torn or not a record."""
     if not path.is_file():
         return None
@@ -146,12 +146,12 @@ def _training(progress: dict[str, Any], run: RunDirectory | None) -> list[str]:
     machines = progress.get("machines") or []
     lines.append(f"Trained on: {'; then '.join(map(str, machines))}." if machines
                  else "The hardware it trained on is not recorded in its checkpoint.")
-    chosen = read_record(run.shape_choice_file) if run is not None else None
+    chosen = run.shape_choice(strict=True) if run is not None else None
     if chosen is not None:
-        budget = chosen.get("budget_seconds")
+        budget, steps = chosen.budget_seconds, chosen.max_steps
         limit = (f"a {budget / 60:.0f}-minute budget" if isinstance(budget, (int, float)) else
-                 f"{chosen.get('max_steps'):,} updates" if isinstance(chosen.get("max_steps"), int) else "its budget")
-        lines.append(f"Shape chosen by `model.size: auto` for {limit} on that machine: {chosen.get('chosen')}.")
+                 f"{steps:,} updates" if isinstance(steps, int) else "its budget")
+        lines.append(f"Shape chosen by `model.size: auto` for {limit} on that machine: {chosen.chosen}.")
     return lines
 
 

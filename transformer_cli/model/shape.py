@@ -21,5 +21,9 @@ class Shape:
     def keys(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in SHAPE_KEYS}
 
+    def describe(self) -> str:
+        return (f"d_model {self.d_model}, {self.n_heads} heads, {self.enc_layers}+{self.dec_layers} layers, "
+                f"FFN {self.d_ff}")
+
 
 SHAPE_KEYS = tuple(key.name for key in fields(Shape))

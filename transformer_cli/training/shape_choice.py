@@ -45,9 +45,9 @@ from ..data.batches import Batch, ParallelData
 from ..decoding.torch_engine import decode_in_batches
 from ..experiment.checkpoint import TrainedSettings
 from ..experiment.config import ExperimentConfig, TrainConfig, parse_duration
-from ..experiment.rundir import RunDirectory, checkpoint_at
+from ..experiment.rundir import RunDirectory, ShapeChoice, checkpoint_at
 from ..experiment.shapes import AUTO, SHAPES, STUDENT, NamedShape, decoding_cost, parameters_of, student_of
-from ..model.shape import SHAPE_KEYS
+from ..model.shape import SHAPE_KEYS, Shape
 from ..runtime.cpu import BUSY_SHARE, CpuReading, cpu_reading, others_share
 from ..runtime.errors import TfmError
 from ..runtime.precision import autocast_dtype, choose_precision, forget_busy_measurements
@@ -403,7 +403,7 @@ class Teacher:
     (the run vocab.from_run names), its shape keys, target vocabulary and peak learning rate."""
 
     path: Path
-    shape: dict[str, int]
+    shape: Shape
     vocab: int
     lr: float | None
 
@@ -416,8 +416,7 @@ def read_teacher(config: ExperimentConfig) -> Teacher:
     if trained.shape is None:
         raise TfmError(f"model.size student: {trained.path} does not say its model's shape; give the student's "
                        "shape keys (model.d_model, …) with model.size null")
-    return Teacher(trained.path, trained.shape.keys(),
-                   trained.tgt_vocab_size or config.vocab.size, trained.lr)
+    return Teacher(trained.path, trained.shape, trained.tgt_vocab_size or config.vocab.size, trained.lr)
 
 
 def with_lr(config: ExperimentConfig, lr: float | None) -> ExperimentConfig:
@@ -442,23 +441,22 @@ def student_config(config: ExperimentConfig, resumed: bool, last_checkpoint: Pat
                        "teacher's run directory (the run whose distilled corpus it trains on)")
     teacher = read_teacher(config)
     given = {key: getattr(config.model, key) for key in SHAPE_KEYS if key in config.model.model_fields_set}
-    student = {**student_of(teacher.shape), **given}
+    student = replace(student_of(teacher.shape), **given)
     cost, teacher_cost = decoding_cost(student, teacher.vocab), decoding_cost(teacher.shape, teacher.vocab)
-    if student["dec_layers"] > teacher.shape["dec_layers"] or cost > teacher_cost:
-        raise TfmError(f"model.size student: this student ({describe_keys(student)}) would decode slower than its "
-                       f"teacher {teacher.path} ({describe_keys(teacher.shape)}): {cost / teacher_cost:.2f}x its "
+    if student.dec_layers > teacher.shape.dec_layers or cost > teacher_cost:
+        raise TfmError(f"model.size student: this student ({student.describe()}) would decode slower than its "
+                       f"teacher {teacher.path} ({teacher.shape.describe()}): {cost / teacher_cost:.2f}x its "
                        "multiply-adds per token; drop the model keys given beside it "
                        f"({', '.join(f'model.{key}' for key in given)}) or make them smaller")
-    if student["d_model"] % student["n_heads"]:
-        raise TfmError(f"model.size student: d_model {student['d_model']} is not divisible by n_heads "
-                       f"{student['n_heads']}")
-    say(f"model.size student: {describe_keys(student)}, {parameters_of(student, teacher.vocab) / 1e6:.1f}M weights, "
-        f"from the teacher's {describe_keys(teacher.shape)}, {parameters_of(teacher.shape, teacher.vocab) / 1e6:.1f}M "
+    if student.d_model % student.n_heads:
+        raise TfmError(f"model.size student: d_model {student.d_model} is not divisible by n_heads {student.n_heads}")
+    say(f"model.size student: {student.describe()}, {parameters_of(student, teacher.vocab) / 1e6:.1f}M weights, "
+        f"from the teacher's {teacher.shape.describe()}, {parameters_of(teacher.shape, teacher.vocab) / 1e6:.1f}M "
         f"({teacher.path}): {teacher_cost / cost:.2f}x fewer multiply-adds per decoded token"
         + (f"; {', '.join(f'model.{key} {value}' for key, value in given.items())} as given" if given else ""))
     # The teacher's peak learning rate where the config gives none: the student keeps its width.
     config = with_lr(config, teacher.lr)
-    return config.model_copy(update={"model": config.model.model_copy(update=student)})
+    return config.model_copy(update={"model": config.model.model_copy(update=student.keys())})
 
 
 def warn_if_slower_than_teacher(config: ExperimentConfig, say: Callable[[str], None]) -> None:
@@ -474,19 +472,14 @@ def warn_if_slower_than_teacher(config: ExperimentConfig, say: Callable[[str], N
         teacher = read_teacher(config)
     except TfmError:
         return  # no teacher to compare with: distill says so where it matters
-    student = {key: getattr(config.model, key) for key in SHAPE_KEYS}
+    student = Shape(**{key: getattr(config.model, key) for key in SHAPE_KEYS})
     ratio = decoding_cost(student, teacher.vocab) / decoding_cost(teacher.shape, teacher.vocab)
-    if ratio > 1.0 or student["dec_layers"] > teacher.shape["dec_layers"]:
-        say(f"warning: this student ({describe_keys(student)}, {parameters_of(student, teacher.vocab) / 1e6:.1f}M "
-            f"weights) decodes slower than its teacher {teacher.path} ({describe_keys(teacher.shape)}, "
+    if ratio > 1.0 or student.dec_layers > teacher.shape.dec_layers:
+        say(f"warning: this student ({student.describe()}, {parameters_of(student, teacher.vocab) / 1e6:.1f}M "
+            f"weights) decodes slower than its teacher {teacher.path} ({teacher.shape.describe()}, "
             f"{parameters_of(teacher.shape, teacher.vocab) / 1e6:.1f}M): {ratio:.2f}x its multiply-adds per token, "
-            f"{student['dec_layers']} decoder layers against {teacher.shape['dec_layers']}; model.size student "
+            f"{student.dec_layers} decoder layers against {teacher.shape.dec_layers}; model.size student "
             "derives a cheaper shape from the teacher's")
-
-
-def describe_keys(shape: dict[str, int]) -> str:
-    return (f"d_model {shape['d_model']}, {shape['enc_layers']}+{shape['dec_layers']} layers, "
-            f"FFN {shape['d_ff']}")
 
 
 def shape_of_run(config: ExperimentConfig, last_checkpoint: Path, keep_batch: bool = True) -> ExperimentConfig:
@@ -584,7 +577,7 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
     train_cfg = config.train
     budget = parse_duration(train_cfg.max_time) if train_cfg.max_time is not None else None
     limit = None if budget is None else PROBE_SHARE * budget
-    valid = ParallelData(run.root, "valid") if budget is not None else None  # evaluations spend a budget
+    valid = ParallelData(run, "valid") if budget is not None else None  # evaluations spend a budget
     timings, spent, busy = time_shapes(config, data, vocab, shared_ids, device, limit, say, valid)
     seconds_left = None if budget is None else budget - spent_before - spent
     predictions = predict(timings, seconds_left, train_cfg.max_steps, train_cfg.max_tokens, train_cfg.min_updates,
@@ -608,17 +601,14 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
            else f", peak lr {train_cfg.lr:g} (train.lr)")
         + (f", dropout {dropout:g} (for {chosen.updates:,} updates; model.dropout would pin another)"
            if dropout is not None else f", dropout {config.model.dropout:g} (model.dropout)"))
-    record = {"chosen": shape.name, "max_tokens": chosen.max_tokens, "lr": lr or train_cfg.lr,
-              "dropout": config.model.dropout if dropout is None else dropout,
-              "probe_seconds": round(spent, 2), "busy": round(busy, 3),
-              "budget_seconds": budget, "max_steps": train_cfg.max_steps, "device": str(device),
-              "shapes": [{**asdict(p.timing), "tokens_per_second": round(p.timing.tokens_per_second, 1),
-                          "max_tokens": p.max_tokens, "updates": p.updates, "predicted_bleu": round(p.bleu, 2)}
-                         for p in predictions]}
-    if replanned:
-        record["replanned"] = {"why": replanned, "after_seconds": round(spent_before, 1),
-                               "first": run.shape_choice()}
-    run.write_shape_choice(record)
+    first = run.shape_choice() if replanned else None
+    run.write_shape_choice(ShapeChoice(
+        shape.name, chosen.max_tokens, lr or train_cfg.lr, config.model.dropout if dropout is None else dropout,
+        round(spent, 2), round(busy, 3), budget, train_cfg.max_steps, str(device),
+        [{**asdict(p.timing), "tokens_per_second": round(p.timing.tokens_per_second, 1), "max_tokens": p.max_tokens,
+          "updates": p.updates, "predicted_bleu": round(p.bleu, 2)} for p in predictions],
+        {"why": replanned, "after_seconds": round(spent_before, 1), "first": first.to_json() if first else {}}
+        if replanned else None))
     check = None if budget is None or replanned or device.type != "cpu" else PlanCheck(
         shape.name, chosen.timing.tokens_per_second, busy, min(CHECK_AFTER, CHECK_SHARE * budget),
         CHECK_DEADLINE * budget)
@@ -627,9 +617,9 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
 
 def record_check(run: RunDirectory, check: dict) -> None:
     """The in-run check of the plan, added to the run's shape_choice.json."""
-    record = run.shape_choice()
-    if record:
-        run.write_shape_choice({**record, "check": check})
+    choice = run.shape_choice()
+    if choice is not None:
+        run.write_shape_choice(replace(choice, check=check))
 
 
 def resolve_size(config: ExperimentConfig, resume: bool, last_checkpoint: Path,

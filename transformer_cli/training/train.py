@@ -230,7 +230,7 @@ class Trainer:
         self.precision = choose_precision(self.train_cfg.precision, device, (config.model.d_model, config.model.d_ff))
         if device.type == "cpu":
             keep_freed_memory()
-        self.train_data = training_split(self.run_dir.root, config, self.spm_files)
+        self.train_data = training_split(self.run_dir, config, self.spm_files)
         if len(self.train_data) == 0:
             raise TfmError(f"{self.run_dir.root}: the training split is empty after filtering")
         self.validation = Validation(self.run_dir, self.manifest, config, device)
@@ -634,7 +634,7 @@ def probe_shapes(config: ExperimentConfig, world: World, device: torch.device, s
     manifest = run_dir.load_manifest()
     if not replanned:  # a run already trained: refused before the probe
         check_run_directory(run_dir, config, manifest, resume=False)
-    data = ParallelData(run_dir.root, "train", config.data.temperature)
+    data = ParallelData(run_dir, "train", config.data.temperature)
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     if device.type == "cpu":

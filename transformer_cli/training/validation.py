@@ -58,7 +58,7 @@ class Validation:
 
     def __init__(self, run_dir: RunDirectory, manifest: Manifest, config: ExperimentConfig, device: torch.device):
         self.config, self.device = config, device
-        self.data = ParallelData(run_dir.root, "valid")
+        self.data = ParallelData(run_dir, "valid")
         self.references = [line for path in manifest.references("valid") for line in read_lines(path)]
         self.tgt_sp = spm.SentencePieceProcessor(model_file=str(run_dir.vocab_file(manifest, "tgt")))
 
