@@ -15,6 +15,7 @@ from tests.conftest import tfm_in_process, tiny_reverse_config
 from transformer_cli.experiment.checkpoint import FORMAT
 from transformer_cli.experiment.config import config_from_dict, load_config
 from transformer_cli.experiment.shapes import (
+    CURVE_CORPUS_TOKENS,
     CURVE_DROPOUT,
     FALLBACK,
     LONG_BUDGET_DROPOUT,
@@ -217,18 +218,29 @@ def test_evaluations_spend_the_budget_the_updates_are_predicted_from():
     assert shape_choice.batch_for_budget(3000, 1500, at_max, 600.0, eval_every=250) == shape_choice.BATCH_FLOOR
 
 
-def test_dropout_rises_only_for_a_budget_past_where_the_shape_overfit():
-    shape = NamedShape(name="x", d_model=64, n_heads=2, enc_layers=1, dec_layers=1, d_ff=128, curve=((1.0, 10.0),), overfits_after=6e6)
-    assert shape.dropout_for(6e6) == CURVE_DROPOUT and shape.dropout_for(6e6 + 1) == LONG_BUDGET_DROPOUT
+def test_dropout_rises_only_for_a_budget_past_where_the_shape_overfit_in_passes_over_the_corpus():
+    shape = NamedShape(name="x", d_model=64, n_heads=2, enc_layers=1, dec_layers=1, d_ff=128, curve=((1.0, 10.0),), overfits_after=14.0)
+    assert shape.dropout_for(14.0) == CURVE_DROPOUT and shape.dropout_for(14.01) == LONG_BUDGET_DROPOUT
     assert NamedShape(name="y", d_model=64, n_heads=2, enc_layers=1, dec_layers=1, d_ff=128, curve=((1.0, 10.0),)).dropout_for(1e12) == CURVE_DROPOUT  # never seen
     d256 = SHAPES["d256"]
     auto = load_config(None, ["model.size=auto"])
     timing = ShapeTiming("d256", 1.0, 2800.0, "fp32")
     few, many = (shape_choice.Prediction(timing, 3000, updates, 30.0) for updates in (1373, 4917))
-    assert shape_choice.dropout_of_choice(auto, d256, few) == CURVE_DROPOUT  # a Zen 3's 30 minutes
-    assert shape_choice.dropout_of_choice(auto, d256, many) == LONG_BUDGET_DROPOUT  # a Zen 5's
+    multi30k = CURVE_CORPUS_TOKENS
+    assert shape_choice.dropout_of_choice(auto, d256, few, multi30k) == CURVE_DROPOUT  # a Zen 3's 30 minutes
+    assert shape_choice.dropout_of_choice(auto, d256, many, multi30k) == LONG_BUDGET_DROPOUT  # a Zen 5's
+    # The same updates on a corpus ten times larger are a tenth of the passes; a third of it, three times as many.
+    assert shape_choice.dropout_of_choice(auto, d256, many, 10 * multi30k) == CURVE_DROPOUT
+    assert shape_choice.dropout_of_choice(auto, d256, few, multi30k // 3) == LONG_BUDGET_DROPOUT
+    # d128's point (measured on a third of Multi30k): a quickstart's 10 minutes on the whole corpus keep the
+    # curves' dropout, the same minutes on the third (2,211 updates predicted there) take the higher one
+    d128 = SHAPES["d128"]
+    quickstart, third = (shape_choice.Prediction(ShapeTiming("d128", 0.3, 2800.0, "bf16"), 3000, updates, 38.0)
+                         for updates in (2047, 2211))
+    assert shape_choice.dropout_of_choice(auto, d128, quickstart, multi30k) == CURVE_DROPOUT
+    assert shape_choice.dropout_of_choice(auto, d128, third, 134_128) == LONG_BUDGET_DROPOUT
     assert shape_choice.dropout_of_choice(load_config(None, ["model.size=auto", "model.dropout=0.2"]), d256,
-                                          many) is None  # given: the config's
+                                          many, multi30k) is None  # given: the config's
     assert shape_choice.with_shape(auto, d256, dropout=0.3).model.dropout == 0.3
     assert shape_choice.with_shape(auto, d256).model.dropout == auto.model.dropout
 

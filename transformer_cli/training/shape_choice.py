@@ -17,8 +17,9 @@ a shape that would make fewer updates than that trains on 1,000-token batches (`
 
 Each shape trains at the peak learning rate its curve was measured with (`NamedShape.lr`) unless
 the config gives `train.lr`, and at the dropout its curve was measured with, or a higher one where
-the budget runs past the point that shape was seen to overfit (`NamedShape.dropout_for`), unless the
-config gives `model.dropout`.
+the budget runs past the point that shape was seen to overfit (`NamedShape.dropout_for`: in passes
+over the corpus, so that it carries to a corpus of another size), unless the config gives
+`model.dropout`.
 
 The plan is checked as the run trains on a CPU (`PlanCheck`): after a minute, or after a busy
 probe the first quiet window, the speed trained at against the probe's; off by more than
@@ -178,12 +179,18 @@ def lr_of_choice(config: ExperimentConfig, shape: NamedShape, batch: int) -> flo
     return None if "lr" in config.train.model_fields_set else shape.lr_for(batch)
 
 
-def dropout_of_choice(config: ExperimentConfig, shape: NamedShape, chosen: Prediction) -> float | None:
-    """The dropout `auto` trains `shape` with for the updates it predicted, unless the config gives
-    model.dropout (None)."""
+def passes(chosen: Prediction, corpus_tokens: int) -> float:
+    """The passes over a corpus of `corpus_tokens` target tokens that the predicted updates make."""
+    return chosen.updates * chosen.max_tokens / max(corpus_tokens, 1)
+
+
+def dropout_of_choice(config: ExperimentConfig, shape: NamedShape, chosen: Prediction,
+                      corpus_tokens: int) -> float | None:
+    """The dropout `auto` trains `shape` with for the passes over the corpus (of `corpus_tokens` target
+    tokens) it predicted, unless the config gives model.dropout (None)."""
     if "dropout" in config.model.model_fields_set:
         return None
-    return shape.dropout_for(chosen.updates * chosen.max_tokens)
+    return shape.dropout_for(passes(chosen, corpus_tokens))
 
 
 def probe_batches(data: ParallelData, config: ExperimentConfig, count: int) -> list[list[np.ndarray]]:
@@ -593,13 +600,15 @@ def choose_shape(config: ExperimentConfig, data: ParallelData, vocab: tuple[int,
             "were timed (each shape's median round counts); the run checks its speed again once it trains")
     shape = SHAPES[chosen.timing.name]
     lr = lr_of_choice(config, shape, chosen.max_tokens)
-    dropout = dropout_of_choice(config, shape, chosen)
+    corpus_tokens = int(data.tgt.lengths.sum())
+    dropout = dropout_of_choice(config, shape, chosen, corpus_tokens)
     say(f"model.size auto: training {shape.name} ({shape.describe()}), {chosen.max_tokens:,}-token batches"
         + (f" (train.min_updates {train_cfg.min_updates:,}: smaller than train.max_tokens "
            f"{train_cfg.max_tokens:,})" if chosen.max_tokens != train_cfg.max_tokens else "")
         + (f", peak lr {lr:g} (the shape's; train.lr would pin another)" if lr is not None
            else f", peak lr {train_cfg.lr:g} (train.lr)")
-        + (f", dropout {dropout:g} (for {chosen.updates:,} updates; model.dropout would pin another)"
+        + (f", dropout {dropout:g} (for {chosen.updates:,} updates, {passes(chosen, corpus_tokens):.1f} passes over "
+           "the corpus; model.dropout would pin another)"
            if dropout is not None else f", dropout {config.model.dropout:g} (model.dropout)"))
     first = run.shape_choice() if replanned else None
     run.write_shape_choice(ShapeChoice(
