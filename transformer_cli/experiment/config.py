@@ -424,7 +424,7 @@ class ModelConfig(_Section):
     # a distilled student's shape, from its teacher's (the run vocab.from_run names) when tfm train
     # starts (experiment/shapes.py student_of); a shape key given beside it overrides that key.
     size: str | None = None
-    # The shape keys (model/transformer.py `Shape`: its defaults, the paper's base model)
+    # The shape keys (model/shape.py `Shape`: its defaults, the paper's base model)
     d_model: int = Field(Shape.d_model, ge=1)
     n_heads: int = Field(Shape.n_heads, ge=1)
     enc_layers: int = Field(Shape.enc_layers, ge=1)

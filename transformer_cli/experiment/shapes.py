@@ -35,7 +35,7 @@ CURVE_CORPUS_TOKENS = 415_210
 
 @dataclass(frozen=True, kw_only=True)
 class NamedShape(Shape):
-    """A shape of the table (its keys: model/transformer.py `Shape`; the rest of the model section,
+    """A shape of the table (its keys: model/shape.py `Shape`; the rest of the model section,
     dropout, norm position, …, is the config's) and what was measured of it."""
 
     name: str
