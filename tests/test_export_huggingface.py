@@ -259,15 +259,16 @@ def test_the_model_card_uses_only_scores_of_the_exported_weights_and_names_the_s
 
 def test_the_model_card_reads_a_torn_record_as_one_line_and_a_budget_of_steps_as_such(tmp_path):
     """An `auto` run trained without train.max_time: a TypeError in the card; a torn prepare_report.json
-    or shape_choice.json: JSONDecodeError / AttributeError."""
+    or shape_choice.json, or one with a key of the wrong type: JSONDecodeError / AttributeError."""
     from transformer_cli.interop import model_card
     from transformer_cli.runtime.errors import TfmError
 
     (tmp_path / "shape_choice.json").write_text(json.dumps({"chosen": "d128", "budget_seconds": None,
                                                              "max_steps": 4000}))
     assert "for 4,000 updates on that machine: d128." in " ".join(model_card._training({"step": 10}, RunDirectory(tmp_path)))
-    for name, text in (("shape_choice.json", '{"chosen": "d1'), ("prepare_report.json", "[1, 2]"),
-                       ("prepare_report.json", "")):
+    for name, text in (("shape_choice.json", '{"chosen": "d1'), ("shape_choice.json", '{"chosen": "d128", "shapes": 5}'),
+                       ("prepare_report.json", "[1, 2]"), ("prepare_report.json", ""),
+                       ("prepare_report.json", '{"pairs_read": 10, "dropped": {"x": "many"}}')):
         (tmp_path / name).write_text(text)
         with pytest.raises(TfmError, match=name) as caught:
             model_card._training({}, RunDirectory(tmp_path)) if name == "shape_choice.json" else model_card._cleaning(RunDirectory(tmp_path))

@@ -537,11 +537,13 @@ def test_a_config_that_is_not_a_regular_file_says_what_it_is(tmp_path, kind):
         load_config(path)
 
 
-@pytest.mark.parametrize("manifest", ['{"vocab": {"src": "spm.mo', '["not", "a", "manifest"]', '{"files": {}}'])
+@pytest.mark.parametrize("manifest", ['{"vocab": {"src": "spm.mo', '["not", "a", "manifest"]', '{"files": {}}',
+                                      '{"vocab": {"src": "spm.model"}, "vocab_size": {"src": "many"}}'])
 def test_a_torn_or_foreign_prepare_json_is_one_line_naming_it_for_every_command_that_reads_it(tiny_prepared, tmp_path,
                                                                                              manifest):
     """A kill cannot tear prepare.json (written atomically), but an edit or another program can: train,
-    shortlist and distill read it back as a record, and say which file is wrong, writing nothing."""
+    shortlist and distill read it back as a record (each key's type checked), and say which file is
+    wrong, writing nothing."""
     config = tiny_run(tiny_prepared, tmp_path, max_steps=3)
     (tmp_path / "run" / "prepare.json").write_text(manifest)
     for command in ("train", "shortlist", "distill"):

@@ -34,7 +34,8 @@ from transformer_cli.training.train import train
 def test_shape_choice_json_is_read_back_as_the_record_it_was_written_from_and_a_torn_one_is_none_or_one_line(tmp_path):
     """RunDirectory.shape_choice(): the typed record a run wrote (to_json ∘ from_json is the identity, a
     re-plan's first plan and the check kept), an older run's record with keys missing defaulted, none or a
-    torn one None for training and a one-line error naming the file for the model card (strict)."""
+    torn one (or one with a key of the wrong type) None for training and a one-line error naming the file
+    for the model card (strict)."""
     from transformer_cli.experiment.rundir import RunDirectory, ShapeChoice
 
     run = RunDirectory(tmp_path / "run")
@@ -52,7 +53,8 @@ def test_shape_choice_json_is_read_back_as_the_record_it_was_written_from_and_a_
     run.shape_choice_file.write_text(json.dumps({"chosen": "d128", "budget_seconds": None, "max_steps": 4000}))
     older = run.shape_choice()
     assert (older.chosen, older.max_steps, older.shapes, older.replanned, older.check) == ("d128", 4000, [], None, None)
-    for torn in ('{"chosen": "d1', "[1, 2]", '{"budget_seconds": 60}'):
+    for torn in ('{"chosen": "d1', "[1, 2]", '{"budget_seconds": 60}', '{"chosen": "d128", "shapes": 5}',
+                 '{"chosen": "d128", "max_tokens": "many"}'):
         run.shape_choice_file.write_text(torn)
         assert run.shape_choice() is None
         with pytest.raises(TfmError, match="shape_choice.json: torn") as caught:

@@ -25,6 +25,7 @@ holding the run's lock (`tfm prepare`, `tfm train`) writes the run's own files (
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -33,7 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import TypeAdapter, ValidationError
 
 from ..runtime.errors import TfmError
 from ..runtime.files import (
@@ -52,6 +55,7 @@ CHECKPOINT_FORMAT = "tfm-checkpoint-1"  # every checkpoint's "format": what load
 SHORTLIST_FILE = "shortlist.txt"  # `tfm shortlist`'s, which translating with the run's checkpoints takes
 SPLITS = ("train", "valid", "test")
 SIDES = ("src", "tgt")
+R = TypeVar("R")  # a record type read back from a run file
 
 
 def step_of(checkpoint: Path) -> int:
@@ -67,7 +71,7 @@ def step_name(step: int) -> str:
 @dataclass(frozen=True)
 class Manifest:
     """prepare.json as it is read back (`tfm prepare` writes it; an older run's, or an imported one's,
-    lacks some keys: they default here)."""
+    lacks some keys: they default here; a key of the wrong type is refused)."""
 
     vocab: dict[str, str]  # side → its sentencepiece model's file name in the run
     vocab_size: dict[str, int]
@@ -96,8 +100,10 @@ class Manifest:
         if not isinstance(record, dict) or not isinstance(record.get("vocab"), dict) or not isinstance(
                 record.get("vocab_size"), dict):
             raise TfmError(f"{path}: not a manifest tfm prepare wrote (no vocab): run `tfm prepare --force` again")
-        known = {name: record[name] for name in cls.__dataclass_fields__ if name in record}
-        return cls(**{**known, "shared_ids": bool(record.get("shared_ids")), "tagged": bool(record.get("tagged"))})
+        try:
+            return typed(cls, {**record, "shared_ids": bool(record.get("shared_ids")), "tagged": bool(record.get("tagged"))})
+        except ValueError as exc:
+            raise TfmError(f"{path}: not a manifest tfm prepare wrote ({exc}): run `tfm prepare --force` again") from None
 
     @property
     def joint(self) -> bool:
@@ -131,11 +137,56 @@ class ShapeChoice:
     def from_json(cls, record: Any) -> ShapeChoice:
         if not isinstance(record, dict) or not isinstance(record.get("chosen"), str):
             raise ValueError("not a record of tfm train's (no chosen shape)")
-        return cls(**{name: record[name] for name in cls.__dataclass_fields__ if name in record})
+        return typed(cls, record)
 
     def to_json(self) -> dict:
         return {name: value for name, value in asdict(self).items()
                 if value is not None or name not in ("replanned", "check")}
+
+
+@dataclass(frozen=True)
+class CleaningTotals:
+    """prepare_report.json's totals, as the model card reads them back (data/cleaning.py
+    `CleaningReport.to_json` writes the whole report: each direction's counts, examples, settings)."""
+
+    pairs_read: int = 0
+    pairs_kept: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)  # pairs per reason, all directions
+
+    @classmethod
+    def from_json(cls, record: Any) -> CleaningTotals:
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        return typed(cls, record)
+
+
+@functools.cache
+def _adapter(record_type: type) -> TypeAdapter:
+    return TypeAdapter(record_type)
+
+
+def typed(record_type: type[R], record: dict) -> R:
+    """`record_type` from the keys of `record` it has, each one's type checked (`"shapes": 5` is a
+    ValueError naming the key, not a record that fails later where it is read); other keys are passed over."""
+    try:
+        known = {name: record[name] for name in record_type.__dataclass_fields__ if name in record}  # type: ignore[attr-defined]
+        return _adapter(record_type).validate_python(known)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise ValueError(f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
+
+
+def _read_record(path: Path, from_json: Callable[[Any], R], writer: str, strict: bool) -> R | None:
+    """The record in `path`: None where there is none, or where it is torn (with `strict`, a one-line
+    TfmError naming it and `writer`, the command that writes it)."""
+    try:
+        return from_json(json.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        if strict:
+            raise TfmError(f"{path}: torn or not written by {writer} ({exc}): run {writer} again, or remove it") from None
+        return None
 
 
 class RunDirectory:
@@ -184,20 +235,16 @@ class RunDirectory:
         ones by a path, of which only the name counts, so a moved run still finds its own)."""
         return self.root / Path(manifest.vocab[side]).name
 
+    def cleaning_totals(self) -> CleaningTotals | None:
+        """prepare_report.json's totals: None where the run has none; a one-line TfmError where it is torn."""
+        return _read_record(self.cleaning_report, CleaningTotals.from_json, "tfm prepare", strict=True)
+
     # -- what train writes
 
     def shape_choice(self, strict: bool = False) -> ShapeChoice | None:
         """What `model.size: auto` timed and chose: None where the run has no shape_choice.json, or where
         it is torn (with `strict`, a one-line TfmError naming it)."""
-        try:
-            return ShapeChoice.from_json(json.loads(self.shape_choice_file.read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, TypeError) as exc:
-            if strict:
-                raise TfmError(f"{self.shape_choice_file}: torn or not written by tfm train ({exc}): train the run "
-                               "again, or remove it") from None
-            return None
+        return _read_record(self.shape_choice_file, ShapeChoice.from_json, "tfm train", strict)
 
     def write_shape_choice(self, choice: ShapeChoice) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

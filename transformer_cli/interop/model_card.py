@@ -110,31 +110,14 @@ def _front_matter(config: ExperimentConfig, scores: list[dict[str, Any]], name: 
     return f"---\n# license: (set this: the licenses of the training data bind the model)\n{text}---\n"
 
 
-def read_record(path: Path) -> dict[str, Any] | None:
-    """A JSON record a run wrote (prepare_report.json): None where there is none;
-    a TfmError of one line where it is torn or not a record."""
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TfmError(f"{path}: torn or unreadable ({type(exc).__name__}); the model card reads it: run "
-                       "the command that writes it again, or remove it") from None
-    if not isinstance(record, dict):
-        raise TfmError(f"{path}: not a record tfm wrote (a JSON object); the model card reads it")
-    return record
-
-
 def _cleaning(run: RunDirectory | None) -> list[str]:
-    report = read_record(run.cleaning_report) if run is not None else None
-    if report is None:
+    totals = run.cleaning_totals() if run is not None else None
+    if totals is None:
         return ["No cleaning report was found beside the checkpoint."]
-    dropped = report.get("dropped") if isinstance(report.get("dropped"), dict) else {}
-    dropped = {reason: count for reason, count in dropped.items() if isinstance(count, int) and count}
-    reasons = ", ".join(f"{reason} {count:,}" for reason, count in sorted(dropped.items(), key=lambda kv: -kv[1]))
-    read, kept = (report.get(key) if isinstance(report.get(key), int) else 0 for key in ("pairs_read", "pairs_kept"))
-    return [f"`tfm prepare` read {read:,} training pairs and kept {kept:,}" + (f"; dropped: {reasons}." if reasons
-                                                                               else ".")]
+    dropped = sorted(((reason, count) for reason, count in totals.dropped.items() if count), key=lambda kv: -kv[1])
+    reasons = ", ".join(f"{reason} {count:,}" for reason, count in dropped)
+    return [f"`tfm prepare` read {totals.pairs_read:,} training pairs and kept {totals.pairs_kept:,}"
+            + (f"; dropped: {reasons}." if reasons else ".")]
 
 
 def _training(progress: dict[str, Any], run: RunDirectory | None) -> list[str]:
