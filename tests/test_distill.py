@@ -398,6 +398,8 @@ def test_the_benchmarks_print_their_targets(teacher, tmp_path):
     assert re.search(r"student keeps \d+\.\d% of the teacher's BLEU", run.stdout), run.stdout
     assert "distillation gain: +0.00 BLEU" in run.stdout
     assert run.stdout.count("speed-up") == 2 and "size: student int8" in run.stdout
+    # The shipped pairing names the student as it ships: with its shortlist where its run has one (this one has none).
+    assert run.stdout.count("shipped settings (student): ") == 2, run.stdout
     shapes = subprocess.run([sys.executable, str(ROOT / "scripts/bench_student_shapes.py"), "--run",
                              str(load_config(teacher).run_path), "--src", str(src), "--lines", "40"],
                             capture_output=True, text=True, timeout=600)
