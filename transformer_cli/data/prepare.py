@@ -192,7 +192,7 @@ def _fingerprint(config: ExperimentConfig, parent: ParentVocab | None) -> str:
         data["augment"] = {key: augment[key] for key in CASES}
     scoring = data["filters"].pop("model")  # off: runs prepared before the model filter stay prepared
     if scoring["enabled"]:  # its models are inputs too (what trained them, if tfm did, is in their digests)
-        del scoring["train_time"]
+        del scoring["train_time"], scoring["train_updates"]
         named = [scoring[key] for key in ("forward", "backward")]
         if named == [None, None] and len(config.data.pairs) == 1:  # those tfm trains itself, on each half
             pair = config.data.pairs[0]

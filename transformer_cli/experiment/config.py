@@ -239,9 +239,13 @@ class ModelFilter(_Filter):
     enabled: bool = False  # costs a forward pass of each model per pair (docs/training.md)
     forward: str | None = Field(None, min_length=1)  # run directory or checkpoint, this direction's languages
     backward: str | None = Field(None, min_length=1)  # run directory or checkpoint, the other way
-    # With neither model named: each direction's model trains this long (training seconds, as
-    # train.max_time) in <run_dir>/filter_models/, on the pairs the other filters keep.
-    train_time: float | str = "5m"
+    # With neither model named: each direction's model trains this many updates in
+    # <run_dir>/filter_models/, on the pairs the other filters keep (d128 where model.size is auto),
+    # and for at most train_time (training seconds, as train.max_time) if given. Updates, not
+    # minutes: a busy or slow CPU trains the same models, later, where a time budget trains weaker
+    # ones whose thresholds drop other pairs (docs/training.md).
+    train_updates: int | None = Field(1000, ge=1)
+    train_time: float | str | None = None
     recall: float = Field(0.95, gt=0.0, lt=1.0)  # share of re-paired sample pairs to drop (misaligned), at most
     partial_recall: float = Field(0.85, gt=0.0, lt=1.0)  # share of sample pairs with a side run on (partly aligned)
     clean_loss: float = Field(0.005, gt=0.0, lt=1.0)  # estimated share of good pairs each score may drop
@@ -253,10 +257,17 @@ class ModelFilter(_Filter):
 
     @field_validator("train_time")
     @classmethod
-    def _check_train_time(cls, value: float | str) -> float | str:
-        if not 0 < parse_duration(value) < math.inf:
+    def _check_train_time(cls, value: float | str | None) -> float | str | None:
+        if value is not None and not 0 < parse_duration(value) < math.inf:
             raise ValueError("must be a positive duration, e.g. 300 (seconds), '5m' or '1h'")
         return value
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> ModelFilter:
+        if self.train_updates is None and self.train_time is None:
+            raise ValueError("train_updates and train_time are both null: the filter's own models need a budget, "
+                             "e.g. train_updates: 1000")
+        return self
 
 
 class DuplicatesFilter(_Filter):

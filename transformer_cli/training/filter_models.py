@@ -5,9 +5,12 @@ A model trained on the corpus learns its noise too: the misaligned pairs it saw,
 So the training pairs are split in two halves by a hash of each pair (`model_filter.fold_of`), each
 half trains a forward (src→tgt) and a backward (tgt→src) model, and each pair is scored by the two
 that never saw it. Each is an ordinary run in <run_dir>/filter_models/half<k>/: prepared with the
-run's rule filters (the model filter off) and trained as the run's own config trains, for
-`data.filters.model.train_time` under the budget schedule, its best checkpoint chosen by valid loss
-(the filter scores likelihoods, not translations).
+run's rule filters (the model filter off) and trained as the run's own config trains (d128 where
+it says `model.size: auto`), for `data.filters.model.train_updates` (and at most `train_time`)
+under the budget schedule, its best checkpoint chosen by valid loss (the filter scores
+likelihoods, not translations). A budget of updates and a fixed shape make the same models on a
+busy or slow machine as on an idle one: trained for minutes of wall clock, they were weaker there,
+and the thresholds learned with them dropped other pairs.
 
 The runs are kept: the next `tfm prepare` finds them prepared and trained and goes on at once; a
 killed training resumes from its last checkpoint; a changed corpus writes the halves again, moves
@@ -24,7 +27,8 @@ import json
 from ..data.corpus import corpora_chunks, decode_or_none
 from ..data.model_filter import FOLDS, fold_of, self_trained_runs
 from ..data.prepare import direction_corpora, prepare
-from ..experiment.config import ExperimentConfig, config_from_dict
+from ..experiment.config import ExperimentConfig, TrainConfig, config_from_dict
+from ..experiment.shapes import AUTO, SHAPES
 from ..experiment.runlock import RunLock
 from ..model.shape import SHAPE_KEYS
 from ..runtime.console import say
@@ -33,11 +37,26 @@ from ..runtime.files import atomic_path, atomic_write_text
 from .train import train
 
 
+# The shape the filter's own models train where the run's config says `model.size: auto` and the
+# budget is updates (auto times the machine against a time budget): the one auto chose for the
+# models' 5 minutes on a 2-core Zen 4; the filter reads likelihoods, which a small model gives.
+UPDATES_BUDGET_SHAPE = "d128"
+
+
+def describe_budget(train_cfg: TrainConfig) -> str:
+    """A filter model's budget in words: "1,000 updates", "5m" or "1,000 updates (at most 5m)"."""
+    if train_cfg.max_time is None:
+        return f"{train_cfg.max_steps:,} updates"
+    if train_cfg.max_steps >= TrainConfig().max_steps:  # no limit of updates given
+        return str(train_cfg.max_time)
+    return f"{train_cfg.max_steps:,} updates (at most {train_cfg.max_time})"
+
+
 def filter_model_config(config: ExperimentConfig, fold: int, backward: bool) -> ExperimentConfig:
     """The config of the run that trains one filter model on one half: the run's own settings (those
     it gives; the others default as they do for it), the languages swapped for the backward model,
-    the model filter and augmentation off, the budget `train_time` (or the run's max_steps, whichever ends first) under
-the budget schedule."""
+    the model filter and augmentation off, the budget `train_updates` and/or `train_time` (or the
+    run's max_steps, whichever ends first) under the budget schedule."""
     raw = config.model_dump(mode="json", exclude_unset=True)
     data, train_cfg = raw.setdefault("data", {}), raw.setdefault("train", {})
     src, tgt = config.data.src_lang, config.data.tgt_lang
@@ -48,13 +67,18 @@ the budget schedule."""
     data.pop("augment", None)  # they score pairs as the corpus writes them: trained on them as written
     data.setdefault("filters", {})["model"] = {"enabled": False}
     raw["run_dir"] = str(config.run.filter_model_half(fold) / f"{src}-{tgt}")
+    rule = config.data.filters.model
     if config.model.size is not None:  # auto, or a name: its keys were filled in, not given
         raw["model"] = {key: value for key, value in raw.get("model", {}).items() if key not in SHAPE_KEYS}
+        if config.model.size == AUTO and rule.train_time is None:  # a budget of updates: no machine to time
+            raw["model"]["size"] = UPDATES_BUDGET_SHAPE  # at the peak learning rate auto gives it (unless train.lr)
+            train_cfg.setdefault("lr", SHAPES[UPDATES_BUDGET_SHAPE].lr_for(config.train.max_tokens))
     raw.setdefault("vocab", {}).pop("from_run", None)  # its own vocabulary (a parent's would be the wrong way round)
     for key in ("init_from", "patience", "average_last", "ema_decay", "tensorboard"):
         train_cfg.pop(key, None)
     train_cfg.update({
-        "max_time": config.data.filters.model.train_time, "lr_schedule": "budget", "best_metric": "loss",
+        "max_time": rule.train_time, "lr_schedule": "budget", "best_metric": "loss",
+        "max_steps": min(rule.train_updates or config.train.max_steps, config.train.max_steps),
         "warmup_ratio": config.train.warmup_ratio or 0.25, "keep_last": 1,
         "eval_bleu_sentences": min(config.train.eval_bleu_sentences, 100),  # BLEU is printed; the loss chooses
     })
@@ -123,6 +147,6 @@ def train_filter_models(config: ExperimentConfig, progress: bool = True) -> None
             assert sub.run_path == run_path
             say(f"data.filters.model: {'backward' if backward else 'forward'} model {fold + 1} of {FOLDS} "
                 f"({sub.data.src_lang}→{sub.data.tgt_lang}, {counts[fold]:,} pairs), trained for "
-                f"{rule.train_time}: {run_path}")
+                f"{describe_budget(sub.train)}: {run_path}")
             prepare(sub, progress=progress, discard_checkpoints=True)  # up to date: nothing done
             train(sub, resume=sub.run.last_checkpoint.is_file(), progress_bar=progress)
