@@ -7,7 +7,8 @@ through `tfm prepare`'s filters, and the filters' throughput.
 For each variant (`default`: data.filters as a new config has them; `lexical`: the defaults plus the
 lexical filter for misaligned pairs; `model`: the defaults plus the model filter with the runs given
 as `--forward` (de→en) and/or `--backward` (en→de), or without them the models `tfm prepare` trains
-itself on the noisy corpus, `data.filters.model.train_time` each) it runs `tfm prepare --dropped` on the noisy
+itself on the noisy corpus, `data.filters.model.train_updates` each; `--busy S`: with a CPU burner
+on every core for their first S seconds) it runs `tfm prepare --dropped` on the noisy
 corpus and prints, for each kind of noise, the share of those pairs dropped (target: at least 95% of
 each kind; 80% of the misaligned pairs with the lexical filter on; with the model filter 95% of the
 misaligned and 80% of the partly aligned pairs, and at most 1% of clean pairs) and the share of clean
@@ -19,9 +20,11 @@ identification, the defaults, and the defaults with the lexical filter.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,10 +103,29 @@ def make_corpus(data: Path, out: Path, noise: float, seed: int) -> None:
     made.write_text(wanted)
 
 
+@contextlib.contextmanager
+def busy_for(seconds: float):
+    """A burner process on every usable core for the first `seconds` of the block (none for 0); yields them."""
+    from transformer_cli.runtime.cpu import usable_cores
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(usable_cores())
+               if seconds > 0]
+    stop = threading.Timer(seconds, lambda: [burner.kill() for burner in burners])
+    stop.start()
+    try:
+        yield burners
+    finally:
+        stop.cancel()
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
 def run_variant(data: Path, noisy: Path, workdir: Path, variant: str, vocab_size: int,
-                models: list[str]) -> tuple[dict, float]:
-    """prepare with the variant's filters (`models`: the model filter's settings); returns (drop
-    rates per label, seconds)."""
+                models: list[str], busy: float = 0.0) -> tuple[dict, float]:
+    """prepare with the variant's filters (`models`: the model filter's settings and --set's);
+    returns (drop rates per label, seconds). `busy`: seconds of CPU burners as the filter's own
+    models start training."""
     from transformer_cli.data.prepare import prepare
     from transformer_cli.experiment.config import load_config
 
@@ -116,7 +138,10 @@ def run_variant(data: Path, noisy: Path, workdir: Path, variant: str, vocab_size
         from transformer_cli.training.filter_models import train_filter_models
 
         started = time.perf_counter()
-        train_filter_models(config, progress=False)
+        if busy:
+            print(f"busy: a CPU burner on every core for the models' first {busy:g} s")
+        with busy_for(busy):
+            train_filter_models(config, progress=False)
         print(f"the model filter's own models: {time.perf_counter() - started:.0f} s")
     started = time.perf_counter()
     prepare(config, force=True, progress=False, dropped=dropped_file)
@@ -170,9 +195,15 @@ def main() -> None:
     parser.add_argument("--forward", help="the model filter's forward model (a de→en run or checkpoint)")
     parser.add_argument("--backward", help="the model filter's backward model (an en→de run or checkpoint)")
     parser.add_argument("--no-throughput", action="store_true")
+    parser.add_argument("--busy", type=float, default=0.0, metavar="SECONDS",
+                        help="a CPU burner on every core for the first SECONDS of the model filter's own models")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                        help="a config setting of the model variant, e.g. data.filters.model.train_time=5m")
     args = parser.parse_args()
+    if not 0 <= args.busy < float("inf"):
+        raise TfmError(f"--busy {args.busy}: expected seconds, 0 or more")
     models = [f"data.filters.model.{way}={path}" for way, path in (("forward", args.forward),
-                                                                  ("backward", args.backward)) if path]
+                                                                  ("backward", args.backward)) if path] + args.sets
     from bench_common import machine_line
 
     print(machine_line())
@@ -187,7 +218,7 @@ def main() -> None:
     noisy = args.workdir / "noisy"
     make_corpus(data, noisy, args.noise, args.seed)
     for variant in args.variants:
-        rates, seconds = run_variant(data, noisy, args.workdir, variant, args.vocab_size, models)
+        rates, seconds = run_variant(data, noisy, args.workdir, variant, args.vocab_size, models, args.busy)
         print(f"\nfilters: {variant} (tfm prepare {seconds:.1f} s)")
         print(f"{'pairs':<16}{'count':>8}{'dropped':>9}{'share':>8}  {'target':<20}{'met':<5} reasons")
         for label, row in rates.items():

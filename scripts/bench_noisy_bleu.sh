@@ -3,7 +3,7 @@
 # on clean Multi30k, on Multi30k + 50% injected noise (scripts/make_noisy.py), and on the noisy corpus
 # through the default filters (and, with ARMS including lexical, the lexical filter too; with model,
 # the model filter, its runs given as FORWARD (de→en) and/or BACKWARD (en→de), or without them the
-# models `tfm prepare` trains itself, data.filters.model.train_time each: 4 x 5 minutes by default).
+# models `tfm prepare` trains itself, data.filters.model.train_updates each: 4 x 1,000 updates by default).
 #   TIME=10m scripts/bench_noisy_bleu.sh           (training budget per arm; default 10m)
 #   ARMS="clean noisy filtered lexical" scripts/bench_noisy_bleu.sh
 #   ARMS="clean model" FORWARD=runs/de-en BACKWARD=runs/en-de scripts/bench_noisy_bleu.sh

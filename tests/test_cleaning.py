@@ -270,6 +270,27 @@ def test_the_label_benchmark_at_a_small_size(noisy, tmp_path):
                 assert row["share"] >= bench.TARGET_NOISE, (variant, label, rates)
 
 
+def test_the_cleaning_benchmarks_burners_stop_when_their_time_is_up_or_the_block_fails():
+    """`bench_cleaning.py --busy S`: a burner on every usable core for the first S seconds of the
+    filter models' training, never beyond the block (an error inside it stops them too)."""
+    import time
+
+    from transformer_cli.runtime.cpu import usable_cores
+
+    bench = load_script("bench_cleaning")
+    with bench.busy_for(0.3) as burners:
+        assert len(burners) == usable_cores() and all(burner.poll() is None for burner in burners)
+        deadline = time.monotonic() + 10
+        while any(burner.poll() is None for burner in burners) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(burner.poll() is not None for burner in burners)  # the time was up inside the block
+    with pytest.raises(RuntimeError), bench.busy_for(60) as burners:
+        raise RuntimeError("the models failed")
+    assert all(burner.poll() is not None for burner in burners)
+    with bench.busy_for(0) as burners:
+        assert burners == []
+
+
 @pytest.mark.slow
 def test_a_filter_dropping_most_of_the_corpus_warns_and_one_dropping_all_is_an_error(multi30k_2k, tmp_path):
     data = tmp_path / "data"

@@ -394,7 +394,9 @@ DATA_CASES = [(key, value) for key in numeric_keys("data", DataConfig)
                             else ["-1", "nan", "1e308"])] + [
     ("data.augment", value) for value in ("{lower: 0.7, title: 0.4}", "{upper: 1.1}", "[0.1]", "{typo: 0.1}", "{draws: twice}", "{draws: 1}")] + [
     ("data.directions", value) for value in DIRECTIONS] + [
-    ("data.filters.model.engine", value) for value in ("", "CT2", "ctranslate2 ", "{torch: 1}")]
+    ("data.filters.model.engine", value) for value in ("", "CT2", "ctranslate2 ", "{torch: 1}")] + [
+    ("data.filters.model", value) for value in ("{enabled: true, train_updates: null}", "{train_updates: 1.5}",
+                                                "{train_updates: null, train_time: 1m}", "{train_time: null}")]
 
 
 @pytest.mark.parametrize("key, value", DATA_CASES, ids=[f"{k}={v}" for k, v in DATA_CASES])

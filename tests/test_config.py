@@ -146,6 +146,7 @@ BOUNDS = [
     ("data.filters.model.engine", "ctranslate2", "ct2"),
     ("data.filters.model.forward", "runs/de-en", ""), ("data.filters.model.backward", "runs/en-de", ""),
     ("data.filters.model.train_time", "1s", 0), ("data.filters.model.train_time", 0.5, "5 minutes"),
+    ("data.filters.model.train_updates", 1, 0), ("data.filters.model.train_updates", 5000, "1k"),
     ("data.augment.upper", 1.0, 1.01), ("data.augment.title", 0.0, -0.01), ("data.augment.lower", 1.0, 1.5),
     ("data.augment.typos", 1.0, 1.01), ("data.augment.end_punctuation", 0.0, -1), ("data.augment.typo_words", 1.0, 0.0),
     ("data.filters.warn_share", 1.0, 0.0), ("data.filters.language.min_words", 1, 0), ("data.filters.duplicates.by", "source", "sources"),

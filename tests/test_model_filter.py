@@ -374,8 +374,42 @@ def self_trained_config(data: Path, run: Path, max_steps: int) -> dict:
     models train `max_steps` steps (a time budget would make them weaker on a slower CPU)."""
     raw = reverse_task_config(data, run, max_steps=max_steps, eval_every=max_steps)
     raw["prepare"] = {"workers": 1}
-    raw["data"]["filters"] = {**SYNTHETIC_FILTERS, "model": {"enabled": True, "train_time": "10m"}}
+    raw["data"]["filters"] = {**SYNTHETIC_FILTERS, "model": {"enabled": True, "train_updates": max_steps}}
     return raw
+
+
+@pytest.mark.parametrize("model_filter, run_steps, size, steps, max_time", [
+    ({}, 100_000, "d128", 1000, None),  # the default: updates, the shape auto gives the filter's 5 minutes
+    ({"train_updates": 300}, 200, "d128", 200, None),  # the run's own max_steps ends first
+    ({"train_time": "5m"}, 100_000, "auto", 1000, "5m"),  # a time cap: auto times the machine for it
+    ({"train_time": "5m", "train_updates": None}, 100_000, "auto", 100_000, "5m"),  # the time budget alone
+])
+def test_the_filters_own_models_train_to_a_number_of_updates_and_a_fixed_shape(model_filter, run_steps, size, steps,
+                                                                              max_time, tmp_path):
+    """A budget of updates and a pinned shape: the same models on a busy machine as on an idle one
+    (trained for minutes, they were weaker there, and the thresholds learned with them dropped other
+    pairs); auto's d128 at the learning rate auto gives it, unless the config gives train.lr."""
+    from transformer_cli.experiment.shapes import SHAPES
+    from transformer_cli.training.filter_models import describe_budget, filter_model_config
+
+    raw = {"run_dir": str(tmp_path / "run"), "data": {"src_lang": "de", "tgt_lang": "en", "train": "t", "valid": "v",
+                                                       "filters": {"model": {"enabled": True, **model_filter}}},
+           "model": {"size": "auto"}, "train": {"max_steps": run_steps, "max_tokens": 3000}}
+    config = config_from_dict(raw, "test")
+    for fold, backward in ((0, False), (1, True)):
+        sub = filter_model_config(config, fold, backward)
+        assert (sub.model.size, sub.train.max_steps, sub.train.max_time) == (size, steps, max_time)
+        assert (sub.data.src_lang, sub.data.tgt_lang) == (("en", "de") if backward else ("de", "en"))
+        assert sub.train.lr_schedule == "budget" and not sub.data.filters.model.enabled
+    if size == "d128":
+        assert sub.train.lr == SHAPES["d128"].lr_for(3000) != config.train.lr
+        assert describe_budget(sub.train) == f"{steps:,} updates"
+        pinned = config_from_dict({**raw, "train": {**raw["train"], "lr": 0.002}}, "test")
+        assert filter_model_config(pinned, 0, False).train.lr == 0.002
+    else:
+        assert describe_budget(sub.train) == ("5m" if steps == 100_000 else "1,000 updates (at most 5m)")
+    named = config_from_dict({**raw, "model": {"size": "d192"}}, "test")
+    assert filter_model_config(named, 0, False).model.size == "d192"  # a shape the run names, it keeps
 
 
 @pytest.mark.slow

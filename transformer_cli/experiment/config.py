@@ -248,9 +248,12 @@ class ModelFilter(_Filter):
     train_time: float | str | None = None
     recall: float = Field(0.95, gt=0.0, lt=1.0)  # share of re-paired sample pairs to drop (misaligned), at most
     partial_recall: float = Field(0.85, gt=0.0, lt=1.0)  # share of sample pairs with a side run on (partly aligned)
-    clean_loss: float = Field(0.005, gt=0.0, lt=1.0)  # estimated share of good pairs each score may drop
+    # estimated share of good pairs each score may drop (0.25% each: what a corpus labels clean also
+    # holds its own loose pairs, which the scores find; docs/training.md)
+    clean_loss: float = Field(0.0025, gt=0.0, lt=1.0)
     max_share: float = Field(0.5, gt=0.0, le=1.0)  # never more of the sample dropped by either score
-    sample_pairs: int = Field(2000, ge=100, le=100_000)  # training pairs the thresholds are learned from
+    # training pairs the thresholds are learned from: 2,000 scattered the thresholds from draw to draw
+    sample_pairs: int = Field(8000, ge=100, le=100_000)
     batch_tokens: int = Field(500, ge=64)  # pieces per scoring batch (either side; small batches score fastest on a CPU)
     # what scores: CTranslate2 (the models converted beside their checkpoints, int8) where they convert, else tfm's engine
     engine: Literal["auto", "torch", "ctranslate2"] = "auto"
