@@ -68,7 +68,8 @@ fetch() {  # fetch FILE → $dest/FILE (full, or first $lines lines, still gzipp
   else
     cp "$src" "$dest/$f.tmp"; chmod u+w "$dest/$f.tmp"
   fi
-  mv "$dest/$f.tmp" "$dest/$f"
+  # the same bytes there already: left as they are (a new file time would make prepared runs prepare again)
+  if cmp -s "$dest/$f.tmp" "$dest/$f"; then rm -f "$dest/$f.tmp"; else mv "$dest/$f.tmp" "$dest/$f"; fi
 }
 
 for f in $files; do fetch "$f"; done

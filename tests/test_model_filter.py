@@ -66,6 +66,9 @@ def test_a_threshold_whose_estimated_loss_is_over_twice_its_budget_is_warned_of(
     assert len(warnings) == 2 and warnings[0].startswith("the misalignment threshold may drop good pairs: 4.9% ")
     assert "29.5% of the sample" in warnings[0] and warnings[1].startswith("the target longer threshold")
     assert learned.loose(clean_loss=0.05) == []  # within twice the budget: silent
+    small = LearnedThresholds(8000, "torch", Threshold(1.0, 0.1, 0.9, 0.004), Threshold(1.0, 0.1, 0.9, 0.003),
+                              Threshold(1.0, 0.1, 0.9, 0.001))
+    assert small.loose(clean_loss=0.0025) == []  # over twice a small budget, but under half a percent: silent
     assert LearnedThresholds(1, "torch").loose(clean_loss=0.005) == []  # nothing learned
     assert LearnedThresholds(1, "torch").to_json() == {"sample_pairs": 1, "engine": "torch", "misaligned_above": None,
                                                        "target_longer_above": None, "source_longer_above": None}

@@ -1,5 +1,6 @@
 import gzip
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -301,3 +302,20 @@ def test_a_dropped_file_that_would_shadow_a_corpus_is_refused_before_prepare_run
             prepare(config, progress=False, dropped=dropped)
         assert not dropped.exists()
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_fetching_a_corpus_again_leaves_the_same_files_as_they_are_and_prepared_runs_prepared(tmp_path):
+    """scripts/get_data.sh run again over its own output: the same bytes are not written again (a
+    new file time is a new input: a prepared run, and the model filter's own models, would be
+    prepared and trained again); another slice is written."""
+    from tests.conftest import get_corpus_slice
+
+    dest = get_corpus_slice(tmp_path / "m30k", 50)
+    times = {path.name: path.stat().st_mtime_ns for path in dest.iterdir()}
+    os.utime(dest / "train.de.gz", ns=(1, 1))  # a file time the same bytes would not get again
+    get_corpus_slice(dest, 50)
+    assert (dest / "train.de.gz").stat().st_mtime_ns == 1
+    assert {path.name: path.stat().st_mtime_ns for path in dest.iterdir() if path.name != "train.de.gz"} == \
+        {name: time for name, time in times.items() if name != "train.de.gz"}
+    get_corpus_slice(dest, 60)
+    assert (dest / "train.de.gz").stat().st_mtime_ns != 1 and sum(1 for _ in gzip.open(dest / "train.de.gz", "rt")) == 60
