@@ -28,14 +28,13 @@ from ..data.corpus import corpora_chunks, decode_or_none
 from ..data.model_filter import FOLDS, fold_of, self_trained_runs
 from ..data.prepare import direction_corpora, prepare
 from ..experiment.config import ExperimentConfig, TrainConfig, config_from_dict
-from ..experiment.shapes import AUTO, SHAPES
 from ..experiment.runlock import RunLock
+from ..experiment.shapes import AUTO, SHAPES
 from ..model.shape import SHAPE_KEYS
 from ..runtime.console import say
 from ..runtime.errors import TfmError
 from ..runtime.files import atomic_path, atomic_write_text
 from .train import train
-
 
 # The shape the filter's own models train where the run's config says `model.size: auto` and the
 # budget is updates (auto times the machine against a time budget): the one auto chose for the
