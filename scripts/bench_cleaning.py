@@ -122,10 +122,10 @@ def busy_for(seconds: float):
 
 
 def run_variant(data: Path, noisy: Path, workdir: Path, variant: str, vocab_size: int,
-                models: list[str], busy: float = 0.0) -> tuple[dict, float]:
+                models: list[str], busy: float = 0.0, own_models: bool = True) -> tuple[dict, float]:
     """prepare with the variant's filters (`models`: the model filter's settings and --set's);
-    returns (drop rates per label, seconds). `busy`: seconds of CPU burners as the filter's own
-    models start training."""
+    returns (drop rates per label, seconds). `own_models`: no model named, the filter's own are
+    trained first; `busy`: seconds of CPU burners as they start training."""
     from transformer_cli.data.prepare import prepare
     from transformer_cli.experiment.config import load_config
 
@@ -134,7 +134,7 @@ def run_variant(data: Path, noisy: Path, workdir: Path, variant: str, vocab_size
             *(models if variant == "model" else [])]
     config = load_config(ROOT / "configs" / "de-en.yaml", sets)
     dropped_file = workdir / f"dropped-{variant}.jsonl"
-    if variant == "model" and not models:  # the filter's own models, as `tfm prepare` trains them
+    if variant == "model" and own_models:  # the filter's own models, as `tfm prepare` trains them
         from transformer_cli.training.filter_models import train_filter_models
 
         started = time.perf_counter()
@@ -218,7 +218,8 @@ def main() -> None:
     noisy = args.workdir / "noisy"
     make_corpus(data, noisy, args.noise, args.seed)
     for variant in args.variants:
-        rates, seconds = run_variant(data, noisy, args.workdir, variant, args.vocab_size, models, args.busy)
+        rates, seconds = run_variant(data, noisy, args.workdir, variant, args.vocab_size, models, args.busy,
+                                     own_models=not (args.forward or args.backward))
         print(f"\nfilters: {variant} (tfm prepare {seconds:.1f} s)")
         print(f"{'pairs':<16}{'count':>8}{'dropped':>9}{'share':>8}  {'target':<20}{'met':<5} reasons")
         for label, row in rates.items():
