@@ -112,6 +112,23 @@ def test_a_shape_key_beside_auto_pins_the_shape_and_says_so_once(monkeypatch, ca
     assert "model.size auto beside" not in capsys.readouterr().err  # auto alone: nothing to say
 
 
+@pytest.mark.parametrize("model", [{"size": "auto"}, {"size": "student"}, {"size": "student", "dec_layers": 1},
+                                   {"size": "d128"}, {"d_model": 96, "n_heads": 2}])
+def test_a_runs_config_yaml_written_before_training_means_the_same_read_back(model, monkeypatch, capsys):
+    """`tfm prepare` writes config.yaml before `tfm train` chooses: `auto` beside the fallback's keys
+    read back as a pinned d256, and a student's default keys as given ones over its teacher's shape."""
+    from transformer_cli.experiment.config import config_to_yaml
+
+    monkeypatch.delenv("TFM_SAID", raising=False)
+    config = config_from_dict({"run_dir": "r", "data": {"src_lang": "de", "tgt_lang": "en", "train": "t", "valid": "v"},
+                               "model": model})
+    again = config_from_dict(yaml.safe_load(config_to_yaml(config)))
+    assert again.model == config.model
+    if config.model.size in ("auto", "student"):  # the keys it was given (auto: the fallback's filled in again)
+        assert again.model.model_fields_set & set(SHAPE_KEYS) == config.model.model_fields_set & set(SHAPE_KEYS)
+    assert "model.size auto beside" not in capsys.readouterr().err
+
+
 def test_a_trained_runs_config_reads_back_as_the_same_shape(tmp_path):
     chosen = load_config(None, ["model.size=d128"])
     again = config_from_dict(yaml.safe_load(yaml.safe_dump(chosen.model_dump(mode="json"))))

@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..model.shape import Shape
+from ..model.shape import SHAPE_KEYS, Shape
 from ..runtime.errors import TfmError
 from ..runtime.files import CONFIG_NAME, MANIFEST_NAME
 from .directions import Direction, parse_direction
@@ -968,4 +968,13 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> ExperimentC
 
 
 def config_to_yaml(config: ExperimentConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The config as YAML that means the same read back: `model.size: auto` without the shape keys
+    (the fallback's, filled in until the probe chooses: read back beside auto they would pin that
+    shape), `student` without those it was not given (its teacher's shape fills them)."""
+    raw = config.model_dump(mode="json")
+    if config.model.size in (AUTO, STUDENT):
+        given = config.model.model_fields_set if config.model.size == STUDENT else set()
+        for key in SHAPE_KEYS:
+            if key not in given:
+                del raw["model"][key]
+    return yaml.safe_dump(raw, sort_keys=False)
